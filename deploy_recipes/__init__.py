@@ -1,0 +1,1 @@
+"""Getting the device server onto boards: SSH bootstrap, emulated boards, service units."""

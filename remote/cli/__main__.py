@@ -1,0 +1,5 @@
+import sys
+
+from remote.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,121 @@
+"""``tether demo``: one model from ONNX to a (local) board and back.
+
+Starts a tracker and a device server as child processes on loopback, compiles
+a small MLP classifier for this machine, leases the board through the tracker,
+uploads the module, runs it, checks it against onnxruntime when that is
+installed, and prints the latency measured on the device.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+DEMO_LAYERS = (784, 256, 128, 10)
+
+
+def demo_model(layers=DEMO_LAYERS, seed: int = 7):
+    """A seeded MLP over a 1x1x28x28 image: Flatten, then Gemm+Relu layers, Softmax."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    nodes = [helper.make_node("Flatten", ["input"], ["x0"], axis=1, name="flatten")]
+    inits = []
+    for i, (n_in, n_out) in enumerate(zip(layers, layers[1:])):
+        w = (rng.standard_normal((n_out, n_in)) / np.sqrt(n_in)).astype(np.float32)
+        b = (0.1 * rng.standard_normal(n_out)).astype(np.float32)
+        inits += [numpy_helper.from_array(w, f"w{i}"), numpy_helper.from_array(b, f"b{i}")]
+        nodes.append(helper.make_node("Gemm", [f"x{i}", f"w{i}", f"b{i}"], [f"g{i}"],
+                                      transB=1, name=f"dense{i}"))
+        last = i == len(layers) - 2
+        nodes.append(helper.make_node("Softmax" if last else "Relu", [f"g{i}"],
+                                      ["output" if last else f"x{i + 1}"],
+                                      name="softmax" if last else f"relu{i}"))
+    graph = helper.make_graph(
+        nodes, "demo_mlp",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 1, 28, 28])],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, [1, layers[-1]])],
+        inits)
+    # IR version 8 keeps the file readable by every onnxruntime the check may meet.
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    onnx.checker.check_model(model)
+    return model
+
+
+def _progress_bar(label):
+    def show(done, total):
+        width = 30
+        filled = width * done // max(total, 1)
+        print(f"\r  {label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} bytes",
+              end="\n" if done >= total else "", flush=True)
+    return show
+
+
+def run_demo(key: str = "local", runs: int = 20) -> int:
+    import onnx
+
+    import crosscompile
+    from remote import rpc
+    from remote.cli.localfarm import LocalFarm
+
+    workdir = tempfile.mkdtemp(prefix="tether-demo-")
+    model_path = os.path.join(workdir, "mlp.onnx")
+    onnx.save(demo_model(), model_path)
+    print(f"1. model: {model_path} (MLP {'-'.join(map(str, DEMO_LAYERS))}, softmax output)")
+
+    start = time.perf_counter()
+    lib = crosscompile.build(model_path, target="host")
+    so_path = os.path.join(workdir, "mlp.so")
+    lib.export_library(so_path)
+    target = lib.metadata["target"]
+    print(f"2. compiled for {target['name']} ({target['triple']}, cpu {target['cpu']}) in "
+          f"{time.perf_counter() - start:.2f} s -> {so_path} ({os.path.getsize(so_path)} bytes)")
+
+    x = np.random.default_rng(0).standard_normal((1, 1, 28, 28)).astype(np.float32)
+    with LocalFarm(keys=[key]) as farm:
+        host, port = farm.tracker
+        print(f"3. local farm: tracker on {host}:{port}, one device server with key {key!r}")
+        tracker = rpc.connect_tracker(host, port)
+        print("\n" + tracker.text_summary() + "\n")
+        with tracker.request(key, timeout=30) as sess:
+            info = sess.device_info()
+            print(f"4. leased a {info['machine']} board ({info['cpu_model']}, {info['cores']} "
+                  f"cores, {info['os']})")
+            sess.upload(so_path, progress=_progress_bar("upload mlp.so"))
+            mod = sess.load_module("mlp.so")
+            print(f"   loaded on the device in {mod.load_s * 1e3:.2f} ms")
+            (probs,) = mod.run({"input": x})
+            top = np.argsort(probs[0])[::-1][:3]
+            print("5. output: top-3 classes " +
+                  ", ".join(f"{c} ({probs[0][c]:.3f})" for c in top))
+            _compare_with_onnxruntime(model_path, x, probs)
+            device_ms, round_trip_ms = [], []
+            for _ in range(runs):
+                t0 = time.perf_counter()
+                mod.run({"input": x})
+                round_trip_ms.append((time.perf_counter() - t0) * 1e3)
+                device_ms.append(mod.last_run_s * 1e3)
+            print(f"6. latency over {runs} runs: on the device median "
+                  f"{statistics.median(device_ms):.3f} ms (min {min(device_ms):.3f}), "
+                  f"round trip median {statistics.median(round_trip_ms):.3f} ms")
+        print("\n" + tracker.text_summary())
+        tracker.close()
+    print("\ndemo finished: the farm is stopped.")
+    return 0
+
+
+def _compare_with_onnxruntime(model_path, x, probs):
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        print("   (onnxruntime not installed: skipped the reference check)")
+        return
+    ref = ort.InferenceSession(model_path, providers=["CPUExecutionProvider"]).run(
+        None, {"input": x})[0]
+    err = float(np.max(np.abs(probs - ref) / (np.abs(ref) + 1e-12)))
+    verdict = "match" if np.allclose(probs, ref, rtol=1e-5, atol=1e-7) else "DIFFER"
+    print(f"   onnxruntime gives the same classes: max relative difference {err:.2e} ({verdict})")

@@ -1,0 +1,145 @@
+"""A tracker and device servers as child processes on loopback, for the demo and tests.
+
+    >>> with LocalFarm(keys=["local"]) as farm:              # doctest: +SKIP
+    ...     sess = rpc.connect_tracker(*farm.tracker).request("local")
+"""
+from __future__ import annotations
+
+import os
+import select
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from remote.client.tracker import TrackerClient
+
+STARTUP_TIMEOUT_S = 60.0
+
+
+class ProcessStartError(RuntimeError):
+    pass
+
+
+class Child:
+    """One started process whose first stdout line names its port."""
+
+    def __init__(self, name: str, argv: Sequence[str], log_dir: str, env=None):
+        self.name = name
+        self.log_path = os.path.join(log_dir, f"{name}.log")
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=self._log,
+                                     env=env, start_new_session=True)
+        self.port = self._read_port()
+
+    def _read_port(self) -> int:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        line = b""
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.2)
+            if ready:
+                line = self.proc.stdout.readline()
+                if line:
+                    break
+            if self.proc.poll() is not None:
+                break
+        if b"listening on" not in line:
+            self.stop()
+            raise ProcessStartError(f"{self.name} did not start: {self.log_tail()}")
+        return int(line.split(b"listening on", 1)[1].split()[0].rsplit(b":", 1)[1])
+
+    def log_tail(self, lines: int = 20) -> str:
+        self._log.flush()
+        with open(self.log_path, "rb") as f:
+            return b"\n".join(f.read().splitlines()[-lines:]).decode(errors="replace")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, sig: Optional[int] = None):
+        if self.proc.poll() is None:
+            if sig is None:
+                self.proc.terminate()
+            else:
+                self.proc.send_signal(sig)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc.stdout.close()
+        self._log.close()
+
+
+def python_argv(module: str, *args: str) -> List[str]:
+    return [sys.executable, "-m", module, *args]
+
+
+class LocalFarm:
+    """A tracker plus one device server per key, all on 127.0.0.1."""
+
+    def __init__(self, keys: Sequence[str] = ("local",), host: str = "127.0.0.1",
+                 tracker_args: Sequence[str] = (), server_args: Sequence[str] = (),
+                 env=None):
+        self.keys = list(keys)
+        self.host = host
+        self.tracker_args = list(tracker_args)
+        self.server_args = list(server_args)
+        self.env = env
+        self.log_dir = tempfile.mkdtemp(prefix="tether-farm-")
+        self.tracker_proc: Optional[Child] = None
+        self.servers: List[Child] = []
+        self._per_key: Dict[str, int] = {}
+
+    @property
+    def tracker(self) -> Tuple[str, int]:
+        return self.host, self.tracker_proc.port
+
+    def start(self) -> "LocalFarm":
+        self.tracker_proc = Child("tracker", python_argv(
+            "remote.tracker", "--host", self.host, "--port", "0", *self.tracker_args),
+            self.log_dir, self.env)
+        for i, key in enumerate(self.keys):
+            self.add_server(key, name=f"server-{i}-{key}")
+        return self
+
+    def add_server(self, key: str, name: Optional[str] = None, extra: Sequence[str] = (),
+                   wait: bool = True) -> Child:
+        child = Child(name or f"server-{len(self.servers)}-{key}", python_argv(
+            "remote.server", "--host", self.host, "--port", "0",
+            "--tracker", f"{self.host}:{self.tracker_proc.port}", "--key", key,
+            *self.server_args, *extra), self.log_dir, self.env)
+        self.servers.append(child)
+        self._per_key[key] = self._per_key.get(key, 0) + 1
+        if wait:
+            self.wait_for_devices(key, self._per_key[key])
+        return child
+
+    def wait_for_devices(self, key: str, count: int, timeout: float = STARTUP_TIMEOUT_S):
+        """Block until the tracker lists ``count`` devices of ``key``."""
+        deadline = time.monotonic() + timeout
+        with TrackerClient(*self.tracker) as client:
+            while time.monotonic() < deadline:
+                keys = {k["key"]: k["total"] for k in client.summary()["keys"]}
+                if keys.get(key, 0) >= count:
+                    return
+                time.sleep(0.1)
+        raise ProcessStartError(f"{count} device(s) of key {key!r} did not register within "
+                                f"{timeout:g} s; server logs in {self.log_dir}")
+
+    def stop(self):
+        for child in self.servers:
+            child.stop()
+        if self.tracker_proc is not None:
+            self.tracker_proc.stop()
+
+    def __enter__(self) -> "LocalFarm":
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc):
+        self.stop()

@@ -1,0 +1,133 @@
+"""The ``tether`` command."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+
+from remote.address import split_address
+
+DEFAULT_TRACKER = "127.0.0.1:9190"
+
+
+def _tracker_address(value):
+    return split_address(value or os.environ.get("TETHER_TRACKER") or DEFAULT_TRACKER, 9190)
+
+
+def cmd_tracker(args):
+    from remote.tracker.daemon import run
+    return run(args)
+
+
+def cmd_server(args):
+    from remote.server.daemon import run
+    return run(args)
+
+
+def cmd_status(args):
+    from remote.client.tracker import TrackerClient, format_summary
+    with TrackerClient(*_tracker_address(args.tracker)) as client:
+        data = client.summary()
+    print(json.dumps(data, indent=2) if args.json else format_summary(data))
+    return 0
+
+
+def cmd_compile(args):
+    import crosscompile
+    shapes = {}
+    for spec in args.input_shape:
+        name, _, dims = spec.partition("=")
+        try:
+            shapes[name] = tuple(int(d) for d in dims.split(","))
+        except ValueError:
+            raise SystemExit(f"--input-shape {spec!r} must look like name=1,3,224,224")
+    lib = crosscompile.build(args.model, target=args.target, input_shapes=shapes or None)
+    out = args.output or os.path.splitext(os.path.basename(args.model))[0] + ".so"
+    lib.export_library(out)
+    meta = lib.metadata
+    print(f"compiled {args.model} for {meta['target']['name']} ({meta['target']['triple']}) "
+          f"-> {out} ({os.path.getsize(out)} bytes)")
+    for kind in ("inputs", "outputs"):
+        for t in meta[kind]:
+            print(f"  {kind[:-1]:6} {t['name']}: {t['dtype']}{list(t['shape'])}")
+    return 0
+
+
+def cmd_demo(args):
+    from remote.cli.demo import run_demo
+    return run_demo(key=args.key, runs=args.runs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tether",
+        description="Cross-compile ONNX models for ARM boards and run them on a device farm.",
+        epilog="example: tether demo    (a local tracker, a local board, one model end to end)")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    from remote.server.daemon import build_parser as server_parser
+    from remote.tracker.daemon import build_parser as tracker_parser
+
+    p = sub.add_parser("tracker", help="run the tracker that pools boards by key",
+                       epilog="example: tether tracker --host 0.0.0.0 --port 9190")
+    tracker_parser(p)
+    p.set_defaults(func=cmd_tracker)
+
+    p = sub.add_parser("server", help="run the device server on a board",
+                       epilog="example: tether server --tracker farm.local:9190 --key rasp4b64")
+    server_parser(p)
+    p.set_defaults(func=cmd_server)
+
+    p = sub.add_parser("status", help="show the tracker's devices and queue",
+                       epilog="example: tether status --tracker farm.local:9190 --json")
+    p.add_argument("--tracker", help=f"HOST:PORT (default $TETHER_TRACKER or {DEFAULT_TRACKER})")
+    p.add_argument("--json", action="store_true", help="print JSON for machines")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("compile", help="cross-compile an ONNX model to a module .so",
+                       epilog="example: tether compile model.onnx --target rasp4b64 -o net.so")
+    p.add_argument("model", help="ONNX model file")
+    p.add_argument("--target", default="host",
+                   help="preset (host, rasp3b, rasp4b, rasp4b64, rasp5, android-arm64, "
+                        "android-armv7) or triple[/cpu[/features]]")
+    p.add_argument("-o", "--output", help="output .so (default: MODEL.so)")
+    p.add_argument("--input-shape", action="append", default=[], metavar="NAME=D0,D1,...",
+                   help="fix an input's unknown dimensions")
+    p.set_defaults(func=cmd_compile)
+
+    p = sub.add_parser("demo", help="run one model end to end on a local farm",
+                       epilog="example: tether demo")
+    p.add_argument("--key", default="local", help="device key of the local board")
+    p.add_argument("--runs", type=int, default=20, help="timed runs on the device")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - one line for people, the traceback with --debug
+        if args.debug or not _is_user_error(exc):
+            traceback.print_exc()
+        if not args.debug:
+            print(f"tether {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _is_user_error(exc: Exception) -> bool:
+    from remote.errors import TetherError
+    if isinstance(exc, (TetherError, FileNotFoundError, ValueError, OSError)):
+        return True
+    try:
+        from crosscompile import BuildError
+    except ImportError:
+        return False
+    return isinstance(exc, BuildError)

@@ -1,0 +1,116 @@
+"""One exception hierarchy for everything a Tether user can hit.
+
+Device-side and host-side code share it: a server aborts an RPC with
+``abort(context, SomeError("..."))``; the status code and the class name travel
+to the client (trailing metadata ``tether-error``), where
+``raise_from_rpc`` turns them back into the same class.
+"""
+from __future__ import annotations
+
+ERROR_METADATA_KEY = "tether-error"
+
+
+class TetherError(Exception):
+    """Base class of every error Tether raises on purpose."""
+
+    #: name of the grpc.StatusCode attribute this error travels as
+    status = "UNKNOWN"
+
+
+class ConnectionFailed(TetherError):
+    """The tracker or device server could not be reached."""
+
+    status = "UNAVAILABLE"
+
+
+class AuthenticationError(TetherError):
+    """A farm secret or lease token was missing, wrong or already used."""
+
+    status = "PERMISSION_DENIED"
+
+
+class RequestTimeout(TetherError, TimeoutError):
+    """A blocking call did not finish within its timeout."""
+
+    status = "DEADLINE_EXCEEDED"
+
+
+class NoSuchKey(TetherError, LookupError):
+    """No device serves the requested key."""
+
+    status = "NOT_FOUND"
+
+
+class DeviceBusy(TetherError):
+    """The device already runs as many sessions as it allows."""
+
+    status = "RESOURCE_EXHAUSTED"
+
+
+class SessionError(TetherError):
+    """The session is unknown, closed or expired."""
+
+    status = "FAILED_PRECONDITION"
+
+
+class InvalidArgument(TetherError, ValueError):
+    """A request named something that does not exist or is malformed."""
+
+    status = "INVALID_ARGUMENT"
+
+
+class InputError(InvalidArgument):
+    """Inputs given to a module do not match its inputs (name, shape, dtype)."""
+
+
+class ModuleLoadError(TetherError):
+    """A module file could not be loaded on the device."""
+
+    status = "FAILED_PRECONDITION"
+
+
+class RemoteError(TetherError):
+    """The device failed while doing what was asked; the message carries its traceback."""
+
+    status = "INTERNAL"
+
+
+_BY_NAME = {cls.__name__: cls for cls in (
+    TetherError, ConnectionFailed, AuthenticationError, RequestTimeout, NoSuchKey,
+    DeviceBusy, SessionError, InvalidArgument, InputError, ModuleLoadError, RemoteError,
+)}
+
+_BY_STATUS = {
+    "UNAVAILABLE": ConnectionFailed,
+    "PERMISSION_DENIED": AuthenticationError,
+    "UNAUTHENTICATED": AuthenticationError,
+    "DEADLINE_EXCEEDED": RequestTimeout,
+    "NOT_FOUND": NoSuchKey,
+    "RESOURCE_EXHAUSTED": DeviceBusy,
+    "FAILED_PRECONDITION": SessionError,
+    "INVALID_ARGUMENT": InvalidArgument,
+}
+
+
+def abort(context, error: TetherError):
+    """Abort the RPC behind ``context`` with ``error``'s status and class name."""
+    import grpc
+
+    context.set_trailing_metadata(((ERROR_METADATA_KEY, type(error).__name__),))
+    context.abort(getattr(grpc.StatusCode, error.status), str(error))
+
+
+def from_rpc_error(exc, what: str = "") -> TetherError:
+    """The typed error for a grpc.RpcError; ``what`` names the peer for messages."""
+    code = exc.code()
+    detail = exc.details() or ""
+    name = ""
+    for key, value in (exc.trailing_metadata() or ()):
+        if key == ERROR_METADATA_KEY:
+            name = value
+    cls = _BY_NAME.get(name) or _BY_STATUS.get(code.name, RemoteError)
+    if not name and code.name == "UNAVAILABLE":
+        detail = f"cannot reach {what or 'the peer'}: {detail}. Is it running, and is the address right?"
+    elif not name and code.name == "DEADLINE_EXCEEDED":
+        detail = f"{what or 'the call'} timed out: {detail}"
+    return cls(detail)

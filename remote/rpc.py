@@ -1,0 +1,36 @@
+"""The notebook entry point.
+
+    >>> from remote import rpc
+    >>> tracker = rpc.connect_tracker("farm.local", 9190)          # doctest: +SKIP
+    >>> with tracker.request("rasp4b64", timeout=30) as sess:      # doctest: +SKIP
+    ...     sess.upload("net.so")
+    ...     outputs = sess.load_module("net.so").run({"input": x})
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from remote.client import RemoteModule, Session, TrackerClient
+from remote.client.tracker import default_client_name
+from remote.address import split_address
+
+__all__ = ["connect", "connect_tracker", "Session", "RemoteModule", "TrackerClient"]
+
+
+def connect(host: str, port: int = 9090, session_timeout: float = 0.0,
+            timeout: Optional[float] = 30.0) -> Session:
+    """Open a session on a device server that is not behind a tracker."""
+    return Session(f"{host}:{port}", session_timeout=session_timeout,
+                   client=default_client_name(), timeout=timeout)
+
+
+def connect_tracker(host: Optional[str] = None, port: Optional[int] = None,
+                    farm_secret: Optional[str] = None) -> TrackerClient:
+    """Connect to a tracker; without arguments, to ``$TETHER_TRACKER``."""
+    if host is None:
+        env = os.environ.get("TETHER_TRACKER")
+        if not env:
+            raise ValueError("no tracker address: pass host and port or set TETHER_TRACKER=host:port")
+        host, port = split_address(env, 9190)
+    return TrackerClient(host, 9190 if port is None else port, farm_secret=farm_secret)

@@ -1,0 +1,121 @@
+"""Start a device server: the gRPC server, and the tracker link when there is one."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+from concurrent import futures
+from typing import Dict, Optional
+
+import grpc
+
+from remote.proto import CHANNEL_OPTIONS, add_servicer
+from remote.address import split_address
+from remote.server.registration import TrackerLink, local_address_towards
+from remote.server.service import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_UPLOAD_BYTES, DeviceService
+
+log = logging.getLogger("tether.server")
+
+
+class RunningServer:
+    """A started device server; ``stop()`` ends it."""
+
+    def __init__(self, grpc_server, service: DeviceService, port: int,
+                 link: Optional[TrackerLink]):
+        self.grpc_server = grpc_server
+        self.service = service
+        self.port = port
+        self.link = link
+
+    def stop(self, grace: float = 1.0):
+        if self.link is not None:
+            self.link.close()
+        self.service.close()
+        self.grpc_server.stop(grace)
+
+
+def serve(host: str = "0.0.0.0", port: int = 9090, tracker: Optional[str] = None,
+          key: Optional[str] = None, advertise: Optional[str] = None,
+          farm_secret: str = "", attributes: Optional[Dict[str, str]] = None,
+          max_sessions: int = 1, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+          max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES) -> RunningServer:
+    """Start serving; with ``tracker`` and ``key`` the server registers and needs leases.
+
+    >>> srv = serve("127.0.0.1", 0)            # doctest: +SKIP
+    """
+    if (tracker is None) != (key is None):
+        raise ValueError("give both a tracker address and a key, or neither")
+    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=16,
+                                                         thread_name_prefix="device"),
+                              options=CHANNEL_OPTIONS)
+    bound = grpc_server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}: address in use or not local")
+    service = DeviceService(max_sessions=max_sessions, idle_timeout_s=idle_timeout_s,
+                            max_upload_bytes=max_upload_bytes, attributes=attributes)
+    link = None
+    if tracker is not None:
+        if advertise is None:
+            t_host, t_port = split_address(tracker, 9190)
+            local = host if host not in ("0.0.0.0", "::", "") else local_address_towards(t_host, t_port)
+            advertise = f"{local}:{bound}"
+        elif ":" not in advertise:
+            advertise = f"{advertise}:{bound}"
+        link = TrackerLink(tracker, key, advertise, service.info, farm_secret)
+        service.attach_tracker(link.redeem, link.release)
+    add_servicer(grpc_server, "Device", service)
+    grpc_server.start()
+    if link is not None:
+        link.start()
+    return RunningServer(grpc_server, service, bound, link)
+
+
+def _attribute(text: str):
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"attribute {text!r} must look like name=value")
+    return name, value
+
+
+def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(
+        prog="python -m remote.server",
+        description="Run a Tether device server on this board.",
+        epilog="example: python -m remote.server --tracker farm.local:9190 --key rasp4b64")
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    parser.add_argument("--port", type=int, default=9090, help="port to listen on; 0 picks a free one")
+    parser.add_argument("--tracker", default=os.environ.get("TETHER_TRACKER"),
+                        help="tracker HOST:PORT to register with (default $TETHER_TRACKER)")
+    parser.add_argument("--key", help="device key to register under, e.g. rasp4b64")
+    parser.add_argument("--advertise", help="HOST[:PORT] clients should dial (default: found)")
+    parser.add_argument("--farm-secret", default=os.environ.get("TETHER_FARM_SECRET", ""),
+                        help="secret the tracker requires (default $TETHER_FARM_SECRET)")
+    parser.add_argument("--attr", action="append", type=_attribute, default=[],
+                        metavar="NAME=VALUE", help="free-form attribute, e.g. board=rpi4")
+    parser.add_argument("--max-sessions", type=int, default=1)
+    parser.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
+                        help="seconds after which a silent session is closed")
+    parser.add_argument("--max-upload-bytes", type=int, default=DEFAULT_MAX_UPLOAD_BYTES)
+    return parser
+
+
+def run(args) -> int:
+    """Serve until SIGINT/SIGTERM with the options parsed by ``build_parser``."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.key and not args.tracker:
+        raise SystemExit("--key needs --tracker HOST:PORT (or set TETHER_TRACKER)")
+    tracker = args.tracker if args.key else None
+    server = serve(args.host, args.port, tracker=tracker, key=args.key if tracker else None,
+                   advertise=args.advertise, farm_secret=args.farm_secret,
+                   attributes=dict(args.attr), max_sessions=args.max_sessions,
+                   idle_timeout_s=args.idle_timeout, max_upload_bytes=args.max_upload_bytes)
+    where = f"registered with {tracker} as {args.key}" if tracker else "standalone"
+    print(f"tether device server listening on {args.host}:{server.port} ({where})", flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    server.stop()
+    return 0

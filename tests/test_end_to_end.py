@@ -1,0 +1,99 @@
+"""From an ONNX file to a device leased through a tracker and back, all real processes."""
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from remote import errors, rpc
+
+
+def reference(model_path, x):
+    sess = ort.InferenceSession(model_path, providers=["CPUExecutionProvider"])
+    return sess.run(None, {"input": x})[0]
+
+
+def test_mlp_through_tracker_matches_onnxruntime(farm, mlp_module):
+    model_path, so_path = mlp_module
+    x = np.random.default_rng(1).standard_normal((1, 1, 28, 28)).astype(np.float32)
+    tracker = rpc.connect_tracker(*farm.tracker)
+    with tracker.request("host", timeout=30) as sess:
+        assert sess.device_info()["machine"]
+        assert sess.upload(so_path) == "mlp.so"
+        assert sess.listdir() == ["mlp.so"]
+        mod = sess.load_module("mlp.so")
+        assert mod.input_names == ["input"] and mod.output_names == ["output"]
+        (out,) = mod.run({"input": x})
+        assert mod.last_run_s > 0
+        (again,) = mod.run([x])
+    ref = reference(model_path, x)
+    assert out.shape == ref.shape == (1, 10)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(out, again)
+    keys = {k["key"]: k for k in tracker.summary()["keys"]}
+    assert keys["host"]["free"] == 1, "the device must be free again once the session closed"
+
+
+def test_upload_bytes_in_many_chunks_and_progress(farm):
+    data = bytes(range(256)) * (5 * 4096 + 7)  # ~5 MiB, not a chunk multiple
+    seen = []
+    with rpc.connect_tracker(*farm.tracker).request("host", timeout=30) as sess:
+        sess.upload(data, target="blob.bin", progress=lambda done, total: seen.append((done, total)))
+        assert sess.listdir() == ["blob.bin"]
+    assert seen[-1] == (len(data), len(data)) and len(seen) == 6
+
+
+def test_bad_inputs_get_typed_errors_and_the_server_keeps_serving(farm, mlp_module):
+    model_path, so_path = mlp_module
+    x = np.zeros((1, 1, 28, 28), np.float32)
+    with rpc.connect_tracker(*farm.tracker).request("host", timeout=30) as sess:
+        sess.upload(so_path)
+        mod = sess.load_module("mlp.so")
+        with pytest.raises(errors.InputError, match="'image'.*input"):
+            mod.run({"image": x})
+        with pytest.raises(errors.InputError, match=r"\(1, 1, 28, 28\)"):
+            mod.run({"input": np.zeros((2, 1, 28, 28), np.float32)})
+        with pytest.raises(errors.InputError, match="float32"):
+            mod.run({"input": x.astype(np.float64)})
+        with pytest.raises(errors.InvalidArgument, match="not allowed"):
+            sess.upload(b"x", target="../escape.so")
+        with pytest.raises(errors.InvalidArgument, match="no file 'missing.so'"):
+            sess.load_module("missing.so")
+        (out,) = mod.run({"input": x})  # the same session goes on
+        np.testing.assert_allclose(out, reference(model_path, x), rtol=1e-5, atol=1e-7)
+
+
+def test_garbage_module_is_a_clear_load_error(farm):
+    with rpc.connect_tracker(*farm.tracker).request("host", timeout=30) as sess:
+        sess.upload(b"this is not a shared object", target="junk.so")
+        with pytest.raises(errors.ModuleLoadError, match="junk.so"):
+            sess.load_module("junk.so")
+
+
+def test_unknown_key_fails_at_once_listing_served_keys(farm):
+    tracker = rpc.connect_tracker(*farm.tracker)
+    with pytest.raises(errors.NoSuchKey, match="'rasp4b64'.*registered keys: host"):
+        tracker.request("rasp4b64", timeout=30)
+
+
+def test_request_times_out_while_device_is_held(farm):
+    tracker = rpc.connect_tracker(*farm.tracker)
+    with tracker.request("host", timeout=30):
+        with pytest.raises(errors.RequestTimeout, match="'host'"):
+            tracker.request("host", timeout=0.5)
+        status = {k["key"]: k for k in tracker.summary()["keys"]}["host"]
+        assert status["free"] == 0
+    assert {k["key"]: k for k in tracker.summary()["keys"]}["host"]["free"] == 1
+
+
+def test_server_behind_tracker_refuses_direct_sessions(farm):
+    port = farm.servers[0].port
+    with pytest.raises(errors.AuthenticationError, match="through the tracker"):
+        rpc.connect("127.0.0.1", port)
+
+
+def test_connection_refused_is_typed():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(errors.ConnectionFailed, match=f"127.0.0.1:{port}"):
+        rpc.connect("127.0.0.1", port, timeout=3)
