@@ -1,0 +1,121 @@
+"""Graph + memory plan → LLVM module implementing the module ABI
+(docs/module-abi.md): tether_abi_version, tether_metadata, tether_run."""
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+from llvmlite import ir
+
+from .emit import F32_PTR, I32, Kernel
+from .ir import Graph
+from .ops import OPS
+from .passes import ALIGNMENT, Location, MemoryPlan
+
+ABI_VERSION = 1
+# tether_run return codes, as documented in docs/module-abi.md.
+RUN_OK = 0
+RUN_NULL_POINTER = 1
+
+I8 = ir.IntType(8)
+I8_PTR = I8.as_pointer()
+
+
+def generate(graph: Graph, plan: MemoryPlan, metadata: dict,
+             triple: str, data_layout: str) -> ir.Module:
+    """Build the module: one internal kernel per node plus the ABI entry points."""
+    module = ir.Module(name=graph.name)
+    module.triple = triple
+    module.data_layout = data_layout
+
+    kernels = []
+    for pos, node in enumerate(graph.nodes):
+        if node.name in plan.aliased_nodes:
+            continue
+        k = Kernel(module, f"node{pos}_{_symbol(node.op_type)}", len(node.inputs), len(node.outputs))
+        OPS[node.op_type].lower(k, [graph.tensors[t] for t in node.inputs],
+                                [graph.tensors[t] for t in node.outputs], node.attrs)
+        k.finish()
+        kernels.append((node, k.function))
+
+    _define_abi_version(module)
+    _define_metadata(module, json.dumps(metadata, separators=(",", ":")))
+    _define_run(module, graph, plan, kernels)
+    return module
+
+
+def _define_abi_version(module: ir.Module) -> None:
+    fn = ir.Function(module, ir.FunctionType(I32, []), name="tether_abi_version")
+    ir.IRBuilder(fn.append_basic_block()).ret(ir.Constant(I32, ABI_VERSION))
+
+
+def _define_metadata(module: ir.Module, text: str) -> None:
+    data = bytearray(text.encode("utf-8") + b"\0")
+    gv = _constant_bytes(module, "tether.metadata", data, align=1)
+    fn = ir.Function(module, ir.FunctionType(I8_PTR, []), name="tether_metadata")
+    b = ir.IRBuilder(fn.append_basic_block())
+    b.ret(b.bitcast(gv, I8_PTR))
+
+
+def _constant_bytes(module: ir.Module, name: str, data: bytearray, align: int) -> ir.GlobalVariable:
+    gv = ir.GlobalVariable(module, ir.ArrayType(I8, len(data)), name=name)
+    gv.global_constant = True
+    gv.linkage = "internal"
+    gv.align = align
+    gv.initializer = ir.Constant(ir.ArrayType(I8, len(data)), data)
+    return gv
+
+
+def _define_run(module: ir.Module, graph: Graph, plan: MemoryPlan, kernels) -> None:
+    fnty = ir.FunctionType(I32, [I8_PTR.as_pointer(), I8_PTR.as_pointer(), I8_PTR])
+    fn = ir.Function(module, fnty, name="tether_run")
+    inputs, outputs, workspace = fn.args
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+
+    # Reject NULL pointers up front: a caller bug should not crash the board.
+    checks = [inputs] if graph.inputs else []
+    checks += [outputs] if graph.outputs else []
+    checks += [workspace] if plan.workspace_bytes else []
+    bad = ir.Constant(ir.IntType(1), 0)
+    for ptr in checks:
+        bad = b.or_(bad, b.icmp_unsigned("==", ptr, ir.Constant(ptr.type, None)))
+    arrays = {"input": (inputs, len(graph.inputs)), "output": (outputs, len(graph.outputs))}
+    slots = {}
+    with b.if_then(bad, likely=False):
+        b.ret(ir.Constant(I32, RUN_NULL_POINTER))
+    for kind, (array, count) in arrays.items():
+        for i in range(count):
+            slots[(kind, i)] = b.load(b.gep(array, [ir.Constant(I32, i)]))
+            with b.if_then(b.icmp_unsigned("==", slots[(kind, i)], ir.Constant(I8_PTR, None)), likely=False):
+                b.ret(ir.Constant(I32, RUN_NULL_POINTER))
+
+    params = {}
+
+    def pointer(tensor: str):
+        loc: Location = plan.locations[tensor]
+        if loc.kind in ("input", "output"):
+            raw = slots[(loc.kind, loc.index)]
+        elif loc.kind == "workspace":
+            raw = b.gep(workspace, [ir.Constant(ir.IntType(64), loc.index)])
+        else:
+            if loc.name not in params:
+                data = bytearray(np.ascontiguousarray(graph.constants[loc.name], dtype="<f4").tobytes())
+                params[loc.name] = _constant_bytes(module, f"param.{len(params)}", data, ALIGNMENT)
+            raw = params[loc.name]
+        return b.bitcast(raw, F32_PTR)
+
+    for node, kernel in kernels:
+        b.call(kernel, [pointer(t) for t in node.inputs + node.outputs])
+    b.ret(ir.Constant(I32, RUN_OK))
+
+
+def param_bytes(graph: Graph, plan: MemoryPlan) -> int:
+    """Bytes of parameters the module will embed (constants read by kernels)."""
+    used = {plan.locations[t].name for node in graph.nodes if node.name not in plan.aliased_nodes
+            for t in node.inputs if plan.locations[t].kind == "constant"}
+    return sum(graph.tensors[name].nbytes for name in used)
+
+
+def _symbol(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", text)

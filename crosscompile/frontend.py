@@ -1,0 +1,181 @@
+"""ONNX → graph IR: load the model, resolve input shapes, parse attributes,
+fold compile-time inputs into attributes and infer every tensor's shape."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from .errors import BuildError, ShapeError, UnsupportedOpError
+from .ir import Graph, Node, Tensor
+from .ops import OPS
+
+SUPPORTED_DTYPES = {"float32"}
+# Ops the frontend evaluates itself instead of lowering.
+FRONTEND_OPS = {"Constant"}
+
+
+def supported_ops() -> list[str]:
+    return sorted(set(OPS) | FRONTEND_OPS)
+
+
+def load_model(model: "str | os.PathLike | onnx.ModelProto") -> onnx.ModelProto:
+    if isinstance(model, onnx.ModelProto):
+        return model
+    path = os.fspath(model)
+    if not os.path.isfile(path):
+        raise BuildError(f"ONNX model file {path!r} does not exist")
+    try:
+        return onnx.load(path)
+    except Exception as exc:  # onnx raises DecodeError, ValueError, ... on garbage
+        raise BuildError(f"{path!r} is not a valid ONNX model ({type(exc).__name__}: {exc})") from None
+
+
+def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
+                input_shapes: "dict[str, tuple] | None" = None) -> Graph:
+    """Build a Graph from an ONNX model (path or ModelProto).
+
+    >>> g = import_onnx("model.onnx", input_shapes={"input": (1, 784)})  # doctest: +SKIP
+    """
+    proto = load_model(model)
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 1)
+    g = proto.graph
+    input_shapes = dict(input_shapes or {})
+
+    constants = {init.name: numpy_helper.to_array(init) for init in g.initializer}
+    tensors = {name: Tensor(name, tuple(int(d) for d in value.shape), value.dtype.name)
+               for name, value in constants.items()}
+
+    inputs = []
+    for vi in g.input:
+        if vi.name in constants:
+            continue  # an initializer listed as an input (older exporters)
+        tensors[vi.name] = Tensor(vi.name, _input_shape(vi, input_shapes.pop(vi.name, None)),
+                                  _dtype_name(vi.type.tensor_type.elem_type))
+        _check_dtype(tensors[vi.name], f"input {vi.name!r}")
+        inputs.append(vi.name)
+    if input_shapes:
+        raise BuildError(f"input_shapes names {sorted(input_shapes)} which are not model inputs; "
+                         f"model inputs: {inputs}")
+
+    nodes = []
+    dropped = {}  # optional outputs we do not compute -> node description
+    for index, np_node in enumerate(g.node):
+        name = np_node.name or f"{np_node.op_type}_{index}"
+        if np_node.domain not in ("", "ai.onnx"):
+            raise UnsupportedOpError(name, f"{np_node.domain}.{np_node.op_type}", supported_ops())
+        raw = {a.name: _attribute_value(a) for a in np_node.attribute}
+        if np_node.op_type == "Constant":
+            value = _constant_value(name, raw)
+            constants[np_node.output[0]] = value
+            tensors[np_node.output[0]] = Tensor(np_node.output[0], value.shape, value.dtype.name)
+            continue
+        op = OPS.get(np_node.op_type)
+        if op is None:
+            raise UnsupportedOpError(name, np_node.op_type, supported_ops())
+        where = f"node {name!r} ({np_node.op_type})"
+
+        compile_time, runtime = {}, []
+        for pos, tensor_name in enumerate(np_node.input):
+            if pos in op.compile_time_inputs:
+                if tensor_name and tensor_name not in constants:
+                    raise BuildError(f"{where}: input {tensor_name!r} must be a constant "
+                                     "(an initializer or Constant node)")
+                compile_time[pos] = constants.get(tensor_name) if tensor_name else None
+            elif tensor_name:
+                runtime.append(tensor_name)
+        for tensor_name in runtime:
+            if tensor_name in dropped:
+                raise BuildError(f"{where} uses {dropped[tensor_name]}, which is not supported")
+            if tensor_name not in tensors:
+                raise BuildError(f"{where}: input {tensor_name!r} is not produced by any node")
+            _check_dtype(tensors[tensor_name], f"{where}: input {tensor_name!r}")
+        try:
+            attrs = op.attributes(raw, compile_time, opset)
+            shapes = op.infer([tensors[t].shape for t in runtime], attrs)
+        except BuildError as exc:
+            raise type(exc)(f"{where}: {exc}") from None
+
+        outputs = list(np_node.output[:len(shapes)])
+        for pos, extra in enumerate(np_node.output[len(shapes):], start=len(shapes)):
+            if extra:
+                dropped[extra] = f"output {pos} ({extra!r}) of {where}"
+        for out, shape in zip(outputs, shapes):
+            tensors[out] = Tensor(out, tuple(shape), "float32")
+        nodes.append(Node(np_node.op_type, name, runtime, outputs, attrs))
+
+    outputs = []
+    for vi in g.output:
+        if vi.name in dropped:
+            raise BuildError(f"graph output {vi.name!r} is {dropped[vi.name]}, which is not supported")
+        if vi.name not in tensors:
+            raise BuildError(f"graph output {vi.name!r} is not produced by any node")
+        if vi.name in inputs or vi.name in constants or vi.name in outputs:
+            raise BuildError(f"graph output {vi.name!r} is a model input, a constant or a repeated "
+                             "output; route it through an Identity node")
+        declared = _declared_shape(vi)
+        if declared is not None and _conflicts(declared, tensors[vi.name].shape):
+            raise ShapeError(f"graph output {vi.name!r} is declared with shape {declared} "
+                             f"but computes to {tensors[vi.name].shape}")
+        outputs.append(vi.name)
+
+    return Graph(g.name or "model", inputs, outputs, nodes, tensors, constants)
+
+
+def _input_shape(vi: onnx.ValueInfoProto, override) -> tuple[int, ...]:
+    if override is not None:
+        shape = tuple(int(d) for d in override)
+        declared = _declared_shape(vi)
+        if declared is not None and (len(declared) != len(shape) or _conflicts(declared, shape)):
+            raise ShapeError(f"input_shapes[{vi.name!r}] = {shape} does not match the model's "
+                             f"declared shape {declared}")
+        return shape
+    declared = _declared_shape(vi)
+    if declared is None or any(not isinstance(d, int) for d in declared):
+        shown = "unknown rank" if declared is None else declared
+        raise ShapeError(f"input {vi.name!r} has unknown dimensions {shown}; pass its concrete "
+                         f"shape, e.g. build(model, input_shapes={{{vi.name!r}: (1, ...)}})")
+    return declared
+
+
+def _declared_shape(vi: onnx.ValueInfoProto):
+    """Declared shape with ints for known dims and str/None for symbolic ones."""
+    tt = vi.type.tensor_type
+    if not tt.HasField("shape"):
+        return None
+    return tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                 for d in tt.shape.dim)
+
+
+def _conflicts(declared, actual) -> bool:
+    return len(declared) != len(actual) or any(
+        isinstance(d, int) and d != a for d, a in zip(declared, actual))
+
+
+def _dtype_name(elem_type: int) -> str:
+    try:
+        return np.dtype(helper.tensor_dtype_to_np_dtype(elem_type)).name
+    except Exception:
+        return onnx.TensorProto.DataType.Name(elem_type).lower()
+
+
+def _check_dtype(tensor: Tensor, what: str) -> None:
+    if tensor.dtype not in SUPPORTED_DTYPES:
+        raise BuildError(f"{what} has dtype {tensor.dtype}; only float32 is supported for now")
+
+
+def _attribute_value(attr: onnx.AttributeProto):
+    value = helper.get_attribute_value(attr)
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _constant_value(name: str, raw: dict) -> np.ndarray:
+    if "value" in raw:
+        return numpy_helper.to_array(raw["value"])
+    for key, dtype in (("value_float", np.float32), ("value_floats", np.float32),
+                       ("value_int", np.int64), ("value_ints", np.int64)):
+        if key in raw:
+            return np.asarray(raw[key], dtype=dtype)
+    raise BuildError(f"Constant node {name!r}: only value, value_float(s) and value_int(s) are supported")

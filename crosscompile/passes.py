@@ -1,0 +1,131 @@
+"""Graph passes: pure functions from a Graph to a Graph or a plan.
+
+Nothing here touches LLVM, files or the clock, so each pass is unit-testable
+on hand-made graphs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .ir import Graph
+from .ops import OPS
+
+ALIGNMENT = 64
+
+
+def eliminate_dead_code(graph: Graph) -> Graph:
+    """Drop nodes, constants and tensors the graph outputs do not depend on."""
+    live = set(graph.outputs)
+    kept = []
+    for node in reversed(graph.nodes):
+        if any(out in live for out in node.outputs):
+            kept.append(node)
+            live.update(node.inputs)
+    live.update(graph.inputs)
+    return replace(
+        graph,
+        nodes=kept[::-1],
+        constants={k: v for k, v in graph.constants.items() if k in live},
+        tensors={k: v for k, v in graph.tensors.items() if k in live},
+    )
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a tensor's data lives at run time.
+
+    kind is "input" or "output" (index into the tether_run pointer arrays),
+    "constant" (name of a parameter baked into the module) or "workspace"
+    (byte offset into the caller's workspace).
+    """
+
+    kind: str
+    index: int = 0
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    locations: dict[str, Location]
+    aliased_nodes: frozenset[str]  # nodes that need no code: output shares input's buffer
+    workspace_bytes: int
+
+
+def plan_memory(graph: Graph, alignment: int = ALIGNMENT) -> MemoryPlan:
+    """Assign every tensor a Location, reusing workspace between tensors
+    whose lifetimes do not overlap.
+
+    Shape-only ops (Reshape, Flatten, Identity, Dropout) share their input's
+    buffer unless their output is a graph output that cannot take over that
+    buffer (a model input, a constant, or a buffer already holding another
+    output); then they are kept and lowered as a copy. A node's output never
+    shares memory with its inputs, which is what lets kernels use noalias.
+    """
+    output_index = {name: j for j, name in enumerate(graph.outputs)}
+    inputs = set(graph.inputs)
+    parent: dict[str, str] = {}
+
+    def root(name: str) -> str:
+        while name in parent:
+            name = parent[name]
+        return name
+
+    claimed: dict[str, int] = {}  # intermediate root -> output buffer it lives in
+    aliased = set()
+    for node in graph.nodes:
+        if not OPS[node.op_type].alias:
+            continue
+        src, out = root(node.inputs[0]), node.outputs[0]
+        if out in output_index:
+            movable = not (src in inputs or src in graph.constants
+                           or src in output_index or src in claimed)
+            if not movable:
+                continue
+            claimed[src] = output_index[out]
+        parent[out] = src
+        aliased.add(node.name)
+
+    locations: dict[str, Location] = {}
+    for i, name in enumerate(graph.inputs):
+        locations[name] = Location("input", i)
+    for name in graph.constants:
+        locations[name] = Location("constant", name=name)
+    for name, j in output_index.items():
+        if name not in parent:
+            locations[name] = Location("output", j)
+    for name, j in claimed.items():
+        locations[name] = Location("output", j)
+
+    # Lifetimes of workspace tensors, in node positions, over all their aliases.
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for pos, node in enumerate(graph.nodes):
+        for name in node.inputs:
+            last[root(name)] = pos
+        for name in node.outputs:
+            r = root(name)
+            if r not in locations:
+                first.setdefault(r, pos)
+                last.setdefault(r, pos)
+
+    placed: list[tuple[int, int, str]] = []  # (offset, end, name)
+    for name in sorted(first, key=lambda n: (-graph.tensors[n].nbytes, first[n])):
+        size = graph.tensors[name].nbytes
+        clashes = sorted((off, end) for off, end, other in placed
+                         if first[other] <= last[name] and first[name] <= last[other])
+        offset = 0
+        for off, end in clashes:
+            if offset + size <= off:
+                break
+            offset = max(offset, _align(end, alignment))
+        placed.append((offset, offset + size, name))
+        locations[name] = Location("workspace", offset)
+
+    for name in graph.tensors:
+        locations.setdefault(name, locations.get(root(name)))
+    workspace = _align(max((end for _, end, _ in placed), default=0), alignment)
+    return MemoryPlan(locations, frozenset(aliased), workspace)
+
+
+def _align(value: int, alignment: int) -> int:
+    return (value + alignment - 1) // alignment * alignment

@@ -1,0 +1,124 @@
+"""Compilation targets: presets for the boards Tether supports, and parsing of
+explicit "triple[/cpu[/features]]" strings.
+
+Example:
+    >>> from crosscompile.target import resolve_target
+    >>> resolve_target("rasp4b").triple
+    'armv7l-unknown-linux-gnueabihf'
+    >>> resolve_target("armv7l-linux-gnueabihf/cortex-a7/+neon").triple
+    'armv7l-unknown-linux-gnueabihf'
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import llvmlite.binding as llvm
+
+from .errors import BuildError
+
+# Names LLVM accepts in the OS position of a triple. A three-part triple whose
+# second part is one of these has left out the vendor.
+_KNOWN_OS = {
+    "linux", "none", "windows", "darwin", "macos", "ios", "freebsd", "netbsd",
+    "openbsd", "fuchsia", "wasi", "emscripten", "android", "haiku", "solaris",
+}
+
+# LLVM architecture names modules can be built for: the ARM boards and x86
+# hosts. Others need their ld.lld support and code generation checked first.
+SUPPORTED_ARCHES = {"aarch64", "arm", "x86_64", "i386"}
+
+
+@dataclass(frozen=True)
+class Target:
+    """What code is generated for: an LLVM triple, CPU and feature string.
+
+    vector_bits is the SIMD register width kernels may assume.
+    """
+
+    name: str
+    triple: str
+    cpu: str = "generic"
+    features: str = ""
+    vector_bits: int = 128
+
+    @staticmethod
+    def parse(spec: str) -> "Target":
+        """Parse "triple[/cpu[/features]]", normalising the triple.
+
+        >>> Target.parse("aarch64-linux-gnu/cortex-a72").triple
+        'aarch64-unknown-linux-gnu'
+        """
+        parts = spec.split("/")
+        if len(parts) > 3 or not parts[0]:
+            raise BuildError(
+                f"bad target {spec!r}: expected a preset ({', '.join(TARGETS)}) "
+                "or 'triple[/cpu[/features]]'"
+            )
+        triple = normalize_triple(parts[0])
+        cpu = parts[1] if len(parts) > 1 and parts[1] else "generic"
+        features = parts[2] if len(parts) > 2 else ""
+        return Target(spec, triple, cpu, features, _vector_bits(triple, features))
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "triple": self.triple, "cpu": self.cpu,
+                "features": self.features}
+
+
+def normalize_triple(triple: str) -> str:
+    """Return the triple in LLVM's arch-vendor-os[-env] form.
+
+    LLVM reads "armv7l-linux-gnueabihf" as vendor "linux", OS "gnueabihf": the
+    hard-float environment is lost and the object comes out soft-float, which
+    a hard-float glibc refuses to load. Inserting the vendor fixes that.
+
+    >>> normalize_triple("armv7l-linux-gnueabihf")
+    'armv7l-unknown-linux-gnueabihf'
+    """
+    parts = triple.strip().lower().split("-")
+    if len(parts) in (2, 3) and parts[1] in _KNOWN_OS:
+        parts.insert(1, "unknown")
+    arch = llvm.get_triple_parts("-".join(parts)).Arch
+    if arch == "unknown":
+        raise BuildError(f"bad target triple {triple!r}: unknown architecture {parts[0]!r}")
+    if arch not in SUPPORTED_ARCHES:
+        raise BuildError(f"target triple {triple!r}: architecture {arch!r} is not supported; "
+                         f"supported: {', '.join(sorted(SUPPORTED_ARCHES))}")
+    return "-".join(parts)
+
+
+def _vector_bits(triple: str, features: str) -> int:
+    flags = set(features.split(","))
+    if "+avx512f" in flags:
+        return 512
+    if "+avx" in flags:
+        return 256
+    return 128
+
+
+def _host_target() -> Target:
+    triple = normalize_triple(llvm.get_process_triple())
+    features = llvm.get_host_cpu_features().flatten()
+    return Target("host", triple, llvm.get_host_cpu_name(), features,
+                  _vector_bits(triple, features))
+
+
+TARGETS: dict[str, Target] = {
+    "host": _host_target(),
+    "rasp3b": Target("rasp3b", "armv7l-unknown-linux-gnueabihf", "cortex-a53", "+neon"),
+    "rasp4b": Target("rasp4b", "armv7l-unknown-linux-gnueabihf", "cortex-a72", "+neon"),
+    "rasp4b64": Target("rasp4b64", "aarch64-unknown-linux-gnu", "cortex-a72", "+neon"),
+    "rasp5": Target("rasp5", "aarch64-unknown-linux-gnu", "cortex-a76", "+neon"),
+    "android-arm64": Target("android-arm64", "aarch64-unknown-linux-android", "generic", "+neon"),
+    "android-armv7": Target("android-armv7", "armv7-unknown-linux-androideabi", "generic", "+neon"),
+}
+
+
+def resolve_target(target: "str | Target") -> Target:
+    """A Target unchanged, a preset by name, or a parsed triple string."""
+    if isinstance(target, Target):
+        return target
+    if not isinstance(target, str):
+        raise BuildError(f"target must be a preset name, a triple string or a Target, not {type(target).__name__}")
+    if target in TARGETS:
+        return TARGETS[target]
+    return Target.parse(target)

@@ -1,0 +1,163 @@
+"""Loading a compiled module (docs/module-abi.md) with ctypes and running it."""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import platform
+from typing import NamedTuple
+
+import numpy as np
+
+from . import elf
+from .errors import InputError, ModuleLoadError, RunError
+
+ABI_VERSION = 1
+WORKSPACE_ALIGNMENT = 64
+# tether_run return codes (docs/module-abi.md).
+RUN_ERRORS = {1: "a required pointer was NULL"}
+
+
+class TensorSpec(NamedTuple):
+    name: str
+    shape: tuple
+    dtype: str
+
+
+def load(path: str | os.PathLike) -> Module:
+    """Load a compiled module built for this machine.
+
+    >>> m = minirt.load("net.so")           # doctest: +SKIP
+    >>> m.run({"input": x})[0].shape        # doctest: +SKIP
+    (1, 10)
+    """
+    path = os.path.abspath(os.fspath(path))
+    _check_elf(path)
+    try:
+        lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
+    except OSError as exc:
+        raise ModuleLoadError(f"cannot load {path}: {exc}") from None
+    try:
+        abi_version = lib.tether_abi_version
+        metadata_fn = lib.tether_metadata
+        run_fn = lib.tether_run
+    except AttributeError as exc:
+        raise ModuleLoadError(f"{path} is not a Tether module: {exc}") from None
+    abi_version.restype = ctypes.c_int32
+    abi_version.argtypes = []
+    version = abi_version()
+    if version != ABI_VERSION:
+        raise ModuleLoadError(f"{path} uses module ABI version {version}, but this minirt supports "
+                              f"version {ABI_VERSION}; rebuild the module with a matching crosscompile")
+    metadata_fn.restype = ctypes.c_char_p
+    metadata_fn.argtypes = []
+    try:
+        metadata = json.loads(metadata_fn().decode("utf-8"))
+    except ValueError as exc:
+        raise ModuleLoadError(f"{path} has unreadable metadata: {exc}") from None
+    run_fn.restype = ctypes.c_int32
+    run_fn.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+    return Module(path, lib, run_fn, metadata)
+
+
+def _check_elf(path: str) -> None:
+    try:
+        header = elf.read_header(path)
+    except OSError as exc:
+        raise ModuleLoadError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if header is None or header.file_type != elf.ET_DYN:
+        raise ModuleLoadError(f"{path} is not an ELF shared object; expected a module "
+                              "written by crosscompile's export_library()")
+    host = elf.host_machine()
+    if host is not None and (header.machine, header.bits) != host:
+        this = elf.MACHINES.get(host[0], platform.machine())
+        raise ModuleLoadError(
+            f"{path} is a {header.bits}-bit {header.machine_name} module, but this machine "
+            f"runs {host[1]}-bit {this} code (platform.machine() = {platform.machine()!r}); "
+            "build it for this board's target")
+    float_abi = elf.running_float_abi()
+    module_abi = header.flags & (elf.EF_ARM_ABI_FLOAT_SOFT | elf.EF_ARM_ABI_FLOAT_HARD)
+    if header.machine == 40 and float_abi and module_abi and module_abi != float_abi:
+        names = {elf.EF_ARM_ABI_FLOAT_SOFT: "soft-float", elf.EF_ARM_ABI_FLOAT_HARD: "hard-float"}
+        raise ModuleLoadError(f"{path} is a {names[module_abi]} ARM module, but this Python is "
+                              f"{names[float_abi]}; build it for this board's target")
+
+
+class Module:
+    """A loaded module. run() is thread-safe: each concurrent call gets its
+    own workspace, and idle workspaces are kept for reuse."""
+
+    def __init__(self, path: str, lib: ctypes.CDLL, run_fn, metadata: dict):
+        self.path = path
+        self.metadata = metadata
+        self.inputs = [_spec(t) for t in metadata["inputs"]]
+        self.outputs = [_spec(t) for t in metadata["outputs"]]
+        self._lib = lib  # keeps the shared object loaded while run_fn is in use
+        self._run = run_fn
+        self._workspace_bytes = int(metadata["workspace_bytes"])
+        self._idle_workspaces = [self._new_workspace()]
+
+    def __repr__(self) -> str:
+        return f"<minirt.Module {self.metadata.get('name')!r} from {self.path}>"
+
+    def run(self, inputs) -> list:
+        """Run the module on a dict {name: array} or a list in input order;
+        returns one numpy array per output."""
+        arrays = self._check_inputs(inputs)
+        outputs = [np.empty(spec.shape, dtype=spec.dtype) for spec in self.outputs]
+        in_ptrs = (ctypes.c_void_p * max(len(arrays), 1))(*[a.ctypes.data for a in arrays])
+        out_ptrs = (ctypes.c_void_p * max(len(outputs), 1))(*[a.ctypes.data for a in outputs])
+        try:
+            workspace = self._idle_workspaces.pop()
+        except IndexError:
+            workspace = self._new_workspace()
+        try:
+            status = self._run(in_ptrs, out_ptrs, _aligned_address(workspace))
+        finally:
+            self._idle_workspaces.append(workspace)
+        if status != 0:
+            reason = RUN_ERRORS.get(status, "unknown error code")
+            raise RunError(f"{self.path}: tether_run returned {status} ({reason})")
+        return outputs
+
+    def _new_workspace(self) -> np.ndarray:
+        return np.zeros(self._workspace_bytes + WORKSPACE_ALIGNMENT, dtype=np.uint8)
+
+    def _check_inputs(self, inputs) -> list:
+        names = [spec.name for spec in self.inputs]
+        if isinstance(inputs, dict):
+            unknown = sorted(set(inputs) - set(names))
+            if unknown:
+                raise InputError(f"unknown input name(s) {unknown}; this module's inputs are {names}")
+            missing = [n for n in names if n not in inputs]
+            if missing:
+                raise InputError(f"missing input(s) {missing}; this module's inputs are {names}")
+            values = [inputs[n] for n in names]
+        elif isinstance(inputs, (list, tuple)):
+            if len(inputs) != len(names):
+                raise InputError(f"got {len(inputs)} input(s), expected {len(names)}: {names}")
+            values = list(inputs)
+        else:
+            raise InputError(f"inputs must be a dict {{name: array}} or a list in the order {names}, "
+                             f"not {type(inputs).__name__}")
+        arrays = []
+        for spec, value in zip(self.inputs, values):
+            if isinstance(value, np.ndarray):
+                if value.dtype != np.dtype(spec.dtype):
+                    raise InputError(f"input {spec.name!r}: expected dtype {spec.dtype}, got {value.dtype}")
+            else:
+                value = np.asarray(value, dtype=spec.dtype)
+            if tuple(value.shape) != spec.shape:
+                raise InputError(f"input {spec.name!r}: expected shape {spec.shape}, "
+                                 f"got {tuple(value.shape)}")
+            arrays.append(np.ascontiguousarray(value))
+        return arrays
+
+
+def _spec(entry: dict) -> TensorSpec:
+    return TensorSpec(entry["name"], tuple(int(d) for d in entry["shape"]), entry["dtype"])
+
+
+def _aligned_address(buffer: np.ndarray) -> int:
+    address = buffer.ctypes.data
+    return address + (-address) % WORKSPACE_ALIGNMENT

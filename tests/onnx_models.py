@@ -1,0 +1,113 @@
+"""Small deterministic ONNX models for tests, built with onnx.helper.
+
+Shared by the compiler, runtime and end-to-end tests:
+
+    from tests.onnx_models import mlp
+    model = mlp()                      # input "input" (1, 1, 28, 28) -> output "output" (1, 10)
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+OPSET = 13
+# IR version 8 (onnx 1.10) is read by every onnxruntime release the tests meet;
+# onnx.helper would otherwise stamp its newest IR, which older runtimes refuse.
+IR_VERSION = 8
+
+
+def make_model(nodes, inputs, outputs, initializers=(), opset: int = OPSET,
+               name: str = "model") -> onnx.ModelProto:
+    """A model from nodes plus {name: shape} inputs/outputs and {name: array} initializers.
+
+    Output shapes may be None (left for the compiler to infer).
+    """
+    graph = helper.make_graph(
+        list(nodes), name,
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in dict(inputs).items()],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in dict(outputs).items()],
+        [numpy_helper.from_array(np.asarray(v), n) for n, v in dict(initializers).items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)],
+                              producer_name="tether-tests", ir_version=IR_VERSION)
+    if all(shape is not None for shape in dict(outputs).values()):
+        onnx.checker.check_model(model)  # it insists on declared output shapes
+    return model
+
+
+def _layer(rng, fan_in: int, fan_out: int):
+    weight = (rng.standard_normal((fan_out, fan_in)) / np.sqrt(fan_in)).astype(np.float32)
+    bias = (0.1 * rng.standard_normal(fan_out)).astype(np.float32)
+    return weight, bias
+
+
+def mlp(sizes=(784, 128, 64, 10), batch: int = 1, seed: int = 0,
+        softmax: bool = True) -> onnx.ModelProto:
+    """Flatten -> (Gemm[transB] -> Relu)* -> Gemm [-> Softmax], as PyTorch exports it.
+
+    Input "input" has shape (batch, 1, 28, 28) when sizes[0] == 784, else
+    (batch, sizes[0]); output "output" has shape (batch, sizes[-1]).
+    """
+    rng = np.random.default_rng(seed)
+    in_shape = (batch, 1, 28, 28) if sizes[0] == 784 else (batch, sizes[0])
+    nodes = [helper.make_node("Flatten", ["input"], ["x0"], name="flatten", axis=1)]
+    inits = {}
+    current = "x0"
+    for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+        inits[f"fc{i}.weight"], inits[f"fc{i}.bias"] = _layer(rng, fan_in, fan_out)
+        last = i == len(sizes) - 2
+        gemm_out = ("logits" if softmax else "output") if last else f"h{i}"
+        nodes.append(helper.make_node("Gemm", [current, f"fc{i}.weight", f"fc{i}.bias"], [gemm_out],
+                                      name=f"fc{i}", transB=1))
+        if not last:
+            nodes.append(helper.make_node("Relu", [gemm_out], [f"a{i}"], name=f"relu{i}"))
+            current = f"a{i}"
+    if softmax:
+        nodes.append(helper.make_node("Softmax", ["logits"], ["output"], name="softmax", axis=-1))
+    return make_model(nodes, {"input": in_shape}, {"output": (batch, sizes[-1])}, inits, name="mlp")
+
+
+def matmul_mlp(sizes=(20, 17, 3), batch: int = 2, seed: int = 0) -> onnx.ModelProto:
+    """(MatMul -> Add -> Relu -> Dropout)* -> MatMul -> Add -> Reshape[0, 1, -1] -> Identity.
+
+    Input "input" (batch, sizes[0]); output "output" (batch, 1, sizes[-1]).
+    """
+    rng = np.random.default_rng(seed)
+    nodes, inits = [], {"out_shape": np.array([0, 1, -1], dtype=np.int64)}
+    current = "input"
+    for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+        weight, bias = _layer(rng, fan_in, fan_out)
+        inits[f"w{i}"], inits[f"b{i}"] = weight.T.copy(), bias
+        nodes += [helper.make_node("MatMul", [current, f"w{i}"], [f"m{i}"], name=f"matmul{i}"),
+                  helper.make_node("Add", [f"m{i}", f"b{i}"], [f"z{i}"], name=f"add{i}")]
+        current = f"z{i}"
+        if i < len(sizes) - 2:
+            nodes += [helper.make_node("Relu", [current], [f"r{i}"], name=f"relu{i}"),
+                      helper.make_node("Dropout", [f"r{i}"], [f"d{i}"], name=f"dropout{i}")]
+            current = f"d{i}"
+    nodes += [helper.make_node("Reshape", [current, "out_shape"], ["reshaped"], name="reshape"),
+              helper.make_node("Identity", ["reshaped"], ["output"], name="identity")]
+    return make_model(nodes, {"input": (batch, sizes[0])}, {"output": (batch, 1, sizes[-1])},
+                      inits, name="matmul_mlp")
+
+
+def sample_input(model: onnx.ModelProto, seed: int = 1) -> dict:
+    """Random float32 inputs for every graph input of a model with static shapes."""
+    rng = np.random.default_rng(seed)
+    initializers = {i.name for i in model.graph.initializer}
+    feeds = {}
+    for vi in model.graph.input:
+        if vi.name in initializers:
+            continue
+        shape = [d.dim_value for d in vi.type.tensor_type.shape.dim]
+        feeds[vi.name] = rng.standard_normal(shape).astype(np.float32)
+    return feeds
+
+
+def reference(model: onnx.ModelProto, feeds: dict) -> list:
+    """Outputs of onnxruntime on the CPU, the ground truth for the tests."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)

@@ -1,0 +1,414 @@
+"""crosscompile: real compiles, checked against onnxruntime."""
+import json
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import onnx
+import pytest
+from elftools.elf.elffile import ELFFile
+from onnx import TensorProto, helper
+
+import crosscompile
+import minirt
+from crosscompile import BuildError, Target, UnsupportedOpError
+from crosscompile.frontend import import_onnx
+from crosscompile.passes import eliminate_dead_code, plan_memory
+from crosscompile.target import normalize_triple
+from tests.onnx_models import make_model, matmul_mlp, mlp, reference, sample_input
+
+RTOL, ATOL = 1e-5, 1e-6
+ALLOWED_UNDEFINED = {"memcpy", "memset", "memmove"}
+CROSS_TARGETS = {  # preset -> (EI_CLASS, e_machine, hard-float)
+    "rasp3b": ("ELFCLASS32", "EM_ARM", True),
+    "rasp4b": ("ELFCLASS32", "EM_ARM", True),
+    "rasp4b64": ("ELFCLASS64", "EM_AARCH64", None),
+    "rasp5": ("ELFCLASS64", "EM_AARCH64", None),
+    "android-arm64": ("ELFCLASS64", "EM_AARCH64", None),
+    "android-armv7": ("ELFCLASS32", "EM_ARM", False),
+}
+
+
+def run_host(model, tmp_path, feeds=None, **build_args):
+    """Compile for the host, load with minirt, run, and compare to onnxruntime."""
+    feeds = feeds or sample_input(model)
+    lib = crosscompile.build(model, target="host", **build_args)
+    module = minirt.load(lib.export_library(tmp_path / "m.so"))
+    got = module.run(feeds)
+    want = reference(model, feeds)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
+    return lib
+
+
+def single_op(op_type, inputs, initializers=(), opset=13, **attrs):
+    """A one-node model: runtime inputs {name: shape}, initializers {name: array}."""
+    names = list(dict(inputs)) + list(dict(initializers))
+    node = helper.make_node(op_type, names, ["y"], name=f"the_{op_type.lower()}", **attrs)
+    return make_model([node], inputs, {"y": None}, initializers, opset=opset)
+
+
+def rand(*shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+# -- ops ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("m,k,n", [(1, 1, 1), (3, 17, 5), (17, 3, 1)])
+@pytest.mark.parametrize("trans_a,trans_b", [(0, 0), (0, 1), (1, 0), (1, 1)])
+def test_gemm_transposes(tmp_path, m, k, n, trans_a, trans_b):
+    a_shape = (k, m) if trans_a else (m, k)
+    b = rand(*((n, k) if trans_b else (k, n)))
+    model = single_op("Gemm", {"a": a_shape}, {"b": b, "c": rand(n, seed=2)},
+                      transA=trans_a, transB=trans_b)
+    run_host(model, tmp_path)
+
+
+@pytest.mark.parametrize("c_shape", [None, (), (1,), (5,), (1, 5), (3, 1), (3, 5)])
+def test_gemm_alpha_beta_and_c_broadcasting(tmp_path, c_shape):
+    inits = {"b": rand(17, 5)}
+    if c_shape is not None:
+        inits["c"] = rand(*c_shape, seed=3)
+    model = single_op("Gemm", {"a": (3, 17)}, inits, alpha=0.5, beta=-2.0)
+    run_host(model, tmp_path)
+
+
+@pytest.mark.parametrize("a_shape,b_shape", [((1, 1), (1, 1)), ((3, 17), (17, 5)),
+                                             ((2, 3, 17), (17, 4)), ((2, 1, 3, 7), (7, 1))])
+def test_matmul(tmp_path, a_shape, b_shape):
+    run_host(single_op("MatMul", {"a": a_shape}, {"b": rand(*b_shape)}), tmp_path)
+
+
+@pytest.mark.parametrize("a_shape,b_shape", [((17,), (17,)), ((3, 17), (17,)), ((2, 1, 5), (3, 1)),
+                                             ((1,), (4, 3)), ((3, 1, 1), (1, 2, 1))])
+def test_add_broadcasting(tmp_path, a_shape, b_shape):
+    run_host(single_op("Add", {"a": a_shape, "b": b_shape}), tmp_path)
+
+
+def test_add_with_constant_operand(tmp_path):
+    run_host(single_op("Add", {"a": (3, 17)}, {"b": rand(17)}), tmp_path)
+
+
+def test_relu(tmp_path):
+    run_host(single_op("Relu", {"x": (3, 17)}), tmp_path)
+
+
+@pytest.mark.parametrize("opset", [11, 13])
+@pytest.mark.parametrize("axis", [0, 1, -1, None])
+def test_softmax_axis_semantics_per_opset(tmp_path, opset, axis):
+    attrs = {} if axis is None else {"axis": axis}
+    model = single_op("Softmax", {"x": (2, 3, 17)}, opset=opset, **attrs)
+    run_host(model, tmp_path, feeds={"x": 20 * rand(2, 3, 17)})
+
+
+def test_softmax_exp_accuracy_over_a_wide_range(tmp_path):
+    # A pair (x, 0) gives softmax = exp(x) / (exp(x) + 1): checks the inline exp.
+    x = np.stack([np.linspace(-80, 0, 1001, dtype=np.float32), np.zeros(1001, np.float32)], axis=1)
+    model = single_op("Softmax", {"x": x.shape})
+    run_host(model, tmp_path, feeds={"x": x})
+
+
+@pytest.mark.parametrize("axis", [0, 1, 2, 3, -1])
+def test_flatten(tmp_path, axis):
+    run_host(single_op("Flatten", {"x": (2, 3, 4)}, axis=axis), tmp_path)
+
+
+@pytest.mark.parametrize("shape", [[0, -1], [-1], [2, 0, 2, -1], [4, 3, 2]])
+def test_reshape(tmp_path, shape):
+    model = single_op("Reshape", {"x": (2, 3, 4)}, {"shape": np.array(shape, np.int64)})
+    run_host(model, tmp_path)
+
+
+def test_reshape_shape_from_constant_node_then_relu(tmp_path):
+    nodes = [
+        helper.make_node("Constant", [], ["s"], value=helper.make_tensor("s", TensorProto.INT64, [2], [3, -1])),
+        helper.make_node("Reshape", ["x", "s"], ["r"]),
+        helper.make_node("Relu", ["r"], ["y"]),
+    ]
+    lib = run_host(make_model(nodes, {"x": (1, 3, 5)}, {"y": (3, 5)}), tmp_path)
+    assert lib.metadata["ops"] == ["Relu", "Reshape"]
+
+
+@pytest.mark.parametrize("op_type", ["Identity", "Dropout"])
+def test_identity_and_dropout(tmp_path, op_type):
+    run_host(single_op(op_type, {"x": (3, 17)}), tmp_path)
+
+
+def test_dropout_ratio_input_and_unused_mask(tmp_path):
+    nodes = [helper.make_node("Relu", ["x"], ["r"]),
+             helper.make_node("Dropout", ["r", "ratio"], ["y", "mask"])]
+    model = make_model(nodes, {"x": (3, 17)}, {"y": (3, 17)}, {"ratio": np.array(0.3, np.float32)})
+    run_host(model, tmp_path)
+
+
+# -- whole models --------------------------------------------------------------
+
+@pytest.mark.parametrize("build_model", [
+    lambda: mlp(), lambda: mlp(batch=4), lambda: mlp(sizes=(784, 1, 3), softmax=False),
+    lambda: mlp(sizes=(17, 3, 1), batch=2), lambda: matmul_mlp(), lambda: matmul_mlp((5, 17, 17, 1), batch=1),
+], ids=["mlp", "mlp-batch4", "mlp-odd", "mlp-no-image", "matmul-mlp", "matmul-mlp-odd"])
+def test_whole_models_match_onnxruntime(tmp_path, build_model):
+    run_host(build_model(), tmp_path)
+
+
+def test_build_from_path_and_metadata(tmp_path):
+    path = tmp_path / "mlp.onnx"
+    onnx.save(mlp(), str(path))
+    lib = crosscompile.build(str(path), target="rasp4b64")
+    meta = lib.metadata
+    assert meta["abi_version"] == 1
+    assert meta["target"] == {"name": "rasp4b64", "triple": "aarch64-unknown-linux-gnu",
+                              "cpu": "cortex-a72", "features": "+neon"}
+    assert meta["inputs"] == [{"name": "input", "shape": [1, 1, 28, 28], "dtype": "float32"}]
+    assert meta["outputs"] == [{"name": "output", "shape": [1, 10], "dtype": "float32"}]
+    assert meta["ops"] == ["Flatten", "Gemm", "Relu", "Softmax"]
+    assert meta["param_bytes"] == 4 * (784 * 128 + 128 + 128 * 64 + 64 + 64 * 10 + 10)
+    assert meta["producer"].startswith("tether-crosscompile ")
+    assert lib.target is crosscompile.TARGETS["rasp4b64"]
+    assert lib.export_library(tmp_path / "x.so") == str(tmp_path / "x.so")
+    assert (tmp_path / "x.so").read_bytes() == lib.so_bytes
+
+
+# -- memory planning (pure) --------------------------------------------------------
+
+def test_memory_plan_reuses_workspace_and_never_overlaps_live_tensors():
+    graph = eliminate_dead_code(import_onnx(mlp(sizes=(784, 300, 200, 100, 10), batch=2)))
+    plan = plan_memory(graph)
+    assert "flatten" in plan.aliased_nodes  # Flatten of the input costs nothing
+    ws = {n: plan.locations[n].index for n in graph.tensors if plan.locations[n].kind == "workspace"}
+    assert plan.workspace_bytes < sum(graph.tensors[n].nbytes for n in ws)
+    live = {}
+    for pos, node in enumerate(graph.nodes):
+        for name in node.inputs + node.outputs:
+            live.setdefault(name, [pos, pos])[1] = pos
+    for a in ws:
+        assert ws[a] % 64 == 0
+        for b in ws:
+            overlap_time = live[a][0] <= live[b][1] and live[b][0] <= live[a][1]
+            overlap_space = ws[a] < ws[b] + graph.tensors[b].nbytes and ws[b] < ws[a] + graph.tensors[a].nbytes
+            assert a == b or not (overlap_time and overlap_space), (a, b)
+
+
+def test_memory_plan_copies_an_output_that_aliases_an_input():
+    graph = import_onnx(single_op("Flatten", {"x": (2, 3, 4)}))
+    plan = plan_memory(graph)
+    assert plan.aliased_nodes == frozenset()
+    assert plan.locations["y"].kind == "output"
+
+
+def test_dead_code_is_removed():
+    nodes = [helper.make_node("Relu", ["x"], ["y"]), helper.make_node("Relu", ["x"], ["unused"])]
+    graph = eliminate_dead_code(import_onnx(make_model(nodes, {"x": (3,)}, {"y": (3,)})))
+    assert [n.op_type for n in graph.nodes] == ["Relu"]
+    assert "unused" not in graph.tensors
+
+
+# -- bad input -------------------------------------------------------------------------
+
+def test_garbage_file_is_a_build_error(tmp_path):
+    path = tmp_path / "garbage.onnx"
+    path.write_bytes(b"\x00\xffthis is not protobuf" * 10)
+    with pytest.raises(BuildError, match="not a valid ONNX model") as info:
+        crosscompile.build(str(path))
+    assert "garbage.onnx" in str(info.value)
+
+
+def test_missing_file_is_a_build_error(tmp_path):
+    with pytest.raises(BuildError, match="does not exist"):
+        crosscompile.build(str(tmp_path / "nope.onnx"))
+
+
+@pytest.mark.parametrize("op_type,inits", [("Sin", {}), ("Conv", {"w": rand(2, 1, 3, 3)})])
+def test_unsupported_op_names_op_node_and_supported_ops(op_type, inits):
+    model = single_op(op_type, {"x": (1, 1, 5, 5)}, inits)
+    with pytest.raises(UnsupportedOpError) as info:
+        crosscompile.build(model)
+    message = str(info.value)
+    assert op_type in message and f"the_{op_type.lower()}" in message
+    for supported in ("Gemm", "MatMul", "Softmax", "Reshape"):
+        assert supported in message
+    assert info.value.op_type == op_type and isinstance(info.value, BuildError)
+
+
+def test_symbolic_dim_needs_input_shapes(tmp_path):
+    model = mlp(sizes=(20, 7, 3), batch=1)
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "batch"
+    model.graph.output[0].type.tensor_type.shape.dim[0].dim_param = "batch"
+    with pytest.raises(BuildError, match=r"'input'.*input_shapes=\{'input'"):
+        crosscompile.build(model)
+    lib = run_host(model, tmp_path, feeds={"input": rand(5, 20)}, input_shapes={"input": (5, 20)})
+    assert lib.metadata["inputs"][0]["shape"] == [5, 20]
+
+
+def test_input_shapes_for_unknown_input_is_an_error():
+    with pytest.raises(BuildError, match="not model inputs"):
+        crosscompile.build(mlp(), input_shapes={"inptu": (1, 784)})
+
+
+def test_shape_mismatch_names_the_node():
+    model = single_op("MatMul", {"a": (3, 4)}, {"b": rand(5, 2)})
+    with pytest.raises(BuildError, match="the_matmul.*inner dimensions"):
+        crosscompile.build(model)
+
+
+def test_non_float32_input_is_rejected():
+    model = single_op("Relu", {"x": (3,)})
+    model.graph.input[0].type.tensor_type.elem_type = TensorProto.DOUBLE
+    with pytest.raises(BuildError, match="'x' has dtype float64; only float32"):
+        crosscompile.build(model)
+
+
+# -- targets ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("given,normal", [
+    ("armv7l-linux-gnueabihf", "armv7l-unknown-linux-gnueabihf"),
+    ("aarch64-linux-gnu", "aarch64-unknown-linux-gnu"),
+    ("aarch64-linux-android", "aarch64-unknown-linux-android"),
+    ("armv7-linux-androideabi", "armv7-unknown-linux-androideabi"),
+    ("x86_64-pc-linux-gnu", "x86_64-pc-linux-gnu"),
+    ("aarch64-unknown-linux-gnu", "aarch64-unknown-linux-gnu"),
+])
+def test_triple_normalisation(given, normal):
+    assert normalize_triple(given) == normal
+
+
+def test_target_parsing():
+    t = Target.parse("armv7l-linux-gnueabihf/cortex-a7/+neon,+vfp4")
+    assert (t.triple, t.cpu, t.features) == ("armv7l-unknown-linux-gnueabihf", "cortex-a7", "+neon,+vfp4")
+    t = Target.parse("aarch64-linux-gnu")
+    assert (t.triple, t.cpu, t.features) == ("aarch64-unknown-linux-gnu", "generic", "")
+    with pytest.raises(BuildError, match="unknown architecture"):
+        Target.parse("potato-linux-gnu")
+    with pytest.raises(BuildError, match="preset"):
+        Target.parse("a/b/c/d")
+    with pytest.raises(BuildError, match="'sparc' is not supported; supported: aarch64, arm"):
+        crosscompile.build(mlp(sizes=(17, 3)), target="sparc-linux-gnu")
+
+
+def test_presets():
+    import llvmlite.binding as llvm
+    assert crosscompile.TARGETS["host"].triple == normalize_triple(llvm.get_process_triple())
+    assert crosscompile.TARGETS["rasp4b"].triple == "armv7l-unknown-linux-gnueabihf"
+    assert crosscompile.TARGETS["rasp3b"].cpu == "cortex-a53"
+    assert crosscompile.TARGETS["rasp5"].cpu == "cortex-a76"
+    assert crosscompile.TARGETS["android-armv7"].triple == "armv7-unknown-linux-androideabi"
+
+
+def test_explicit_triple_string_builds_hard_float(tmp_path):
+    lib = crosscompile.build(mlp(sizes=(17, 3)), target="armv7l-linux-gnueabihf/cortex-a72/+neon")
+    path = lib.export_library(tmp_path / "m.so")
+    with open(path, "rb") as f:
+        assert ELFFile(f).header["e_flags"] & 0x400  # EF_ARM_ABI_FLOAT_HARD
+
+
+@pytest.mark.parametrize("preset", sorted(CROSS_TARGETS))
+def test_cross_targets_produce_self_contained_elf(tmp_path, preset):
+    elf_class, machine, hard_float = CROSS_TARGETS[preset]
+    path = crosscompile.build(mlp(), target=preset).export_library(tmp_path / "m.so")
+    with open(path, "rb") as f:
+        elf = ELFFile(f)
+        assert elf.header["e_ident"]["EI_CLASS"] == elf_class
+        assert elf.header["e_machine"] == machine
+        assert elf.header["e_type"] == "ET_DYN"
+        if hard_float is not None:
+            assert bool(elf.header["e_flags"] & 0x400) == hard_float
+        dynsym = elf.get_section_by_name(".dynsym")
+        undefined = {s.name for s in dynsym.iter_symbols()
+                     if s.name and s["st_shndx"] == "SHN_UNDEF"}
+        exported = {s.name for s in dynsym.iter_symbols() if s["st_shndx"] != "SHN_UNDEF"}
+        assert undefined <= ALLOWED_UNDEFINED
+        assert {"tether_abi_version", "tether_metadata", "tether_run"} <= exported
+        assert elf.get_section_by_name(".gnu.version_r") is None
+        assert elf.get_section_by_name(".gnu.hash") is not None and elf.get_section_by_name(".hash") is not None
+        needed = [t.needed for t in elf.get_section_by_name(".dynamic").iter_tags() if t.entry.d_tag == "DT_NEEDED"]
+        assert needed == []
+
+
+# -- really running on emulated boards -------------------------------------------------------
+
+DRIVER_C = r"""
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+/* driver MODULE.so WORKSPACE_BYTES IN.bin N_IN OUT.bin N_OUT */
+int main(int argc, char **argv) {
+    if (argc != 7) { fprintf(stderr, "usage\n"); return 2; }
+    void *lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
+    if (!lib) { fprintf(stderr, "dlopen: %s\n", dlerror()); return 3; }
+    int32_t (*abi)(void) = (int32_t (*)(void))dlsym(lib, "tether_abi_version");
+    const char *(*meta)(void) = (const char *(*)(void))dlsym(lib, "tether_metadata");
+    int32_t (*run)(void *const *, void *const *, void *) =
+        (int32_t (*)(void *const *, void *const *, void *))dlsym(lib, "tether_run");
+    if (!abi || !meta || !run) { fprintf(stderr, "missing symbol\n"); return 4; }
+    size_t ws = strtoul(argv[2], NULL, 10), n_in = strtoul(argv[4], NULL, 10), n_out = strtoul(argv[6], NULL, 10);
+    void *workspace = aligned_alloc(64, ws ? ws : 64);
+    float *in = malloc(n_in * sizeof(float)), *out = malloc(n_out * sizeof(float));
+    FILE *f = fopen(argv[3], "rb");
+    if (!f || fread(in, sizeof(float), n_in, f) != n_in) { fprintf(stderr, "read\n"); return 5; }
+    fclose(f);
+    void *ins[1] = {in}, *outs[1] = {out};
+    int32_t status = run(ins, outs, workspace);
+    if (status != 0) { fprintf(stderr, "tether_run: %d\n", status); return 6; }
+    f = fopen(argv[5], "wb");
+    fwrite(out, sizeof(float), n_out, f);
+    fclose(f);
+    printf("%d\n%s\n", abi(), meta());
+    return 0;
+}
+"""
+
+EMULATED = {  # preset -> (qemu, cross gcc, sysroot)
+    "rasp4b64": ("qemu-aarch64", "aarch64-linux-gnu-gcc", "/usr/aarch64-linux-gnu"),
+    "rasp5": ("qemu-aarch64", "aarch64-linux-gnu-gcc", "/usr/aarch64-linux-gnu"),
+    "rasp4b": ("qemu-arm", "arm-linux-gnueabihf-gcc", "/usr/arm-linux-gnueabihf"),
+    "rasp3b": ("qemu-arm", "arm-linux-gnueabihf-gcc", "/usr/arm-linux-gnueabihf"),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(EMULATED))
+def test_runs_under_qemu_user(tmp_path, preset):
+    qemu, gcc, sysroot = EMULATED[preset]
+    if not (shutil.which(qemu) and shutil.which(gcc) and os.path.isdir(sysroot)):
+        pytest.skip(f"needs {qemu}, {gcc} and {sysroot}: "
+                    "apt-get install qemu-user gcc-aarch64-linux-gnu gcc-arm-linux-gnueabihf")
+    model = mlp(batch=2)
+    feeds = sample_input(model)
+    lib = crosscompile.build(model, target=preset)
+    so = lib.export_library(tmp_path / "m.so")
+    (tmp_path / "driver.c").write_text(DRIVER_C)
+    subprocess.run([gcc, "-O1", "-o", str(tmp_path / "driver"), str(tmp_path / "driver.c"), "-ldl"],
+                   check=True, capture_output=True)
+    feeds["input"].tofile(tmp_path / "in.bin")
+    want = reference(model, feeds)[0]
+    proc = subprocess.run([qemu, "-L", sysroot, str(tmp_path / "driver"), so,
+                           str(lib.metadata["workspace_bytes"]), str(tmp_path / "in.bin"),
+                           str(feeds["input"].size), str(tmp_path / "out.bin"), str(want.size)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    version, metadata = proc.stdout.split("\n", 1)
+    assert version == "1" and json.loads(metadata) == lib.metadata
+    got = np.fromfile(tmp_path / "out.bin", dtype=np.float32).reshape(want.shape)
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+
+# -- linking ------------------------------------------------------------------------------------
+
+def test_linker_failure_is_a_clear_build_error(monkeypatch):
+    monkeypatch.setenv("TETHER_LD", "/nonexistent/ld.lld")
+    with pytest.raises(BuildError, match="linker '/nonexistent/ld.lld' not found; set TETHER_LD"):
+        crosscompile.build(mlp(sizes=(17, 3)))
+    monkeypatch.setenv("TETHER_LD", shutil.which("false") or "/bin/false")
+    with pytest.raises(BuildError, match=r"linking mlp.so with .*false failed \(exit 1\)"):
+        crosscompile.build(mlp(sizes=(17, 3)))
+
+
+def test_falls_back_to_ziglang_lld(monkeypatch, tmp_path):
+    pytest.importorskip("ziglang", reason="pip install ziglang")
+    monkeypatch.delenv("TETHER_LD", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no ld.lld on PATH
+    run_host(mlp(sizes=(17, 3)), tmp_path)
