@@ -4,13 +4,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
-import threading
 from concurrent import futures
 from typing import Dict, Optional
 
 import grpc
 
+from remote.lifecycle import start_logging, wait_for_stop_signal
 from remote.proto import CHANNEL_OPTIONS, add_servicer
 from remote.address import split_address
 from remote.server.registration import TrackerLink, local_address_towards
@@ -103,7 +102,7 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
 
 def run(args) -> int:
     """Serve until SIGINT/SIGTERM with the options parsed by ``build_parser``."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    start_logging()
     if args.key and not args.tracker:
         raise SystemExit("--key needs --tracker HOST:PORT (or set TETHER_TRACKER)")
     tracker = args.tracker if args.key else None
@@ -113,9 +112,6 @@ def run(args) -> int:
                    idle_timeout_s=args.idle_timeout, max_upload_bytes=args.max_upload_bytes)
     where = f"registered with {tracker} as {args.key}" if tracker else "standalone"
     print(f"tether device server listening on {args.host}:{server.port} ({where})", flush=True)
-    done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
-    done.wait()
+    wait_for_stop_signal()
     server.stop()
     return 0

@@ -2,12 +2,10 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import signal
-import threading
 from typing import Optional
 
+from remote.lifecycle import start_logging, wait_for_stop_signal
 from remote.tracker.service import EVICTION_WINDOW_S, serve
 
 
@@ -25,14 +23,11 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
 
 
 def run(args) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    start_logging()
     server, service, port = serve(args.host, args.port, farm_secret=args.farm_secret,
                                   eviction_window_s=args.eviction_window)
     print(f"tether tracker listening on {args.host}:{port}", flush=True)
-    done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
-    done.wait()
+    wait_for_stop_signal()
     service.close()
     server.stop(1.0)
     return 0
