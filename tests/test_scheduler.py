@@ -21,7 +21,7 @@ def test_priority_first_then_fifo():
     for _ in range(3):
         ((request, lease),) = s.assign(now=3)
         served.append(request.request_id)
-        s.release(lease.token)
+        s.release(lease.token, now=3)
     assert served == ["high", "low-early", "low-late"]
 
 

@@ -5,8 +5,9 @@ import argparse
 import os
 from typing import Optional
 
+from remote import tls
 from remote.lifecycle import start_logging, wait_for_stop_signal
-from remote.tracker.service import EVICTION_WINDOW_S, serve
+from remote.tracker.service import EVICTION_WINDOW_S, UNUSED_LEASE_S, serve
 
 
 def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
@@ -18,15 +19,26 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     parser.add_argument("--farm-secret", default=os.environ.get("TETHER_FARM_SECRET", ""),
                         help="secret servers and clients must present (default $TETHER_FARM_SECRET)")
     parser.add_argument("--eviction-window", type=float, default=EVICTION_WINDOW_S,
-                        help="seconds without a heartbeat before a device is dropped")
+                        help="seconds without a heartbeat before a device is dropped "
+                             f"(default {EVICTION_WINDOW_S:g})")
+    parser.add_argument("--unused-lease-timeout", type=float, default=UNUSED_LEASE_S,
+                        help="seconds a granted lease may go unredeemed before the device "
+                             f"returns to the pool (default {UNUSED_LEASE_S:g})")
+    parser.add_argument("--tls-cert", default=os.environ.get(tls.CERT_ENV, ""),
+                        help="PEM certificate: serve over TLS (default $TETHER_TLS_CERT)")
+    parser.add_argument("--tls-key", default=os.environ.get(tls.KEY_ENV, ""),
+                        help="PEM private key of --tls-cert (default $TETHER_TLS_KEY)")
     return parser
 
 
 def run(args) -> int:
     start_logging()
     server, service, port = serve(args.host, args.port, farm_secret=args.farm_secret,
-                                  eviction_window_s=args.eviction_window)
-    print(f"tether tracker listening on {args.host}:{port}", flush=True)
+                                  eviction_window_s=args.eviction_window,
+                                  unused_lease_s=args.unused_lease_timeout,
+                                  tls_cert=args.tls_cert, tls_key=args.tls_key)
+    mode = "TLS" if args.tls_cert else "plaintext"
+    print(f"tether tracker listening on {args.host}:{port} ({mode})", flush=True)
     wait_for_stop_signal()
     service.close()
     server.stop(1.0)

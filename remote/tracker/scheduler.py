@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 FREE, LEASED, IN_USE = "free", "leased", "in_use"
+RESUMED_HOLDER = "(a session from before the device registered again)"
 
 
 @dataclass
@@ -28,6 +29,7 @@ class Device:
     registered_at: float
     last_seen: float
     lease: Optional["Lease"] = None
+    free_since: float = 0.0
 
     @property
     def state(self) -> str:
@@ -72,14 +74,24 @@ class Scheduler:
 
     # ----------------------------------------------------------- devices --
     def register(self, device_id: str, key: str, address: str,
-                 attributes: Dict[str, str], now: float) -> Device:
-        """Add a device, or refresh one that registers again under the same id."""
+                 attributes: Dict[str, str], now: float,
+                 live_tokens: Sequence[str] = ()) -> Device:
+        """Add a device, or refresh one that registers again under the same id.
+
+        ``live_tokens`` are leases whose sessions are still open on the device
+        (it registers again after a tracker restart): they stay in use, so the
+        device is not leased to anyone else until they are released.
+        """
         old = self.devices.get(device_id)
-        device = Device(device_id, key, address, dict(attributes), now, now)
-        if old is not None and old.lease is not None and old.key == key:
-            device.lease = old.lease  # a session survives the server's re-registration
-        elif old is not None and old.lease is not None:
-            self.leases.pop(old.lease.token, None)
+        device = Device(device_id, key, address, dict(attributes), now, now, free_since=now)
+        if old is not None and old.lease is not None:
+            if old.key == key and old.lease.token in live_tokens:
+                device.lease = old.lease  # the session survives the re-registration
+            else:
+                self.leases.pop(old.lease.token, None)
+        if device.lease is None and live_tokens:
+            lease = Lease(live_tokens[0], device_id, RESUMED_HOLDER, now, redeemed_at=now)
+            self.leases[lease.token] = device.lease = lease
         self.devices[device_id] = device
         return device
 
@@ -120,26 +132,29 @@ class Scheduler:
 
     def assign(self, now: float) -> List[Tuple[Request, Lease]]:
         """Lease free devices to waiting requests: priority first, then arrival."""
-        granted = []
+        granted: List[Tuple[Request, Lease]] = []
+        if not self._waiting:
+            return granted
+        # The device idle longest goes first, so use spreads over the pool.
+        free: Dict[str, List[Device]] = {}
+        for d in sorted(self.devices.values(), key=lambda d: d.free_since):
+            if d.lease is None:
+                free.setdefault(d.key, []).append(d)
         for request in self.waiting():
-            device = self._free_device(request)
+            pool = free.get(request.key)
+            if not pool:
+                continue
+            device = next((d for d in pool if all(
+                d.attributes.get(k) == v for k, v in request.filters.items())), None)
             if device is None:
                 continue
+            pool.remove(device)
             lease = Lease(self._new_token(), device.device_id, request.client, now)
             device.lease = lease
             self.leases[lease.token] = lease
             self.cancel(request.request_id)
             granted.append((request, lease))
         return granted
-
-    def _free_device(self, request: Request) -> Optional[Device]:
-        candidates = [
-            d for d in self.devices.values()
-            if d.key == request.key and d.lease is None
-            and all(d.attributes.get(k) == v for k, v in request.filters.items())
-        ]
-        # The device idle longest goes first, so use spreads over the pool.
-        return min(candidates, key=lambda d: d.registered_at, default=None)
 
     # ------------------------------------------------------------- leases --
     def redeem(self, device_id: str, token: str, now: float) -> Lease:
@@ -152,7 +167,7 @@ class Scheduler:
         lease.redeemed_at = now
         return lease
 
-    def release(self, token: str) -> Optional[Device]:
+    def release(self, token: str, now: float) -> Optional[Device]:
         """End a lease; the device becomes free. Unknown tokens are ignored."""
         lease = self.leases.pop(token, None)
         if lease is None:
@@ -160,6 +175,7 @@ class Scheduler:
         device = self.devices.get(lease.device_id)
         if device is not None and device.lease is lease:
             device.lease = None
+            device.free_since = now
         return device
 
     def expire_unused(self, now: float) -> List[Lease]:
@@ -167,7 +183,7 @@ class Scheduler:
         stale = [lease for lease in self.leases.values()
                  if lease.redeemed_at is None and now - lease.granted_at > self.unused_lease_s]
         for lease in stale:
-            self.release(lease.token)
+            self.release(lease.token, now)
         return stale
 
     # ------------------------------------------------------------ summary --

@@ -18,15 +18,23 @@ from typing import Dict, Optional
 
 import grpc
 
-from remote import errors
+from remote import errors, tls
 from remote.errors import AuthenticationError, NoSuchKey, RequestTimeout, abort
 from remote.proto import CHANNEL_OPTIONS, add_servicer, pb
 from remote.tracker.scheduler import LeaseRefused, Request, Scheduler
 
 log = logging.getLogger("tether.tracker")
 
-HEARTBEAT_INTERVAL_S = 1.0
 EVICTION_WINDOW_S = 5.0
+UNUSED_LEASE_S = 30.0
+# Each waiting RequestDevice call holds one worker thread, so the pool is large;
+# threads are only started as calls arrive.
+MAX_WORKERS = 1024
+
+
+def heartbeat_interval(eviction_window_s: float) -> float:
+    """Heartbeat often enough that a live device misses several before eviction."""
+    return max(0.05, min(1.0, eviction_window_s / 4))
 
 
 class _Waiter:
@@ -39,7 +47,7 @@ class TrackerService:
     """Implements the tether.v1.Tracker service."""
 
     def __init__(self, farm_secret: str = "", eviction_window_s: float = EVICTION_WINDOW_S,
-                 unused_lease_s: float = 30.0, clock=time.monotonic):
+                 unused_lease_s: float = UNUSED_LEASE_S, clock=time.monotonic):
         self._clock = clock
         self._lock = threading.Lock()
         self._scheduler = Scheduler(new_token=lambda: secrets.token_urlsafe(24),
@@ -66,13 +74,13 @@ class TrackerService:
         for request, lease in self._scheduler.assign(self._clock()):
             waiter = self._waiters.pop(request.request_id, None)
             if waiter is None:  # the requester left between enqueue and grant
-                self._scheduler.release(lease.token)
+                self._scheduler.release(lease.token, self._clock())
                 continue
             waiter.lease = lease
             waiter.event.set()
 
     def _reap_loop(self):
-        while not self._stop.wait(0.5):
+        while not self._stop.wait(min(0.5, self.eviction_window_s / 4)):
             with self._lock:
                 now = self._clock()
                 for device in self._scheduler.evict_silent(now, self.eviction_window_s):
@@ -91,11 +99,12 @@ class TrackerService:
         with self._lock:
             device_id = request.device_id or f"{request.key}-{next(self._ids)}-{secrets.token_hex(3)}"
             self._scheduler.register(device_id, request.key, request.address,
-                                     dict(request.info.attributes), self._clock())
+                                     dict(request.info.attributes), self._clock(),
+                                     live_tokens=list(request.live_tokens))
             self._infos[device_id] = request.info
             self._dispatch_locked()
         log.info("registered %s (%s at %s)", device_id, request.key, request.address)
-        return pb.RegisterReply(device_id=device_id, heartbeat_interval_s=HEARTBEAT_INTERVAL_S)
+        return pb.RegisterReply(device_id=device_id, heartbeat_interval_s=heartbeat_interval(self.eviction_window_s))
 
     def Heartbeat(self, request, context):
         self._check_secret(context, request.farm_secret)
@@ -135,7 +144,7 @@ class TrackerService:
             device = self._scheduler.devices.get(lease.device_id)
             if device is None or not context.is_active():
                 # The client left, or the device vanished, while the lease was granted.
-                self._scheduler.release(lease.token)
+                self._scheduler.release(lease.token, self._clock())
                 self._dispatch_locked()
                 if device is None:
                     abort(context, errors.ConnectionFailed(
@@ -159,7 +168,7 @@ class TrackerService:
     def ReleaseLease(self, request, context):
         self._check_secret(context, request.farm_secret)
         with self._lock:
-            self._scheduler.release(request.token)
+            self._scheduler.release(request.token, self._clock())
             self._dispatch_locked()
         return pb.Empty()
 
@@ -180,20 +189,27 @@ class TrackerService:
 
 
 def serve(host: str = "0.0.0.0", port: int = 9190, farm_secret: Optional[str] = None,
-          eviction_window_s: float = EVICTION_WINDOW_S, max_workers: int = 64):
+          eviction_window_s: float = EVICTION_WINDOW_S, unused_lease_s: float = UNUSED_LEASE_S,
+          tls_cert: str = "", tls_key: str = "", max_workers: int = MAX_WORKERS):
     """Start a tracker; returns (grpc server, service, bound port).
+
+    ``farm_secret=None`` reads ``$TETHER_FARM_SECRET``; ``tls_cert``/``tls_key``
+    (PEM files) switch on TLS.
 
     >>> server, service, port = serve("127.0.0.1", 0)   # doctest: +SKIP
     """
     if farm_secret is None:
         farm_secret = os.environ.get("TETHER_FARM_SECRET", "")
-    service = TrackerService(farm_secret=farm_secret, eviction_window_s=eviction_window_s)
+    service = TrackerService(farm_secret=farm_secret, eviction_window_s=eviction_window_s,
+                             unused_lease_s=unused_lease_s)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                     thread_name_prefix="tracker"),
                          options=CHANNEL_OPTIONS)
     add_servicer(server, "Tracker", service)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}: address in use or not local")
+    try:
+        bound = tls.add_port(server, f"{host}:{port}", tls_cert, tls_key)
+    except BaseException:
+        service.close()
+        raise
     server.start()
     return server, service, bound

@@ -1,0 +1,67 @@
+"""Plaintext or TLS gRPC channels and listening ports, chosen by certificate files.
+
+Tracker, device server and clients all make their channels and ports here, so
+that TLS is switched on the same way everywhere: a server gets a certificate
+and its key (``--tls-cert``/``--tls-key`` or ``TETHER_TLS_CERT``/``TETHER_TLS_KEY``),
+a client gets the certificate to trust (``tls_ca=`` / ``--tls-ca`` or
+``TETHER_TLS_CA``). With none of them set, traffic is plaintext.
+
+    >>> channel = open_channel("127.0.0.1:9190")          # plaintext unless $TETHER_TLS_CA
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import grpc
+
+from remote.proto import CHANNEL_OPTIONS
+
+CA_ENV, CERT_ENV, KEY_ENV = "TETHER_TLS_CA", "TETHER_TLS_CERT", "TETHER_TLS_KEY"
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise FileNotFoundError(f"cannot read the TLS {what} {path!r}: {exc.strerror}") from None
+
+
+def default_ca(ca: Optional[str] = None) -> str:
+    """``ca`` if given, else ``$TETHER_TLS_CA``, else "" (plaintext)."""
+    return os.environ.get(CA_ENV, "") if ca is None else ca
+
+
+def open_channel(address: str, ca: Optional[str] = None, options=None) -> grpc.Channel:
+    """A channel to ``address``; TLS trusting the PEM file ``ca`` when one is given.
+
+    ``ca=None`` falls back to ``$TETHER_TLS_CA``; ``ca=""`` forces plaintext.
+    """
+    ca = default_ca(ca)
+    options = list(CHANNEL_OPTIONS if options is None else options)
+    if not ca:
+        return grpc.insecure_channel(address, options=options)
+    credentials = grpc.ssl_channel_credentials(root_certificates=_read(ca, "CA certificate"))
+    return grpc.secure_channel(address, credentials, options=options)
+
+
+def add_port(server, address: str, cert: str = "", key: str = "") -> int:
+    """Listen on ``address``, with TLS when ``cert`` and ``key`` (PEM files) are given.
+
+    Returns the bound port; raises OSError when the address cannot be used.
+    """
+    if bool(cert) != bool(key):
+        raise ValueError("TLS needs both a certificate and its key (--tls-cert and --tls-key)")
+    try:
+        if cert:
+            credentials = grpc.ssl_server_credentials(
+                [(_read(key, "private key"), _read(cert, "certificate"))])
+            bound = server.add_secure_port(address, credentials)
+        else:
+            bound = server.add_insecure_port(address)
+    except RuntimeError:  # newer grpcio raises where older ones return 0
+        bound = 0
+    if bound == 0:
+        raise OSError(f"cannot listen on {address}: address in use or not local")
+    return bound
