@@ -9,7 +9,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 import grpc
 import numpy as np
 
-from remote import errors
+from remote import errors, tls
 from remote.proto import CHANNEL_OPTIONS, make_stub, pb
 from remote.proto.tensors import from_message, to_message
 
@@ -37,11 +37,11 @@ class Session:
 
     def __init__(self, address: str, lease_token: str = "", session_timeout: float = 0.0,
                  client: str = "", timeout: Optional[float] = 30.0,
-                 on_close: Optional[Callable[[], None]] = None):
+                 on_close: Optional[Callable[[], None]] = None, tls_ca: Optional[str] = None):
         self.address = address
         self.timeout = timeout
         self._on_close = on_close
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = tls.open_channel(address, tls_ca)  # TLS when tls_ca or $TETHER_TLS_CA
         self._stub = make_stub(self._channel, "Device")
         self._closed = False
         try:

@@ -9,6 +9,7 @@ from typing import Dict, Optional
 
 import grpc
 
+from remote import tls
 from remote.lifecycle import start_logging, wait_for_stop_signal
 from remote.proto import CHANNEL_OPTIONS, add_servicer
 from remote.address import split_address
@@ -39,8 +40,12 @@ def serve(host: str = "0.0.0.0", port: int = 9090, tracker: Optional[str] = None
           key: Optional[str] = None, advertise: Optional[str] = None,
           farm_secret: str = "", attributes: Optional[Dict[str, str]] = None,
           max_sessions: int = 1, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
-          max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES) -> RunningServer:
+          max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES, tls_cert: str = "",
+          tls_key: str = "", tls_ca: str = "") -> RunningServer:
     """Start serving; with ``tracker`` and ``key`` the server registers and needs leases.
+
+    ``tls_cert``/``tls_key`` serve clients over TLS; ``tls_ca`` is the certificate
+    to trust when talking to a TLS tracker.
 
     >>> srv = serve("127.0.0.1", 0)            # doctest: +SKIP
     """
@@ -49,9 +54,7 @@ def serve(host: str = "0.0.0.0", port: int = 9090, tracker: Optional[str] = None
     grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=16,
                                                          thread_name_prefix="device"),
                               options=CHANNEL_OPTIONS)
-    bound = grpc_server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}: address in use or not local")
+    bound = tls.add_port(grpc_server, f"{host}:{port}", tls_cert, tls_key)
     service = DeviceService(max_sessions=max_sessions, idle_timeout_s=idle_timeout_s,
                             max_upload_bytes=max_upload_bytes, attributes=attributes)
     link = None
@@ -62,7 +65,7 @@ def serve(host: str = "0.0.0.0", port: int = 9090, tracker: Optional[str] = None
             advertise = f"{local}:{bound}"
         elif ":" not in advertise:
             advertise = f"{advertise}:{bound}"
-        link = TrackerLink(tracker, key, advertise, service.info, farm_secret)
+        link = TrackerLink(tracker, key, advertise, service.info, farm_secret, tls_ca)
         service.attach_tracker(link.redeem, link.release)
     add_servicer(grpc_server, "Device", service)
     grpc_server.start()
@@ -97,6 +100,12 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     parser.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
                         help="seconds after which a silent session is closed")
     parser.add_argument("--max-upload-bytes", type=int, default=DEFAULT_MAX_UPLOAD_BYTES)
+    parser.add_argument("--tls-cert", default=os.environ.get(tls.CERT_ENV, ""),
+                        help="PEM certificate: serve clients over TLS (default $TETHER_TLS_CERT)")
+    parser.add_argument("--tls-key", default=os.environ.get(tls.KEY_ENV, ""),
+                        help="PEM private key of --tls-cert (default $TETHER_TLS_KEY)")
+    parser.add_argument("--tls-ca", default=os.environ.get(tls.CA_ENV, ""),
+                        help="PEM certificate to trust for a TLS tracker (default $TETHER_TLS_CA)")
     return parser
 
 
@@ -109,7 +118,8 @@ def run(args) -> int:
     server = serve(args.host, args.port, tracker=tracker, key=args.key if tracker else None,
                    advertise=args.advertise, farm_secret=args.farm_secret,
                    attributes=dict(args.attr), max_sessions=args.max_sessions,
-                   idle_timeout_s=args.idle_timeout, max_upload_bytes=args.max_upload_bytes)
+                   idle_timeout_s=args.idle_timeout, max_upload_bytes=args.max_upload_bytes,
+                   tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)
     where = f"registered with {tracker} as {args.key}" if tracker else "standalone"
     print(f"tether device server listening on {args.host}:{server.port} ({where})", flush=True)
     wait_for_stop_signal()
