@@ -19,18 +19,28 @@ __all__ = ["connect", "connect_tracker", "Session", "RemoteModule", "TrackerClie
 
 
 def connect(host: str, port: int = 9090, session_timeout: float = 0.0,
-            timeout: Optional[float] = 30.0) -> Session:
-    """Open a session on a device server that is not behind a tracker."""
+            timeout: Optional[float] = 30.0, tls_ca: Optional[str] = None) -> Session:
+    """Open a session on a device server that is not behind a tracker.
+
+    ``tls_ca`` (default ``$TETHER_TLS_CA``) is the PEM certificate to trust when
+    the server serves TLS.
+    """
     return Session(f"{host}:{port}", session_timeout=session_timeout,
-                   client=default_client_name(), timeout=timeout)
+                   client=default_client_name(), timeout=timeout, tls_ca=tls_ca)
 
 
 def connect_tracker(host: Optional[str] = None, port: Optional[int] = None,
-                    farm_secret: Optional[str] = None) -> TrackerClient:
-    """Connect to a tracker; without arguments, to ``$TETHER_TRACKER``."""
+                    farm_secret: Optional[str] = None,
+                    tls_ca: Optional[str] = None) -> TrackerClient:
+    """Connect to a tracker; without arguments, to ``$TETHER_TRACKER``.
+
+    ``farm_secret`` defaults to ``$TETHER_FARM_SECRET`` and ``tls_ca`` (the PEM
+    certificate to trust for TLS) to ``$TETHER_TLS_CA``.
+    """
     if host is None:
         env = os.environ.get("TETHER_TRACKER")
         if not env:
             raise ValueError("no tracker address: pass host and port or set TETHER_TRACKER=host:port")
         host, port = split_address(env, 9190)
-    return TrackerClient(host, 9190 if port is None else port, farm_secret=farm_secret)
+    return TrackerClient(host, 9190 if port is None else port, farm_secret=farm_secret,
+                         tls_ca=tls_ca)

@@ -49,8 +49,15 @@ class Child:
             raise ProcessStartError(f"{self.name} did not start: {self.log_tail()}")
         return int(line.split(b"listening on", 1)[1].split()[0].rsplit(b":", 1)[1])
 
+    def log_text(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")
+
     def log_tail(self, lines: int = 20) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         with open(self.log_path, "rb") as f:
             return b"\n".join(f.read().splitlines()[-lines:]).decode(errors="replace")
 
@@ -97,12 +104,24 @@ class LocalFarm:
         return self.host, self.tracker_proc.port
 
     def start(self) -> "LocalFarm":
-        self.tracker_proc = Child("tracker", python_argv(
-            "remote.tracker", "--host", self.host, "--port", "0", *self.tracker_args),
-            self.log_dir, self.env)
+        self.start_tracker(0)
         for i, key in enumerate(self.keys):
             self.add_server(key, name=f"server-{i}-{key}")
         return self
+
+    def start_tracker(self, port: int, name: str = "tracker") -> Child:
+        """Start the tracker process (port 0 picks a free port)."""
+        self.tracker_proc = Child(name, python_argv(
+            "remote.tracker", "--host", self.host, "--port", str(port), *self.tracker_args),
+            self.log_dir, self.env)
+        return self.tracker_proc
+
+    def restart_tracker(self, down_s: float = 0.0) -> Child:
+        """Stop the tracker and start a fresh one on the same port after ``down_s``."""
+        port = self.tracker_proc.port
+        self.tracker_proc.stop()
+        time.sleep(down_s)
+        return self.start_tracker(port, name=f"tracker-{port}-again-{time.monotonic_ns()}")
 
     def add_server(self, key: str, name: Optional[str] = None, extra: Sequence[str] = (),
                    wait: bool = True) -> Child:
@@ -116,10 +135,16 @@ class LocalFarm:
             self.wait_for_devices(key, self._per_key[key])
         return child
 
+    def client(self) -> TrackerClient:
+        """A client of this farm's tracker, with the farm's TLS trust (summary needs no secret)."""
+        env = self.env if self.env is not None else os.environ
+        return TrackerClient(*self.tracker, tls_ca=env.get("TETHER_TLS_CA", ""),
+                             farm_secret=env.get("TETHER_FARM_SECRET", ""))
+
     def wait_for_devices(self, key: str, count: int, timeout: float = STARTUP_TIMEOUT_S):
         """Block until the tracker lists ``count`` devices of ``key``."""
         deadline = time.monotonic() + timeout
-        with TrackerClient(*self.tracker) as client:
+        with self.client() as client:
             while time.monotonic() < deadline:
                 keys = {k["key"]: k["total"] for k in client.summary()["keys"]}
                 if keys.get(key, 0) >= count:

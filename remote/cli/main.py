@@ -28,7 +28,7 @@ def cmd_server(args):
 
 def cmd_status(args):
     from remote.client.tracker import TrackerClient, format_summary
-    with TrackerClient(*_tracker_address(args.tracker)) as client:
+    with TrackerClient(*_tracker_address(args.tracker), tls_ca=args.tls_ca) as client:
         data = client.summary()
     print(json.dumps(data, indent=2) if args.json else format_summary(data))
     return 0
@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog="example: tether status --tracker farm.local:9190 --json")
     p.add_argument("--tracker", help=f"HOST:PORT (default $TETHER_TRACKER or {DEFAULT_TRACKER})")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
+    p.add_argument("--tls-ca", default=None,
+                   help="PEM certificate to trust when the tracker serves TLS (default $TETHER_TLS_CA)")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("compile", help="cross-compile an ONNX model to a module .so",

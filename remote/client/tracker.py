@@ -4,13 +4,15 @@ from __future__ import annotations
 import getpass
 import os
 import socket
+import time
+from dataclasses import dataclass
 from typing import Dict, Optional
 
 import grpc
 
-from remote import errors
+from remote import errors, tls
 from remote.client.session import Session
-from remote.proto import CHANNEL_OPTIONS, make_stub, pb
+from remote.proto import make_stub, pb
 
 
 def default_client_name() -> str:
@@ -19,6 +21,16 @@ def default_client_name() -> str:
     except Exception:  # noqa: BLE001 - no login name in some containers
         user = "user"
     return f"{user}@{socket.gethostname()}:{os.getpid()}"
+
+
+@dataclass
+class Lease:
+    """A device granted by the tracker: where it is, and the one-time token it wants."""
+
+    token: str
+    device_id: str
+    address: str
+    key: str
 
 
 class TrackerClient:
@@ -30,19 +42,49 @@ class TrackerClient:
     """
 
     def __init__(self, host: str, port: int, farm_secret: Optional[str] = None,
-                 timeout: Optional[float] = 10.0):
+                 timeout: Optional[float] = 10.0, tls_ca: Optional[str] = None):
         self.address = f"{host}:{port}"
         self.timeout = timeout
         self.farm_secret = (os.environ.get("TETHER_FARM_SECRET", "")
                             if farm_secret is None else farm_secret)
-        self._channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self.tls_ca = tls.default_ca(tls_ca)
+        self._channel = tls.open_channel(self.address, self.tls_ca)
         self._stub = make_stub(self._channel, "Tracker")
 
     def _call(self, method, request, timeout):
         try:
             return method(request, timeout=timeout)
         except grpc.RpcError as exc:
-            raise errors.from_rpc_error(exc, f"tracker {self.address}") from None
+            error = errors.from_rpc_error(exc, f"tracker {self.address}")
+        if isinstance(error, errors.ConnectionFailed):
+            # A TLS/plaintext mismatch shows up only as a dropped connection.
+            hint = ("if the tracker serves TLS, pass tls_ca= (--tls-ca) or set TETHER_TLS_CA"
+                    if not self.tls_ca else
+                    f"is the tracker serving TLS with a certificate {self.tls_ca!r} trusts?")
+            error = type(error)(f"{error}; {hint}")
+        raise error
+
+    def lease(self, key: str, priority: int = 0, timeout: Optional[float] = None,
+              wait_for_key: bool = False, filters: Optional[Dict[str, str]] = None,
+              client: Optional[str] = None) -> Lease:
+        """Wait for a device of ``key`` and return its lease, without opening a session.
+
+        ``request`` is this plus ``Session``; use this to hand the token to
+        another process, or ``release(lease)`` to give the device back unused.
+        """
+        request = pb.DeviceRequest(key=key, priority=priority, timeout_s=timeout or 0.0,
+                                   wait_for_key=wait_for_key, filters=filters or {},
+                                   client=client or default_client_name(),
+                                   farm_secret=self.farm_secret)
+        # The tracker enforces the timeout; the deadline here only covers a lost tracker.
+        deadline = None if timeout is None else timeout + 10.0
+        reply = self._call(self._stub.RequestDevice, request, deadline)
+        return Lease(reply.token, reply.device_id, reply.address, reply.key)
+
+    def release(self, lease: Lease) -> None:
+        """Give a leased device back (a no-op when the lease has already ended)."""
+        self._call(self._stub.ReleaseLease, pb.ReleaseRequest(
+            token=lease.token, farm_secret=self.farm_secret), self.timeout)
 
     def request(self, key: str, priority: int = 0, timeout: Optional[float] = None,
                 session_timeout: float = 0.0, wait_for_key: bool = False,
@@ -55,35 +97,41 @@ class TrackerClient:
         device serves raises ``NoSuchKey`` at once unless ``wait_for_key``.
         """
         client = client or default_client_name()
-        request = pb.DeviceRequest(key=key, priority=priority, timeout_s=timeout or 0.0,
-                                   wait_for_key=wait_for_key, filters=filters or {},
-                                   client=client, farm_secret=self.farm_secret)
-        # The tracker enforces the timeout; the deadline here only covers a lost tracker.
-        deadline = None if timeout is None else timeout + 10.0
-        lease = self._call(self._stub.RequestDevice, request, deadline)
+        lease = self.lease(key, priority=priority, timeout=timeout, wait_for_key=wait_for_key,
+                           filters=filters, client=client)
 
         def give_back():
             try:
-                self._stub.ReleaseLease(pb.ReleaseRequest(token=lease.token,
-                                                          farm_secret=self.farm_secret),
-                                        timeout=5.0)
-            except grpc.RpcError:
-                pass  # the tracker expires the lease by itself
+                self.release(lease)
+            except errors.TetherError:
+                pass  # the device server releases it too, and the tracker expires it
 
         return Session(lease.address, lease_token=lease.token, session_timeout=session_timeout,
-                       client=client, on_close=give_back)
+                       client=client, on_close=give_back, tls_ca=self.tls_ca)
 
     def summary(self) -> dict:
-        """Devices, per-key counts and waiting requests, as plain data."""
+        """Devices, per-key counts and waiting requests, as plain data (JSON-ready).
+
+        Each device has key, address, state (free/leased/in_use), holder and
+        ``held_since`` (Unix time) and its capabilities; each waiting request
+        its key, priority, client and seconds waited, in the order they will be served.
+        """
         reply = self._call(self._stub.Summary, pb.Empty(), self.timeout)
+        now = time.time()
         devices = []
         for d in reply.devices:
+            info = d.info
             devices.append({
                 "device_id": d.device_id, "key": d.key, "address": d.address, "state": d.state,
-                "holder": d.holder, "held_s": d.held_s, "last_seen_s": d.last_seen_s,
-                "triple": d.info.triple, "cpu_model": d.info.cpu_model, "cores": d.info.cores,
-                "memory_bytes": d.info.memory_bytes, "os": d.info.os,
-                "attributes": dict(d.info.attributes),
+                "holder": d.holder, "held_s": d.held_s,
+                "held_since": now - d.held_s if d.holder else None,
+                "last_seen_s": d.last_seen_s,
+                "triple": info.triple, "machine": info.machine, "cpu_model": info.cpu_model,
+                "cpu_features": list(info.cpu_features), "cores": info.cores,
+                "memory_bytes": info.memory_bytes, "os": info.os,
+                "python": info.python_version, "numpy": info.numpy_version,
+                "server_version": info.server_version,
+                "attributes": dict(info.attributes),
             })
         keys = [{"key": k.key, "total": k.total, "free": k.free, "pending": k.pending}
                 for k in reply.keys]
@@ -112,6 +160,20 @@ def _table(headers, rows) -> str:
     return "\n".join(lines)
 
 
+def _since(unix_time: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(unix_time))
+
+
+def _capabilities(d: dict) -> str:
+    parts = [d["triple"] or "?", d["cpu_model"] or "?", f"{d['cores']} cores"]
+    if d["memory_bytes"]:
+        parts.append(f"{d['memory_bytes'] / 2**30:.1f} GiB")
+    if d["os"]:
+        parts.append(d["os"])
+    parts += [f"{k}={v}" for k, v in sorted(d["attributes"].items())]
+    return ", ".join(parts)
+
+
 def format_summary(data: dict) -> str:
     """Render ``TrackerClient.summary()`` data as text tables."""
     out = [f"tracker {data['tracker']}", ""]
@@ -122,12 +184,15 @@ def format_summary(data: dict) -> str:
         out.append("no devices registered")
     if data["devices"]:
         out += ["", _table(
-            ("DEVICE", "KEY", "ADDRESS", "STATE", "HOLDER", "TRIPLE", "CORES", "OS"),
-            [(d["device_id"], d["key"], d["address"], d["state"],
-              f"{d['holder']} ({d['held_s']:.0f}s)" if d["holder"] else "-",
-              d["triple"], d["cores"], d["os"]) for d in data["devices"]])]
+            ("DEVICE", "KEY", "ADDRESS", "STATE", "HOLDER", "SINCE", "CAPABILITIES"),
+            [(d["device_id"], d["key"], d["address"], d["state"], d["holder"] or "-",
+              f"{_since(d['held_since'])} ({d['held_s']:.0f}s)" if d["holder"] else "-",
+              _capabilities(d)) for d in data["devices"]])]
     if data["waiting"]:
-        out += ["", _table(("WAITING FOR", "PRIORITY", "CLIENT", "WAITED"),
-                           [(w["key"], w["priority"], w["client"], f"{w['waited_s']:.1f}s")
-                            for w in data["waiting"]])]
+        out += ["", "queue, in the order it will be served:", _table(
+            ("#", "KEY", "PRIORITY", "CLIENT", "WAITED"),
+            [(i + 1, w["key"], w["priority"], w["client"], f"{w['waited_s']:.1f}s")
+             for i, w in enumerate(data["waiting"])])]
+    else:
+        out += ["", "queue: empty"]
     return "\n".join(out)
