@@ -110,6 +110,9 @@ class TrackerLink:
 
     def redeem(self, token: str) -> None:
         """Ask the tracker whether ``token`` is a live lease on this device."""
+        # The tracker may lease this device while its Register reply is still on
+        # the way back, before we know our device id.
+        self.registered.wait(RPC_TIMEOUT_S)
         try:
             self._stub.RedeemLease(pb.RedeemRequest(
                 device_id=self.device_id, token=token, farm_secret=self.farm_secret),

@@ -1,0 +1,313 @@
+"""The tracker with real processes on loopback: queue order, timeouts, eviction,
+restarts, leases, filters, the farm secret, TLS and `tether status`."""
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from remote import errors, rpc
+from remote.cli.localfarm import LocalFarm
+from remote.client.session import Session
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def child_env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TETHER_FARM_SECRET", "TETHER_TLS_CA", "TETHER_TLS_CERT", "TETHER_TLS_KEY")}
+    env["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+@contextlib.contextmanager
+def local_farm(keys=("k",), tracker_args=(), server_args=(), **env):
+    with LocalFarm(keys=list(keys), tracker_args=list(tracker_args),
+                   server_args=list(server_args), env=child_env(**env)) as farm:
+        yield farm
+
+
+def wait_until(condition, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"{what} did not happen within {timeout} s")
+
+
+def key_status(tracker, key):
+    return {k["key"]: k for k in tracker.summary()["keys"]}.get(
+        key, {"total": 0, "free": 0, "pending": 0})
+
+
+def run_client(farm, code):
+    """A client in its own process (so it can be killed); returns the Popen."""
+    script = (f"import sys, time\nfrom remote import rpc\n"
+              f"tracker = rpc.connect_tracker('127.0.0.1', {farm.tracker[1]})\n{code}")
+    return subprocess.Popen([sys.executable, "-c", script], env=farm.env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+# ------------------------------------------------------------- the queue --
+
+def test_priority_first_then_fifo_and_the_queue_is_visible():
+    with local_farm(keys=["k"]) as farm:
+        tracker = farm.client()
+        served, lock = [], threading.Lock()
+
+        def want(name, priority):
+            with tracker.request("k", priority=priority, timeout=60, client=name):
+                with lock:
+                    served.append(name)
+
+        holder = tracker.request("k", timeout=30, client="holder")
+        threads = []
+        for n, (name, priority) in enumerate([("low-1", 0), ("low-2", 0), ("high", 5), ("low-3", 0)]):
+            t = threading.Thread(target=want, args=(name, priority))
+            t.start()
+            threads.append(t)
+            wait_until(lambda: key_status(tracker, "k")["pending"] == n + 1, 10, f"{name} queued")
+        summary = tracker.summary()
+        assert [(w["client"], w["priority"]) for w in summary["waiting"]] == [
+            ("high", 5), ("low-1", 0), ("low-2", 0), ("low-3", 0)]
+        assert all(w["waited_s"] > 0 for w in summary["waiting"])
+        (device,) = summary["devices"]
+        assert (device["state"], device["holder"]) == ("in_use", "holder")
+        text = tracker.text_summary()
+        assert "high" in text and "holder" in text and device["address"] in text
+        holder.close()
+        for t in threads:
+            t.join(60)
+        assert served == ["high", "low-1", "low-2", "low-3"]
+        assert key_status(tracker, "k") == {"key": "k", "total": 1, "free": 1, "pending": 0}
+
+
+def test_request_timeout_is_typed_and_leaves_the_queue():
+    with local_farm(keys=["k"]) as farm:
+        tracker = farm.client()
+        with tracker.request("k", timeout=30):
+            start = time.monotonic()
+            with pytest.raises(errors.RequestTimeout, match="'k'.*0.5 s"):
+                tracker.request("k", timeout=0.5)
+            assert time.monotonic() - start < 10
+            assert key_status(tracker, "k")["pending"] == 0
+
+
+def test_unknown_key_fails_at_once_unless_asked_to_wait():
+    with local_farm(keys=["k", "other"]) as farm:
+        tracker = farm.client()
+        with pytest.raises(errors.NoSuchKey, match=r"'late'.*registered keys: k, other"):
+            tracker.request("late", timeout=30)
+        got = []
+        waiter = threading.Thread(target=lambda: got.append(
+            tracker.request("late", wait_for_key=True, timeout=60)))
+        waiter.start()
+        wait_until(lambda: key_status(tracker, "late")["pending"] == 1, 10, "request queued")
+        farm.add_server("late")
+        waiter.join(60)
+        (sess,) = got
+        assert sess.listdir() == []
+        sess.close()
+
+
+def test_attribute_filters_pick_the_matching_board():
+    with local_farm(keys=[]) as farm:
+        farm.add_server("arm", extra=["--attr", "board=rpi3"])
+        farm.add_server("arm", extra=["--attr", "board=rpi4"])
+        tracker = farm.client()
+        for _ in range(3):
+            with tracker.request("arm", filters={"board": "rpi4"}, timeout=30) as sess:
+                assert sess.device_info()["attributes"]["board"] == "rpi4"
+        with tracker.request("arm", filters={"board": "rpi3"}, timeout=30) as sess:
+            assert sess.device_info()["attributes"]["board"] == "rpi3"
+        with pytest.raises(errors.RequestTimeout):
+            tracker.request("arm", filters={"board": "rpi5"}, timeout=0.5)
+
+
+# ----------------------------------------------------------------- leases --
+
+def test_wrong_and_reused_lease_tokens_are_refused():
+    with local_farm(keys=["k"]) as farm:
+        tracker = farm.client()
+        lease = tracker.lease("k", timeout=30)
+        assert len(lease.token) >= 32
+        with pytest.raises(errors.AuthenticationError, match="unknown or expired lease"):
+            Session(lease.address, lease_token=lease.token[:-4] + "AAAA")
+        sess = Session(lease.address, lease_token=lease.token)
+        assert key_status(tracker, "k")["free"] == 0
+        with pytest.raises(errors.AuthenticationError, match="already used"):
+            Session(lease.address, lease_token=lease.token)
+        sess.close()
+        wait_until(lambda: key_status(tracker, "k")["free"] == 1, 10, "device back in the pool")
+        with pytest.raises(errors.AuthenticationError, match="unknown or expired"):
+            Session(lease.address, lease_token=lease.token)
+        assert key_status(tracker, "k")["free"] == 1
+
+
+def test_unredeemed_lease_expires_and_device_returns():
+    with local_farm(keys=["k"], tracker_args=["--unused-lease-timeout", "1"]) as farm:
+        tracker = farm.client()
+        lease = tracker.lease("k", timeout=30)
+        assert key_status(tracker, "k")["free"] == 0
+        wait_until(lambda: key_status(tracker, "k")["free"] == 1, 10, "unused lease expired")
+        with pytest.raises(errors.AuthenticationError):
+            Session(lease.address, lease_token=lease.token)
+
+
+def test_client_killed_while_waiting_or_holding_frees_queue_and_device():
+    # The device server ends a session silent for --idle-timeout seconds and
+    # gives its lease back; that is how a vanished client's board returns.
+    with local_farm(keys=["k"], server_args=["--idle-timeout", "2"]) as farm:
+        tracker = farm.client()
+        holder = run_client(farm, "s = tracker.request('k', timeout=30)\n"
+                                  "print('holding', flush=True)\ntime.sleep(600)")
+        try:
+            assert holder.stdout.readline().strip() == b"holding", holder.stderr.read()
+            waiter = run_client(farm, "tracker.request('k', timeout=600)")
+            wait_until(lambda: key_status(tracker, "k")["pending"] == 1, 10, "second client queued")
+            waiter.kill()
+            waiter.wait()
+            wait_until(lambda: key_status(tracker, "k")["pending"] == 0, 10,
+                       "killed client's request left the queue")
+            (device,) = tracker.summary()["devices"]
+            assert device["state"] == "in_use"
+            holder.send_signal(signal.SIGKILL)
+            holder.wait()
+            wait_until(lambda: key_status(tracker, "k")["free"] == 1, 10,
+                       "device returned after its holder was killed")
+        finally:
+            holder.kill()
+        with tracker.request("k", timeout=10) as sess:
+            assert sess.listdir() == []
+
+
+# --------------------------------------------------------------- liveness --
+
+@pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["frozen", "killed"])
+def test_silent_server_is_evicted_within_the_window(sig):
+    with local_farm(keys=["k", "k"], tracker_args=["--eviction-window", "2"]) as farm:
+        tracker = farm.client()
+        victim = farm.servers[0]
+        victim_address = f"127.0.0.1:{victim.port}"
+        assert victim_address in [d["address"] for d in tracker.summary()["devices"]]
+        os.kill(victim.proc.pid, sig)
+        try:
+            start = time.monotonic()
+            wait_until(lambda: victim_address not in
+                       [d["address"] for d in tracker.summary()["devices"]], 15, "eviction")
+            # 2 s window plus the reaper's tick; generous for a loaded machine.
+            assert time.monotonic() - start < 6
+            assert key_status(tracker, "k")["total"] == 1
+            with tracker.request("k", timeout=10) as sess:
+                assert sess.address != victim_address
+            if sig == signal.SIGSTOP:
+                os.kill(victim.proc.pid, signal.SIGCONT)
+                wait_until(lambda: key_status(tracker, "k")["total"] == 2, 15,
+                           "thawed server registered again")
+        finally:
+            if sig == signal.SIGSTOP:
+                os.kill(victim.proc.pid, signal.SIGCONT)
+
+
+def test_servers_register_again_after_a_tracker_restart():
+    with local_farm(keys=["k", "k", "other"]) as farm:
+        tracker = farm.client()
+        held = tracker.request("k", timeout=30)
+        farm.restart_tracker(down_s=1.0)
+        wait_until(lambda: key_status(tracker, "k")["total"] == 2
+                   and key_status(tracker, "other")["total"] == 1, 20, "re-registration")
+        # The session opened before the restart keeps its device.
+        assert key_status(tracker, "k")["free"] == 1
+        assert held.listdir() == []
+        with tracker.request("k", timeout=10) as sess:
+            assert sess.address != held.address
+        held.close()
+        wait_until(lambda: key_status(tracker, "k")["free"] == 2, 10, "old session's device freed")
+
+
+# ----------------------------------------------------------------- access --
+
+def test_farm_secret_is_required_to_register_and_to_request():
+    with local_farm(keys=["k"], tracker_args=["--farm-secret", "s3cret"],
+                    TETHER_FARM_SECRET="s3cret") as farm:
+        host, port = farm.tracker
+        with pytest.raises(errors.AuthenticationError, match="farm secret.*TETHER_FARM_SECRET"):
+            rpc.connect_tracker(host, port, farm_secret="wrong").request("k", timeout=5)
+        with pytest.raises(errors.AuthenticationError, match="farm secret"):
+            rpc.connect_tracker(host, port, farm_secret="").request("k", timeout=5)
+        with rpc.connect_tracker(host, port, farm_secret="s3cret").request("k", timeout=10) as sess:
+            assert sess.listdir() == []
+        intruder = farm.add_server("k", extra=["--farm-secret", "guess"], wait=False)
+        wait_until(lambda: "wrong or missing farm secret" in intruder.log_text(), 15,
+                   "refused registration logged")
+        assert key_status(farm.client(), "k")["total"] == 1
+
+
+def make_self_signed_pair(folder):
+    cert, key = os.path.join(folder, "cert.pem"), os.path.join(folder, "key.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+                    "-keyout", key, "-out", cert, "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+def test_tls_for_tracker_and_device_traffic(tmp_path):
+    cert, key = make_self_signed_pair(str(tmp_path))
+    tls_args = ["--tls-cert", cert, "--tls-key", key]
+    with local_farm(keys=["k"], tracker_args=tls_args, server_args=tls_args,
+                    TETHER_TLS_CA=cert) as farm:
+        host, port = farm.tracker
+        with rpc.connect_tracker(host, port, tls_ca=cert).request("k", timeout=10) as sess:
+            sess.upload(b"over tls", target="f.bin")
+            assert sess.listdir() == ["f.bin"]
+        with pytest.raises(errors.ConnectionFailed, match="TLS.*tls_ca"):
+            rpc.connect_tracker(host, port, tls_ca="").summary()
+        device_port = farm.servers[0].port
+        with pytest.raises(errors.ConnectionFailed):
+            rpc.connect("127.0.0.1", device_port, tls_ca="", timeout=5)
+
+
+# ------------------------------------------------------------- visibility --
+
+def test_tether_status_shows_devices_holders_and_queue():
+    with local_farm(keys=[]) as farm:
+        farm.add_server("k", extra=["--attr", "board=rpi4"])
+        tracker = farm.client()
+        cli = [sys.executable, "-m", "remote.cli", "status", "--tracker",
+               f"127.0.0.1:{farm.tracker[1]}"]
+        with tracker.request("k", timeout=10, client="alice@lab"):
+            outcome = []
+
+            def wait_in_queue():
+                try:
+                    tracker.request("k", priority=3, timeout=2, client="bob@ci")
+                except errors.RequestTimeout as exc:
+                    outcome.append(exc)
+
+            waiter = threading.Thread(target=wait_in_queue)
+            waiter.start()
+            wait_until(lambda: key_status(tracker, "k")["pending"] == 1, 10, "queued")
+            data = json.loads(subprocess.run(cli + ["--json"], env=farm.env, check=True,
+                                             capture_output=True, text=True).stdout)
+            text = subprocess.run(cli, env=farm.env, check=True, capture_output=True,
+                                  text=True).stdout
+            waiter.join()
+        assert len(outcome) == 1, "bob must time out: alice held the only board"
+        (device,) = data["devices"]
+        assert device["state"] == "in_use" and device["holder"] == "alice@lab"
+        assert device["held_since"] <= time.time() and device["attributes"] == {"board": "rpi4"}
+        assert device["triple"] and device["cores"] >= 1
+        assert data["keys"] == [{"key": "k", "total": 1, "free": 0, "pending": 1}]
+        (waiting,) = data["waiting"]
+        assert (waiting["client"], waiting["priority"]) == ("bob@ci", 3)
+        for word in ("alice@lab", "bob@ci", "in_use", "board=rpi4", device["address"]):
+            assert word in text
