@@ -1,0 +1,292 @@
+"""Tether's tracker against Apache TVM's RPC tracker, side by side in one run.
+
+    python benchmarks/bench_tracker.py [--sessions 100] [--devices 100] [--seconds 5]
+
+1. request-to-session: from ``request(key)`` to a connected session on a free
+   device, with a real tracker and a real device server as processes on
+   loopback (ours: ``tracker.request(key)`` returning an open ``Session``;
+   TVM: ``connect_tracker(...).request(key)`` returning an ``RPCSession``).
+2. leases/s: many client threads lease devices from a tracker process that has
+   ``--devices`` devices registered. The devices are played by a light
+   registrar in this process that speaks each tracker's real protocol: for us
+   it registers, heartbeats, redeems the lease token and releases it, as a
+   device server does; for TVM it announces each device with PUT and announces
+   it again with a new match key once a lease was handed out, as TVM's server
+   does after a session.
+
+Needs ``pip install apache-tvm`` for the TVM half; without it only ours runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from remote import rpc  # noqa: E402
+from remote.cli.localfarm import Child, LocalFarm  # noqa: E402
+from remote.proto import make_stub, pb  # noqa: E402
+from remote.tls import open_channel  # noqa: E402
+
+KEY = "bench"
+
+
+def env():
+    return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def describe(samples):
+    ms = sorted(x * 1e3 for x in samples)
+    return statistics.median(ms), ms[int(len(ms) * 0.9)]
+
+
+# ------------------------------------------------------ request-to-session --
+
+def ours_request_to_session(sessions: int):
+    with LocalFarm(keys=[KEY], env=env()) as farm:
+        tracker = rpc.connect_tracker(*farm.tracker)
+        samples = []
+        for i in range(sessions + 5):
+            start = time.perf_counter()
+            sess = tracker.request(KEY, timeout=30)
+            elapsed = time.perf_counter() - start
+            sess.close()
+            if i >= 5:  # warm-up: first channels, imports, thread pools
+                samples.append(elapsed)
+        return samples
+
+
+class TvmFarm:
+    """TVM's tracker and one TVM RPC server, as ``python -m tvm.exec...`` processes."""
+
+    def __init__(self):
+        self.port = free_port()
+        self.log_dir = os.path.join("/tmp", f"tvm-bench-{os.getpid()}")
+        os.makedirs(self.log_dir, exist_ok=True)
+        self.procs = []
+
+    def spawn(self, name, *argv):
+        log = open(os.path.join(self.log_dir, name + ".log"), "wb")
+        self.procs.append(subprocess.Popen([sys.executable, "-m", *argv], stdout=log,
+                                           stderr=subprocess.STDOUT, start_new_session=True))
+
+    def start_tracker(self):
+        self.spawn("tracker", "tvm.exec.rpc_tracker", "--host", "127.0.0.1",
+                   "--port", str(self.port), "--port-end", str(self.port + 1))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), 1).close()
+                return
+            except OSError:
+                time.sleep(0.2)
+        raise RuntimeError(f"TVM tracker did not start; see {self.log_dir}")
+
+    def wait_free(self, tracker, count=1, timeout=60):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            info = tracker.summary()["queue_info"].get(KEY, {})
+            if info.get("free", 0) >= count:
+                return
+            time.sleep(0.005)
+        raise RuntimeError(f"TVM device did not become free; see {self.log_dir}")
+
+    def stop(self):
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def tvm_request_to_session(sessions: int):
+    from tvm import rpc as tvm_rpc
+
+    farm = TvmFarm()
+    try:
+        farm.start_tracker()
+        port = free_port()
+        farm.spawn("server", "tvm.exec.rpc_server", "--host", "127.0.0.1", "--port", str(port),
+                   "--port-end", str(port + 1), "--tracker", f"127.0.0.1:{farm.port}", "--key", KEY)
+        tracker = tvm_rpc.connect_tracker("127.0.0.1", farm.port)
+        samples = []
+        for i in range(sessions + 2):
+            farm.wait_free(tracker)  # the same starting point as ours: a free device
+            start = time.perf_counter()
+            sess = tracker.request(KEY)
+            elapsed = time.perf_counter() - start
+            del sess  # TVM ends the session when the handle goes away
+            if i >= 2:
+                samples.append(elapsed)
+        return samples
+    finally:
+        farm.stop()
+
+
+# --------------------------------------------------------------- leases/s --
+
+def ours_leases_per_s(devices: int, seconds: float, threads: int):
+    tracker_proc = Child("tracker", [sys.executable, "-m", "remote.tracker", "--host",
+                                     "127.0.0.1", "--port", "0"], "/tmp", env())
+    address = f"127.0.0.1:{tracker_proc.port}"
+    channel = open_channel(address, "")
+    stub = make_stub(channel, "Tracker")
+    stop = threading.Event()
+    try:
+        ids = [stub.Register(pb.RegisterRequest(key=KEY, address=f"127.0.0.1:{20000 + i}",
+                                                info=pb.DeviceInfo(triple="bench")), timeout=10
+                             ).device_id for i in range(devices)]
+
+        def heartbeats():
+            while not stop.wait(0.5):
+                for device_id in ids:
+                    stub.Heartbeat(pb.HeartbeatRequest(device_id=device_id), timeout=10)
+
+        count = [0]
+        lock = threading.Lock()
+
+        def client():
+            mine = 0
+            while not stop.is_set():
+                lease = stub.RequestDevice(pb.DeviceRequest(key=KEY, timeout_s=30, client="bench"),
+                                           timeout=40)
+                # What the device server does with it: redeem, then (session over) release.
+                stub.RedeemLease(pb.RedeemRequest(device_id=lease.device_id, token=lease.token),
+                                 timeout=10)
+                stub.ReleaseLease(pb.ReleaseRequest(token=lease.token), timeout=10)
+                mine += 1
+            with lock:
+                count[0] += mine
+
+        return run_for(seconds, [heartbeats] + [client] * threads, stop, count)
+    finally:
+        stop.set()
+        channel.close()
+        tracker_proc.stop()
+
+
+def run_for(seconds, targets, stop, count):
+    workers = [threading.Thread(target=t, daemon=True) for t in targets]
+    for w in workers:
+        w.start()
+    time.sleep(seconds)
+    stop.set()
+    for w in workers:
+        w.join(30)
+    return count[0] / seconds
+
+
+def tvm_leases_per_s(devices: int, seconds: float, threads: int):
+    from tvm.rpc import base
+
+    farm = TvmFarm()
+    stop = threading.Event()
+    try:
+        farm.start_tracker()
+
+        def tracker_socket():
+            sock = socket.create_connection(("127.0.0.1", farm.port))
+            sock.sendall(struct.pack("<i", base.RPC_TRACKER_MAGIC))
+            assert struct.unpack("<i", base.recvall(sock, 4))[0] == base.RPC_TRACKER_MAGIC
+            return sock
+
+        # One tracker connection per device, as each TVM server keeps one.
+        device_socks, device_locks = {}, {}
+        for i in range(devices):
+            port = 20000 + i
+            sock = tracker_socket()
+            base.sendjson(sock, [base.TrackerCode.UPDATE_INFO,
+                                 {"key": "server:" + KEY, "addr": ["127.0.0.1", port]}])
+            assert base.recvjson(sock) == base.TrackerCode.SUCCESS
+            device_socks[port], device_locks[port] = sock, threading.Lock()
+            put(base, sock, port)
+        count = [0]
+        lock = threading.Lock()
+
+        def client():
+            sock = tracker_socket()
+            mine = 0
+            while not stop.is_set():
+                base.sendjson(sock, [base.TrackerCode.REQUEST, KEY, "", 1])
+                code, (_, port, _) = base.recvjson(sock)
+                assert code == base.TrackerCode.SUCCESS
+                with device_locks[port]:  # the server, its session over, offers itself again
+                    put(base, device_socks[port], port)
+                mine += 1
+            sock.close()
+            with lock:
+                count[0] += mine
+
+        return run_for(seconds, [client] * threads, stop, count)
+    finally:
+        stop.set()
+        farm.stop()
+
+
+def put(base, sock, port):
+    base.sendjson(sock, [base.TrackerCode.PUT, KEY, [port, base.random_key(KEY + ":")], None])
+    assert base.recvjson(sock) == base.TrackerCode.SUCCESS
+
+
+# ------------------------------------------------------------------ main --
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sessions", type=int, default=100, help="timed request-to-session runs")
+    parser.add_argument("--devices", type=int, default=100, help="registered devices for leases/s")
+    parser.add_argument("--seconds", type=float, default=5.0, help="length of each leases/s run")
+    parser.add_argument("--threads", type=int, default=16, help="client threads for leases/s")
+    parser.add_argument("--json", action="store_true", help="also print the figures as JSON")
+    args = parser.parse_args(argv)
+    try:
+        import tvm  # noqa: F401
+        have_tvm = True
+    except ImportError:
+        have_tvm = False
+        print("apache-tvm is not installed (pip install apache-tvm): measuring ours only")
+
+    print(f"request-to-connected-session, {args.sessions} sessions, loopback, "
+          "real tracker and device server processes")
+    ours = describe(ours_request_to_session(args.sessions))
+    print(f"  tether  median {ours[0]:7.2f} ms   p90 {ours[1]:7.2f} ms")
+    figures = {"ours_request_to_session_ms": ours[0]}
+    if have_tvm:
+        theirs = describe(tvm_request_to_session(args.sessions))
+        print(f"  tvm     median {theirs[0]:7.2f} ms   p90 {theirs[1]:7.2f} ms")
+        print(f"  tether is {theirs[0] / ours[0]:.1f}x faster (median)")
+        figures["tvm_request_to_session_ms"] = theirs[0]
+
+    print(f"leases/s, {args.devices} registered devices played by an in-process registrar "
+          f"speaking each tracker's protocol, {args.threads} client threads, {args.seconds:g} s")
+    ours_rate = ours_leases_per_s(args.devices, args.seconds, args.threads)
+    print(f"  tether  {ours_rate:8.0f} leases/s  (request + device redeems token + release)")
+    figures["ours_leases_per_s"] = ours_rate
+    if have_tvm:
+        tvm_rate = tvm_leases_per_s(args.devices, args.seconds, args.threads)
+        print(f"  tvm     {tvm_rate:8.0f} leases/s  (request + device offers itself again)")
+        print(f"  tether/tvm = {ours_rate / tvm_rate:.2f}")
+        figures["tvm_leases_per_s"] = tvm_rate
+    if args.json:
+        print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
