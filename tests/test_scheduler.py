@@ -120,3 +120,34 @@ def test_summary_counts_per_key():
         "k": (2, 1, 0), "other": (0, 0, 1)}
     assert [d["holder"] for d in data["devices"] if d["state"] == LEASED] == ["alice"]
     assert data["waiting"] == [{"key": "other", "priority": 3, "client": "bob", "waited_s": 2}]
+
+
+def test_reregistration_keeps_live_sessions_in_use():
+    s = make_scheduler()
+    s.register("d", "k", "a:1", {}, now=0)
+    s.enqueue(Request("r", "k"))
+    ((_, lease),) = s.assign(now=0)
+    s.redeem("d", lease.token, now=1)
+    fresh = make_scheduler()  # a restarted tracker knows nothing
+    fresh.register("d", "k", "a:1", {}, now=5, live_tokens=[lease.token])
+    assert fresh.devices["d"].state == IN_USE
+    fresh.enqueue(Request("r2", "k"))
+    assert fresh.assign(now=6) == []
+    fresh.release(lease.token, now=7)
+    assert [r.request_id for r, _ in fresh.assign(now=8)] == ["r2"]
+    # Registering again without the token (the session ended meanwhile) frees it.
+    s.register("d", "k", "a:1", {}, now=9)
+    assert s.devices["d"].state == FREE and lease.token not in s.leases
+
+
+def test_device_free_longest_is_leased_first():
+    s = make_scheduler()
+    s.register("a", "k", "a:1", {}, now=0)
+    s.register("b", "k", "a:2", {}, now=1)
+    s.enqueue(Request("r1", "k"))
+    ((_, first),) = s.assign(now=2)
+    assert first.device_id == "a"
+    s.release(first.token, now=3)
+    s.enqueue(Request("r2", "k"))
+    ((_, second),) = s.assign(now=4)
+    assert second.device_id == "b", "b has been free since 1, a only since 3"
