@@ -39,7 +39,8 @@ def serve(host: str = "0.0.0.0", port: int = 9090, tracker: Optional[str] = None
           key: Optional[str] = None, advertise: Optional[str] = None,
           farm_secret: str = "", attributes: Optional[Dict[str, str]] = None,
           max_sessions: int = 1, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
-          max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES) -> RunningServer:
+          max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES, session_queue_s: float = 0.0,
+          cc: str = "cc") -> RunningServer:
     """Start serving; with ``tracker`` and ``key`` the server registers and needs leases.
 
     >>> srv = serve("127.0.0.1", 0)            # doctest: +SKIP
@@ -53,7 +54,8 @@ def serve(host: str = "0.0.0.0", port: int = 9090, tracker: Optional[str] = None
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}: address in use or not local")
     service = DeviceService(max_sessions=max_sessions, idle_timeout_s=idle_timeout_s,
-                            max_upload_bytes=max_upload_bytes, attributes=attributes)
+                            max_upload_bytes=max_upload_bytes, attributes=attributes,
+                            host=host, session_queue_s=session_queue_s, cc=cc)
     link = None
     if tracker is not None:
         if advertise is None:
@@ -96,7 +98,13 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     parser.add_argument("--max-sessions", type=int, default=1)
     parser.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
                         help="seconds after which a silent session is closed")
-    parser.add_argument("--max-upload-bytes", type=int, default=DEFAULT_MAX_UPLOAD_BYTES)
+    parser.add_argument("--max-upload-bytes", type=int, default=DEFAULT_MAX_UPLOAD_BYTES,
+                        help="largest file or tensor a client may send")
+    parser.add_argument("--session-queue", type=float, default=0.0, metavar="SECONDS",
+                        help="with --max-sessions sessions open, a new one waits this long "
+                             "for a free slot before it is refused (default 0: refuse at once)")
+    parser.add_argument("--cc", default=os.environ.get("CC", "cc"),
+                        help="C compiler that links uploaded .tar modules (default $CC or cc)")
     return parser
 
 
@@ -109,7 +117,8 @@ def run(args) -> int:
     server = serve(args.host, args.port, tracker=tracker, key=args.key if tracker else None,
                    advertise=args.advertise, farm_secret=args.farm_secret,
                    attributes=dict(args.attr), max_sessions=args.max_sessions,
-                   idle_timeout_s=args.idle_timeout, max_upload_bytes=args.max_upload_bytes)
+                   idle_timeout_s=args.idle_timeout, max_upload_bytes=args.max_upload_bytes,
+                   session_queue_s=args.session_queue, cc=args.cc)
     where = f"registered with {tracker} as {args.key}" if tracker else "standalone"
     print(f"tether device server listening on {args.host}:{server.port} ({where})", flush=True)
     wait_for_stop_signal()
