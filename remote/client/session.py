@@ -113,14 +113,20 @@ class Session:
             raise errors.SessionError("this session is closed; open a new one")
         with self._data_lock:
             fs = self._data
+            if isinstance(fs, _ClosedData):
+                raise self._why_ended(what)
             fs.sock.settimeout(self.timeout if timeout is None else timeout)
             try:
                 try:
                     send(fs)
                     reply = fs.recv_header()
                     if reply.op == "error":
-                        fs.skip(fs.body_left)
-                        raise _error_class(reply.error)(reply.text)
+                        cls = _error_class(reply.error)
+                        if issubclass(cls, errors.SessionEnded):
+                            self._abandon()
+                        else:
+                            fs.skip(fs.body_left)
+                        raise cls(reply.text)
                     return receive(fs, reply) if receive is not None else reply
                 except (errors.TetherError, OSError):
                     raise
@@ -128,6 +134,8 @@ class Session:
                     # Interrupted half way through a frame: the stream is out of step.
                     self._abandon()
                     raise
+            except errors.TetherError:
+                raise  # RequestTimeout is a TimeoutError, which socket.timeout also is
             except socket.timeout:
                 self._abandon()
                 raise errors.RequestTimeout(

@@ -40,7 +40,7 @@ def serve(host: str = "0.0.0.0", port: int = 9090, tracker: Optional[str] = None
           farm_secret: str = "", attributes: Optional[Dict[str, str]] = None,
           max_sessions: int = 1, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
           max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES, session_queue_s: float = 0.0,
-          cc: str = "cc") -> RunningServer:
+          cc: str = "cc", workspace_dir: Optional[str] = None) -> RunningServer:
     """Start serving; with ``tracker`` and ``key`` the server registers and needs leases.
 
     >>> srv = serve("127.0.0.1", 0)            # doctest: +SKIP
@@ -55,7 +55,8 @@ def serve(host: str = "0.0.0.0", port: int = 9090, tracker: Optional[str] = None
         raise OSError(f"cannot listen on {host}:{port}: address in use or not local")
     service = DeviceService(max_sessions=max_sessions, idle_timeout_s=idle_timeout_s,
                             max_upload_bytes=max_upload_bytes, attributes=attributes,
-                            host=host, session_queue_s=session_queue_s, cc=cc)
+                            host=host, session_queue_s=session_queue_s, cc=cc,
+                            workspace_parent=workspace_dir)
     link = None
     if tracker is not None:
         if advertise is None:
@@ -103,6 +104,9 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     parser.add_argument("--session-queue", type=float, default=0.0, metavar="SECONDS",
                         help="with --max-sessions sessions open, a new one waits this long "
                              "for a free slot before it is refused (default 0: refuse at once)")
+    parser.add_argument("--workspace-dir", default=None,
+                        help="folder in which session workspaces are made (default: the "
+                             "system temp folder)")
     parser.add_argument("--cc", default=os.environ.get("CC", "cc"),
                         help="C compiler that links uploaded .tar modules (default $CC or cc)")
     return parser
@@ -118,7 +122,8 @@ def run(args) -> int:
                    advertise=args.advertise, farm_secret=args.farm_secret,
                    attributes=dict(args.attr), max_sessions=args.max_sessions,
                    idle_timeout_s=args.idle_timeout, max_upload_bytes=args.max_upload_bytes,
-                   session_queue_s=args.session_queue, cc=args.cc)
+                   session_queue_s=args.session_queue, cc=args.cc,
+                   workspace_dir=args.workspace_dir)
     where = f"registered with {tracker} as {args.key}" if tracker else "standalone"
     print(f"tether device server listening on {args.host}:{server.port} ({where})", flush=True)
     wait_for_stop_signal()

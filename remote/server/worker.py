@@ -216,7 +216,7 @@ class Worker:
         except ValueError as exc:
             fs.send(error_frame("InvalidArgument", str(exc)))
         except Exception as exc:  # noqa: BLE001 - the client gets the traceback
-            fs.send(error_frame("RemoteError", f"{header.op} failed on the device: {exc}\n"
+            fs.send(error_frame("RemoteError", f"{header.op} failed on the device: {exc!r}\n"
                                                f"{traceback.format_exc()}"))
 
     def _check_size(self, what: str, size: int) -> None:
@@ -231,18 +231,15 @@ class Worker:
 
     def op_upload(self, fs, header):
         name = header.name
+        partial = None
+        end = None
         try:
             self._check_size(f"upload of {name!r}", header.size)
             target = self.workspace.path(name)
-        except errors.TetherError:
-            fs.skip(fs.body_left)
-            fs.recv_header()  # the end frame
-            raise
-        partial = target + ".part"
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        checksum = Checksum()
-        buffer = memoryview(bytearray(CHUNK_BYTES))
-        try:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            partial = target + ".part"
+            checksum = Checksum()
+            buffer = memoryview(bytearray(CHUNK_BYTES))
             with open(partial, "wb") as f:
                 while fs.body_left:
                     view = buffer[:min(CHUNK_BYTES, fs.body_left)]
@@ -257,8 +254,13 @@ class Worker:
                     f"upload of {name!r} is corrupt: {checksum.text()} on the device, "
                     f"{end.checksum} at the sender")
             os.replace(partial, target)
+        except Exception:
+            if end is None:  # keep the connection in step: read what the client still sends
+                fs.skip(fs.body_left)
+                fs.recv_header()
+            raise
         finally:
-            if os.path.exists(partial):
+            if partial is not None and os.path.exists(partial):
                 os.remove(partial)
         fs.send(pb.DataFrame(op="ok", name=name, size=header.size, checksum=checksum.text()))
 
