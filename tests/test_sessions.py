@@ -77,11 +77,25 @@ def vm_hwm_kib(pid: int) -> int:
     raise AssertionError(f"no VmHWM for {pid}")
 
 
-def worker_pid(server_pid: int) -> int:
-    out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(server_pid)],
-                         capture_output=True, text=True).stdout
-    (pid,) = [int(line.split()[0]) for line in out.splitlines() if "remote.server.worker" in line]
-    return pid
+def listening_pid(port: int) -> int:
+    """The process holding the listening TCP socket on ``port``."""
+    inodes = set()
+    for line in open("/proc/net/tcp").read().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and int(fields[1].split(":")[1], 16) == port:
+            inodes.add(f"socket:[{fields[9]}]")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                    return int(pid)
+            except OSError:
+                pass
+    raise AssertionError(f"no process listens on port {port}")
 
 
 # ------------------------------------------------------------- isolation --
@@ -192,7 +206,8 @@ def test_200_mib_upload_keeps_memory_bounded(server, tmp_path):
 def test_worker_memory_stays_bounded_during_a_large_upload(server):
     with connect(server) as sess:
         sess.ping()
-        pid = worker_pid(server.proc.pid)
+        pid = listening_pid(sess._data.sock.getpeername()[1])
+        assert pid != server.proc.pid, "modules must run outside the server process"
         before = vm_hwm_kib(pid)
         sess.upload(bytes(120 << 20), target="zeros.bin")
         growth_mib = (vm_hwm_kib(pid) - before) / 1024

@@ -61,6 +61,7 @@ class Session:
         self.max_upload_bytes = reply.max_upload_bytes
         self._data: Optional[FrameSocket] = None
         self._data_lock = threading.Lock()
+        self._data_timeout = -1.0
         if reply.data_port:
             try:
                 self._connect_data(reply.data_port, reply.data_token)
@@ -115,7 +116,10 @@ class Session:
             fs = self._data
             if isinstance(fs, _ClosedData):
                 raise self._why_ended(what)
-            fs.sock.settimeout(self.timeout if timeout is None else timeout)
+            wait = self.timeout if timeout is None else timeout
+            if wait != self._data_timeout:  # a syscall or two: only when it changes
+                fs.sock.settimeout(wait)
+                self._data_timeout = wait
             try:
                 try:
                     send(fs)

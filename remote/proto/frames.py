@@ -24,6 +24,7 @@ PREFIX = struct.Struct("<IQ")
 JOIN_LIMIT = 256 * 1024
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 CHUNK_BYTES = 1 << 20
+READ_BUFFER = 64 * 1024
 
 
 class Checksum:
@@ -57,8 +58,12 @@ class FrameSocket:
             # Small calls are one segment each way; Nagle would hold them back.
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
-        self._prefix = bytearray(PREFIX.size)
         self.body_left = 0
+        # Small frames arrive whole in one recv; what it read past the frame
+        # waits here for the next read.
+        self._buffer = bytearray(READ_BUFFER)
+        self._view = memoryview(self._buffer)
+        self._start = self._end = 0
 
     # ---------------------------------------------------------------- send --
     def send(self, header, body=()) -> None:
@@ -87,14 +92,31 @@ class FrameSocket:
         """Read the next frame's header; its body (``body_left`` bytes) follows."""
         if self.body_left:
             self.skip(self.body_left)
-        self._read_into(memoryview(self._prefix))
-        head_len, self.body_left = PREFIX.unpack(self._prefix)
+        head_len, self.body_left = PREFIX.unpack(self._take(PREFIX.size))
         if head_len > MAX_HEADER_BYTES:
             raise ConnectionError(f"frame header of {head_len} bytes; the peer is not a "
                                   "Tether data connection")
+        if head_len <= READ_BUFFER:
+            return pb.DataFrame.FromString(self._take(head_len))
         head = bytearray(head_len)
         self._read_into(memoryview(head))
         return pb.DataFrame.FromString(bytes(head))
+
+    def _take(self, count: int) -> bytes:
+        """``count`` (at most READ_BUFFER) bytes through the read buffer."""
+        if self._end - self._start < count:
+            if self._start:
+                left = self._end - self._start
+                self._buffer[:left] = self._view[self._start:self._end]
+                self._start, self._end = 0, left
+            while self._end < count:
+                n = self.sock.recv_into(self._view[self._end:])
+                if n == 0:
+                    raise PeerClosed("the connection was closed by the other end")
+                self._end += n
+        data = bytes(self._view[self._start:self._start + count])
+        self._start += count
+        return data
 
     def recv_body_into(self, buffer) -> None:
         view = memoryview(buffer).cast("B")
@@ -118,6 +140,12 @@ class FrameSocket:
             self.body_left -= n
 
     def _read_into(self, view: memoryview) -> None:
+        buffered = self._end - self._start
+        if buffered:
+            n = min(buffered, view.nbytes)
+            view[:n] = self._view[self._start:self._start + n]
+            self._start += n
+            view = view[n:]
         recv_into = self.sock.recv_into
         while view.nbytes:
             n = recv_into(view)

@@ -18,14 +18,15 @@ _CODE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(remote.__file__)))
 
 
 class WorkerProcess:
-    """A started worker: a child process serving one session's data connection.
+    """A started worker: a child process that will serve one session's data connection.
 
+    The server starts one ahead of need, so that opening a session does not
+    wait for Python and numpy to start; ``assign`` gives it its session.
     ``on_exit(error_class, reason)`` is called once, from a watcher thread, when
     the process has ended for any reason.
     """
 
-    def __init__(self, host: str, workspace_root: str, max_bytes: int, cc: str,
-                 idle_timeout_s: float, on_exit: Callable[[str, str], None]):
+    def __init__(self, host: str, max_bytes: int, cc: str, idle_timeout_s: float):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # The server owns the listening socket, so the port is known (and
         # connectable) before the child has finished importing numpy.
@@ -40,20 +41,30 @@ class WorkerProcess:
                 p for p in (_CODE_ROOT, env.get("PYTHONPATH", "")) if p)
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "remote.server.worker",
-                 "--listen-fd", str(listener.fileno()), "--workspace", workspace_root,
+                 "--listen-fd", str(listener.fileno()),
                  "--max-bytes", str(max_bytes), "--cc", cc,
                  "--idle-timeout", str(idle_timeout_s)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(listener.fileno(),),
                 env=env, cwd=_CODE_ROOT)
         finally:
             listener.close()
-        self.proc.stdin.write(self.token.encode() + b"\n")
-        self.proc.stdin.close()
         self._stop_reason: Optional[Tuple[str, str]] = None
-        self._on_exit = on_exit
+        self._on_exit: Callable[[str, str], None] = lambda error_class, reason: None
         self._reported = threading.Event()
         self._lock = threading.Lock()
         threading.Thread(target=self._watch, name=f"worker-{self.proc.pid}", daemon=True).start()
+
+    def assign(self, workspace_root: str, on_exit: Callable[[str, str], None]) -> None:
+        """Hand the worker its session: the workspace folder; the token goes with it."""
+        self._on_exit = on_exit
+        try:
+            self.proc.stdin.write(f"{self.token}\n{workspace_root}\n".encode())
+            self.proc.stdin.close()
+        except OSError:
+            pass  # it died while waiting; the watcher reports why
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
     @property
     def pid(self) -> int:

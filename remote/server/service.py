@@ -108,6 +108,9 @@ class DeviceService:
         self._ended: Dict[str, tuple] = {}
         self._lock = threading.Lock()
         self._slot_free = threading.Condition(self._lock)
+        # A worker process started ahead of the next session (see _take_spare_worker).
+        self._spare_lock = threading.Lock()
+        self._spare: Optional[WorkerProcess] = self._new_worker()
         self._stop = threading.Event()
         threading.Thread(target=self._expire_loop, name="session-expiry", daemon=True).start()
 
@@ -118,6 +121,10 @@ class DeviceService:
 
     def close(self):
         self._stop.set()
+        with self._spare_lock:
+            if self._spare is not None:
+                self._spare.stop("SessionEnded", "server stopping")
+                self._spare = None
         for session_id in list(self._sessions):
             self._end(session_id, "server stopping")
 
@@ -202,10 +209,9 @@ class DeviceService:
             self._sessions[session.session_id] = session
         try:
             session.worker_host = self.host
-            session.worker = WorkerProcess(
-                self.host, session.workspace.root, self.max_upload_bytes, self.cc,
-                self.idle_timeout_s,
-                on_exit=functools.partial(self._worker_exited, session.session_id))
+            session.worker = self._take_spare_worker()
+            session.worker.assign(session.workspace.root,
+                                  functools.partial(self._worker_exited, session.session_id))
         except BaseException:
             self._end(session.session_id, "its worker process could not start", "RemoteError")
             raise
@@ -214,6 +220,20 @@ class DeviceService:
         return pb.SessionReply(session_id=session.session_id, info=self.info,
                                data_port=session.worker.port, data_token=session.worker.token,
                                max_upload_bytes=self.max_upload_bytes)
+
+    def _new_worker(self) -> WorkerProcess:
+        return WorkerProcess(self.host, self.max_upload_bytes, self.cc, self.idle_timeout_s)
+
+    def _take_spare_worker(self) -> WorkerProcess:
+        """The worker started ahead of time (or a new one), and start the next spare."""
+        with self._spare_lock:
+            worker = self._spare
+            self._spare = None
+            if worker is None or not worker.alive():
+                worker = self._new_worker()
+            if not self._stop.is_set():
+                self._spare = self._new_worker()
+        return worker
 
     def _worker_exited(self, session_id: str, error_class: str, reason: str):
         self._end(session_id, reason, error_class)

@@ -164,6 +164,7 @@ class Worker:
         self.modules = {}
         self.load_s = {}
         self.lock = threading.Lock()
+        self.last_active = time.monotonic()
         self.watchdog = Watchdog()
 
     # --------------------------------------------------------- connection --
@@ -178,23 +179,27 @@ class Worker:
                                     "wrong data token for this session's data connection"))
                 return
             primary = hello.primary
-            conn.settimeout(self.idle_timeout_s if primary and self.idle_timeout_s else None)
+            conn.settimeout(None)
+            if primary and self.idle_timeout_s:
+                threading.Thread(target=self._idle_watch, name="idle", daemon=True).start()
             while True:
-                try:
-                    header = fs.recv_header()
-                except socket.timeout:
-                    report_end("SessionEnded", f"idle for {self.idle_timeout_s:g} s")
-                    os._exit(0)
-                conn.settimeout(None)
+                header = fs.recv_header()
                 self.dispatch(fs, header)
-                if primary and self.idle_timeout_s:
-                    conn.settimeout(self.idle_timeout_s)
+                self.last_active = time.monotonic()
         except (PeerClosed, OSError):
             pass
         finally:
             fs.close()
             if primary:
                 report_end("SessionEnded", "the client closed its connection")
+                os._exit(0)
+
+    def _idle_watch(self):
+        while True:
+            time.sleep(min(1.0, self.idle_timeout_s))
+            if (not self.lock.locked()
+                    and time.monotonic() - self.last_active > self.idle_timeout_s):
+                report_end("SessionEnded", f"the client was idle for {self.idle_timeout_s:g} s")
                 os._exit(0)
 
     def dispatch(self, fs: FrameSocket, header) -> None:
@@ -382,14 +387,17 @@ class Worker:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m remote.server.worker")
     parser.add_argument("--listen-fd", type=int, required=True)
-    parser.add_argument("--workspace", required=True)
     parser.add_argument("--max-bytes", type=int, required=True)
     parser.add_argument("--cc", default="cc")
     parser.add_argument("--idle-timeout", type=float, default=0.0)
     args = parser.parse_args(argv)
+    # Started ahead of need: the session (token, then workspace folder) arrives on stdin.
     token = sys.stdin.readline().strip()
+    workspace = sys.stdin.readline().strip()
+    if not token or not workspace:
+        return 0  # the server stopped before this worker was needed
     listener = socket.socket(fileno=args.listen_fd)
-    worker = Worker(Workspace(root=args.workspace), token, args.max_bytes, args.cc,
+    worker = Worker(Workspace(root=workspace), token, args.max_bytes, args.cc,
                     args.idle_timeout)
     if args.idle_timeout:
         listener.settimeout(args.idle_timeout)
