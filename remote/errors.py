@@ -75,9 +75,22 @@ class RemoteError(TetherError):
     status = "INTERNAL"
 
 
+class SessionEnded(SessionError):
+    """The device ended the session (timeout, lost client); open a new one."""
+
+
+class ModuleCrashed(SessionEnded):
+    """The module killed the process running it (e.g. a segfault); the session is over."""
+
+
+class RunTimeout(SessionEnded, RequestTimeout):
+    """A module run did not finish in time; the device stopped it and ended the session."""
+
+
 _BY_NAME = {cls.__name__: cls for cls in (
     TetherError, ConnectionFailed, AuthenticationError, RequestTimeout, NoSuchKey,
     DeviceBusy, SessionError, InvalidArgument, InputError, ModuleLoadError, RemoteError,
+    SessionEnded, ModuleCrashed, RunTimeout,
 )}
 
 _BY_STATUS = {

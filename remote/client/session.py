@@ -1,17 +1,20 @@
 """A client's session on one device server, and the modules loaded in it."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+import socket
+import threading
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import grpc
 import numpy as np
 
 from remote import errors, tls
-from remote.proto import CHANNEL_OPTIONS, make_stub, pb
-from remote.proto.tensors import from_message, to_message
+from remote.address import split_address
+from remote.proto import make_stub, pb
+from remote.proto.frames import (Checksum, FrameSocket, little_endian, recv_tensors,
+                                 tensor_header)
 
 # 1 MiB chunks: large enough that per-message overhead vanishes, small enough
 # that neither side holds more than a few of them in memory.
@@ -55,6 +58,30 @@ class Session:
             raise
         self.session_id = reply.session_id
         self._info = reply.info
+        self.max_upload_bytes = reply.max_upload_bytes
+        self._data: Optional[FrameSocket] = None
+        self._data_lock = threading.Lock()
+        self._data_timeout = -1.0
+        if reply.data_port:
+            try:
+                self._connect_data(reply.data_port, reply.data_token)
+            except BaseException:
+                self.close()
+                raise
+
+    def _connect_data(self, port: int, token: str) -> None:
+        host, _ = split_address(self.address, 0)
+        try:
+            sock = socket.create_connection((host, port), timeout=self.timeout)
+        except OSError as exc:
+            raise errors.ConnectionFailed(
+                f"cannot open the session's data connection to {host}:{port}: {exc}. "
+                "Is a firewall between here and the board letting only the server port "
+                "through?") from None
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        self._data = FrameSocket(sock)
+        # No reply: a wrong token comes back as an error on the first call.
+        self._data.send(pb.DataFrame(op="hello", token=token, primary=True))
 
     # ------------------------------------------------------------- state --
     def device_info(self) -> dict:
@@ -75,21 +102,95 @@ class Session:
         return _call(f"device server {self.address}", method, request,
                      self.timeout if timeout is None else timeout)
 
+    def _exchange(self, what: str, timeout: Optional[float], send, receive=None):
+        """One request/reply on the data connection.
+
+        ``send(fs)`` writes the request; ``receive(fs, reply)`` reads what
+        follows a successful reply header and returns the result (default:
+        the header). A broken connection means the device ended the session:
+        the server is asked why, and that becomes the exception.
+        """
+        if self._closed:
+            raise errors.SessionError("this session is closed; open a new one")
+        with self._data_lock:
+            fs = self._data
+            if isinstance(fs, _ClosedData):
+                raise self._why_ended(what)
+            wait = self.timeout if timeout is None else timeout
+            if wait != self._data_timeout:  # a syscall or two: only when it changes
+                fs.sock.settimeout(wait)
+                self._data_timeout = wait
+            try:
+                try:
+                    send(fs)
+                    reply = fs.recv_header()
+                    if reply.op == "error":
+                        cls = _error_class(reply.error)
+                        if issubclass(cls, errors.SessionEnded):
+                            self._abandon()
+                        else:
+                            fs.skip(fs.body_left)
+                        raise cls(reply.text)
+                    return receive(fs, reply) if receive is not None else reply
+                except (errors.TetherError, OSError):
+                    raise
+                except BaseException:
+                    # Interrupted half way through a frame: the stream is out of step.
+                    self._abandon()
+                    raise
+            except errors.TetherError:
+                raise  # RequestTimeout is a TimeoutError, which socket.timeout also is
+            except socket.timeout:
+                self._abandon()
+                raise errors.RequestTimeout(
+                    f"{what} on {self.address} got no answer within "
+                    f"{self.timeout if timeout is None else timeout:g} s; the session is "
+                    "closed") from None
+            except OSError:
+                self._abandon()
+                raise self._why_ended(what) from None
+
+    def _abandon(self):
+        """The data connection is out of step or gone: no call may use it again."""
+        self._data.close()
+        self._data = _ClosedData()
+
+    def _why_ended(self, what: str) -> errors.TetherError:
+        try:
+            state = self._stub.SessionStatus(pb.SessionRef(session_id=self.session_id),
+                                             timeout=10.0)
+        except grpc.RpcError as exc:
+            return errors.from_rpc_error(exc, f"device server {self.address}")
+        if state.open:
+            return errors.ConnectionFailed(
+                f"{what}: the data connection to {self.address} broke, but the session is "
+                "still open on the device; close it and open a new one")
+        cls = _error_class(state.end_error, errors.SessionEnded)
+        return cls(f"{what} failed: the device ended the session: {state.end_reason}. "
+                   "Open a new session to go on")
+
+    def ping(self, timeout: Optional[float] = None) -> None:
+        """One empty round trip to the board (what a small call costs)."""
+        self._exchange("ping", timeout, lambda fs: fs.send(_PING))
+
     # --------------------------------------------------------- transfers --
     def upload(self, path_or_bytes: Union[str, os.PathLike, bytes], target: Optional[str] = None,
                progress: Optional[Progress] = None, timeout: Optional[float] = None) -> str:
         """Send a file (or bytes) to the session workspace; returns its name there.
 
+        The data streams in chunks with a CRC-32 checked on the board;
         ``progress(sent_bytes, total_bytes)`` is called after every chunk.
+
+        >>> sess.upload("net.so", progress=lambda done, total: None)   # doctest: +SKIP
+        'net.so'
         """
         if isinstance(path_or_bytes, (bytes, bytearray, memoryview)):
             if not target:
                 raise ValueError("upload of bytes needs target='name' for the file on the device")
-            data = bytes(path_or_bytes)
-            total = len(data)
-            sha = hashlib.sha256(data).hexdigest()
+            data = memoryview(path_or_bytes).cast("B")
+            total = data.nbytes
 
-            def chunks_of_source():
+            def blocks():
                 for i in range(0, total, CHUNK_BYTES):
                     yield data[i:i + CHUNK_BYTES]
         else:
@@ -98,41 +199,149 @@ class Session:
                 raise FileNotFoundError(f"cannot upload {path!r}: no such file")
             target = target or os.path.basename(path)
             total = os.path.getsize(path)
-            sha = _file_sha256(path)
 
-            def chunks_of_source():
+            def blocks():
+                buffer = memoryview(bytearray(CHUNK_BYTES))
                 with open(path, "rb") as f:
-                    for block in iter(lambda: f.read(CHUNK_BYTES), b""):
-                        yield block
+                    while True:
+                        n = f.readinto(buffer)
+                        if not n:
+                            return
+                        yield buffer[:n]
+        self._check_size(f"upload of {target!r}", total)
 
-        def messages():
+        def send(fs):
+            fs.send_prefix(pb.DataFrame(op="upload", name=target, size=total), total)
+            checksum = Checksum()
             sent = 0
-            first = True
-            for block in chunks_of_source():
+            for block in blocks():
+                if sent + len(block) > total:
+                    raise errors.InvalidArgument(f"{target!r} grew while it was being sent")
+                checksum.update(block)
+                fs.send_raw(block)
                 sent += len(block)
-                yield pb.UploadChunk(session_id=self.session_id if first else "",
-                                     name=target if first else "", total_size=total,
-                                     data=block, sha256=sha if sent == total else "")
-                first = False
                 if progress is not None:
                     progress(sent, total)
-            if first:  # an empty file is still one message
-                yield pb.UploadChunk(session_id=self.session_id, name=target, sha256=sha)
+            if sent != total:
+                raise errors.InvalidArgument(f"{target!r} shrank while it was being sent")
+            fs.send(pb.DataFrame(op="end", checksum=checksum.text()))
 
-        reply = self._rpc(self._stub.Upload, messages(), timeout)
-        return reply.name
+        return self._exchange(f"upload of {target!r}", timeout, send).name
+
+    def download(self, name: str, path: Union[str, os.PathLike, None] = None,
+                 progress: Optional[Progress] = None,
+                 timeout: Optional[float] = None) -> Union[bytes, str]:
+        """Fetch a workspace file: its bytes, or written to ``path`` (then returns ``path``).
+
+        >>> sess.download("out.bin", "local.bin")                 # doctest: +SKIP
+        'local.bin'
+        """
+        def receive(fs, reply):
+            total = reply.size
+            checksum = Checksum()
+            out = open(path, "wb") if path is not None else None
+            data = bytearray(total) if out is None else None
+            buffer = memoryview(bytearray(CHUNK_BYTES)) if out is not None else None
+            done = 0
+            try:
+                while done < total:
+                    n = min(CHUNK_BYTES, total - done)
+                    view = memoryview(data)[done:done + n] if out is None else buffer[:n]
+                    fs.recv_body_into(view)
+                    checksum.update(view)
+                    if out is not None:
+                        out.write(view)
+                    done += n
+                    if progress is not None:
+                        progress(done, total)
+                end = fs.recv_header()
+            finally:
+                if out is not None:
+                    out.close()
+            if end.op == "error":
+                raise _error_class(end.error)(end.text)
+            if end.checksum != checksum.text():
+                if path is not None:
+                    os.remove(path)
+                raise errors.RemoteError(f"download of {name!r} arrived corrupt: "
+                                         f"{checksum.text()} here, {end.checksum} on the board")
+            return os.fspath(path) if path is not None else bytes(data)
+
+        return self._exchange(f"download of {name!r}", timeout,
+                              lambda fs: fs.send(pb.DataFrame(op="download", name=name)), receive)
 
     def listdir(self) -> List[str]:
         """Names of the files in the session workspace."""
         reply = self._rpc(self._stub.ListDir, pb.SessionRef(session_id=self.session_id))
         return [f.name for f in reply.files]
 
+    def remove(self, name: str) -> None:
+        """Delete a file from the session workspace."""
+        self._rpc(self._stub.Remove, pb.FileRef(session_id=self.session_id, name=name))
+
+    def _check_size(self, what: str, size: int) -> None:
+        if self.max_upload_bytes and size > self.max_upload_bytes:
+            raise errors.InvalidArgument(
+                f"{what} is {size} bytes; this device accepts at most {self.max_upload_bytes} "
+                "(server option --max-upload-bytes)")
+
+    # ----------------------------------------------------------- tensors --
+    def upload_tensor(self, name: str, array, progress: Optional[Progress] = None,
+                      timeout: Optional[float] = None) -> "RemoteTensor":
+        """Copy ``array`` to the board and keep it there under ``name``.
+
+        >>> x = sess.upload_tensor("x", np.zeros((1, 4), np.float32))   # doctest: +SKIP
+        >>> mod.run({"input": x})                                       # doctest: +SKIP
+        """
+        data = little_endian(array)
+        self._check_size(f"tensor {name!r}", data.nbytes)
+        checksum = Checksum()
+        checksum.update(data)
+        header = pb.DataFrame(op="put_tensor", name=name, checksum=checksum.text(),
+                              tensors=[tensor_header(name, data)])
+
+        def send(fs):
+            total = data.nbytes
+            flat = memoryview(data.reshape(-1)).cast("B")
+            fs.send_prefix(header, total)
+            step = 4 * CHUNK_BYTES
+            for i in range(0, total, step):
+                fs.send_raw(flat[i:i + step])
+                if progress is not None:
+                    progress(min(i + step, total), total)
+
+        self._exchange(f"upload of tensor {name!r}", timeout, send)
+        return RemoteTensor(self, name, tuple(data.shape), data.dtype.name)
+
+    def download_tensor(self, name: str, timeout: Optional[float] = None) -> np.ndarray:
+        """Copy a tensor kept on the board back as a numpy array."""
+        def receive(fs, reply):
+            (array,) = recv_tensors(fs, reply.tensors)
+            checksum = Checksum()
+            checksum.update(array.view(array.dtype.newbyteorder("<")))
+            if checksum.text() != reply.checksum:
+                raise errors.RemoteError(f"tensor {name!r} arrived corrupt: {checksum.text()} "
+                                         f"here, {reply.checksum} on the board")
+            return array
+
+        return self._exchange(f"download of tensor {name!r}", timeout,
+                              lambda fs: fs.send(pb.DataFrame(op="get_tensor", name=name)),
+                              receive)
+
+    def free_tensor(self, name: str) -> None:
+        self._exchange(f"free of tensor {name!r}", None,
+                       lambda fs: fs.send(pb.DataFrame(op="free_tensor", name=name)))
+
     # ----------------------------------------------------------- modules --
-    def load_module(self, name: str) -> "RemoteModule":
-        """Load an uploaded module (``.so``) on the device."""
-        reply = self._rpc(self._stub.LoadModule,
-                          pb.LoadModuleRequest(session_id=self.session_id, name=name))
-        return RemoteModule(self, reply.module_id, json.loads(reply.metadata_json), reply.load_s)
+    def load_module(self, name: str, timeout: Optional[float] = None) -> "RemoteModule":
+        """Load an uploaded module on the device.
+
+        ``name`` is a ``.so`` built for the board, or a ``.tar`` of object files
+        plus metadata.json that the board links with its C compiler.
+        """
+        reply = self._exchange(f"load of {name!r}", timeout,
+                               lambda fs: fs.send(pb.DataFrame(op="load", name=name)))
+        return RemoteModule(self, reply.name, json.loads(reply.text), reply.seconds)
 
     # --------------------------------------------------------- lifecycle --
     def close(self) -> None:
@@ -140,6 +349,8 @@ class Session:
         if self._closed:
             return
         self._closed = True
+        if self._data is not None:
+            self._data.close()
         try:
             self._stub.CloseSession(pb.SessionRef(session_id=self.session_id), timeout=5.0)
         except grpc.RpcError:
@@ -160,12 +371,82 @@ class Session:
         return f"<Session {self.address} {self._info.triple} {state}>"
 
 
-def _file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(CHUNK_BYTES), b""):
-            digest.update(block)
-    return digest.hexdigest()
+def _error_class(name: str, default=errors.RemoteError):
+    cls = getattr(errors, name, None)
+    if isinstance(cls, type) and issubclass(cls, errors.TetherError):
+        return cls
+    return default
+
+
+class _ClosedData:
+    """Stands in for a data connection that had to be dropped."""
+
+    sock = None
+
+    def __getattr__(self, name):
+        raise errors.SessionError("this session's data connection was lost; open a new session")
+
+    def close(self):
+        pass
+
+
+_PING = pb.DataFrame(op="ping")
+
+
+class RemoteTensor:
+    """A tensor kept on the board between runs; pass it as a run input.
+
+    >>> x = sess.upload_tensor("x", np.ones((1, 4), np.float32))     # doctest: +SKIP
+    >>> mod.run({"input": x})                                        # doctest: +SKIP
+    >>> x.numpy()                                                    # doctest: +SKIP
+    """
+
+    def __init__(self, session: Session, name: str, shape: tuple, dtype: str):
+        self.session = session
+        self.name = name
+        self.shape = shape
+        self.dtype = dtype
+
+    def numpy(self, timeout: Optional[float] = None) -> np.ndarray:
+        """Copy the tensor back from the board."""
+        return self.session.download_tensor(self.name, timeout)
+
+    def free(self) -> None:
+        """Drop the tensor from the board's memory."""
+        self.session.free_tensor(self.name)
+
+    def __repr__(self) -> str:
+        return f"<RemoteTensor {self.name!r} {self.dtype}{list(self.shape)} on {self.session.address}>"
+
+
+class BenchmarkResult:
+    """Times measured on the board, in seconds.
+
+    ``samples`` has one entry per repeat: the mean time of ``number`` runs.
+    """
+
+    def __init__(self, data: dict):
+        self.samples: List[float] = list(data["samples"])
+        self.number: int = data["number"]
+        self.repeat: int = data["repeat"]
+        self.mean: float = data["mean"]
+        self.median: float = data["median"]
+        self.std: float = data["std"]
+        self.min: float = data["min"]
+        self.max: float = data["max"]
+        self.p90: float = data["p90"]
+        self.p99: float = data["p99"]
+        self.load_s: float = data["load_s"]
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in (
+            "samples", "number", "repeat", "mean", "median", "std", "min", "max", "p90",
+            "p99", "load_s")}
+
+    def __repr__(self) -> str:
+        return (f"<BenchmarkResult median {self.median * 1e3:.4f} ms, mean "
+                f"{self.mean * 1e3:.4f} ± {self.std * 1e3:.4f} ms, min {self.min * 1e3:.4f} ms, "
+                f"{self.repeat}×{self.number} runs, load {self.load_s * 1e3:.1f} ms>")
 
 
 class RemoteModule:
@@ -186,25 +467,73 @@ class RemoteModule:
     def output_names(self) -> List[str]:
         return [t["name"] for t in self.metadata["outputs"]]
 
-    def run(self, inputs: Union[Dict[str, np.ndarray], Sequence[np.ndarray]],
-            timeout: Optional[float] = None) -> List[np.ndarray]:
-        """Run the module on the device: inputs in, outputs out, in one round trip.
-
-        ``inputs`` is a dict by input name or a list in input order. The time the
-        module itself took on the device is kept in ``last_run_s``.
-        """
-        if not isinstance(inputs, dict):
+    def _request(self, op: str, inputs, timeout: Optional[float]):
+        if inputs is None:
+            inputs = {}
+        elif not isinstance(inputs, dict):
             inputs = list(inputs)
             if len(inputs) != len(self.input_names):
                 raise errors.InputError(
                     f"module takes {len(self.input_names)} input(s) "
                     f"{self.input_names}, got {len(inputs)}")
             inputs = dict(zip(self.input_names, inputs))
-        request = pb.RunRequest(session_id=self.session.session_id, module_id=self.module_id,
-                                inputs=[to_message(n, a) for n, a in inputs.items()])
-        reply = self.session._rpc(self.session._stub.Run, request, timeout)
-        self.last_run_s = reply.run_s
-        return [from_message(t) for t in reply.outputs]
+        refs, names, arrays = {}, [], []
+        for name, value in inputs.items():
+            if isinstance(value, RemoteTensor):
+                if value.session is not self.session:
+                    raise errors.InputError(f"input {name!r}: {value!r} lives in another session")
+                refs[name] = value.name
+            else:
+                names.append(name)
+                arrays.append(little_endian(value))
+        wait = self.session.timeout if timeout is None else timeout
+        header = pb.DataFrame(op=op, name=self.module_id, refs=refs, timeout_s=wait or 0.0,
+                              tensors=[tensor_header(n, a) for n, a in zip(names, arrays)])
+        # The board stops the module at ``wait``; its answer needs a little longer.
+        return header, arrays, (None if wait is None else wait + 5.0)
+
+    def run(self, inputs: Union[Dict[str, object], Sequence[object]],
+            timeout: Optional[float] = None) -> List[np.ndarray]:
+        """Run the module on the device: inputs in, outputs out, in one round trip.
+
+        ``inputs`` is a dict by input name or a list in input order; a value is
+        a numpy array or a RemoteTensor already on the board. The board stops a
+        run that takes longer than ``timeout`` (default: the session's) and
+        ends the session (RunTimeout). The time the module itself took on the
+        device is kept in ``last_run_s``.
+
+        >>> (out,) = mod.run({"input": x})                     # doctest: +SKIP
+        """
+        header, arrays, wait = self._request("run", inputs, timeout)
+
+        def receive(fs, reply):
+            self.last_run_s = reply.seconds
+            return recv_tensors(fs, reply.tensors)
+
+        return self.session._exchange(f"run of {self.module_id}", wait,
+                                      lambda fs: fs.send(header, arrays), receive)
+
+    def benchmark(self, number: int = 10, repeat: int = 3, min_repeat_ms: float = 0,
+                  cooldown_ms: float = 0, inputs=None,
+                  timeout: Optional[float] = None) -> BenchmarkResult:
+        """Time the module on the board: ``repeat`` samples, each the mean of ``number`` runs.
+
+        ``min_repeat_ms`` grows ``number`` until one sample lasts that long;
+        ``cooldown_ms`` sleeps between samples. Inputs default to zeros.
+
+        >>> res = mod.benchmark(number=10, repeat=5)           # doctest: +SKIP
+        >>> res.median, res.p99, res.load_s                    # doctest: +SKIP
+        """
+        if number < 1 or repeat < 1:
+            raise ValueError(f"number ({number}) and repeat ({repeat}) must be at least 1")
+        if min_repeat_ms < 0 or cooldown_ms < 0:
+            raise ValueError("min_repeat_ms and cooldown_ms must not be negative")
+        header, arrays, wait = self._request("benchmark", inputs, timeout)
+        header.number, header.repeat = int(number), int(repeat)
+        header.min_repeat_ms, header.cooldown_ms = float(min_repeat_ms), float(cooldown_ms)
+        reply = self.session._exchange(f"benchmark of {self.module_id}", wait,
+                                       lambda fs: fs.send(header, arrays))
+        return BenchmarkResult(json.loads(reply.text))
 
     def __repr__(self) -> str:
         return f"<RemoteModule {self.module_id} on {self.session.address}>"

@@ -1,4 +1,12 @@
 """The device server that runs on each board (``python -m remote.server``)."""
-from remote.server.daemon import serve
 
 __all__ = ["serve"]
+
+
+def __getattr__(name):
+    # Lazy, so that the per-session worker (remote.server.worker) starts
+    # without importing grpc and the server's own modules.
+    if name == "serve":
+        from remote.server.daemon import serve
+        return serve
+    raise AttributeError(f"module 'remote.server' has no attribute {name!r}")

@@ -40,7 +40,8 @@ def serve(host: str = "0.0.0.0", port: int = 9090, tracker: Optional[str] = None
           key: Optional[str] = None, advertise: Optional[str] = None,
           farm_secret: str = "", attributes: Optional[Dict[str, str]] = None,
           max_sessions: int = 1, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
-          max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES, tls_cert: str = "",
+          max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES, session_queue_s: float = 0.0,
+          cc: str = "cc", workspace_dir: Optional[str] = None, tls_cert: str = "",
           tls_key: str = "", tls_ca: str = "") -> RunningServer:
     """Start serving; with ``tracker`` and ``key`` the server registers and needs leases.
 
@@ -56,7 +57,9 @@ def serve(host: str = "0.0.0.0", port: int = 9090, tracker: Optional[str] = None
                               options=CHANNEL_OPTIONS)
     bound = tls.add_port(grpc_server, f"{host}:{port}", tls_cert, tls_key)
     service = DeviceService(max_sessions=max_sessions, idle_timeout_s=idle_timeout_s,
-                            max_upload_bytes=max_upload_bytes, attributes=attributes)
+                            max_upload_bytes=max_upload_bytes, attributes=attributes,
+                            host=host, session_queue_s=session_queue_s, cc=cc,
+                            workspace_parent=workspace_dir)
     link = None
     if tracker is not None:
         if advertise is None:
@@ -99,13 +102,22 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     parser.add_argument("--max-sessions", type=int, default=1)
     parser.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
                         help="seconds after which a silent session is closed")
-    parser.add_argument("--max-upload-bytes", type=int, default=DEFAULT_MAX_UPLOAD_BYTES)
     parser.add_argument("--tls-cert", default=os.environ.get(tls.CERT_ENV, ""),
                         help="PEM certificate: serve clients over TLS (default $TETHER_TLS_CERT)")
     parser.add_argument("--tls-key", default=os.environ.get(tls.KEY_ENV, ""),
                         help="PEM private key of --tls-cert (default $TETHER_TLS_KEY)")
     parser.add_argument("--tls-ca", default=os.environ.get(tls.CA_ENV, ""),
                         help="PEM certificate to trust for a TLS tracker (default $TETHER_TLS_CA)")
+    parser.add_argument("--max-upload-bytes", type=int, default=DEFAULT_MAX_UPLOAD_BYTES,
+                        help="largest file or tensor a client may send")
+    parser.add_argument("--session-queue", type=float, default=0.0, metavar="SECONDS",
+                        help="with --max-sessions sessions open, a new one waits this long "
+                             "for a free slot before it is refused (default 0: refuse at once)")
+    parser.add_argument("--workspace-dir", default=None,
+                        help="folder in which session workspaces are made (default: the "
+                             "system temp folder)")
+    parser.add_argument("--cc", default=os.environ.get("CC", "cc"),
+                        help="C compiler that links uploaded .tar modules (default $CC or cc)")
     return parser
 
 
@@ -119,6 +131,8 @@ def run(args) -> int:
                    advertise=args.advertise, farm_secret=args.farm_secret,
                    attributes=dict(args.attr), max_sessions=args.max_sessions,
                    idle_timeout_s=args.idle_timeout, max_upload_bytes=args.max_upload_bytes,
+                   session_queue_s=args.session_queue, cc=args.cc,
+                   workspace_dir=args.workspace_dir,
                    tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)
     where = f"registered with {tracker} as {args.key}" if tracker else "standalone"
     print(f"tether device server listening on {args.host}:{server.port} ({where})", flush=True)

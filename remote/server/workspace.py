@@ -21,8 +21,9 @@ class Workspace:
     >>> ws.close()
     """
 
-    def __init__(self, parent: str = None):
-        self.root = os.path.realpath(tempfile.mkdtemp(prefix="tether-session-", dir=parent))
+    def __init__(self, parent: str = None, root: str = None):
+        # ``root``: attach to a folder another process made (the session's worker).
+        self.root = os.path.realpath(root or tempfile.mkdtemp(prefix="tether-session-", dir=parent))
 
     def path(self, name: str) -> str:
         """The absolute path of ``name`` inside the workspace, or InvalidArgument."""
@@ -45,6 +46,14 @@ class Workspace:
             raise InvalidArgument(f"no file {name!r} in the session workspace; upload it first "
                                   f"(present: {', '.join(self.listdir()) or 'nothing'})")
         return full
+
+    def remove(self, name: str) -> None:
+        """Delete one file of the workspace."""
+        full = self.existing(name)
+        os.remove(full)
+
+    def size(self, name: str) -> int:
+        return os.path.getsize(self.path(name))
 
     def listdir(self):
         names = []

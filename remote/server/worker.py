@@ -1,0 +1,416 @@
+"""The process that runs one session's modules: ``python -m remote.server.worker``.
+
+The device server starts one per session, hands it a listening socket and the
+session's data token, and watches it. Everything the client does often — runs,
+tensor copies, file transfers — goes straight to this process over its data
+connection (docs/sessions.md), so a module that crashes or hangs takes down
+only this process, never the server.
+
+Its stdout carries one line for the server when it ends on purpose:
+``<error class>\\t<reason>``.
+"""
+from __future__ import annotations
+
+import argparse
+import hmac
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+import traceback
+
+import numpy as np
+
+import minirt
+from minirt import elf, timing
+from remote import errors
+from remote.proto import pb
+from remote.proto.frames import (CHUNK_BYTES, Checksum, FrameSocket, PeerClosed, error_frame,
+                                 little_endian, recv_tensors, tensor_header)
+from remote.server.workspace import Workspace
+
+EXIT_RUN_TIMEOUT = 3
+
+
+def report_end(error_class: str, reason: str) -> None:
+    """Tell the server why this process is about to end."""
+    sys.stdout.write(f"{error_class}\t{reason}\n")
+    sys.stdout.flush()
+
+
+class Watchdog:
+    """Ends the process when a module call outlives its timeout.
+
+    ctypes releases the GIL while the module runs, so this thread gets to run
+    even when the module spins forever.
+    """
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._deadline = None
+        self._what = ""
+        self._timeout = 0.0
+        self._fs = None
+        threading.Thread(target=self._loop, name="watchdog", daemon=True).start()
+
+    def arm(self, timeout_s: float, what: str, fs: FrameSocket) -> None:
+        if timeout_s <= 0:
+            return
+        with self._cond:
+            self._deadline = time.monotonic() + timeout_s
+            self._what, self._timeout, self._fs = what, timeout_s, fs
+            self._cond.notify()
+
+    def disarm(self) -> None:
+        if self._deadline is not None:
+            with self._cond:
+                self._deadline = None
+
+    def _loop(self):
+        with self._cond:
+            while True:
+                if self._deadline is None:
+                    self._cond.wait()
+                    continue
+                left = self._deadline - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                message = (f"{self._what} did not finish within {self._timeout:g} s; the device "
+                           "stopped the module and ended the session")
+                report_end("RunTimeout", message)
+                try:
+                    self._fs.sock.settimeout(1.0)
+                    self._fs.send(error_frame("RunTimeout", message))
+                except OSError:
+                    pass
+                os._exit(EXIT_RUN_TIMEOUT)
+
+
+def link_objects(tar_path: str, name: str, workspace: Workspace, cc: str) -> str:
+    """Link the object files in a module .tar with the board's C compiler; returns the .so."""
+    stem = name[:-4]
+    compiler = shutil.which(cc)
+    if compiler is None:
+        raise errors.ModuleLoadError(
+            f"{name} holds object files that must be linked on the board, but the C compiler "
+            f"{cc!r} is not on this board's PATH; install one (e.g. apt install gcc) or "
+            "upload a linked module (.so from export_library)")
+    folder = tempfile.mkdtemp(prefix="tether-link-")
+    try:
+        objects = []
+        try:
+            with tarfile.open(tar_path) as tar:
+                for member in tar.getmembers():
+                    base = os.path.basename(member.name)
+                    if member.isdir():
+                        continue
+                    if not member.isfile() or base in ("", ".", ".."):
+                        raise errors.ModuleLoadError(
+                            f"{name}: member {member.name!r} is not a regular file; a module "
+                            "archive holds only .o files and metadata.json")
+                    if not base.endswith(".o"):
+                        continue
+                    target = os.path.join(folder, base)
+                    if os.path.exists(target):
+                        raise errors.ModuleLoadError(f"{name}: two members are named {base!r}")
+                    with tar.extractfile(member) as src, open(target, "wb") as dst:
+                        shutil.copyfileobj(src, dst, CHUNK_BYTES)
+                    objects.append(target)
+        except tarfile.TarError as exc:
+            raise errors.ModuleLoadError(f"{name} is not a readable tar archive: {exc}") from None
+        if not objects:
+            raise errors.ModuleLoadError(f"{name} holds no .o files to link")
+        host = elf.host_machine()
+        for path in objects:
+            header = elf.read_header(path)
+            if header is None:
+                raise errors.ModuleLoadError(
+                    f"{name}: {os.path.basename(path)} is not an ELF object file")
+            if host is not None and (header.machine, header.bits) != host:
+                raise errors.ModuleLoadError(
+                    f"{name}: {os.path.basename(path)} is {header.bits}-bit "
+                    f"{header.machine_name} code, but this board runs {host[1]}-bit "
+                    f"{elf.MACHINES.get(host[0], host[0])}; build it for this board's target")
+        output = workspace.path(stem + ".so")
+        done = subprocess.run([compiler, "-shared", "-o", output, *objects],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+        if done.returncode != 0:
+            raise errors.ModuleLoadError(
+                f"linking {name} with {cc} failed (exit {done.returncode}): "
+                f"{done.stdout.decode(errors='replace').strip()[-2000:]}")
+        return output
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+class Worker:
+    """The state of one session on the board: files, tensors left there, loaded modules."""
+
+    def __init__(self, workspace: Workspace, token: str, max_bytes: int, cc: str,
+                 idle_timeout_s: float):
+        self.workspace = workspace
+        self.token = token
+        self.max_bytes = max_bytes
+        self.cc = cc
+        self.idle_timeout_s = idle_timeout_s
+        self.tensors = {}
+        self.modules = {}
+        self.load_s = {}
+        self.lock = threading.Lock()
+        self.last_active = time.monotonic()
+        self.watchdog = Watchdog()
+
+    # --------------------------------------------------------- connection --
+    def serve(self, conn: socket.socket) -> None:
+        fs = FrameSocket(conn)
+        primary = False
+        try:
+            conn.settimeout(30.0)
+            hello = fs.recv_header()
+            if hello.op != "hello" or not hmac.compare_digest(hello.token, self.token):
+                fs.send(error_frame("AuthenticationError",
+                                    "wrong data token for this session's data connection"))
+                return
+            primary = hello.primary
+            conn.settimeout(None)
+            if primary and self.idle_timeout_s:
+                threading.Thread(target=self._idle_watch, name="idle", daemon=True).start()
+            while True:
+                header = fs.recv_header()
+                self.dispatch(fs, header)
+                self.last_active = time.monotonic()
+        except (PeerClosed, OSError):
+            pass
+        finally:
+            fs.close()
+            if primary:
+                report_end("SessionEnded", "the client closed its connection")
+                os._exit(0)
+
+    def _idle_watch(self):
+        while True:
+            time.sleep(min(1.0, self.idle_timeout_s))
+            if (not self.lock.locked()
+                    and time.monotonic() - self.last_active > self.idle_timeout_s):
+                report_end("SessionEnded", f"the client was idle for {self.idle_timeout_s:g} s")
+                os._exit(0)
+
+    def dispatch(self, fs: FrameSocket, header) -> None:
+        handler = getattr(self, "op_" + header.op, None)
+        try:
+            if handler is None:
+                raise errors.InvalidArgument(f"unknown operation {header.op!r} on the data "
+                                             "connection; client and server versions differ")
+            with self.lock:
+                handler(fs, header)
+        except (PeerClosed, ConnectionError):
+            raise
+        except errors.TetherError as exc:
+            fs.send(error_frame(type(exc).__name__, str(exc)))
+        except minirt.InputError as exc:
+            fs.send(error_frame("InputError", str(exc)))
+        except minirt.ModuleLoadError as exc:
+            fs.send(error_frame("ModuleLoadError", str(exc)))
+        except ValueError as exc:
+            fs.send(error_frame("InvalidArgument", str(exc)))
+        except Exception as exc:  # noqa: BLE001 - the client gets the traceback
+            fs.send(error_frame("RemoteError", f"{header.op} failed on the device: {exc!r}\n"
+                                               f"{traceback.format_exc()}"))
+
+    def _check_size(self, what: str, size: int) -> None:
+        if size > self.max_bytes:
+            raise errors.InvalidArgument(
+                f"{what} is {size} bytes; this device accepts at most {self.max_bytes} "
+                "(server option --max-upload-bytes)")
+
+    # -------------------------------------------------------------- files --
+    def op_ping(self, fs, header):
+        fs.send(pb.DataFrame(op="ok"))
+
+    def op_upload(self, fs, header):
+        name = header.name
+        partial = None
+        end = None
+        try:
+            self._check_size(f"upload of {name!r}", header.size)
+            target = self.workspace.path(name)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            partial = target + ".part"
+            checksum = Checksum()
+            buffer = memoryview(bytearray(CHUNK_BYTES))
+            with open(partial, "wb") as f:
+                while fs.body_left:
+                    view = buffer[:min(CHUNK_BYTES, fs.body_left)]
+                    fs.recv_body_into(view)
+                    checksum.update(view)
+                    f.write(view)
+            end = fs.recv_header()
+            if end.op != "end":
+                raise errors.InvalidArgument(f"upload of {name!r} was not finished properly")
+            if end.checksum != checksum.text():
+                raise errors.InvalidArgument(
+                    f"upload of {name!r} is corrupt: {checksum.text()} on the device, "
+                    f"{end.checksum} at the sender")
+            os.replace(partial, target)
+        except Exception:
+            if end is None:  # keep the connection in step: read what the client still sends
+                fs.skip(fs.body_left)
+                fs.recv_header()
+            raise
+        finally:
+            if partial is not None and os.path.exists(partial):
+                os.remove(partial)
+        fs.send(pb.DataFrame(op="ok", name=name, size=header.size, checksum=checksum.text()))
+
+    def op_download(self, fs, header):
+        path = self.workspace.existing(header.name)
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            fs.send_prefix(pb.DataFrame(op="ok", name=header.name, size=size), size)
+            checksum = Checksum()
+            buffer = memoryview(bytearray(CHUNK_BYTES))
+            left = size
+            while left:
+                n = f.readinto(buffer[:min(CHUNK_BYTES, left)])
+                if not n:
+                    # The file shrank under us; the client sees a short body and an error.
+                    raise errors.RemoteError(f"{header.name} changed while it was being read")
+                checksum.update(buffer[:n])
+                fs.send_raw(buffer[:n])
+                left -= n
+        fs.send(pb.DataFrame(op="end", checksum=checksum.text()))
+
+    # ------------------------------------------------------------ tensors --
+    def op_put_tensor(self, fs, header):
+        self._check_size(f"tensor {header.name!r}", fs.body_left)
+        (array,) = recv_tensors(fs, header.tensors)
+        checksum = Checksum()
+        checksum.update(array)
+        if header.checksum != checksum.text():
+            raise errors.InvalidArgument(f"tensor {header.name!r} arrived corrupt: "
+                                         f"{checksum.text()}, sender {header.checksum}")
+        self.tensors[header.name] = array
+        fs.send(pb.DataFrame(op="ok", name=header.name, size=array.nbytes))
+
+    def op_get_tensor(self, fs, header):
+        array = self._tensor(header.name)
+        checksum = Checksum()
+        checksum.update(array)
+        fs.send(pb.DataFrame(op="ok", name=header.name, checksum=checksum.text(),
+                             tensors=[tensor_header(header.name, array)]), [array])
+
+    def op_free_tensor(self, fs, header):
+        self.tensors.pop(header.name, None)
+        fs.send(pb.DataFrame(op="ok"))
+
+    def _tensor(self, name: str):
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise errors.InvalidArgument(
+                f"no tensor {name!r} on the board; upload it with upload_tensor first "
+                f"(present: {', '.join(sorted(self.tensors)) or 'none'})") from None
+
+    # ------------------------------------------------------------ modules --
+    def op_load(self, fs, header):
+        name = header.name
+        path = self.workspace.existing(name)
+        start = time.perf_counter()
+        if name.endswith(".tar"):
+            path = link_objects(path, name, self.workspace, self.cc)
+        try:
+            module = minirt.load(path)
+        except minirt.ModuleLoadError as exc:
+            # minirt names the absolute path; the client knows the file by its name.
+            raise errors.ModuleLoadError(str(exc).replace(path, name)) from None
+        load_s = time.perf_counter() - start
+        module_id = f"{name}#{len(self.modules)}"
+        self.modules[module_id] = module
+        self.load_s[module_id] = load_s
+        fs.send(pb.DataFrame(op="ok", name=module_id, text=json.dumps(module.metadata),
+                             seconds=load_s))
+
+    def _module(self, module_id: str):
+        module = self.modules.get(module_id)
+        if module is None:
+            raise errors.InvalidArgument(
+                f"no module {module_id!r} loaded in this session; call load_module first")
+        return module
+
+    def _inputs(self, fs, header) -> dict:
+        arrays = recv_tensors(fs, header.tensors)
+        inputs = {t.name: a for t, a in zip(header.tensors, arrays)}
+        for input_name, tensor_name in header.refs.items():
+            inputs[input_name] = self._tensor(tensor_name)
+        return inputs
+
+    def op_run(self, fs, header):
+        module = self._module(header.name)
+        inputs = self._inputs(fs, header)
+        self.watchdog.arm(header.timeout_s, f"run of {header.name}", fs)
+        try:
+            start = time.perf_counter()
+            outputs = module.run(inputs)
+            run_s = time.perf_counter() - start
+        finally:
+            self.watchdog.disarm()
+        names = [spec.name for spec in module.outputs]
+        fs.send(pb.DataFrame(op="ok", seconds=run_s,
+                             tensors=[tensor_header(n, a) for n, a in zip(names, outputs)]),
+                [little_endian(a) for a in outputs])
+
+    def op_benchmark(self, fs, header):
+        module = self._module(header.name)
+        inputs = self._inputs(fs, header)
+        for spec in module.inputs:
+            if spec.name not in inputs:
+                inputs[spec.name] = np.zeros(spec.shape, dtype=spec.dtype)
+        self.watchdog.arm(header.timeout_s, f"benchmark of {header.name}", fs)
+        try:
+            samples, number = timing.time_module(
+                module, inputs, number=header.number or 10, repeat=header.repeat or 3,
+                min_repeat_ms=header.min_repeat_ms, cooldown_ms=header.cooldown_ms)
+        finally:
+            self.watchdog.disarm()
+        result = {"samples": samples, "number": number, "repeat": len(samples),
+                  "load_s": self.load_s[header.name], **timing.summarize(samples)}
+        fs.send(pb.DataFrame(op="ok", text=json.dumps(result)))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m remote.server.worker")
+    parser.add_argument("--listen-fd", type=int, required=True)
+    parser.add_argument("--max-bytes", type=int, required=True)
+    parser.add_argument("--cc", default="cc")
+    parser.add_argument("--idle-timeout", type=float, default=0.0)
+    args = parser.parse_args(argv)
+    # Started ahead of need: the session (token, then workspace folder) arrives on stdin.
+    token = sys.stdin.readline().strip()
+    workspace = sys.stdin.readline().strip()
+    if not token or not workspace:
+        return 0  # the server stopped before this worker was needed
+    listener = socket.socket(fileno=args.listen_fd)
+    worker = Worker(Workspace(root=workspace), token, args.max_bytes, args.cc,
+                    args.idle_timeout)
+    if args.idle_timeout:
+        listener.settimeout(args.idle_timeout)
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except socket.timeout:
+            report_end("SessionEnded", f"no client connected within {args.idle_timeout:g} s")
+            return 0
+        listener.settimeout(None)  # the idle limit now applies to the client's connection
+        conn.settimeout(None)
+        threading.Thread(target=worker.serve, args=(conn,), daemon=True).start()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

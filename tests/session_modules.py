@@ -1,0 +1,74 @@
+"""Tiny modules written in C against docs/module-abi.md, built with the system cc.
+
+They stand in for compiled models where a test needs a module that misbehaves
+(crashes, spins) or a plain object file to link on the board.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tarfile
+
+METADATA = {
+    "abi_version": 1, "name": "addone",
+    "target": {"name": "host", "triple": "", "cpu": "", "features": ""},
+    "inputs": [{"name": "x", "shape": [1, 4], "dtype": "float32"}],
+    "outputs": [{"name": "y", "shape": [1, 4], "dtype": "float32"}],
+    "workspace_bytes": 0, "param_bytes": 0, "ops": ["Add"], "producer": "tests",
+}
+
+SOURCE = r"""
+#include <stdint.h>
+int32_t tether_abi_version(void) { return 1; }
+const char *tether_metadata(void) { return METADATA; }
+int32_t tether_run(void *const *inputs, void *const *outputs, void *workspace) {
+    const float *x = (const float *)inputs[0];
+    float *y = (float *)outputs[0];
+#if defined(CRASH)
+    volatile int *nowhere = 0;
+    *nowhere = 1;
+#elif defined(HANG)
+    volatile unsigned long spin = 0;
+    for (;;) spin++;
+#endif
+    for (int i = 0; i < 4; i++) y[i] = x[i] + 1.0f;
+    return 0;
+}
+"""
+
+C_COMPILER = shutil.which("cc") or shutil.which("gcc")
+
+
+def _write_source(folder: str) -> str:
+    path = os.path.join(folder, "addone.c")
+    literal = json.dumps(json.dumps(METADATA))
+    with open(path, "w") as f:
+        f.write(f"#define METADATA {literal}\n" + SOURCE)
+    return path
+
+
+def build(folder: str, kind: str = "ok", compiler: str = None) -> str:
+    """A shared object: kind 'ok' (y = x + 1), 'crash' (segfaults) or 'hang' (spins)."""
+    source = _write_source(folder)
+    out = os.path.join(folder, f"{kind}.so")
+    flags = {"ok": [], "crash": ["-DCRASH"], "hang": ["-DHANG"]}[kind]
+    subprocess.run([compiler or C_COMPILER, "-shared", "-fPIC", "-O1", *flags, "-o", out, source],
+                   check=True)
+    return out
+
+
+def build_tar(folder: str) -> str:
+    """A module archive as the board links it: addone.o plus metadata.json."""
+    source = _write_source(folder)
+    obj = os.path.join(folder, "addone.o")
+    subprocess.run([C_COMPILER, "-c", "-fPIC", "-O1", "-o", obj, source], check=True)
+    meta = os.path.join(folder, "metadata.json")
+    with open(meta, "w") as f:
+        json.dump(METADATA, f)
+    out = os.path.join(folder, "addone.tar")
+    with tarfile.open(out, "w") as tar:
+        tar.add(obj, "addone.o")
+        tar.add(meta, "metadata.json")
+    return out

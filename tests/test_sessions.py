@@ -1,0 +1,385 @@
+"""Device sessions against real standalone device servers: isolation, transfers,
+the workspace sandbox, remote tensors, timing on the board and typed errors."""
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from remote import errors, rpc
+from remote.cli.localfarm import Child, python_argv
+from tests import session_modules
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+MAX_UPLOAD = 256 << 20
+
+pytestmark = pytest.mark.skipif(session_modules.C_COMPILER is None,
+                                reason="needs a C compiler (cc) to build test modules")
+
+
+def start_server(*extra):
+    workspaces = tempfile.mkdtemp(prefix="tether-ws-")
+    child = Child("server", python_argv(
+        "remote.server", "--host", "127.0.0.1", "--port", "0", "--workspace-dir", workspaces,
+        *extra), tempfile.mkdtemp(prefix="tether-log-"), ENV)
+    child.workspaces = workspaces
+    return child
+
+
+@pytest.fixture(scope="module")
+def server():
+    child = start_server("--max-upload-bytes", str(MAX_UPLOAD))
+    yield child
+    child.stop()
+
+
+@pytest.fixture(scope="module")
+def modules(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("cmods"))
+    return {kind: session_modules.build(folder, kind) for kind in ("ok", "crash", "hang")}
+
+
+def connect(srv, **kw):
+    return rpc.connect("127.0.0.1", srv.port, **kw)
+
+
+def connect_when_free(srv, within=15.0, **kw):
+    """Open a session, retrying while the device is still busy."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            return connect(srv, **kw)
+        except errors.DeviceBusy:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def check_addone(sess, path):
+    sess.upload(path, target="addone.so")
+    mod = sess.load_module("addone.so")
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+    (y,) = mod.run({"x": x})
+    np.testing.assert_array_equal(y, x + 1)
+
+
+def vm_hwm_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise AssertionError(f"no VmHWM for {pid}")
+
+
+def listening_pid(port: int) -> int:
+    """The process holding the listening TCP socket on ``port``."""
+    inodes = set()
+    for line in open("/proc/net/tcp").read().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and int(fields[1].split(":")[1], 16) == port:
+            inodes.add(f"socket:[{fields[9]}]")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                    return int(pid)
+            except OSError:
+                pass
+    raise AssertionError(f"no process listens on port {port}")
+
+
+# ------------------------------------------------------------- isolation --
+def test_segfaulting_module_ends_only_its_session(server, modules):
+    with connect(server) as sess:
+        sess.upload(modules["crash"], target="crash.so")
+        mod = sess.load_module("crash.so")
+        with pytest.raises(errors.ModuleCrashed, match="run of crash.so.*SIGSEGV"):
+            mod.run({"x": np.zeros((1, 4), np.float32)})
+        with pytest.raises(errors.SessionEnded, match="SIGSEGV"):
+            sess.listdir()
+    with connect_when_free(server) as sess:  # the server serves on and is free again
+        check_addone(sess, modules["ok"])
+
+
+def test_hanging_module_is_stopped_at_the_run_timeout(server, modules):
+    with connect(server) as sess:
+        sess.upload(modules["hang"], target="hang.so")
+        mod = sess.load_module("hang.so")
+        with pytest.raises(errors.RunTimeout, match=r"hang.so#0 did not finish within 1 s.*ended the session"):
+            mod.run({"x": np.zeros((1, 4), np.float32)}, timeout=1.0)
+    with connect_when_free(server) as sess:
+        check_addone(sess, modules["ok"])
+
+
+def test_session_timeout_is_enforced(server):
+    with connect(server, session_timeout=1.0) as sess:
+        sess.ping()
+        time.sleep(2.5)
+        with pytest.raises(errors.SessionEnded, match="session timeout of 1 s"):
+            sess.ping()
+    connect_when_free(server).close()
+
+
+def test_a_client_that_vanishes_frees_the_board(server):
+    code = ("import os, signal, sys; from remote import rpc; "
+            f"s = rpc.connect('127.0.0.1', {server.port}); s.ping(); print('open', flush=True); "
+            "os.kill(os.getpid(), signal.SIGKILL)")
+    out = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.strip() == "open", out.stderr
+    connect_when_free(server, within=10).close()
+
+
+def test_sessions_beyond_max_are_refused_or_queued_as_configured():
+    refusing = start_server("--max-sessions", "1")
+    queueing = start_server("--max-sessions", "1", "--session-queue", "20")
+    try:
+        with connect(refusing):
+            with pytest.raises(errors.DeviceBusy, match="at most 1"):
+                connect(refusing)
+        first = connect(queueing)
+        threading.Timer(1.0, first.close).start()
+        start = time.monotonic()
+        with connect(queueing) as second:  # waits for the first to close, then runs
+            second.ping()
+        assert time.monotonic() - start >= 0.9
+    finally:
+        refusing.stop()
+        queueing.stop()
+
+
+# ------------------------------------------------------------- transfers --
+def test_upload_download_listdir_remove_with_progress(server, tmp_path):
+    data = os.urandom(3 * (1 << 20) + 12345)
+    seen = []
+    with connect(server) as sess:
+        assert sess.upload(data, target="sub/blob.bin",
+                           progress=lambda done, total: seen.append((done, total))) == "sub/blob.bin"
+        assert seen[-1] == (len(data), len(data)) and len(seen) == 4
+        assert sess.listdir() == ["sub/blob.bin"]
+        assert sess.download("sub/blob.bin") == data
+        got = []
+        local = str(tmp_path / "back.bin")
+        assert sess.download("sub/blob.bin", local, progress=lambda d, t: got.append(d)) == local
+        assert open(local, "rb").read() == data and got[-1] == len(data)
+        sess.upload(b"", target="empty")
+        assert sess.download("empty") == b""
+        sess.remove("sub/blob.bin")
+        assert sess.listdir() == ["empty"]
+        with pytest.raises(errors.InvalidArgument, match="no file 'sub/blob.bin'"):
+            sess.download("sub/blob.bin")
+
+
+def test_200_mib_upload_keeps_memory_bounded(server, tmp_path):
+    size = 200 << 20
+    path = tmp_path / "big.bin"
+    block = os.urandom(1 << 20)
+    with open(path, "wb") as f:
+        for _ in range(size >> 20):
+            f.write(block)
+    client = ("import sys; from remote import rpc; s = rpc.connect('127.0.0.1', %d); "
+              "print(s.upload(sys.argv[1]), s.listdir()); s.ping(); "
+              "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0]); "
+              "s.close()" % server.port)
+    server_before = vm_hwm_kib(server.proc.pid)
+    proc = subprocess.run([sys.executable, "-c", client, str(path)], env=ENV,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    listing, hwm_line = [line for line in proc.stdout.splitlines() if line]
+    assert listing == "big.bin ['big.bin']"
+    client_hwm_mib = int(hwm_line.split()[1]) / 1024
+    server_growth_mib = (vm_hwm_kib(server.proc.pid) - server_before) / 1024
+    assert client_hwm_mib < 150, f"client peak {client_hwm_mib:.0f} MiB for a 200 MiB upload"
+    assert server_growth_mib < 30, f"server grew {server_growth_mib:.0f} MiB"
+
+
+def test_worker_memory_stays_bounded_during_a_large_upload(server):
+    with connect(server) as sess:
+        sess.ping()
+        pid = listening_pid(sess._data.sock.getpeername()[1])
+        assert pid != server.proc.pid, "modules must run outside the server process"
+        before = vm_hwm_kib(pid)
+        sess.upload(bytes(120 << 20), target="zeros.bin")
+        growth_mib = (vm_hwm_kib(pid) - before) / 1024
+        assert growth_mib < 30, f"worker grew {growth_mib:.0f} MiB for a 120 MiB upload"
+
+
+def test_size_limits_are_refused_with_the_limit_named(server):
+    with connect(server) as sess:
+        with pytest.raises(errors.InvalidArgument, match=f"at most {MAX_UPLOAD}.*--max-upload"):
+            sess.upload(bytes(MAX_UPLOAD + 1), target="huge.bin")
+        with pytest.raises(errors.InvalidArgument, match=f"at most {MAX_UPLOAD}"):
+            sess.upload_tensor("t", np.zeros(MAX_UPLOAD // 8 + 1))
+        assert sess.listdir() == []
+        sess.ping()
+
+
+# -------------------------------------------------------------- workspace --
+@pytest.mark.parametrize("name", ["/etc/passwd", "../escape", "a/../../b", "./x", "a//b"])
+def test_names_outside_the_workspace_are_refused(server, name):
+    with connect(server) as sess:
+        with pytest.raises(errors.InvalidArgument, match="not allowed"):
+            sess.upload(b"x", target=name)
+        with pytest.raises(errors.InvalidArgument, match="not allowed"):
+            sess.download(name)
+        with pytest.raises(errors.InvalidArgument, match="not allowed"):
+            sess.remove(name)
+        sess.ping()  # the session goes on
+
+
+def test_symlinks_leading_out_of_the_workspace_are_refused(server):
+    with connect(server) as sess:
+        sess.upload(b"inside", target="real.txt")
+        (folder,) = [os.path.join(server.workspaces, d) for d in os.listdir(server.workspaces)]
+        # What a module or a later bug could leave behind inside the folder.
+        os.symlink("/etc", os.path.join(folder, "etc"))
+        os.symlink("/etc/hostname", os.path.join(folder, "hostname"))
+        os.symlink(os.path.join(folder, "real.txt"), os.path.join(folder, "alias.txt"))
+        for name in ("etc/hostname", "hostname"):
+            with pytest.raises(errors.InvalidArgument, match="leads outside"):
+                sess.download(name)
+            with pytest.raises(errors.InvalidArgument, match="leads outside"):
+                sess.upload(b"overwrite", target=name)
+            with pytest.raises(errors.InvalidArgument, match="leads outside"):
+                sess.load_module(name)
+        assert sess.download("alias.txt") == b"inside"  # a link that stays inside is fine
+    assert os.listdir(server.workspaces) == [], "the workspace is removed with the session"
+
+
+# ---------------------------------------------------- modules and tensors --
+def test_remote_tensors_stay_on_the_board_between_runs(server, modules):
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+    with connect(server) as sess:
+        sess.upload(modules["ok"], target="addone.so")
+        mod = sess.load_module("addone.so")
+        rx = sess.upload_tensor("x0", x)
+        assert rx.shape == (1, 4) and rx.dtype == "float32"
+        (y1,) = mod.run({"x": rx})
+        (y2,) = mod.run([rx])
+        np.testing.assert_array_equal(y1, x + 1)
+        np.testing.assert_array_equal(y2, x + 1)
+        big = np.random.default_rng(0).standard_normal((3, 1000, 7))
+        np.testing.assert_array_equal(sess.upload_tensor("big", big).numpy(), big)
+        rx.free()
+        with pytest.raises(errors.InvalidArgument, match="no tensor 'x0'.*upload_tensor"):
+            mod.run({"x": rx})
+        with pytest.raises(errors.InputError, match=r"expected shape \(1, 4\)"):
+            mod.run({"x": sess.upload_tensor("wrong", np.zeros((2, 4), np.float32))})
+        sess.ping()
+
+
+def test_module_tar_is_linked_on_the_board(server, tmp_path):
+    tar = session_modules.build_tar(str(tmp_path))
+    with connect(server) as sess:
+        sess.upload(tar)
+        mod = sess.load_module("addone.tar")
+        assert mod.metadata["name"] == "addone"
+        (y,) = mod.run({"x": np.ones((1, 4), np.float32)})
+        np.testing.assert_array_equal(y, np.full((1, 4), 2, np.float32))
+        assert "addone.so" in sess.listdir()
+        sess.upload(b"not a tar", target="junk.tar")
+        with pytest.raises(errors.ModuleLoadError, match="junk.tar is not a readable tar"):
+            sess.load_module("junk.tar")
+
+
+def test_module_tar_without_a_compiler_on_the_board_is_a_clear_error(tmp_path):
+    tar = session_modules.build_tar(str(tmp_path))
+    srv = start_server("--cc", "no-such-cc")
+    try:
+        with connect(srv) as sess:
+            sess.upload(tar)
+            with pytest.raises(errors.ModuleLoadError, match="'no-such-cc' is not on this board"):
+                sess.load_module("addone.tar")
+    finally:
+        srv.stop()
+
+
+@pytest.mark.skipif(not session_modules.shutil.which("aarch64-linux-gnu-gcc"),
+                    reason="needs aarch64-linux-gnu-gcc (Debian gcc-aarch64-linux-gnu)")
+def test_wrong_architecture_names_both_machines(server, tmp_path):
+    arm = session_modules.build(str(tmp_path), "ok", compiler="aarch64-linux-gnu-gcc")
+    with connect(server) as sess:
+        sess.upload(arm, target="arm.so")
+        with pytest.raises(errors.ModuleLoadError,
+                           match=r"arm.so is a 64-bit aarch64 module.*runs 64-bit x86_64"):
+            sess.load_module("arm.so")
+        sess.upload(b"\x7fELF garbage", target="corrupt.so")
+        with pytest.raises(errors.ModuleLoadError, match="corrupt.so is not an ELF shared object"):
+            sess.load_module("corrupt.so")
+
+
+def test_benchmark_runs_on_the_board(server, modules):
+    with connect(server) as sess:
+        sess.upload(modules["ok"], target="addone.so")
+        mod = sess.load_module("addone.so")
+        res = mod.benchmark(number=5, repeat=4)
+        assert res.number == 5 and len(res.samples) == 4
+        assert 0 < res.min <= res.median <= res.max and res.min <= res.p90 <= res.p99 <= res.max
+        assert res.mean == pytest.approx(np.mean(res.samples))
+        assert res.std == pytest.approx(np.std(res.samples))
+        assert res.load_s == pytest.approx(mod.load_s)
+        grown = mod.benchmark(number=1, repeat=2, min_repeat_ms=20, cooldown_ms=5,
+                              inputs={"x": np.ones((1, 4), np.float32)})
+        assert grown.number > 1 and grown.number * grown.min >= 0.015
+        with pytest.raises(ValueError, match="repeat"):
+            mod.benchmark(repeat=0)
+
+
+def test_device_info_names_the_board_and_its_runtime(server):
+    import grpc
+    import platform
+    with connect(server) as sess:
+        info = sess.device_info()
+    assert info["triple"].startswith(platform.machine()) and info["cores"] >= 1
+    assert info["grpcio"] == grpc.__version__ and info["numpy"] == np.__version__
+    assert info["python"] == platform.python_version() and info["memory_bytes"] > 0
+
+
+# ------------------------------------------------------------------ errors --
+def test_remote_failure_carries_the_device_traceback(server):
+    with connect(server) as sess:
+        sess.upload(b"file", target="plain")
+        with pytest.raises(errors.RemoteError, match="(?s)upload failed on the device.*Traceback"):
+            sess.upload(b"x", target="plain/inside")
+        sess.ping()
+
+
+def test_data_connection_needs_the_session_token(server):
+    from remote.proto import pb
+    from remote.proto.frames import FrameSocket
+    with connect(server) as sess:
+        sess.ping()
+        port = sess._data.sock.getpeername()[1]
+        intruder = FrameSocket(socket.create_connection(("127.0.0.1", port)))
+        intruder.send(pb.DataFrame(op="hello", token="guess", primary=True))
+        reply = intruder.recv_header()
+        assert reply.error == "AuthenticationError" and "wrong data token" in reply.text
+        intruder.close()
+        sess.ping()  # the real client is untouched
+
+
+def test_grpc_only_callers_reach_the_same_worker(server, modules):
+    """LoadModule and Run over gRPC (no data connection) relay to the session's worker."""
+    import grpc
+    from remote.proto import CHANNEL_OPTIONS, make_stub, pb
+    from remote.proto.tensors import from_message, to_message
+    with connect(server) as sess:
+        sess.upload(modules["ok"], target="addone.so")
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}", options=CHANNEL_OPTIONS) as ch:
+            stub = make_stub(ch, "Device")
+            info = stub.LoadModule(pb.LoadModuleRequest(session_id=sess.session_id,
+                                                        name="addone.so"), timeout=30)
+            x = np.full((1, 4), 3, np.float32)
+            reply = stub.Run(pb.RunRequest(session_id=sess.session_id, module_id=info.module_id,
+                                           inputs=[to_message("x", x)]), timeout=30)
+        np.testing.assert_array_equal(from_message(reply.outputs[0]), x + 1)
