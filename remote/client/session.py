@@ -351,13 +351,18 @@ class Session:
         self._closed = True
         if self._data is not None:
             self._data.close()
+        confirmed = False
         try:
-            self._stub.CloseSession(pb.SessionRef(session_id=self.session_id), timeout=5.0)
+            self._stub.CloseSession(pb.SessionRef(session_id=self.session_id), timeout=30.0)
+            confirmed = True
         except grpc.RpcError:
-            pass  # the device is gone or already ended the session; nothing to free there
+            pass  # the device is gone or already ended the session
         finally:
             self._channel.close()
-            if self._on_close is not None:
+            # A device that confirmed the close returns its lease itself, after its
+            # session is gone; returning it from here too could hand the board to
+            # the next client while this session is still being torn down.
+            if not confirmed and self._on_close is not None:
                 self._on_close()
 
     def __enter__(self) -> "Session":
