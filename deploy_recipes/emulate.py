@@ -21,6 +21,7 @@ import json
 import os
 import re
 import select
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -31,10 +32,15 @@ from deploy_recipes.devicecode import copy_device_files
 
 RELEASES = ("bullseye", "bookworm", "trixie")
 PACKAGES = ("python3", "python3-numpy", "python3-grpcio", "python3-protobuf")
+# Dependencies debootstrap's simple resolver misses (trixie's grpcio names libre2
+# through a virtual-package alternative).
+EXTRA_PACKAGES = {"trixie": ("libre2-11",)}
+# Bump when the way a root filesystem is made changes, so caches are rebuilt.
+ROOTFS_FORMAT = 2
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 STARTUP_TIMEOUT_S = 180.0
 # Where the device-side code lives inside the root filesystem.
-GUEST_CODE_DIR = "/opt/tether"
+CODE_DIR = "/opt/tether"
 
 
 class Arch(NamedTuple):
@@ -152,7 +158,7 @@ def build_rootfs(release: str, arch: str, progress: Progress = None,
     spec = _check(release, arch)
     root = rootfs_path(release, arch)
     marker = os.path.join(root, ".tether-rootfs.json")
-    if os.path.exists(marker):
+    if _current(marker):
         return root
     missing = missing_tools(arch)
     if missing:
@@ -161,7 +167,7 @@ def build_rootfs(release: str, arch: str, progress: Progress = None,
     # Two processes building the same root filesystem wait for each other.
     with open(root + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if os.path.exists(marker):
+        if _current(marker):
             return root
         work = tempfile.mkdtemp(prefix=f".{release}-{arch}-", dir=os.path.dirname(root))
         os.chmod(work, 0o755)
@@ -176,11 +182,19 @@ def build_rootfs(release: str, arch: str, progress: Progress = None,
     return root
 
 
+def _current(marker: str) -> bool:
+    try:
+        with open(marker) as f:
+            return json.load(f).get("format") == ROOTFS_FORMAT
+    except (OSError, ValueError):
+        return False
+
+
 def _build_into(work: str, release: str, arch: Arch, progress: Progress, mirror: str):
     say = progress or (lambda _msg: None)
     say(f"downloading Debian {release} {arch.debian} packages from {mirror}")
     argv = ["debootstrap", "--foreign", f"--arch={arch.debian}", "--variant=minbase",
-            f"--include={','.join(PACKAGES)}", release, work, mirror]
+            f"--include={','.join(PACKAGES + EXTRA_PACKAGES.get(release, ()))}", release, work, mirror]
     if os.getuid() != 0:
         argv.insert(0, "fakeroot")
     env_path = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
@@ -196,7 +210,7 @@ def _build_into(work: str, release: str, arch: Arch, progress: Progress, mirror:
     _link_blas(work, arch)
     python = guest_python(work)
     with open(os.path.join(work, ".tether-rootfs.json"), "w") as f:
-        json.dump({"release": release, "arch": arch.debian, "python": python,
+        json.dump({"format": ROOTFS_FORMAT, "release": release, "arch": arch.debian, "python": python,
                    "mirror": mirror, "built": time.time()}, f)
     say(f"root filesystem ready ({python})")
 
@@ -208,11 +222,19 @@ def _write_launcher(root: str, arch: Arch, python: str) -> str:
     child Python (``subprocess``/``multiprocessing``), the guest execve reaches
     the host kernel as a shell script, which runs qemu again. Without it a child
     would need binfmt_misc registrations for ARM binaries on the host.
+
+    Every path the guest Python uses is given as the host's absolute path into
+    the root filesystem: qemu's ``-L`` prefix is not applied by every system
+    call (qemu 7.2 skips it for statx, which trixie's glibc uses), so a guest
+    path such as /usr/lib/python3.13 would be looked up on the host.
     """
     launcher = root + ".python"
     qemu = shutil.which(arch.qemu) or arch.qemu
+    q = shlex.quote
     text = ("#!/bin/sh\n"
-            f"exec {qemu} -cpu {arch.cpu} -L {root} -0 {launcher} {root}{python} \"$@\"\n")
+            f"PYTHONHOME={q(root + '/usr')} TMPDIR={q(root + '/tmp')} HOME={q(root + '/root')}\n"
+            "export PYTHONHOME TMPDIR HOME\n"
+            f"exec {q(qemu)} -cpu {arch.cpu} -L {q(root)} -0 {q(launcher)} {q(root + python)} \"$@\"\n")
     tmp = launcher + f".{os.getpid()}"
     with open(tmp, "w") as f:
         f.write(text)
@@ -239,15 +261,20 @@ class EmulatedBoard:
         self.root = build_rootfs(self.release, self.arch, self.progress)
         with open(os.path.join(self.root, ".tether-rootfs.json")) as f:
             python = json.load(f)["python"]
-        copy_device_files(self.root + GUEST_CODE_DIR)
+        copy_device_files(self.code_dir)
         return [_write_launcher(self.root, self.spec, python)]
+
+    @property
+    def code_dir(self) -> str:
+        """The device-side files, inside the root filesystem (as a host path)."""
+        return rootfs_path(self.release, self.arch) + CODE_DIR
 
     def command(self, args: Sequence[str]) -> List[str]:
         return self.prepare() + list(args)
 
     def environment(self) -> Dict[str, str]:
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
-               "HOME": "/root", "PYTHONPATH": GUEST_CODE_DIR, "PYTHONUNBUFFERED": "1"}
+               "PYTHONPATH": self.code_dir, "PYTHONUNBUFFERED": "1"}
         for name in ("TETHER_FARM_SECRET",):
             if name in os.environ:
                 env[name] = os.environ[name]
@@ -265,7 +292,8 @@ class EmulatedBoard:
             tempfile.mkdtemp(prefix="tether-emulate-"), "server.log")
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self._log,
-                                     env=self.environment(), start_new_session=True)
+                                     env=self.environment(), cwd=self.code_dir,
+                                     start_new_session=True)
         self.port = self._read_port(timeout)
         return self.port
 
@@ -347,3 +375,14 @@ def run_emulated_board(args) -> int:
     if code is not None and not stop:
         raise EmulationError(f"the emulated server exited with {code}:\n{board.log_tail()}")
     return 0
+
+
+def qemu_version(arch: str) -> tuple:
+    """(major, minor) of the host's qemu user-mode emulator for ``arch``; (0, 0) if absent."""
+    try:
+        out = subprocess.run([ARCHES[arch].qemu, "--version"], stdout=subprocess.PIPE,
+                             universal_newlines=True).stdout
+    except OSError:
+        return (0, 0)
+    found = re.search(r"version (\d+)\.(\d+)", out)
+    return (int(found.group(1)), int(found.group(2))) if found else (0, 0)

@@ -30,8 +30,15 @@ SYSTEMS = [(release, arch) for release in emulate.RELEASES for arch in emulate.A
 
 
 def _system_param(release, arch):
-    return pytest.param((release, arch), id=f"{release}-{arch}",
-                        marks=[pytest.mark.emulated, getattr(pytest.mark, f"{release}_{arch}")])
+    marks = [pytest.mark.emulated, getattr(pytest.mark, f"{release}_{arch}")]
+    if (release, arch) == ("trixie", "armhf"):
+        # trixie's armhf userland uses 64-bit time_t system calls; under qemu 7.2
+        # grpc core aborts on a malformed timespec (time_posix.cc) as it starts.
+        marks.append(pytest.mark.xfail(
+            emulate.qemu_version("armhf") < (8, 0), strict=False,
+            reason="qemu-arm 7.x mis-emulates trixie's time64 calls; grpc aborts at start "
+                   "(newer qemu-user, e.g. from bookworm-backports or trixie, is needed)"))
+    return pytest.param((release, arch), id=f"{release}-{arch}", marks=marks)
 
 
 SYSTEM_PARAMS = [_system_param(r, a) for r, a in SYSTEMS]
@@ -113,9 +120,10 @@ def test_emulated_board_reports_its_arm_system(system, board, tracker):
         info = sess.device_info()
     assert info["machine"] == emulate.ARCHES[arch].machine
     assert info["triple"].startswith("aarch64-" if arch == "arm64" else "armv7l-")
-    assert info["python_version"].startswith(python + ".")
-    assert info["numpy_version"].startswith(numpy_version + ".")
-    assert info["grpcio_version"] and info["protobuf_version"]
+    assert info["python"].startswith(python + ".")
+    assert info["numpy"].startswith(numpy_version + ".")
+    assert info["grpcio"] and info["protobuf"]
+    assert "Debian" in info["os"]
 
 
 def test_model_compiled_for_the_board_matches_onnxruntime(system, board, tracker, arm_modules):
