@@ -29,6 +29,7 @@ import time
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 
 from deploy_recipes.devicecode import copy_device_files
+from remote.errors import TetherError
 
 RELEASES = ("bullseye", "bookworm", "trixie")
 PACKAGES = ("python3", "python3-numpy", "python3-grpcio", "python3-protobuf")
@@ -61,7 +62,7 @@ ARCHES: Dict[str, Arch] = {
 Progress = Optional[Callable[[str], None]]
 
 
-class EmulationError(RuntimeError):
+class EmulationError(TetherError):
     """The emulated board cannot be built or started; the message says what to do."""
 
 
