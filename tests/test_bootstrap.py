@@ -107,7 +107,19 @@ def _pid_alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
-def test_install_upgrade_and_uninstall_over_ssh(sshd, tracker, tmp_path):
+@pytest.fixture
+def stop_leftover_server(tmp_path):
+    """Stops the server a failed test left running on the "board"."""
+    yield
+    pid_file = tmp_path / "board-home" / ".tether" / "server.pid"
+    if pid_file.exists():
+        try:
+            os.kill(int(pid_file.read_text()), 15)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
+def test_install_upgrade_and_uninstall_over_ssh(sshd, tracker, tmp_path, stop_leftover_server):
     known = tmp_path / "known_hosts"
     known.write_text(_known_hosts_line(sshd))
     remote_dir = tmp_path / "board-home" / ".tether"
