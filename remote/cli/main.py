@@ -60,6 +60,16 @@ def cmd_demo(args):
     return run_demo(key=args.key, runs=args.runs)
 
 
+def cmd_emulate(args):
+    from deploy_recipes.emulate import run_emulated_board
+    return run_emulated_board(args)
+
+
+def cmd_bootstrap(args):
+    from deploy_recipes.bootstrap import run_bootstrap
+    return run_bootstrap(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tether",
@@ -100,6 +110,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-shape", action="append", default=[], metavar="NAME=D0,D1,...",
                    help="fix an input's unknown dimensions")
     p.set_defaults(func=cmd_compile)
+
+    p = sub.add_parser("emulate", help="run an emulated ARM board (qemu, Debian's own Python)",
+                       epilog="example: tether emulate --arch arm64 --release bookworm "
+                              "--tracker 127.0.0.1:9190 --key rasp4b64")
+    from deploy_recipes.cli import add_emulate_arguments
+    add_emulate_arguments(p)
+    p.set_defaults(func=cmd_emulate)
+
+    p = sub.add_parser("bootstrap", help="install and start the device server on a board over SSH",
+                       epilog="example: tether bootstrap pi@192.168.1.20 --tracker farm.local:9190 "
+                              "--key rasp4b64 --install-deps")
+    from deploy_recipes.cli import add_bootstrap_arguments
+    add_bootstrap_arguments(p)
+    p.set_defaults(func=cmd_bootstrap)
 
     p = sub.add_parser("demo", help="run one model end to end on a local farm",
                        epilog="example: tether demo")

@@ -1,0 +1,42 @@
+"""Arguments of ``tether emulate`` and ``tether bootstrap`` (kept apart so ``--help`` is quick)."""
+from __future__ import annotations
+
+import os
+
+
+def add_emulate_arguments(p):
+    p.add_argument("--arch", choices=("arm64", "armhf"), default="arm64",
+                   help="arm64 (Pi 4/5 64-bit OS) or armhf (32-bit Raspberry Pi OS)")
+    p.add_argument("--release", choices=("bullseye", "bookworm", "trixie"), default="bookworm",
+                   help="Debian release whose python3, numpy, grpcio and protobuf the board runs")
+    p.add_argument("--tracker", default=os.environ.get("TETHER_TRACKER"),
+                   help="tracker HOST:PORT to register with (default $TETHER_TRACKER)")
+    p.add_argument("--key", help="device key to register under (default qemu-ARCH)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=0, help="port to listen on (0: any free one)")
+    p.add_argument("--build-only", action="store_true",
+                   help="only build the cached root filesystem and print its path")
+
+
+def add_bootstrap_arguments(p):
+    p.add_argument("board", metavar="USER@HOST[:PORT]", help="SSH login on the board")
+    p.add_argument("--tracker", default=os.environ.get("TETHER_TRACKER"),
+                   help="tracker HOST:PORT as the board reaches it (default $TETHER_TRACKER)")
+    p.add_argument("--key", help="device key (default: the suggested target preset)")
+    p.add_argument("--identity", "-i", help="private key file for SSH")
+    p.add_argument("--password", default=os.environ.get("TETHER_SSH_PASSWORD"),
+                   help="SSH password (default $TETHER_SSH_PASSWORD); keys are preferred")
+    p.add_argument("--known-hosts", help="known_hosts file (default ~/.ssh/known_hosts)")
+    p.add_argument("--accept-new-host-key", action="store_true",
+                   help="on first contact, trust and record the board's host key")
+    p.add_argument("--service", choices=("auto", "systemd", "background"), default="auto",
+                   help="how the server keeps running (auto: systemd when the board has it)")
+    p.add_argument("--install-deps", action="store_true",
+                   help="install missing numpy/grpcio/protobuf (apt as root, else pip --user)")
+    p.add_argument("--uninstall", action="store_true", help="stop the server and remove it")
+    p.add_argument("--python", default="python3", help="Python on the board (default python3)")
+    p.add_argument("--remote-dir", default="~/.tether", help="where the server lives on the board")
+    p.add_argument("--port", type=int, default=9090, help="port the server listens on")
+    p.add_argument("--advertise", help="HOST[:PORT] clients should dial (default: found)")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds to wait for the board to appear at the tracker")

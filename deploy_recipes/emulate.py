@@ -1,0 +1,389 @@
+"""Emulated ARM boards: a Debian root filesystem run under qemu user-mode emulation.
+
+A root filesystem holds one Debian release's own python3, python3-numpy,
+python3-grpcio and python3-protobuf for arm64 or armhf, as Raspberry Pi OS of
+that generation ships them. It is built once with ``debootstrap --foreign``
+(which only downloads and unpacks, needing no emulator) plus ``dpkg-deb -x`` of
+the downloaded packages, and cached under ``$TETHER_CACHE/rootfs`` (default
+``~/.cache/tether/rootfs``). The device server then runs inside it with
+``qemu-aarch64``/``qemu-arm -L ROOTFS``: every system call is the host's, so the
+board listens on, and dials, the host's own network.
+
+    >>> board = EmulatedBoard("bookworm", "arm64")                       # doctest: +SKIP
+    >>> board.start(tracker="127.0.0.1:9190", key="qemu-arm64")          # doctest: +SKIP
+    >>> board.stop()                                                     # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import fcntl
+import glob
+import json
+import os
+import re
+import select
+import shlex
+import shutil
+import subprocess
+import tempfile
+import time
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
+
+from deploy_recipes.devicecode import copy_device_files
+from remote.errors import TetherError
+
+RELEASES = ("bullseye", "bookworm", "trixie")
+PACKAGES = ("python3", "python3-numpy", "python3-grpcio", "python3-protobuf")
+# Dependencies debootstrap's simple resolver misses (trixie's grpcio names libre2
+# through a virtual-package alternative).
+EXTRA_PACKAGES = {"trixie": ("libre2-11",)}
+# Bump when the way a root filesystem is made changes, so caches are rebuilt.
+ROOTFS_FORMAT = 2
+DEFAULT_MIRROR = "http://deb.debian.org/debian"
+STARTUP_TIMEOUT_S = 180.0
+# Where the device-side code lives inside the root filesystem.
+CODE_DIR = "/opt/tether"
+
+
+class Arch(NamedTuple):
+    debian: str      # Debian architecture name
+    qemu: str        # qemu user-mode emulator
+    multiarch: str   # /usr/lib/<multiarch> inside the root filesystem
+    cpu: str         # qemu -cpu: what the boards of this arch can run
+    machine: str     # what platform.machine() reports on the board
+
+
+ARCHES: Dict[str, Arch] = {
+    # "max" runs every instruction a Pi 4/5 has (cortex-a72/a76 code).
+    "arm64": Arch("arm64", "qemu-aarch64", "aarch64-linux-gnu", "max", "aarch64"),
+    # Pi 3/4 under 32-bit Raspberry Pi OS: ARMv8 cores in AArch32 state, NEON and VFPv4.
+    "armhf": Arch("armhf", "qemu-arm", "arm-linux-gnueabihf", "max", "armv7l"),
+}
+
+Progress = Optional[Callable[[str], None]]
+
+
+class EmulationError(TetherError):
+    """The emulated board cannot be built or started; the message says what to do."""
+
+
+def cache_dir() -> str:
+    """``$TETHER_CACHE`` or ``~/.cache/tether``."""
+    return os.environ.get("TETHER_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "tether")
+
+
+def rootfs_path(release: str, arch: str) -> str:
+    return os.path.join(cache_dir(), "rootfs", f"{release}-{arch}")
+
+
+def _check(release: str, arch: str) -> Arch:
+    if release not in RELEASES:
+        raise ValueError(f"unknown Debian release {release!r}; choose one of {', '.join(RELEASES)}")
+    if arch not in ARCHES:
+        raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHES)}")
+    return ARCHES[arch]
+
+
+def missing_tools(arch: str = "arm64") -> List[str]:
+    """Debian packages to install before boards of ``arch`` can be built and run."""
+    need = [(ARCHES[arch].qemu, "qemu-user"), ("debootstrap", "debootstrap"),
+            ("dpkg-deb", "dpkg")]
+    if os.getuid() != 0:
+        need.append(("fakeroot", "fakeroot"))  # debootstrap makes device nodes
+    path = os.environ.get("PATH", "") + os.pathsep + "/usr/sbin:/sbin"
+    return [pkg for tool, pkg in need if shutil.which(tool, path=path) is None]
+
+
+def debian_mirror() -> str:
+    """The Debian mirror apt uses here (``$TETHER_DEBIAN_MIRROR`` overrides it)."""
+    if os.environ.get("TETHER_DEBIAN_MIRROR"):
+        return os.environ["TETHER_DEBIAN_MIRROR"]
+    texts = []
+    for path in ["/etc/apt/sources.list", *sorted(glob.glob("/etc/apt/sources.list.d/*.list")),
+                 *sorted(glob.glob("/etc/apt/sources.list.d/*.sources"))]:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                texts.append(f.read())
+        except OSError:
+            pass
+    for text in texts:
+        for line in text.splitlines():
+            line = line.split("#", 1)[0]
+            for url in re.findall(r"(?:https?|file)://\S+", line):
+                if re.search(r"/debian/?$", url):
+                    return url.rstrip("/")
+    return DEFAULT_MIRROR
+
+
+def _run(argv: Sequence[str], what: str, cwd: Optional[str] = None):
+    proc = subprocess.run(list(argv), cwd=cwd, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, universal_newlines=True)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stdout.splitlines()[-15:])
+        raise EmulationError(f"{what} failed (exit {proc.returncode}):\n{tail}")
+    return proc.stdout
+
+
+def _link_blas(root: str, arch: Arch):
+    """The links to BLAS/LAPACK that the skipped postinst scripts (update-alternatives) make."""
+    libdir = os.path.join(root, "usr", "lib", arch.multiarch)
+    for name in ("libblas.so.3", "liblapack.so.3"):
+        link = os.path.join(libdir, name)
+        if os.path.lexists(link):
+            continue
+        family = name[3:-5]  # blas, lapack
+        candidates = sorted(glob.glob(os.path.join(libdir, family + "*", name)),
+                            key=lambda p: (os.path.basename(os.path.dirname(p)) != family, p))
+        if not candidates:
+            raise EmulationError(f"no {name} in {libdir}; numpy cannot load without it")
+        os.symlink(os.path.relpath(candidates[0], libdir), link)
+
+
+def guest_python(root: str) -> str:
+    """The guest path of the release's python3.X binary."""
+    found = sorted(glob.glob(os.path.join(root, "usr", "bin", "python3.[0-9]*")),
+                   key=lambda p: [int(n) for n in re.findall(r"\d+", os.path.basename(p))])
+    found = [p for p in found if re.fullmatch(r"python3\.\d+", os.path.basename(p))]
+    if not found:
+        raise EmulationError(f"no python3.X in {root}/usr/bin; delete {root} and build again")
+    return "/usr/bin/" + os.path.basename(found[-1])
+
+
+def build_rootfs(release: str, arch: str, progress: Progress = None,
+                 mirror: Optional[str] = None) -> str:
+    """Build (once) and return the root filesystem for ``release``/``arch``.
+
+    >>> build_rootfs("bookworm", "arm64")          # doctest: +SKIP
+    '/home/me/.cache/tether/rootfs/bookworm-arm64'
+    """
+    spec = _check(release, arch)
+    root = rootfs_path(release, arch)
+    marker = os.path.join(root, ".tether-rootfs.json")
+    if _current(marker):
+        return root
+    missing = missing_tools(arch)
+    if missing:
+        raise EmulationError(f"emulated boards need: apt-get install {' '.join(missing)}")
+    os.makedirs(os.path.dirname(root), exist_ok=True)
+    # Two processes building the same root filesystem wait for each other.
+    with open(root + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _current(marker):
+            return root
+        work = tempfile.mkdtemp(prefix=f".{release}-{arch}-", dir=os.path.dirname(root))
+        os.chmod(work, 0o755)
+        try:
+            _build_into(work, release, spec, progress, mirror or debian_mirror())
+            if os.path.isdir(root):
+                shutil.rmtree(root)
+            os.rename(work, root)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+    return root
+
+
+def _current(marker: str) -> bool:
+    try:
+        with open(marker) as f:
+            return json.load(f).get("format") == ROOTFS_FORMAT
+    except (OSError, ValueError):
+        return False
+
+
+def _build_into(work: str, release: str, arch: Arch, progress: Progress, mirror: str):
+    say = progress or (lambda _msg: None)
+    say(f"downloading Debian {release} {arch.debian} packages from {mirror}")
+    argv = ["debootstrap", "--foreign", f"--arch={arch.debian}", "--variant=minbase",
+            f"--include={','.join(PACKAGES + EXTRA_PACKAGES.get(release, ()))}", release, work, mirror]
+    if os.getuid() != 0:
+        argv.insert(0, "fakeroot")
+    env_path = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
+    argv[argv.index("debootstrap")] = shutil.which("debootstrap", path=env_path) or "debootstrap"
+    _run(argv, f"debootstrap of {release} {arch.debian}")
+    # The second stage would run maintainer scripts under emulation (minutes);
+    # unpacking is all a Python runtime needs.
+    debs = sorted(glob.glob(os.path.join(work, "var", "cache", "apt", "archives", "*.deb")))
+    say(f"unpacking {len(debs)} packages")
+    for deb in debs:
+        _run(["dpkg-deb", "-x", deb, work], f"dpkg-deb -x {os.path.basename(deb)}")
+        os.unlink(deb)
+    _link_blas(work, arch)
+    python = guest_python(work)
+    with open(os.path.join(work, ".tether-rootfs.json"), "w") as f:
+        json.dump({"format": ROOTFS_FORMAT, "release": release, "arch": arch.debian, "python": python,
+                   "mirror": mirror, "built": time.time()}, f)
+    say(f"root filesystem ready ({python})")
+
+
+def _write_launcher(root: str, arch: Arch, python: str) -> str:
+    """A host shell script that starts the guest python under qemu.
+
+    The server runs with this script as ``sys.executable``: when it starts a
+    child Python (``subprocess``/``multiprocessing``), the guest execve reaches
+    the host kernel as a shell script, which runs qemu again. Without it a child
+    would need binfmt_misc registrations for ARM binaries on the host.
+
+    Every path the guest Python uses is given as the host's absolute path into
+    the root filesystem: qemu's ``-L`` prefix is not applied by every system
+    call (qemu 7.2 skips it for statx, which trixie's glibc uses), so a guest
+    path such as /usr/lib/python3.13 would be looked up on the host.
+    """
+    launcher = root + ".python"
+    qemu = shutil.which(arch.qemu) or arch.qemu
+    q = shlex.quote
+    text = ("#!/bin/sh\n"
+            f"PYTHONHOME={q(root + '/usr')} TMPDIR={q(root + '/tmp')} HOME={q(root + '/root')}\n"
+            "export PYTHONHOME TMPDIR HOME\n"
+            f"exec {q(qemu)} -cpu {arch.cpu} -L {q(root)} -0 {q(launcher)} {q(root + python)} \"$@\"\n")
+    tmp = launcher + f".{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.chmod(tmp, 0o755)
+    os.replace(tmp, launcher)
+    return launcher
+
+
+class EmulatedBoard:
+    """One device server running under qemu in a cached Debian root filesystem."""
+
+    def __init__(self, release: str = "bookworm", arch: str = "arm64", progress: Progress = None):
+        self.spec = _check(release, arch)
+        self.release, self.arch = release, arch
+        self.progress = progress
+        self.proc: Optional[subprocess.Popen] = None
+        self.port: Optional[int] = None
+        self.root: Optional[str] = None
+        self.log_path: Optional[str] = None
+        self._log = None
+
+    def prepare(self) -> List[str]:
+        """Build the root filesystem if needed, refresh the device code; the python argv."""
+        self.root = build_rootfs(self.release, self.arch, self.progress)
+        with open(os.path.join(self.root, ".tether-rootfs.json")) as f:
+            python = json.load(f)["python"]
+        copy_device_files(self.code_dir)
+        return [_write_launcher(self.root, self.spec, python)]
+
+    @property
+    def code_dir(self) -> str:
+        """The device-side files, inside the root filesystem (as a host path)."""
+        return rootfs_path(self.release, self.arch) + CODE_DIR
+
+    def command(self, args: Sequence[str]) -> List[str]:
+        return self.prepare() + list(args)
+
+    def environment(self) -> Dict[str, str]:
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
+               "PYTHONPATH": self.code_dir, "PYTHONUNBUFFERED": "1"}
+        for name in ("TETHER_FARM_SECRET",):
+            if name in os.environ:
+                env[name] = os.environ[name]
+        return env
+
+    def start(self, tracker: Optional[str] = None, key: Optional[str] = None,
+              host: str = "127.0.0.1", port: int = 0, extra: Sequence[str] = (),
+              log_path: Optional[str] = None, timeout: float = STARTUP_TIMEOUT_S) -> int:
+        """Start the server; returns its port once it listens."""
+        args = ["-m", "remote.server", "--host", host, "--port", str(port)]
+        if tracker:
+            args += ["--tracker", tracker, "--key", key or f"qemu-{self.arch}"]
+        argv = self.command(args + list(extra))
+        self.log_path = log_path or os.path.join(
+            tempfile.mkdtemp(prefix="tether-emulate-"), "server.log")
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self._log,
+                                     env=self.environment(), cwd=self.code_dir,
+                                     start_new_session=True)
+        self.port = self._read_port(timeout)
+        return self.port
+
+    def _read_port(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        line = b""
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.5)
+            if ready:
+                line = self.proc.stdout.readline()
+                break
+        if b"listening on" not in line:
+            self.stop()
+            raise EmulationError(f"emulated {self.release} {self.arch} server did not start "
+                                 f"within {timeout:g} s:\n{self.log_tail()}")
+        return int(line.split(b"listening on", 1)[1].split()[0].rsplit(b":", 1)[1])
+
+    def log_tail(self, lines: int = 20) -> str:
+        if not self.log_path:
+            return ""
+        if self._log:
+            self._log.flush()
+        with open(self.log_path, "rb") as f:
+            return b"\n".join(f.read().splitlines()[-lines:]).decode(errors="replace")
+
+    def wait(self) -> int:
+        return self.proc.wait()
+
+    def stop(self):
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout:
+            self.proc.stdout.close()
+        if self._log:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> "EmulatedBoard":
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def run_emulated_board(args) -> int:
+    """``tether emulate``: build if needed, then serve until SIGINT/SIGTERM."""
+    import signal
+    import sys
+
+    def say(msg):
+        print(f"[{args.release}-{args.arch}] {msg}", file=sys.stderr, flush=True)
+
+    if args.build_only:
+        print(build_rootfs(args.release, args.arch, say))
+        return 0
+    if not args.tracker:
+        raise ValueError("--tracker HOST:PORT is needed (or set TETHER_TRACKER)")
+    board = EmulatedBoard(args.release, args.arch, progress=say)
+    key = args.key or f"qemu-{args.arch}"
+    stop = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.append(True))
+    port = board.start(args.tracker, key, host=args.host, port=args.port)
+    print(f"emulated {args.release} {args.arch} board listening on {args.host}:{port} "
+          f"(registered with {args.tracker} as {key}; log {board.log_path})", flush=True)
+    try:
+        while not stop and board.proc.poll() is None:
+            time.sleep(0.2)
+    finally:
+        code = board.proc.poll()
+        board.stop()
+    if code is not None and not stop:
+        raise EmulationError(f"the emulated server exited with {code}:\n{board.log_tail()}")
+    return 0
+
+
+def qemu_version(arch: str) -> tuple:
+    """(major, minor) of the host's qemu user-mode emulator for ``arch``; (0, 0) if absent."""
+    try:
+        out = subprocess.run([ARCHES[arch].qemu, "--version"], stdout=subprocess.PIPE,
+                             universal_newlines=True).stdout
+    except OSError:
+        return (0, 0)
+    found = re.search(r"version (\d+)\.(\d+)", out)
+    return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
