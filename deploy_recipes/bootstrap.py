@@ -13,7 +13,6 @@ the tracker lists the board. Running it again upgrades in place;
 """
 from __future__ import annotations
 
-import io
 import json
 import os
 import posixpath

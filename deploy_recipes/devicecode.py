@@ -1,8 +1,9 @@
-"""Which of the project's files a board needs: what ``python -m remote.server`` imports.
+"""Which of the project's files a board needs: the device-side packages and what they import.
 
-The list is computed from the import statements of the server's entry point
-(and minirt, which the server loads modules with), so a new device-side helper
-is shipped to boards without anyone editing a list.
+Every module of the device-side packages (DESIGN.md, contract 1) is an entry,
+since some run as their own processes (``python -m remote.server.worker``) and
+no import statement names them; the list then follows the import statements,
+so a new device-side helper is shipped to boards without anyone editing a list.
 
     >>> files = device_files()
     >>> "remote/server/__main__.py" in files and "crosscompile/__init__.py" not in files
@@ -16,7 +17,18 @@ import shutil
 from typing import Iterable, List, Optional, Set
 
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENTRY_MODULES = ("remote.server.__main__", "minirt")
+DEVICE_PACKAGES = ("remote.server", "remote.proto", "minirt")
+
+
+def _package_modules(root: str, packages: Iterable[str]) -> List[str]:
+    modules = []
+    for package in packages:
+        folder = os.path.join(root, *package.split("."))
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".py"):
+                stem = name[:-3]
+                modules.append(package if stem == "__init__" else f"{package}.{stem}")
+    return modules
 # Non-Python files the device side reads at run time.
 DATA_FILES = ("remote/proto/tether_v1.proto",)
 
@@ -52,11 +64,11 @@ def _imports(path: str, module: str, is_package: bool) -> Iterable[str]:
             yield str(node.args[0].value)
 
 
-def device_files(root: str = PROJECT_ROOT, entries: Iterable[str] = ENTRY_MODULES) -> List[str]:
-    """Paths (relative to ``root``, "/"-separated) of every project file the server imports."""
+def device_files(root: str = PROJECT_ROOT) -> List[str]:
+    """Paths (relative to ``root``, "/"-separated) of every project file a board needs."""
     seen: Set[str] = set()
     files: Set[str] = set()
-    todo = list(entries)
+    todo = _package_modules(root, DEVICE_PACKAGES)
     while todo:
         module = todo.pop()
         if module in seen:
