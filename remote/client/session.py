@@ -118,7 +118,7 @@ class Session:
                 raise self._why_ended(what)
             wait = self.timeout if timeout is None else timeout
             if wait != self._data_timeout:  # a syscall or two: only when it changes
-                fs.sock.settimeout(wait)
+                fs.set_timeout(wait)
                 self._data_timeout = wait
             try:
                 try:
@@ -140,7 +140,7 @@ class Session:
                     raise
             except errors.TetherError:
                 raise  # RequestTimeout is a TimeoutError, which socket.timeout also is
-            except socket.timeout:
+            except (socket.timeout, BlockingIOError):
                 self._abandon()
                 raise errors.RequestTimeout(
                     f"{what} on {self.address} got no answer within "
