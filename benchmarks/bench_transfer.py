@@ -61,11 +61,17 @@ def _sink(port_queue):
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     buffer = memoryview(bytearray(MIB))
     while True:
-        n = conn.recv_into(buffer)
-        if not n:
+        # Each message: 8 bytes of length, then that many bytes; answered with 8 bytes.
+        head = conn.recv(8, socket.MSG_WAITALL)
+        if len(head) < 8:
             return
-        if n < 64:  # a small message: echo it back
-            conn.sendall(buffer[:n])
+        left = int.from_bytes(head, "little")
+        while left:
+            n = conn.recv_into(buffer[:min(left, MIB)])
+            if not n:
+                return
+            left -= n
+        conn.sendall(b"ok" * 4)
 
 
 def raw_limits(total_mib: int, repeat: int):
@@ -79,17 +85,17 @@ def raw_limits(total_mib: int, repeat: int):
     block = os.urandom(MIB)
 
     def stream():
+        sock.sendall((total_mib * MIB).to_bytes(8, "little"))
         for _ in range(total_mib):
             sock.sendall(block)
-        sock.sendall(b"x" * 16)  # the sink echoes this only after all the data
-        sock.recv(64)
+        sock.recv(8, socket.MSG_WAITALL)
 
     seconds = median_time(stream, repeat)
-    reply = bytearray(64)
+    small = (8).to_bytes(8, "little") + b"p" * 8
 
     def ping():
-        sock.sendall(b"p" * 16)
-        sock.recv_into(reply)
+        sock.sendall(small)
+        sock.recv(8, socket.MSG_WAITALL)
 
     rt = per_call(ping, 2000, repeat)
     sock.close()
@@ -238,6 +244,7 @@ def main() -> int:
               f"{theirs[key] / ours[key]:>8.1f}x{limit}")
     print(f"(inference: ours runs the compiled model, {on_board * 1e6:.0f} us of it on the "
           "board; TVM's figure is tensor in + one call + tensor out with no compute)")
+    sys.stdout.flush()  # the TVM runtime may end the process without flushing
     return 0
 
 

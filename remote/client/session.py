@@ -290,39 +290,52 @@ class Session:
                       timeout: Optional[float] = None) -> "RemoteTensor":
         """Copy ``array`` to the board and keep it there under ``name``.
 
+        The copy streams in chunks with a CRC-32 checked on the board;
+        ``progress(sent_bytes, total_bytes)`` is called after every chunk.
+
         >>> x = sess.upload_tensor("x", np.zeros((1, 4), np.float32))   # doctest: +SKIP
         >>> mod.run({"input": x})                                       # doctest: +SKIP
         """
         data = little_endian(array)
-        self._check_size(f"tensor {name!r}", data.nbytes)
-        checksum = Checksum()
-        checksum.update(data)
-        header = pb.DataFrame(op="put_tensor", name=name, checksum=checksum.text(),
-                              tensors=[tensor_header(name, data)])
+        total = data.nbytes
+        self._check_size(f"tensor {name!r}", total)
+        header = pb.DataFrame(op="put_tensor", name=name, tensors=[tensor_header(name, data)])
 
         def send(fs):
-            total = data.nbytes
-            flat = memoryview(data.reshape(-1)).cast("B")
             fs.send_prefix(header, total)
-            step = 4 * CHUNK_BYTES
-            for i in range(0, total, step):
-                fs.send_raw(flat[i:i + step])
+            checksum = Checksum()
+            flat = memoryview(data.reshape(-1)).cast("B")
+            for i in range(0, total, CHUNK_BYTES):
+                view = flat[i:i + CHUNK_BYTES]
+                checksum.update(view)
+                fs.send_raw(view)
                 if progress is not None:
-                    progress(min(i + step, total), total)
+                    progress(min(i + CHUNK_BYTES, total), total)
+            fs.send(pb.DataFrame(op="end", checksum=checksum.text()))
 
         self._exchange(f"upload of tensor {name!r}", timeout, send)
         return RemoteTensor(self, name, tuple(data.shape), data.dtype.name)
 
-    def download_tensor(self, name: str, timeout: Optional[float] = None) -> np.ndarray:
+    def download_tensor(self, name: str, progress: Optional[Progress] = None,
+                        timeout: Optional[float] = None) -> np.ndarray:
         """Copy a tensor kept on the board back as a numpy array."""
         def receive(fs, reply):
-            (array,) = recv_tensors(fs, reply.tensors)
+            (desc,) = reply.tensors
+            array = np.empty(tuple(desc.shape), np.dtype(desc.dtype).newbyteorder("<"))
+            total = array.nbytes
             checksum = Checksum()
-            checksum.update(array.view(array.dtype.newbyteorder("<")))
-            if checksum.text() != reply.checksum:
+            flat = memoryview(array.reshape(-1)).cast("B")
+            for i in range(0, total, CHUNK_BYTES):
+                view = flat[i:i + CHUNK_BYTES]
+                fs.recv_body_into(view)
+                checksum.update(view)
+                if progress is not None:
+                    progress(min(i + CHUNK_BYTES, total), total)
+            end = fs.recv_header()
+            if end.checksum != checksum.text():
                 raise errors.RemoteError(f"tensor {name!r} arrived corrupt: {checksum.text()} "
-                                         f"here, {reply.checksum} on the board")
-            return array
+                                         f"here, {end.checksum} on the board")
+            return array.astype(array.dtype.newbyteorder("="), copy=False)
 
         return self._exchange(f"download of tensor {name!r}", timeout,
                               lambda fs: fs.send(pb.DataFrame(op="get_tensor", name=name)),
@@ -407,9 +420,10 @@ class RemoteTensor:
         self.shape = shape
         self.dtype = dtype
 
-    def numpy(self, timeout: Optional[float] = None) -> np.ndarray:
+    def numpy(self, progress: Optional[Progress] = None,
+              timeout: Optional[float] = None) -> np.ndarray:
         """Copy the tensor back from the board."""
-        return self.session.download_tensor(self.name, timeout)
+        return self.session.download_tensor(self.name, progress, timeout)
 
     def free(self) -> None:
         """Drop the tensor from the board's memory."""
