@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import socket
 import threading
@@ -189,41 +190,27 @@ class Session:
                 raise ValueError("upload of bytes needs target='name' for the file on the device")
             data = memoryview(path_or_bytes).cast("B")
             total = data.nbytes
-
-            def blocks():
-                for i in range(0, total, CHUNK_BYTES):
-                    yield data[i:i + CHUNK_BYTES]
         else:
             path = os.fspath(path_or_bytes)
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"cannot upload {path!r}: no such file")
             target = target or os.path.basename(path)
             total = os.path.getsize(path)
-
-            def blocks():
-                buffer = memoryview(bytearray(CHUNK_BYTES))
-                with open(path, "rb") as f:
-                    while True:
-                        n = f.readinto(buffer)
-                        if not n:
-                            return
-                        yield buffer[:n]
+            data = None
         self._check_size(f"upload of {target!r}", total)
 
         def send(fs):
             fs.send_prefix(pb.DataFrame(op="upload", name=target, size=total), total)
             checksum = Checksum()
-            sent = 0
-            for block in blocks():
-                if sent + len(block) > total:
-                    raise errors.InvalidArgument(f"{target!r} grew while it was being sent")
-                checksum.update(block)
-                fs.send_raw(block)
-                sent += len(block)
-                if progress is not None:
-                    progress(sent, total)
-            if sent != total:
-                raise errors.InvalidArgument(f"{target!r} shrank while it was being sent")
+            if data is not None:
+                for i in range(0, total, CHUNK_BYTES):
+                    block = data[i:i + CHUNK_BYTES]
+                    checksum.update(block)
+                    fs.send_raw(block)
+                    if progress is not None:
+                        progress(min(i + CHUNK_BYTES, total), total)
+            else:
+                _send_file(fs, path, total, checksum, progress, target)
             fs.send(pb.DataFrame(op="end", checksum=checksum.text()))
 
         return self._exchange(f"upload of {target!r}", timeout, send).name
@@ -382,6 +369,30 @@ class Session:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"<Session {self.address} {self._info.triple} {state}>"
+
+
+def _send_file(fs: FrameSocket, path: str, total: int, checksum: Checksum,
+               progress: Optional[Progress], target: str) -> None:
+    """Send ``total`` bytes of a file: checksummed through a read-only mapping
+    and handed to the socket by the kernel (sendfile), so the bytes are never
+    copied through Python buffers."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size < total:
+            raise errors.InvalidArgument(f"{target!r} shrank while it was being sent")
+        if total == 0:
+            return
+        with mmap.mmap(f.fileno(), total, access=mmap.ACCESS_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                for offset in range(0, total, CHUNK_BYTES):
+                    n = min(CHUNK_BYTES, total - offset)
+                    checksum.update(view[offset:offset + n])
+                    if fs.sock.sendfile(f, offset, n) != n:
+                        raise errors.InvalidArgument(f"{target!r} shrank while it was being sent")
+                    if progress is not None:
+                        progress(offset + n, total)
+            finally:
+                view.release()
 
 
 def _error_class(name: str, default=errors.RemoteError):
