@@ -381,18 +381,15 @@ def _send_file(fs: FrameSocket, path: str, total: int, checksum: Checksum,
             raise errors.InvalidArgument(f"{target!r} shrank while it was being sent")
         if total == 0:
             return
-        with mmap.mmap(f.fileno(), total, access=mmap.ACCESS_READ) as mapped:
-            view = memoryview(mapped)
-            try:
-                for offset in range(0, total, CHUNK_BYTES):
-                    n = min(CHUNK_BYTES, total - offset)
-                    checksum.update(view[offset:offset + n])
-                    if fs.sock.sendfile(f, offset, n) != n:
-                        raise errors.InvalidArgument(f"{target!r} shrank while it was being sent")
-                    if progress is not None:
-                        progress(offset + n, total)
-            finally:
-                view.release()
+        for offset in range(0, total, CHUNK_BYTES):
+            n = min(CHUNK_BYTES, total - offset)
+            # One chunk mapped at a time keeps the resident size at one chunk.
+            with mmap.mmap(f.fileno(), n, access=mmap.ACCESS_READ, offset=offset) as mapped:
+                checksum.update(mapped)
+            if fs.sock.sendfile(f, offset, n) != n:
+                raise errors.InvalidArgument(f"{target!r} shrank while it was being sent")
+            if progress is not None:
+                progress(offset + n, total)
 
 
 def _error_class(name: str, default=errors.RemoteError):
