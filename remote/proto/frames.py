@@ -74,6 +74,9 @@ class FrameSocket:
     def send(self, header, body=()) -> None:
         """Send ``header`` with ``body`` (a sequence of buffers) as one frame."""
         head = header.SerializeToString()
+        if not body:
+            self.sock.sendall(PREFIX.pack(len(head), 0) + head)
+            return
         views = [memoryview(b).cast("B") for b in body]
         size = sum(v.nbytes for v in views)
         prefix = PREFIX.pack(len(head), size)
@@ -114,7 +117,11 @@ class FrameSocket:
         """Read the next frame's header; its body (``body_left`` bytes) follows."""
         if self.body_left:
             self.skip(self.body_left)
-        head_len, self.body_left = PREFIX.unpack(self._take(PREFIX.size))
+        if self._end - self._start >= PREFIX.size:
+            head_len, self.body_left = PREFIX.unpack_from(self._buffer, self._start)
+            self._start += PREFIX.size
+        else:
+            head_len, self.body_left = PREFIX.unpack(self._take(PREFIX.size))
         if head_len > MAX_HEADER_BYTES:
             raise ConnectionError(f"frame header of {head_len} bytes; the peer is not a "
                                   "Tether data connection")
