@@ -40,8 +40,11 @@ EXIT_RUN_TIMEOUT = 3
 
 def report_end(error_class: str, reason: str) -> None:
     """Tell the server why this process is about to end."""
-    sys.stdout.write(f"{error_class}\t{reason}\n")
-    sys.stdout.flush()
+    try:
+        sys.stdout.write(f"{error_class}\t{reason}\n")
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass  # the server is gone; nobody is left to tell
 
 
 class Watchdog:
