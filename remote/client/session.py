@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import socket
 import threading
@@ -118,7 +119,7 @@ class Session:
                 raise self._why_ended(what)
             wait = self.timeout if timeout is None else timeout
             if wait != self._data_timeout:  # a syscall or two: only when it changes
-                fs.sock.settimeout(wait)
+                fs.set_timeout(wait)
                 self._data_timeout = wait
             try:
                 try:
@@ -140,7 +141,7 @@ class Session:
                     raise
             except errors.TetherError:
                 raise  # RequestTimeout is a TimeoutError, which socket.timeout also is
-            except socket.timeout:
+            except (socket.timeout, BlockingIOError):
                 self._abandon()
                 raise errors.RequestTimeout(
                     f"{what} on {self.address} got no answer within "
@@ -189,41 +190,27 @@ class Session:
                 raise ValueError("upload of bytes needs target='name' for the file on the device")
             data = memoryview(path_or_bytes).cast("B")
             total = data.nbytes
-
-            def blocks():
-                for i in range(0, total, CHUNK_BYTES):
-                    yield data[i:i + CHUNK_BYTES]
         else:
             path = os.fspath(path_or_bytes)
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"cannot upload {path!r}: no such file")
             target = target or os.path.basename(path)
             total = os.path.getsize(path)
-
-            def blocks():
-                buffer = memoryview(bytearray(CHUNK_BYTES))
-                with open(path, "rb") as f:
-                    while True:
-                        n = f.readinto(buffer)
-                        if not n:
-                            return
-                        yield buffer[:n]
+            data = None
         self._check_size(f"upload of {target!r}", total)
 
         def send(fs):
             fs.send_prefix(pb.DataFrame(op="upload", name=target, size=total), total)
             checksum = Checksum()
-            sent = 0
-            for block in blocks():
-                if sent + len(block) > total:
-                    raise errors.InvalidArgument(f"{target!r} grew while it was being sent")
-                checksum.update(block)
-                fs.send_raw(block)
-                sent += len(block)
-                if progress is not None:
-                    progress(sent, total)
-            if sent != total:
-                raise errors.InvalidArgument(f"{target!r} shrank while it was being sent")
+            if data is not None:
+                for i in range(0, total, CHUNK_BYTES):
+                    block = data[i:i + CHUNK_BYTES]
+                    checksum.update(block)
+                    fs.send_raw(block)
+                    if progress is not None:
+                        progress(min(i + CHUNK_BYTES, total), total)
+            else:
+                _send_file(fs, path, total, checksum, progress, target)
             fs.send(pb.DataFrame(op="end", checksum=checksum.text()))
 
         return self._exchange(f"upload of {target!r}", timeout, send).name
@@ -290,39 +277,52 @@ class Session:
                       timeout: Optional[float] = None) -> "RemoteTensor":
         """Copy ``array`` to the board and keep it there under ``name``.
 
+        The copy streams in chunks with a CRC-32 checked on the board;
+        ``progress(sent_bytes, total_bytes)`` is called after every chunk.
+
         >>> x = sess.upload_tensor("x", np.zeros((1, 4), np.float32))   # doctest: +SKIP
         >>> mod.run({"input": x})                                       # doctest: +SKIP
         """
         data = little_endian(array)
-        self._check_size(f"tensor {name!r}", data.nbytes)
-        checksum = Checksum()
-        checksum.update(data)
-        header = pb.DataFrame(op="put_tensor", name=name, checksum=checksum.text(),
-                              tensors=[tensor_header(name, data)])
+        total = data.nbytes
+        self._check_size(f"tensor {name!r}", total)
+        header = pb.DataFrame(op="put_tensor", name=name, tensors=[tensor_header(name, data)])
 
         def send(fs):
-            total = data.nbytes
-            flat = memoryview(data.reshape(-1)).cast("B")
             fs.send_prefix(header, total)
-            step = 4 * CHUNK_BYTES
-            for i in range(0, total, step):
-                fs.send_raw(flat[i:i + step])
+            checksum = Checksum()
+            flat = memoryview(data.reshape(-1)).cast("B")
+            for i in range(0, total, CHUNK_BYTES):
+                view = flat[i:i + CHUNK_BYTES]
+                checksum.update(view)
+                fs.send_raw(view)
                 if progress is not None:
-                    progress(min(i + step, total), total)
+                    progress(min(i + CHUNK_BYTES, total), total)
+            fs.send(pb.DataFrame(op="end", checksum=checksum.text()))
 
         self._exchange(f"upload of tensor {name!r}", timeout, send)
         return RemoteTensor(self, name, tuple(data.shape), data.dtype.name)
 
-    def download_tensor(self, name: str, timeout: Optional[float] = None) -> np.ndarray:
+    def download_tensor(self, name: str, progress: Optional[Progress] = None,
+                        timeout: Optional[float] = None) -> np.ndarray:
         """Copy a tensor kept on the board back as a numpy array."""
         def receive(fs, reply):
-            (array,) = recv_tensors(fs, reply.tensors)
+            (desc,) = reply.tensors
+            array = np.empty(tuple(desc.shape), np.dtype(desc.dtype).newbyteorder("<"))
+            total = array.nbytes
             checksum = Checksum()
-            checksum.update(array.view(array.dtype.newbyteorder("<")))
-            if checksum.text() != reply.checksum:
+            flat = memoryview(array.reshape(-1)).cast("B")
+            for i in range(0, total, CHUNK_BYTES):
+                view = flat[i:i + CHUNK_BYTES]
+                fs.recv_body_into(view)
+                checksum.update(view)
+                if progress is not None:
+                    progress(min(i + CHUNK_BYTES, total), total)
+            end = fs.recv_header()
+            if end.checksum != checksum.text():
                 raise errors.RemoteError(f"tensor {name!r} arrived corrupt: {checksum.text()} "
-                                         f"here, {reply.checksum} on the board")
-            return array
+                                         f"here, {end.checksum} on the board")
+            return array.astype(array.dtype.newbyteorder("="), copy=False)
 
         return self._exchange(f"download of tensor {name!r}", timeout,
                               lambda fs: fs.send(pb.DataFrame(op="get_tensor", name=name)),
@@ -376,6 +376,27 @@ class Session:
         return f"<Session {self.address} {self._info.triple} {state}>"
 
 
+def _send_file(fs: FrameSocket, path: str, total: int, checksum: Checksum,
+               progress: Optional[Progress], target: str) -> None:
+    """Send ``total`` bytes of a file: checksummed through a read-only mapping
+    and handed to the socket by the kernel (sendfile), so the bytes are never
+    copied through Python buffers."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size < total:
+            raise errors.InvalidArgument(f"{target!r} shrank while it was being sent")
+        if total == 0:
+            return
+        for offset in range(0, total, CHUNK_BYTES):
+            n = min(CHUNK_BYTES, total - offset)
+            # One chunk mapped at a time keeps the resident size at one chunk.
+            with mmap.mmap(f.fileno(), n, access=mmap.ACCESS_READ, offset=offset) as mapped:
+                checksum.update(mapped)
+            if fs.sock.sendfile(f, offset, n) != n:
+                raise errors.InvalidArgument(f"{target!r} shrank while it was being sent")
+            if progress is not None:
+                progress(offset + n, total)
+
+
 def _error_class(name: str, default=errors.RemoteError):
     cls = getattr(errors, name, None)
     if isinstance(cls, type) and issubclass(cls, errors.TetherError):
@@ -412,9 +433,10 @@ class RemoteTensor:
         self.shape = shape
         self.dtype = dtype
 
-    def numpy(self, timeout: Optional[float] = None) -> np.ndarray:
+    def numpy(self, progress: Optional[Progress] = None,
+              timeout: Optional[float] = None) -> np.ndarray:
         """Copy the tensor back from the board."""
-        return self.session.download_tensor(self.name, timeout)
+        return self.session.download_tensor(self.name, progress, timeout)
 
     def free(self) -> None:
         """Drop the tensor from the board's memory."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import sys
 import zlib
 
 from remote.proto import pb
@@ -25,6 +26,10 @@ JOIN_LIMIT = 256 * 1024
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 CHUNK_BYTES = 1 << 20
 READ_BUFFER = 64 * 1024
+# struct timeval is two C longs where they are 64-bit; 32-bit boards may use a
+# 64-bit time_t with 32-bit longs, so they keep Python's own socket timeouts.
+_KERNEL_TIMEOUTS = (struct.calcsize("l") == 8 and hasattr(socket, "SO_RCVTIMEO")
+                    and sys.platform.startswith("linux"))
 
 
 class Checksum:
@@ -69,6 +74,9 @@ class FrameSocket:
     def send(self, header, body=()) -> None:
         """Send ``header`` with ``body`` (a sequence of buffers) as one frame."""
         head = header.SerializeToString()
+        if not body:
+            self.sock.sendall(PREFIX.pack(len(head), 0) + head)
+            return
         views = [memoryview(b).cast("B") for b in body]
         size = sum(v.nbytes for v in views)
         prefix = PREFIX.pack(len(head), size)
@@ -78,6 +86,23 @@ class FrameSocket:
             self.sock.sendall(prefix + head)
             for v in views:
                 self.sock.sendall(v)
+
+    def set_timeout(self, seconds) -> None:
+        """Limit each send and receive to ``seconds`` (None: no limit).
+
+        A timeout on a Python socket adds a poll() before every recv and send;
+        the kernel's own SO_RCVTIMEO/SO_SNDTIMEO cost nothing per call. An
+        expired limit raises BlockingIOError.
+        """
+        if _KERNEL_TIMEOUTS:
+            whole = 0 if seconds is None else int(seconds)
+            micro = 0 if seconds is None else max(int((seconds - whole) * 1e6), 1)
+            value = struct.pack("ll", whole, micro)
+            self.sock.settimeout(None)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+        else:
+            self.sock.settimeout(seconds)
 
     def send_prefix(self, header, body_size: int) -> None:
         """Start a frame whose body the caller sends with ``send_raw``."""
@@ -92,7 +117,11 @@ class FrameSocket:
         """Read the next frame's header; its body (``body_left`` bytes) follows."""
         if self.body_left:
             self.skip(self.body_left)
-        head_len, self.body_left = PREFIX.unpack(self._take(PREFIX.size))
+        if self._end - self._start >= PREFIX.size:
+            head_len, self.body_left = PREFIX.unpack_from(self._buffer, self._start)
+            self._start += PREFIX.size
+        else:
+            head_len, self.body_left = PREFIX.unpack(self._take(PREFIX.size))
         if head_len > MAX_HEADER_BYTES:
             raise ConnectionError(f"frame header of {head_len} bytes; the peer is not a "
                                   "Tether data connection")

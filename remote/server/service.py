@@ -31,6 +31,8 @@ log = logging.getLogger("tether.server")
 
 DEFAULT_MAX_UPLOAD_BYTES = 1 << 30
 DEFAULT_IDLE_TIMEOUT_S = 300.0
+# A gRPC Run without a deadline still must not hold a worker forever.
+DEFAULT_RUN_TIMEOUT_S = 300.0
 
 
 # Ended sessions whose reason a client may still ask for.
@@ -361,8 +363,8 @@ class DeviceService:
             inputs = [(t.name, little_endian(from_message(t))) for t in request.inputs]
         except ValueError as exc:
             raise errors.InputError(str(exc))
-        header = pb.DataFrame(op="run", name=request.module_id, timeout_s=context.time_remaining()
-                              if context.time_remaining() else 0.0,
+        header = pb.DataFrame(op="run", name=request.module_id,
+                              timeout_s=context.time_remaining() or DEFAULT_RUN_TIMEOUT_S,
                               tensors=[tensor_header(n, a) for n, a in inputs])
         with session.lock:
             reply, link = self._relay(session, header, [a for _, a in inputs])

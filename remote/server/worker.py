@@ -40,8 +40,11 @@ EXIT_RUN_TIMEOUT = 3
 
 def report_end(error_class: str, reason: str) -> None:
     """Tell the server why this process is about to end."""
-    sys.stdout.write(f"{error_class}\t{reason}\n")
-    sys.stdout.flush()
+    try:
+        sys.stdout.write(f"{error_class}\t{reason}\n")
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass  # the server is gone; nobody is left to tell
 
 
 class Watchdog:
@@ -289,22 +292,53 @@ class Worker:
 
     # ------------------------------------------------------------ tensors --
     def op_put_tensor(self, fs, header):
-        self._check_size(f"tensor {header.name!r}", fs.body_left)
-        (array,) = recv_tensors(fs, header.tensors)
-        checksum = Checksum()
-        checksum.update(array)
-        if header.checksum != checksum.text():
+        try:
+            array, checksum = self._receive_tensor(fs, header)
+        except Exception:
+            fs.skip(fs.body_left)  # keep the connection in step: the end frame follows
+            fs.recv_header()
+            raise
+        end = fs.recv_header()
+        if end.checksum != checksum:
             raise errors.InvalidArgument(f"tensor {header.name!r} arrived corrupt: "
-                                         f"{checksum.text()}, sender {header.checksum}")
-        self.tensors[header.name] = array
+                                         f"{checksum}, sender {end.checksum}")
+        self.tensors[header.name] = array.astype(array.dtype.newbyteorder("="), copy=False)
         fs.send(pb.DataFrame(op="ok", name=header.name, size=array.nbytes))
 
-    def op_get_tensor(self, fs, header):
-        array = self._tensor(header.name)
+    def _receive_tensor(self, fs, header):
+        self._check_size(f"tensor {header.name!r}", fs.body_left)
+        if len(header.tensors) != 1:
+            raise errors.InvalidArgument("put_tensor carries exactly one tensor")
+        desc = header.tensors[0]
+        try:
+            array = np.empty(tuple(desc.shape), dtype=np.dtype(desc.dtype).newbyteorder("<"))
+        except TypeError:
+            raise errors.InvalidArgument(f"tensor {header.name!r} has unknown dtype "
+                                         f"{desc.dtype!r}") from None
+        if array.nbytes != fs.body_left:
+            raise errors.InvalidArgument(f"tensor {header.name!r} of shape {tuple(desc.shape)} "
+                                         f"{desc.dtype} needs {array.nbytes} bytes, "
+                                         f"{fs.body_left} were sent")
+        # Checked chunk by chunk while the chunk is still in the cache.
         checksum = Checksum()
-        checksum.update(array)
-        fs.send(pb.DataFrame(op="ok", name=header.name, checksum=checksum.text(),
-                             tensors=[tensor_header(header.name, array)]), [array])
+        flat = memoryview(array.reshape(-1)).cast("B")
+        for i in range(0, array.nbytes, CHUNK_BYTES):
+            view = flat[i:i + CHUNK_BYTES]
+            fs.recv_body_into(view)
+            checksum.update(view)
+        return array, checksum.text()
+
+    def op_get_tensor(self, fs, header):
+        array = little_endian(self._tensor(header.name))
+        fs.send_prefix(pb.DataFrame(op="ok", name=header.name,
+                                    tensors=[tensor_header(header.name, array)]), array.nbytes)
+        checksum = Checksum()
+        flat = memoryview(array.reshape(-1)).cast("B")
+        for i in range(0, array.nbytes, CHUNK_BYTES):
+            view = flat[i:i + CHUNK_BYTES]
+            checksum.update(view)
+            fs.send_raw(view)
+        fs.send(pb.DataFrame(op="end", checksum=checksum.text()))
 
     def op_free_tensor(self, fs, header):
         self.tensors.pop(header.name, None)
