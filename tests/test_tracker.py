@@ -4,6 +4,7 @@ import contextlib
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -269,6 +270,9 @@ def test_tls_for_tracker_and_device_traffic(tmp_path):
         with rpc.connect_tracker(host, port, tls_ca=cert).request("k", timeout=10) as sess:
             sess.upload(b"over tls", target="f.bin")
             assert sess.listdir() == ["f.bin"]
+            assert sess.download("f.bin") == b"over tls"
+            # Bulk data takes the session's direct connection: it must be TLS too.
+            assert isinstance(sess._data.sock, ssl.SSLSocket)
         with pytest.raises(errors.ConnectionFailed, match="TLS.*tls_ca"):
             rpc.connect_tracker(host, port, tls_ca="").summary()
         device_port = farm.servers[0].port

@@ -5,6 +5,7 @@ import json
 import mmap
 import os
 import socket
+import ssl
 import threading
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
@@ -45,7 +46,8 @@ class Session:
         self.address = address
         self.timeout = timeout
         self._on_close = on_close
-        self._channel = tls.open_channel(address, tls_ca)  # TLS when tls_ca or $TETHER_TLS_CA
+        self._tls_ca = tls.default_ca(tls_ca)  # TLS when tls_ca or $TETHER_TLS_CA
+        self._channel = tls.open_channel(address, self._tls_ca)
         self._stub = make_stub(self._channel, "Device")
         self._closed = False
         try:
@@ -80,6 +82,15 @@ class Session:
                 "Is a firewall between here and the board letting only the server port "
                 "through?") from None
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if self._tls_ca:
+            # The data connection is as private as the gRPC channel it came from.
+            context = ssl.create_default_context(cafile=self._tls_ca)
+            try:
+                sock = context.wrap_socket(sock, server_hostname=host)
+            except (ssl.SSLError, OSError) as exc:
+                sock.close()
+                raise errors.ConnectionFailed(
+                    f"TLS handshake on the data connection to {host}:{port} failed: {exc}") from None
         self._data = FrameSocket(sock)
         # No reply: a wrong token comes back as an error on the first call.
         self._data.send(pb.DataFrame(op="hello", token=token, primary=True))

@@ -59,7 +59,7 @@ def serve(host: str = "0.0.0.0", port: int = 9090, tracker: Optional[str] = None
     service = DeviceService(max_sessions=max_sessions, idle_timeout_s=idle_timeout_s,
                             max_upload_bytes=max_upload_bytes, attributes=attributes,
                             host=host, session_queue_s=session_queue_s, cc=cc,
-                            workspace_parent=workspace_dir)
+                            workspace_parent=workspace_dir, tls_cert=tls_cert, tls_key=tls_key)
     link = None
     if tracker is not None:
         if advertise is None:

@@ -26,7 +26,8 @@ class WorkerProcess:
     the process has ended for any reason.
     """
 
-    def __init__(self, host: str, max_bytes: int, cc: str, idle_timeout_s: float):
+    def __init__(self, host: str, max_bytes: int, cc: str, idle_timeout_s: float,
+                 tls_cert: str = "", tls_key: str = ""):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # The server owns the listening socket, so the port is known (and
         # connectable) before the child has finished importing numpy.
@@ -43,7 +44,8 @@ class WorkerProcess:
                 [sys.executable, "-m", "remote.server.worker",
                  "--listen-fd", str(listener.fileno()),
                  "--max-bytes", str(max_bytes), "--cc", cc,
-                 "--idle-timeout", str(idle_timeout_s)],
+                 "--idle-timeout", str(idle_timeout_s),
+                 "--tls-cert", tls_cert, "--tls-key", tls_key],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(listener.fileno(),),
                 env=env, cwd=_CODE_ROOT)
         finally:

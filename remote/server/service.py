@@ -95,7 +95,8 @@ class DeviceService:
                  idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
                  max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
                  workspace_parent: Optional[str] = None, attributes=None,
-                 host: str = "0.0.0.0", session_queue_s: float = 0.0, cc: str = "cc"):
+                 host: str = "0.0.0.0", session_queue_s: float = 0.0, cc: str = "cc",
+                 tls_cert: str = "", tls_key: str = ""):
         self._redeem: Optional[Callable[[str], None]] = None
         self._release: Optional[Callable[[str], None]] = None
         self.max_sessions = max_sessions
@@ -106,6 +107,7 @@ class DeviceService:
         self.host = host
         self.session_queue_s = session_queue_s
         self.cc = cc
+        self.tls_files = (tls_cert, tls_key)  # the data connection is TLS when gRPC is
         self._sessions: Dict[str, Session] = {}
         self._ended: Dict[str, tuple] = {}
         self._lock = threading.Lock()
@@ -224,7 +226,8 @@ class DeviceService:
                                max_upload_bytes=self.max_upload_bytes)
 
     def _new_worker(self) -> WorkerProcess:
-        return WorkerProcess(self.host, self.max_upload_bytes, self.cc, self.idle_timeout_s)
+        return WorkerProcess(self.host, self.max_upload_bytes, self.cc, self.idle_timeout_s,
+                             *self.tls_files)
 
     def _take_spare_worker(self) -> WorkerProcess:
         """The worker started ahead of time (or a new one), and start the next spare."""

@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import tarfile
@@ -424,6 +425,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-bytes", type=int, required=True)
     parser.add_argument("--cc", default="cc")
     parser.add_argument("--idle-timeout", type=float, default=0.0)
+    parser.add_argument("--tls-cert", default="")
+    parser.add_argument("--tls-key", default="")
     args = parser.parse_args(argv)
     # Started ahead of need: the session (token, then workspace folder) arrives on stdin.
     token = sys.stdin.readline().strip()
@@ -431,6 +434,10 @@ def main(argv=None) -> int:
     if not token or not workspace:
         return 0  # the server stopped before this worker was needed
     listener = socket.socket(fileno=args.listen_fd)
+    tls_context = None
+    if args.tls_cert:
+        tls_context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        tls_context.load_cert_chain(args.tls_cert, args.tls_key)
     worker = Worker(Workspace(root=workspace), token, args.max_bytes, args.cc,
                     args.idle_timeout)
     if args.idle_timeout:
@@ -443,6 +450,12 @@ def main(argv=None) -> int:
             return 0
         listener.settimeout(None)  # the idle limit now applies to the client's connection
         conn.settimeout(None)
+        if tls_context is not None:
+            try:
+                conn = tls_context.wrap_socket(conn, server_side=True)
+            except (ssl.SSLError, OSError):
+                conn.close()  # a plaintext or untrusting client; the session goes on
+                continue
         threading.Thread(target=worker.serve, args=(conn,), daemon=True).start()
 
 
