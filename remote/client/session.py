@@ -360,8 +360,6 @@ class Session:
         if self._closed:
             return
         self._closed = True
-        if self._data is not None:
-            self._data.close()
         confirmed = False
         try:
             self._stub.CloseSession(pb.SessionRef(session_id=self.session_id), timeout=30.0)
@@ -369,6 +367,8 @@ class Session:
         except grpc.RpcError:
             pass  # the device is gone or already ended the session
         finally:
+            if self._data is not None:
+                self._data.close()
             self._channel.close()
             # A device that confirmed the close returns its lease itself, after its
             # session is gone; returning it from here too could hand the board to

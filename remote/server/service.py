@@ -110,6 +110,7 @@ class DeviceService:
         self.tls_files = (tls_cert, tls_key)  # the data connection is TLS when gRPC is
         self._sessions: Dict[str, Session] = {}
         self._ended: Dict[str, tuple] = {}
+        self._ending: Dict[str, threading.Event] = {}
         self._lock = threading.Lock()
         self._slot_free = threading.Condition(self._lock)
         # A worker process started ahead of the next session (see _take_spare_worker).
@@ -154,10 +155,27 @@ class DeviceService:
         with self._lock:
             session = self._sessions.pop(session_id, None)
             if session is None:
-                return
-            self._ended[session_id] = (error_class, why)
-            while len(self._ended) > ENDED_KEPT:
-                self._ended.pop(next(iter(self._ended)))
+                ending = self._ending.get(session_id)
+            else:
+                ending = self._ending[session_id] = threading.Event()
+                self._ended[session_id] = (error_class, why)
+                while len(self._ended) > ENDED_KEPT:
+                    self._ended.pop(next(iter(self._ended)))
+        if session is None:
+            # Another thread (say, the worker's exit watcher) is ending it: callers
+            # such as CloseSession return only once the lease is back.
+            if ending is not None:
+                ending.wait(30.0)
+            return
+        try:
+            self._finish(session, why, error_class)
+        finally:
+            with self._lock:
+                self._ending.pop(session_id, None)
+            ending.set()
+
+    def _finish(self, session: "Session", why: str, error_class: str):
+        session_id = session.session_id
         if session.worker is not None:
             session.worker.stop(error_class, why)
             session.worker.proc.wait()
