@@ -30,19 +30,40 @@ def generate(graph: Graph, plan: MemoryPlan, metadata: dict,
     module.data_layout = data_layout
 
     kernels = []
+    # Kernels depend on shapes and attributes only (data comes in through
+    # pointers), so repeated blocks of a network share one function.
+    cache: dict[str, ir.Function] = {}
     for pos, node in enumerate(graph.nodes):
         if node.name in plan.aliased_nodes:
             continue
-        k = Kernel(module, f"node{pos}_{_symbol(node.op_type)}", len(node.inputs), len(node.outputs))
-        OPS[node.op_type].lower(k, [graph.tensors[t] for t in node.inputs],
-                                [graph.tensors[t] for t in node.outputs], node.attrs)
-        k.finish()
-        kernels.append((node, k.function))
+        ins = [graph.tensors[t] for t in node.inputs]
+        outs = [graph.tensors[t] for t in node.outputs]
+        key = repr((node.op_type, [t.shape for t in ins], [t.shape for t in outs], node.attrs))
+        if key not in cache:
+            cache[key] = _lower(module, f"node{pos}_{_symbol(node.op_type)}", node, ins, outs)
+        kernels.append((node, cache[key]))
 
     _define_abi_version(module)
     _define_metadata(module, json.dumps(metadata, separators=(",", ":")))
     _define_run(module, graph, plan, kernels)
     return module
+
+
+def _lower(module: ir.Module, name: str, node, ins, outs) -> ir.Function:
+    epilogue = [_activation(op_type, attrs) for op_type, attrs in node.attrs.get("epilogue", ())]
+    k = Kernel(module, name, len(ins), len(outs), epilogue)
+    OPS[node.op_type].lower(k, ins, outs, node.attrs)
+    if epilogue and not k.activated:
+        # The op stores intermediate values (e.g. Softmax): one extra pass.
+        with k.loop(outs[0].size) as i:
+            k.store(k.activate(k.load(k.outputs[0], i)), k.outputs[0], i)
+    k.finish()
+    return k.function
+
+
+def _activation(op_type: str, attrs: dict):
+    op = OPS[op_type]
+    return lambda k, value: op.apply(k, value, attrs)
 
 
 def _define_abi_version(module: ir.Module) -> None:
@@ -65,6 +86,44 @@ def _constant_bytes(module: ir.Module, name: str, data: bytearray, align: int) -
     gv.align = align
     gv.initializer = ir.Constant(ir.ArrayType(I8, len(data)), data)
     return gv
+
+
+def _declare_param(module: ir.Module, name: str, data: bytes) -> ir.GlobalVariable:
+    """Declare a parameter global whose bytes render() fills in later.
+
+    llvmlite formats constant arrays byte by byte in Python, which takes
+    seconds per 100 MB of weights; render() writes the same text with numpy.
+    """
+    gv = ir.GlobalVariable(module, ir.ArrayType(I8, len(data)), name=name)
+    gv.global_constant = True
+    gv.align = ALIGNMENT
+    module.tether_params = getattr(module, "tether_params", {})
+    module.tether_params[name] = data
+    return gv
+
+
+def render(module: ir.Module) -> str:
+    """The module's LLVM assembly with parameter globals defined inline."""
+    params = dict(getattr(module, "tether_params", {}))
+    lines = str(module).split("\n")
+    for pos, line in enumerate(lines):
+        if line.startswith('@"param.'):
+            name = line[2:line.index('"', 2)]
+            data = params.pop(name)
+            lines[pos] = (f'@"{name}" = internal constant [{len(data)} x i8] '
+                          f'c"{_escape(data)}", align {ALIGNMENT}')
+    if params:
+        raise AssertionError(f"parameter declarations {sorted(params)} not found")
+    return "\n".join(lines)
+
+
+_ESCAPES = np.frombuffer("".join(f"\\{b:02X}" for b in range(256)).encode("ascii"),
+                         dtype=np.uint8).reshape(256, 3)
+
+
+def _escape(data: bytes) -> str:
+    """Every byte as \\XX, the LLVM string escape, by table lookup in numpy."""
+    return _ESCAPES[np.frombuffer(data, dtype=np.uint8)].tobytes().decode("ascii")
 
 
 def _define_run(module: ir.Module, graph: Graph, plan: MemoryPlan, kernels) -> None:
@@ -100,8 +159,8 @@ def _define_run(module: ir.Module, graph: Graph, plan: MemoryPlan, kernels) -> N
             raw = b.gep(workspace, [ir.Constant(ir.IntType(64), loc.index)])
         else:
             if loc.name not in params:
-                data = bytearray(np.ascontiguousarray(graph.constants[loc.name], dtype="<f4").tobytes())
-                params[loc.name] = _constant_bytes(module, f"param.{len(params)}", data, ALIGNMENT)
+                data = np.ascontiguousarray(graph.constants[loc.name], dtype="<f4").tobytes()
+                params[loc.name] = _declare_param(module, f"param.{len(params)}", data)
             raw = params[loc.name]
         return b.bitcast(raw, F32_PTR)
 

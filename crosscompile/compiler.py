@@ -11,7 +11,7 @@ from . import codegen
 from .errors import BuildError
 from .frontend import import_onnx
 from .link import link_shared
-from .passes import eliminate_dead_code, plan_memory
+from .passes import optimize, plan_memory
 from .target import Target, resolve_target
 
 __version__ = "0.1.0"
@@ -45,7 +45,7 @@ def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = 
     >>> lib.export_library("net.so")                   # doctest: +SKIP
     """
     target = resolve_target(target)
-    graph = eliminate_dead_code(import_onnx(model, input_shapes))
+    graph = optimize(import_onnx(model, input_shapes))
     plan = plan_memory(graph)
     metadata = {
         "abi_version": codegen.ABI_VERSION,
@@ -82,7 +82,7 @@ def _target_machine(target: Target) -> llvm.TargetMachine:
 
 def _compile(module, machine: llvm.TargetMachine) -> bytes:
     try:
-        parsed = llvm.parse_assembly(str(module))
+        parsed = llvm.parse_assembly(codegen.render(module))
         parsed.verify()
     except RuntimeError as exc:  # a bug in an op's lowering, not in the user's model
         raise BuildError(f"internal error: generated LLVM IR is invalid: {exc}") from None
