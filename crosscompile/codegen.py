@@ -49,6 +49,11 @@ def generate(graph: Graph, plan: MemoryPlan, metadata: dict,
     return module
 
 
+def kernel_functions(module: ir.Module) -> list:
+    """The node kernels defined in module (shared kernels count once)."""
+    return [f for f in module.functions if f.name.startswith("node") and f.blocks]
+
+
 def _lower(module: ir.Module, name: str, node, ins, outs) -> ir.Function:
     epilogue = [_activation(op_type, attrs) for op_type, attrs in node.attrs.get("epilogue", ())]
     k = Kernel(module, name, len(ins), len(outs), epilogue)

@@ -28,6 +28,9 @@ class Kernel:
         fnty = ir.FunctionType(ir.VoidType(), [F32_PTR] * (n_inputs + n_outputs))
         self.function = ir.Function(module, fnty, name=name)
         self.function.linkage = "internal"
+        # Inlining hundreds of kernels into tether_run makes one huge function
+        # that the optimiser spends most of the compile time on, for no gain.
+        self.function.attributes.add("noinline")
         for arg in self.function.args:
             arg.add_attribute("noalias")
         self.inputs = list(self.function.args[:n_inputs])
