@@ -589,7 +589,8 @@ def _resolve_window(x_shape, kernel, attrs, ceil_mode=False, what="window"):
     out, begin, end = _window(spatial, kernel, strides, dilations, pads, attrs["auto_pad"], ceil_mode)
     if n == 1:
         one = lambda t: (1,) + tuple(t)  # noqa: E731
-        return (one(spatial), one(kernel), one(strides), one(dilations), one(begin), one(end), one(out))
+        zero = lambda t: (0,) + tuple(t)  # noqa: E731
+        return (one(spatial), one(kernel), one(strides), one(dilations), zero(begin), zero(end), one(out))
     return spatial, tuple(kernel), tuple(strides), tuple(dilations), begin, end, out
 
 
