@@ -78,7 +78,7 @@ def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = 
         "outputs": [_spec(graph.tensors[n]) for n in graph.outputs],
         "workspace_bytes": plan.workspace_bytes,
         "param_bytes": codegen.param_bytes(graph, plan),
-        "ops": sorted({node.op_type for node in graph.nodes}),
+        "ops": sorted({node.op_type for node in imported.nodes}),
         "producer": PRODUCER,
     }
     machine = _target_machine(target)
