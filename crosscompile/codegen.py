@@ -94,41 +94,34 @@ def _constant_bytes(module: ir.Module, name: str, data: bytearray, align: int) -
 
 
 def _declare_param(module: ir.Module, name: str, data: bytes) -> ir.GlobalVariable:
-    """Declare a parameter global whose bytes render() fills in later.
+    """Declare a parameter global defined outside the LLVM module.
 
-    llvmlite formats constant arrays byte by byte in Python, which takes
-    seconds per 100 MB of weights; render() writes the same text with numpy.
+    LLVM only takes constants as IR text (seconds and gigabytes for a large
+    model), so the bytes go into a separate object (elfdata.data_object)
+    and the code refers to them as hidden external symbols.
     """
     gv = ir.GlobalVariable(module, ir.ArrayType(I8, len(data)), name=name)
     gv.global_constant = True
     gv.align = ALIGNMENT
-    module.tether_params = getattr(module, "tether_params", {})
-    module.tether_params[name] = data
+    params(module)[name] = data
     return gv
 
 
+def params(module: ir.Module) -> dict:
+    """name -> bytes of the parameters the module refers to."""
+    if not hasattr(module, "tether_params"):
+        module.tether_params = {}
+    return module.tether_params
+
+
 def render(module: ir.Module) -> str:
-    """The module's LLVM assembly with parameter globals defined inline."""
-    params = dict(getattr(module, "tether_params", {}))
+    """The module's LLVM assembly, with parameter declarations marked hidden
+    (llvmlite does not print visibility) so references need no GOT."""
     lines = str(module).split("\n")
     for pos, line in enumerate(lines):
         if line.startswith('@"param.'):
-            name = line[2:line.index('"', 2)]
-            data = params.pop(name)
-            lines[pos] = (f'@"{name}" = internal constant [{len(data)} x i8] '
-                          f'c"{_escape(data)}", align {ALIGNMENT}')
-    if params:
-        raise AssertionError(f"parameter declarations {sorted(params)} not found")
+            lines[pos] = line.replace(" = external constant ", " = external hidden constant ", 1)
     return "\n".join(lines)
-
-
-_ESCAPES = np.frombuffer("".join(f"\\{b:02X}" for b in range(256)).encode("ascii"),
-                         dtype=np.uint8).reshape(256, 3)
-
-
-def _escape(data: bytes) -> str:
-    """Every byte as \\XX, the LLVM string escape, by table lookup in numpy."""
-    return _ESCAPES[np.frombuffer(data, dtype=np.uint8)].tobytes().decode("ascii")
 
 
 def _define_run(module: ir.Module, graph: Graph, plan: MemoryPlan, kernels) -> None:

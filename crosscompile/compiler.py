@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import llvmlite.binding as llvm
 
 from . import codegen
+from .elfdata import data_object
 from .errors import BuildError
 from .frontend import import_onnx
 from .link import link_shared
@@ -28,7 +29,7 @@ class CompiledModule:
     so_bytes: bytes
     metadata: dict
     target: Target
-    object_bytes: bytes = b""
+    objects: tuple = ()  # (file name, bytes) of the relocatable objects
     # ops, kernels, fused ops, folded BatchNorms, workspace/param/code bytes.
     summary: dict = field(default_factory=dict)
 
@@ -46,12 +47,12 @@ class CompiledModule:
         return path
 
     def object_tar(self) -> bytes:
-        """A tar of module.o and metadata.json; on the board
+        """A tar of module.o, params.o and metadata.json; on the board
         `cc -shared -o net.so *.o` links it into the same module."""
         buffer = io.BytesIO()
         with tarfile.open(fileobj=buffer, mode="w") as tar:
-            for name, data in (("module.o", self.object_bytes),
-                               ("metadata.json", json.dumps(self.metadata, indent=2).encode())):
+            members = list(self.objects) + [("metadata.json", json.dumps(self.metadata, indent=2).encode())]
+            for name, data in members:
                 info = tarfile.TarInfo(name)
                 info.size = len(data)
                 info.mode = 0o644
@@ -84,6 +85,9 @@ def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = 
     machine = _target_machine(target)
     module = codegen.generate(graph, plan, metadata, target.triple, str(machine.target_data))
     obj = _compile(module, machine)
+    objects = [("module.o", obj)]
+    if codegen.params(module):
+        objects.append(("params.o", data_object(obj, list(codegen.params(module).items()))))
     soname = re.sub(r"[^A-Za-z0-9_.-]", "_", graph.name) + ".so"
     summary = {
         "ops": len(imported.nodes),
@@ -95,7 +99,8 @@ def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = 
         "param_bytes": metadata["param_bytes"],
         "code_bytes": _code_bytes(obj),
     }
-    return CompiledModule(link_shared(obj, soname), metadata, target, obj, summary)
+    return CompiledModule(link_shared([o for _, o in objects], soname), metadata, target,
+                          tuple(objects), summary)
 
 
 def _code_bytes(obj: bytes) -> int:

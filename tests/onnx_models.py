@@ -155,6 +155,13 @@ def zoo_model(name: str, seed: int = 0, logits: bool = True) -> onnx.ModelProto:
             kept.append(node)
     del graph.node[:]
     graph.node.extend(kept)
+    used = {name for node in kept for name in node.input}
+    unused = [i for i in graph.initializer if i.name not in used]
+    for init in unused:  # the shapes of the fills just replaced
+        graph.initializer.remove(init)
+    gone = {i.name for i in unused}
+    for vi in [vi for vi in graph.input if vi.name in gone]:
+        graph.input.remove(vi)
     graph.initializer.extend(params)
     if logits and kept[-1].op_type == "Softmax":
         # Also expose the logits: a saturated softmax would hide errors.

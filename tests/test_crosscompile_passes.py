@@ -123,7 +123,7 @@ def test_object_tar_links_on_the_board_with_plain_cc(tmp_path):
     lib = crosscompile.build(model, "host")
     path = lib.export_library(tmp_path / "net.tar")
     with tarfile.open(path) as tar:
-        assert sorted(tar.getnames()) == ["metadata.json", "module.o"]
+        assert sorted(tar.getnames()) == ["metadata.json", "module.o", "params.o"]
         assert json.load(tar.extractfile("metadata.json")) == lib.metadata
         tar.extractall(tmp_path / "board")
     subprocess.run(f"{cc} -shared -o net.so *.o", shell=True, cwd=tmp_path / "board", check=True)
