@@ -17,7 +17,7 @@ SUPPORTED_DTYPES = {"float32"}
 # Ops the frontend evaluates itself instead of lowering (any other standard
 # op also folds when all its inputs are constants).
 FRONTEND_OPS = {"Constant", "ConstantOfShape", "Shape", "Size", "Gather", "Range",
-                "Cast", "Slice", "Concat", "Floor", "Ceil", "Equal", "Where", "Expand"}
+                "Floor", "Ceil", "Equal", "Where"}
 
 
 def supported_ops() -> list[str]:

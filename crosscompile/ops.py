@@ -79,33 +79,35 @@ class AliasOp(Op):
             k.store(k.load(k.inputs[0], i), k.outputs[0], i)
 
 
-def _matmul(k: Kernel, m: int, kdim: int, n: int, a_strides, b_strides) -> None:
-    """out[m, n] = sum_k A[m, k] * B[k, n], with A and B read through strides.
+def _matmul(k: Kernel, m: int, kdim: int, n: int, a_strides, b_strides, bases=(0, 0, 0)) -> None:
+    """out[m, n] = sum_k A[m, k] * B[k, n], with A and B read through strides
+    from element offsets bases = (A, B, out) (ints or i64 values).
 
     The loop order keeps the innermost loop on unit stride: over n when B's
     rows are contiguous, otherwise over k as a dot product.
     """
     a, b, out = k.inputs[0], k.inputs[1], k.outputs[0]
+    a0, b0, o0 = ((base, 1) for base in bases)
     bld = k.builder
     if b_strides[1] == 1:
         with k.loop(m) as i:
             with k.loop(n) as j:
-                k.store(k.f32(0.0), out, k.index((i, n), (j, 1)))
+                k.store(k.f32(0.0), out, k.index(o0, (i, n), (j, 1)))
             with k.loop(kdim) as p:
-                aval = k.load(a, k.index((i, a_strides[0]), (p, a_strides[1])))
+                aval = k.load(a, k.index(a0, (i, a_strides[0]), (p, a_strides[1])))
                 with k.loop(n) as j:
-                    o = k.index((i, n), (j, 1))
-                    bval = k.load(b, k.index((p, b_strides[0]), (j, 1)))
+                    o = k.index(o0, (i, n), (j, 1))
+                    bval = k.load(b, k.index(b0, (p, b_strides[0]), (j, 1)))
                     k.store(bld.fadd(k.load(out, o), bld.fmul(aval, bval)), out, o)
     else:
         with k.loop(m) as i:
             with k.loop(n) as j:
                 acc = k.variable(k.f32(0.0))
                 with k.loop(kdim) as p:
-                    aval = k.load(a, k.index((i, a_strides[0]), (p, a_strides[1])))
-                    bval = k.load(b, k.index((p, b_strides[0]), (j, b_strides[1])))
+                    aval = k.load(a, k.index(a0, (i, a_strides[0]), (p, a_strides[1])))
+                    bval = k.load(b, k.index(b0, (p, b_strides[0]), (j, b_strides[1])))
                     bld.store(bld.fadd(bld.load(acc), bld.fmul(aval, bval)), acc)
-                k.store(bld.load(acc), out, k.index((i, n), (j, 1)))
+                k.store(bld.load(acc), out, k.index(o0, (i, n), (j, 1)))
 
 
 class Gemm(Op):
@@ -153,19 +155,66 @@ class Gemm(Op):
 
 
 class MatMul(Op):
+    """numpy matmul: 1-D operands are promoted and the added axis dropped;
+    batch dimensions broadcast."""
+
     op_type = "MatMul"
 
+    @staticmethod
+    def _geometry(a, b):
+        a2 = (1, *a) if len(a) == 1 else tuple(a)
+        b2 = (*b, 1) if len(b) == 1 else tuple(b)
+        if a2[-1] != b2[-2]:
+            raise ShapeError(f"MatMul inner dimensions differ: {tuple(a)} x {tuple(b)}")
+        try:
+            batch = tuple(np.broadcast_shapes(a2[:-2], b2[:-2]))
+        except ValueError:
+            raise ShapeError(f"MatMul batch dimensions of {tuple(a)} and {tuple(b)} do not broadcast") from None
+        out = batch + (a2[-2],) * (len(a) > 1) + (b2[-1],) * (len(b) > 1)
+        return a2, b2, batch, out
+
     def infer(self, inputs, attrs):
-        a, b = inputs
-        if len(a) < 2 or len(b) != 2:
-            raise ShapeError(f"MatMul supports A of rank >= 2 times a 2-D B, got {a} x {b}")
-        if a[-1] != b[0]:
-            raise ShapeError(f"MatMul inner dimensions differ: {a} x {b}")
-        return [(*a[:-1], b[1])]
+        if len(inputs) != 2 or not inputs[0] or not inputs[1]:
+            raise ShapeError(f"MatMul takes two tensors of rank >= 1, got {inputs}")
+        return [self._geometry(*inputs)[3]]
 
     def lower(self, k, inputs, outputs, attrs):
-        a, b = inputs[0].shape, inputs[1].shape
-        _matmul(k, _prod(a[:-1]), a[-1], b[1], (a[-1], 1), (b[1], 1))
+        a2, b2, batch, _ = self._geometry(inputs[0].shape, inputs[1].shape)
+        m, kdim, n = a2[-2], a2[-1], b2[-1]
+        if not batch:
+            _matmul(k, m, kdim, n, (kdim, 1), (n, 1))
+            return
+        a_strides = _broadcast_strides(a2[:-2], batch)
+        b_strides = _broadcast_strides(b2[:-2], batch)
+        o_strides = _broadcast_strides(batch, batch)
+        with k.nested_loops(batch) as idx:
+            bases = (k.index(*zip(idx, [s * m * kdim for s in a_strides])),
+                     k.index(*zip(idx, [s * kdim * n for s in b_strides])),
+                     k.index(*zip(idx, [s * m * n for s in o_strides])))
+            _matmul(k, m, kdim, n, (kdim, 1), (n, 1), bases)
+
+
+class Expand(Op):
+    """Broadcast to a constant shape (numpy rules, both ways)."""
+
+    op_type = "Expand"
+    compile_time_inputs = (1,)
+
+    def attributes(self, raw, constants, opset):
+        shape = _const_ints(constants, 1)
+        if shape is None:
+            raise BuildError("Expand needs a constant shape")
+        return {"shape": shape}
+
+    def infer(self, inputs, attrs):
+        try:
+            return [tuple(np.broadcast_shapes(inputs[0], attrs["shape"]))]
+        except ValueError:
+            raise ShapeError(f"Expand: {inputs[0]} does not broadcast with {attrs['shape']}") from None
+
+    def lower(self, k, inputs, outputs, attrs):
+        out = outputs[0].shape
+        _copy_strided(k, out, _broadcast_strides(inputs[0].shape, out))
 
 
 class Softmax(Op):
@@ -1147,5 +1196,5 @@ OPS: dict[str, Op] = {op.op_type: op for op in (
     Add(), Sub(), Mul(), Div(), Sum(), Max(), Min(), Mean(), PRelu(),
     Conv(), MaxPool(), AveragePool(), GlobalAveragePool(), GlobalMaxPool(),
     BatchNormalization(), LRN(),
-    Transpose(), Concat(), Split(), Slice(), Pad(), Squeeze(), Unsqueeze(), Cast(),
+    Expand(), Transpose(), Concat(), Split(), Slice(), Pad(), Squeeze(), Unsqueeze(), Cast(),
 )}

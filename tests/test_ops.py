@@ -260,3 +260,14 @@ def test_unknown_dims_fixed_by_input_shapes(tmp_path):
     model = conv_model(("N", 3, "H", "W"), (4, 3, 3, 3))
     feeds = {"x": rand(2, 3, 6, 7)}
     run_host(model, tmp_path, feeds=feeds, input_shapes={"x": (2, 3, 6, 7)})
+
+
+@pytest.mark.parametrize("a_shape,b_shape", [((2, 3, 4), (2, 4, 5)), ((3, 1, 3, 4), (1, 2, 4, 2)),
+                                             ((4,), (2, 4, 3)), ((1, 2, 4, 3), (3,)), ((3,), (3,))])
+def test_batched_matmul(tmp_path, a_shape, b_shape):
+    run_host(single_op("MatMul", {"a": a_shape, "b": b_shape}), tmp_path)
+
+
+@pytest.mark.parametrize("x_shape,shape", [((3, 1), (2, 1, 6)), ((1, 4), (3, 1)), ((2, 3), (2, 3))])
+def test_expand(tmp_path, x_shape, shape):
+    run_host(single_op("Expand", {"x": x_shape}, {"s": np.array(shape, np.int64)}), tmp_path)
