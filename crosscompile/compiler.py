@@ -15,7 +15,8 @@ from .elfdata import data_object
 from .errors import BuildError
 from .frontend import import_onnx
 from .link import link_shared
-from .passes import eliminate_dead_code, fold_batchnorm, fuse_elementwise, plan_memory
+from .passes import (eliminate_dead_code, fold_batchnorm, fold_channel_affine, fuse_elementwise,
+                     plan_memory)
 from .target import Target, resolve_target
 
 __version__ = "0.1.0"
@@ -30,7 +31,7 @@ class CompiledModule:
     metadata: dict
     target: Target
     objects: tuple = ()  # (file name, bytes) of the relocatable objects
-    # ops, kernels, fused ops, folded BatchNorms, workspace/param/code bytes.
+    # ops, kernels, fused ops, ops folded into Conv, workspace/param/code bytes.
     summary: dict = field(default_factory=dict)
 
     def export_library(self, path: "str | os.PathLike") -> str:
@@ -68,7 +69,7 @@ def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = 
     """
     target = resolve_target(target)
     imported = eliminate_dead_code(import_onnx(model, input_shapes))
-    folded = fold_batchnorm(imported)
+    folded = fold_channel_affine(fold_batchnorm(imported))
     graph = fuse_elementwise(folded)
     plan = plan_memory(graph)
     metadata = {
@@ -94,7 +95,7 @@ def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = 
         "kernels": len({id(fn) for fn in codegen.kernel_functions(module)}),
         "fused_ops": len(folded.nodes) - len(graph.nodes),
         "fused_kernels": sum(1 for n in graph.nodes if n.attrs.get("epilogue")),
-        "batchnorms_folded": len(imported.nodes) - len(folded.nodes),
+        "folded_into_conv": len(imported.nodes) - len(folded.nodes),
         "workspace_bytes": plan.workspace_bytes,
         "param_bytes": metadata["param_bytes"],
         "code_bytes": _code_bytes(obj),

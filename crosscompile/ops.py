@@ -697,16 +697,22 @@ class Conv(Op):
             h, wd, oh_n, ow_n = 1, h * wd, 1, h * wd  # pointwise: the plane is one row
         n_n, c_n, m_n, group = x[0], x[1], w[0], attrs["group"]
         mg, cg = m_n // group, c_n // group
+        # Output channels in blocks: each input value loaded feeds `block` rows.
+        block = next(b for b in (4, 2, 1) if mg % b == 0)
+        plane_out = oh_n * ow_n
         bld = k.builder
         X, W, Y = k.inputs[0], k.inputs[1], k.outputs[0]
         bias = k.inputs[2] if len(inputs) == 3 else None
-        with k.loop(n_n) as n, k.loop(group) as g, k.loop(mg) as m:
-            oc = k.index((g, mg), (m, 1))
-            start = k.load(bias, oc) if bias is not None else k.f32(0.0)
+        with k.loop(n_n) as n, k.loop(group) as g, k.loop(mg // block) as mb:
+            oc = k.index((g, mg), (mb, block))
+            starts = [k.load(bias, bld.add(oc, k.i64(b))) if bias is not None else k.f32(0.0)
+                      for b in range(block)]
             with k.loop(oh_n) as oh:
-                row = k.index((n, m_n * oh_n * ow_n), (oc, oh_n * ow_n), (oh, ow_n))
+                row = k.index((n, m_n * plane_out), (oc, plane_out), (oh, ow_n))
+                rows = [bld.add(row, k.i64(b * plane_out)) for b in range(block)]
                 with k.loop(ow_n) as ow:
-                    k.store(start, Y, bld.add(row, ow))
+                    for r, start in zip(rows, starts):
+                        k.store(start, Y, bld.add(r, ow))
                 with k.loop(cg) as c:
                     plane = k.index((n, c_n * h * wd), (g, cg * h * wd), (c, h * wd))
                     wbase = k.index((oc, cg * kh_n * kw_n), (c, kh_n * kw_n))
@@ -719,15 +725,19 @@ class Conv(Op):
                                 lo, hi = _valid_range(offset, sw, wd, ow_n)
                                 if lo >= hi:
                                     continue
-                                weight = k.load(W, k.index((wbase, 1), (kh, kw_n), (kw, 1)))
+                                tap = k.index((wbase, 1), (kh, kw_n), (kw, 1))
+                                weights = [k.load(W, bld.add(tap, k.i64(b * cg * kh_n * kw_n)))
+                                           for b in range(block)]
                                 with k.loop(hi, start=lo) as ow:
-                                    o = bld.add(row, ow)
                                     src = k.load(X, k.index((line, 1), (ow, sw), (offset, 1)))
-                                    k.store(bld.fadd(k.load(Y, o), bld.fmul(weight, src)), Y, o)
+                                    for r, weight in zip(rows, weights):
+                                        o = bld.add(r, ow)
+                                        k.store(bld.fadd(k.load(Y, o), bld.fmul(weight, src)), Y, o)
                 if k.epilogue:
                     with k.loop(ow_n) as ow:
-                        o = bld.add(row, ow)
-                        k.store(k.activate(k.load(Y, o)), Y, o)
+                        for r in rows:
+                            o = bld.add(r, ow)
+                            k.store(k.activate(k.load(Y, o)), Y, o)
         k.activated = True
 
 

@@ -76,6 +76,58 @@ def fold_batchnorm(graph: Graph) -> Graph:
     return eliminate_dead_code(replace(graph, nodes=nodes, constants=constants, tensors=tensors))
 
 
+def fold_channel_affine(graph: Graph) -> Graph:
+    """Fold a Mul or Add by a per-channel constant (shape (M, 1, 1), (1, M, 1, 1),
+    scalar, ...) into the Conv that feeds it: Mul scales W and B, Add shifts B.
+    Exporters write BatchNorm this way (e.g. Inception v2)."""
+    producer = {out: node for node in graph.nodes for out in node.outputs}
+    uses = _consumers(graph)
+    constants, tensors = dict(graph.constants), dict(graph.tensors)
+    current: dict[str, Node] = {}  # conv name -> its latest folded form
+    dropped = set()
+    for node in graph.nodes:
+        if node.op_type not in ("Mul", "Add") or len(node.inputs) != 2:
+            continue
+        data = [t for t in node.inputs if t not in constants]
+        if len(data) != 1:
+            continue
+        (const_name,) = [t for t in node.inputs if t in constants]
+        conv = producer.get(data[0])
+        conv = current.get(conv.name, conv) if conv is not None else None
+        if (conv is None or conv.op_type != "Conv" or uses[data[0]] != 1
+                or data[0] != conv.outputs[0] or conv.attrs.get("epilogue")
+                or not all(t in constants for t in conv.inputs[1:])):
+            continue
+        out_shape = tensors[conv.outputs[0]].shape
+        value = constants[const_name]
+        if value.ndim > len(out_shape) or value.dtype != np.float32:
+            continue
+        padded = value.reshape((1,) * (len(out_shape) - value.ndim) + value.shape)
+        m = out_shape[1]
+        if any(d != 1 for i, d in enumerate(padded.shape) if i != 1) or padded.shape[1] not in (1, m):
+            continue
+        per_channel = np.broadcast_to(padded.reshape(-1), (m,)).astype(np.float64)
+        weight = constants[conv.inputs[1]]
+        bias = constants[conv.inputs[2]].astype(np.float64) if len(conv.inputs) == 3 else np.zeros(m)
+        if node.op_type == "Mul":
+            weight = weight * per_channel.reshape((-1,) + (1,) * (weight.ndim - 1))
+            bias = bias * per_channel
+        else:
+            bias = bias + per_channel
+        w_name, b_name = f"{node.name}/folded_weight", f"{node.name}/folded_bias"
+        for name, array in ((w_name, weight.astype(np.float32)), (b_name, bias.astype(np.float32))):
+            constants[name] = array
+            tensors[name] = Tensor(name, array.shape, "float32")
+        current[conv.name] = Node("Conv", conv.name, [conv.inputs[0], w_name, b_name],
+                                  list(node.outputs), dict(conv.attrs))
+        producer[node.outputs[0]] = current[conv.name]
+        dropped.add(node.name)
+    if not current:
+        return graph
+    nodes = [current.get(n.name, n) for n in graph.nodes if n.name not in dropped]
+    return eliminate_dead_code(replace(graph, nodes=nodes, constants=constants, tensors=tensors))
+
+
 def fuse_elementwise(graph: Graph) -> Graph:
     """Run each fusable element-wise op (Relu, Clip, Sigmoid, ...) as the
     epilogue of the node producing its input, when that node has one output,
@@ -111,8 +163,8 @@ def fuse_elementwise(graph: Graph) -> Graph:
 
 
 def optimize(graph: Graph) -> Graph:
-    """The standard pipeline: dead code, BatchNorm folding, fusion."""
-    return fuse_elementwise(fold_batchnorm(eliminate_dead_code(graph)))
+    """The standard pipeline: dead code, BatchNorm and affine folding, fusion."""
+    return fuse_elementwise(fold_channel_affine(fold_batchnorm(eliminate_dead_code(graph))))
 
 
 @dataclass(frozen=True)

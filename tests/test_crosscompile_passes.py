@@ -206,3 +206,25 @@ def test_unknown_input_dim_names_the_input_and_the_fix():
     with pytest.raises(ShapeError, match=r"input 'x' has unknown dimensions \('N', 3, 8, 8\); pass its "
                                          r"concrete shape, e.g. build\(model, input_shapes="):
         crosscompile.build(model)
+
+
+def test_per_channel_mul_and_add_fold_into_conv(tmp_path):
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Mul", ["c", "scale"], ["m"]),
+             helper.make_node("Add", ["shift", "m"], ["a"]),
+             helper.make_node("Relu", ["a"], ["y"])]
+    inits = {"w": rand(4, 3, 3, 3, seed=1), "b": rand(4, seed=2), "scale": rand(4, 1, 1, seed=3),
+             "shift": rand(1, 4, 1, 1, seed=4)}
+    model = make_model(nodes, {"x": (1, 3, 6, 7)}, {"y": None}, inits)
+    lib = crosscompile.build(model)
+    assert lib.summary["folded_into_conv"] == 2 and lib.summary["kernels"] == 1
+    feeds = {"x": rand(1, 3, 6, 7, seed=5)}
+    got = minirt.load(lib.export_library(tmp_path / "m.so")).run(feeds)
+    np.testing.assert_allclose(got[0], reference(model, feeds)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_a_full_size_mul_is_not_folded():
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"]), helper.make_node("Mul", ["c", "k"], ["y"])]
+    model = make_model(nodes, {"x": (1, 3, 4, 4)}, {"y": None},
+                       {"w": rand(2, 3, 1, 1), "k": rand(1, 2, 4, 4)})
+    assert crosscompile.build(model).summary["folded_into_conv"] == 0

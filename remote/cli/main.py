@@ -55,7 +55,7 @@ def cmd_compile(args):
     s = lib.summary
     print(f"  ops {s['ops']} ({', '.join(meta['ops'])}); kernels {s['kernels']}; "
           f"fused kernels {s['fused_kernels']} ({s['fused_ops']} element-wise ops fused, "
-          f"{s['batchnorms_folded']} BatchNorms folded into Conv)")
+          f"{s['folded_into_conv']} BatchNorm/Mul/Add folded into Conv)")
     print(f"  workspace {s['workspace_bytes']} bytes; parameters {s['param_bytes']} bytes; "
           f"code {s['code_bytes']} bytes")
     return 0
