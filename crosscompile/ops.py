@@ -610,13 +610,11 @@ def _window(in_dims, kernel, strides, dilations, pads, auto_pad, ceil_mode=False
     return tuple(out), tuple(begin), tuple(end)
 
 
-def _window_attributes(raw, rank_hint=None, *, dilations=True):
+def _window_attributes(raw) -> dict:
     auto_pad = raw.get("auto_pad", "NOTSET")
     _check_choice("auto_pad", auto_pad, ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID"))
-    attrs = {"kernel_shape": _ints(raw, "kernel_shape"), "strides": _ints(raw, "strides"),
-             "pads": _ints(raw, "pads"), "auto_pad": auto_pad,
-             "dilations": _ints(raw, "dilations") if dilations else None}
-    return attrs
+    return {"kernel_shape": _ints(raw, "kernel_shape"), "strides": _ints(raw, "strides"),
+            "pads": _ints(raw, "pads"), "auto_pad": auto_pad, "dilations": _ints(raw, "dilations")}
 
 
 def _resolve_window(x_shape, kernel, attrs, ceil_mode=False, what="window"):
@@ -645,9 +643,7 @@ def _resolve_window(x_shape, kernel, attrs, ceil_mode=False, what="window"):
 
 def _valid_range(offset: int, stride: int, size: int, count: int) -> tuple[int, int]:
     """Output positions o in [0, count) with 0 <= o * stride + offset < size."""
-    lo = max(0, -(offset // stride)) if offset < 0 else 0
-    if offset < 0 and (-offset) % stride:
-        lo = (-offset + stride - 1) // stride
+    lo = 0 if offset >= 0 else (-offset + stride - 1) // stride
     last = size - 1 - offset
     hi = 0 if last < 0 else min(count, last // stride + 1)
     return lo, max(lo, hi)

@@ -1,6 +1,5 @@
 """Graph passes as pure functions, the object tar, bad input, and CNN
 modules for every target preset."""
-import io
 import json
 import shutil
 import subprocess
