@@ -927,6 +927,47 @@ def _c_strides(shape) -> list[int]:
     return strides[::-1]
 
 
+class Gather(Op):
+    """Gather from a runtime tensor with constant indices (an embedding
+    lookup, a channel pick); with constant data too it folds at import."""
+
+    op_type = "Gather"
+    compile_time_inputs = (1,)
+    MAX_INDICES = 4096  # each index becomes one copy loop
+
+    def attributes(self, raw, constants, opset):
+        indices = constants.get(1)
+        if indices is None:
+            raise BuildError("Gather needs constant indices")
+        indices = np.asarray(indices)
+        if indices.dtype.kind not in "iu":
+            raise BuildError(f"Gather indices must be integers, got {indices.dtype}")
+        if indices.size > self.MAX_INDICES:
+            raise BuildError(f"Gather with {indices.size} indices is not supported (at most {self.MAX_INDICES})")
+        return {"axis": int(raw.get("axis", 0)), "indices": tuple(int(i) for i in indices.reshape(-1)),
+                "indices_shape": tuple(indices.shape)}
+
+    def infer(self, inputs, attrs):
+        x = inputs[0]
+        axis = _axis(attrs["axis"], len(x))
+        for i in attrs["indices"]:
+            if not -x[axis] <= i < x[axis]:
+                raise ShapeError(f"Gather index {i} is out of range for axis {axis} of size {x[axis]}")
+        return [(*x[:axis], *attrs["indices_shape"], *x[axis + 1:])]
+
+    def lower(self, k, inputs, outputs, attrs):
+        x = inputs[0].shape
+        axis = _axis(attrs["axis"], len(x))
+        outer, inner = _prod(x[:axis]), _prod(x[axis + 1:])
+        count = len(attrs["indices"])
+        for j, index in enumerate(attrs["indices"]):
+            index %= x[axis]
+            with k.loop(outer) as o, k.loop(inner) as i:
+                value = k.load(k.inputs[0], k.index((o, x[axis] * inner), (index, inner), (i, 1)))
+                k.store(k.activate(value), k.outputs[0], k.index((o, count * inner), (j, inner), (i, 1)))
+        k.activated = True
+
+
 class Transpose(Op):
     op_type = "Transpose"
 
@@ -1202,5 +1243,5 @@ OPS: dict[str, Op] = {op.op_type: op for op in (
     Add(), Sub(), Mul(), Div(), Sum(), Max(), Min(), Mean(), PRelu(),
     Conv(), MaxPool(), AveragePool(), GlobalAveragePool(), GlobalMaxPool(),
     BatchNormalization(), LRN(),
-    Expand(), Transpose(), Concat(), Split(), Slice(), Pad(), Squeeze(), Unsqueeze(), Cast(),
+    Expand(), Gather(), Transpose(), Concat(), Split(), Slice(), Pad(), Squeeze(), Unsqueeze(), Cast(),
 )}

@@ -271,3 +271,16 @@ def test_batched_matmul(tmp_path, a_shape, b_shape):
 @pytest.mark.parametrize("x_shape,shape", [((3, 1), (2, 1, 6)), ((1, 4), (3, 1)), ((2, 3), (2, 3))])
 def test_expand(tmp_path, x_shape, shape):
     run_host(single_op("Expand", {"x": x_shape}, {"s": np.array(shape, np.int64)}), tmp_path)
+
+
+@pytest.mark.parametrize("axis,indices", [(0, [2, 0, -1]), (1, [[0, 3], [3, 1]]), (2, 1)])
+def test_gather_with_constant_indices(tmp_path, axis, indices):
+    model = single_op("Gather", {"x": (3, 4, 5)}, {"i": np.array(indices, np.int64)}, axis=axis)
+    run_host(model, tmp_path)
+
+
+def test_constant_graph_output_is_copied_out(tmp_path):
+    nodes = [helper.make_node("Relu", ["x"], ["y"]),
+             helper.make_node("ConstantOfShape", ["s"], ["c"], value=helper.make_tensor("v", 1, [1], [2.5]))]
+    model = make_model(nodes, {"x": (2, 3)}, {"y": None, "c": None}, {"s": np.array([3, 2], np.int64)})
+    run_host(model, tmp_path)
