@@ -618,11 +618,12 @@ def _window_attributes(raw) -> dict:
 
 
 def _resolve_window(x_shape, kernel, attrs, ceil_mode=False, what="window"):
-    """Spatial geometry as 2-D (1-D inputs get a unit height)."""
+    """Spatial geometry as 3-D (depth, height, width); 1-D and 2-D inputs get
+    unit leading dimensions, so one lowering serves all three ranks."""
     spatial = tuple(x_shape[2:])
     n = len(spatial)
-    if n not in (1, 2):
-        raise ShapeError(f"only 1-D and 2-D {what}s are supported, input has shape {tuple(x_shape)}")
+    if n not in (1, 2, 3):
+        raise ShapeError(f"only 1-D, 2-D and 3-D {what}s are supported, input has shape {tuple(x_shape)}")
     if len(kernel) != n:
         raise ShapeError(f"kernel_shape {kernel} does not fit input {tuple(x_shape)}")
     strides = attrs["strides"] or (1,) * n
@@ -634,11 +635,9 @@ def _resolve_window(x_shape, kernel, attrs, ceil_mode=False, what="window"):
     if min(strides) < 1 or min(dilations) < 1 or min(kernel) < 1:
         raise BuildError(f"strides {strides}, dilations {dilations} and kernel {kernel} must be >= 1")
     out, begin, end = _window(spatial, kernel, strides, dilations, pads, attrs["auto_pad"], ceil_mode)
-    if n == 1:
-        one = lambda t: (1,) + tuple(t)  # noqa: E731
-        zero = lambda t: (0,) + tuple(t)  # noqa: E731
-        return (one(spatial), one(kernel), one(strides), one(dilations), zero(begin), zero(end), one(out))
-    return spatial, tuple(kernel), tuple(strides), tuple(dilations), begin, end, out
+    ones, zeros = (1,) * (3 - n), (0,) * (3 - n)
+    return (ones + spatial, ones + tuple(kernel), ones + tuple(strides), ones + tuple(dilations),
+            zeros + tuple(begin), zeros + tuple(end), ones + tuple(out))
 
 
 def _valid_range(offset: int, stride: int, size: int, count: int) -> tuple[int, int]:
@@ -682,20 +681,21 @@ class Conv(Op):
         if len(inputs) == 3 and tuple(inputs[2]) != (w[0],):
             raise ShapeError(f"Conv bias of shape {inputs[2]} should be ({w[0]},)")
         *_, out = _resolve_window(x, kernel, attrs, what="convolution")
-        out = out[1:] if len(x) == 3 else out
+        out = out[5 - len(x):]
         return [(x[0], w[0], *out)]
 
     def lower(self, k, inputs, outputs, attrs):
         x, w = inputs[0].shape, inputs[1].shape
-        (h, wd), (kh_n, kw_n), (sh, sw), (dh, dw), (ph, pw), _, (oh_n, ow_n) = \
+        (dz, h, wd), (kz, kh_n, kw_n), (sz, sh, sw), (ddz, dh, dw), (pz, ph, pw), _, (oz, oh_n, ow_n) = \
             _resolve_window(x, tuple(w[2:]), attrs, what="convolution")
-        if (kh_n, kw_n, sh, sw, ph, pw, oh_n, ow_n) == (1, 1, 1, 1, 0, 0, h, wd):
-            h, wd, oh_n, ow_n = 1, h * wd, 1, h * wd  # pointwise: the plane is one row
+        if (kz, kh_n, kw_n, sz, sh, sw, pz, ph, pw) == (1, 1, 1, 1, 1, 1, 0, 0, 0):
+            # pointwise: the whole volume is one row
+            dz, h, wd, oz, oh_n, ow_n = 1, 1, dz * h * wd, 1, 1, dz * h * wd
         n_n, c_n, m_n, group = x[0], x[1], w[0], attrs["group"]
         mg, cg = m_n // group, c_n // group
         # Output channels in blocks: each input value loaded feeds `block` rows.
         block = next(b for b in (4, 2, 1) if mg % b == 0)
-        plane_out = oh_n * ow_n
+        volume_in, volume_out, taps = dz * h * wd, oz * oh_n * ow_n, kz * kh_n * kw_n
         bld = k.builder
         X, W, Y = k.inputs[0], k.inputs[1], k.outputs[0]
         bias = k.inputs[2] if len(inputs) == 3 else None
@@ -703,32 +703,34 @@ class Conv(Op):
             oc = k.index((g, mg), (mb, block))
             starts = [k.load(bias, bld.add(oc, k.i64(b))) if bias is not None else k.f32(0.0)
                       for b in range(block)]
-            with k.loop(oh_n) as oh:
-                row = k.index((n, m_n * plane_out), (oc, plane_out), (oh, ow_n))
-                rows = [bld.add(row, k.i64(b * plane_out)) for b in range(block)]
+            with k.loop(oz) as od, k.loop(oh_n) as oh:
+                row = k.index((n, m_n * volume_out), (oc, volume_out), (od, oh_n * ow_n), (oh, ow_n))
+                rows = [bld.add(row, k.i64(b * volume_out)) for b in range(block)]
                 with k.loop(ow_n) as ow:
                     for r, start in zip(rows, starts):
                         k.store(start, Y, bld.add(r, ow))
                 with k.loop(cg) as c:
-                    plane = k.index((n, c_n * h * wd), (g, cg * h * wd), (c, h * wd))
-                    wbase = k.index((oc, cg * kh_n * kw_n), (c, kh_n * kw_n))
-                    with k.loop(kh_n) as kh:
-                        ih = k.index((oh, sh), (kh, dh), (-ph, 1))
-                        with bld.if_then(k.in_range(ih, h)):
-                            line = bld.add(plane, k.index((ih, wd)))
-                            for kw in range(kw_n):
-                                offset = kw * dw - pw
-                                lo, hi = _valid_range(offset, sw, wd, ow_n)
-                                if lo >= hi:
-                                    continue
-                                tap = k.index((wbase, 1), (kh, kw_n), (kw, 1))
-                                weights = [k.load(W, bld.add(tap, k.i64(b * cg * kh_n * kw_n)))
-                                           for b in range(block)]
-                                with k.loop(hi, start=lo) as ow:
-                                    src = k.load(X, k.index((line, 1), (ow, sw), (offset, 1)))
-                                    for r, weight in zip(rows, weights):
-                                        o = bld.add(r, ow)
-                                        k.store(bld.fadd(k.load(Y, o), bld.fmul(weight, src)), Y, o)
+                    plane = k.index((n, c_n * volume_in), (g, cg * volume_in), (c, volume_in))
+                    wbase = k.index((oc, cg * taps), (c, taps))
+                    with k.loop(kz) as kd:
+                        iz = k.index((od, sz), (kd, ddz), (-pz, 1))
+                        with bld.if_then(k.in_range(iz, dz)), k.loop(kh_n) as kh:
+                            ih = k.index((oh, sh), (kh, dh), (-ph, 1))
+                            with bld.if_then(k.in_range(ih, h)):
+                                line = k.index((plane, 1), (iz, h * wd), (ih, wd))
+                                for kw in range(kw_n):
+                                    offset = kw * dw - pw
+                                    lo, hi = _valid_range(offset, sw, wd, ow_n)
+                                    if lo >= hi:
+                                        continue
+                                    tap = k.index((wbase, 1), (kd, kh_n * kw_n), (kh, kw_n), (kw, 1))
+                                    weights = [k.load(W, bld.add(tap, k.i64(b * cg * taps)))
+                                               for b in range(block)]
+                                    with k.loop(hi, start=lo) as ow:
+                                        src = k.load(X, k.index((line, 1), (ow, sw), (offset, 1)))
+                                        for r, weight in zip(rows, weights):
+                                            o = bld.add(r, ow)
+                                            k.store(bld.fadd(k.load(Y, o), bld.fmul(weight, src)), Y, o)
                 if k.epilogue:
                     with k.loop(ow_n) as ow:
                         for r in rows:
@@ -756,30 +758,37 @@ class _Pool(Op):
             raise ShapeError(f"{self.op_type} needs an N x C x spatial input, got {x}")
         *_, out = _resolve_window(x, attrs["kernel_shape"], attrs, bool(attrs["ceil_mode"]),
                                   what=self.op_type)
-        return [(x[0], x[1], *(out[1:] if len(x) == 3 else out))]
+        return [(x[0], x[1], *out[5 - len(x):])]
 
     def lower(self, k, inputs, outputs, attrs):
         x = inputs[0].shape
-        (h, wd), (kh_n, kw_n), (sh, sw), (dh, dw), (ph, pw), (eh, ew), (oh_n, ow_n) = \
+        dims, kernel, strides, dilations, begin, end, out = \
             _resolve_window(x, attrs["kernel_shape"], attrs, bool(attrs["ceil_mode"]))
         is_max = self.op_type == "MaxPool"
         bld = k.builder
         X, Y = k.inputs[0], k.outputs[0]
-        with k.loop(x[0] * x[1]) as nc, k.loop(oh_n) as oh, k.loop(ow_n) as ow:
+        in_strides, out_strides = _c_strides(dims), _c_strides(out)
+        with k.loop(x[0] * x[1]) as nc, k.nested_loops(out) as opos:
             acc = k.variable(k.f32(-math.inf if is_max else 0.0))
             valid = k.variable(k.f32(0.0))
             padded = k.variable(k.f32(0.0))
-            with k.loop(kh_n) as kh, k.loop(kw_n) as kw:
-                ih = k.index((oh, sh), (kh, dh), (-ph, 1))
-                iw = k.index((ow, sw), (kw, dw), (-pw, 1))
+            with k.nested_loops(kernel) as kpos:
+                ipos = [k.index((o, s), (kk, d), (-b, 1))
+                        for o, kk, s, d, b in zip(opos, kpos, strides, dilations, begin)]
                 if not is_max:
                     # count_include_pad counts positions inside the padded input.
-                    inside_pad = bld.and_(bld.icmp_signed("<", ih, k.i64(h + eh)),
-                                          bld.icmp_signed("<", iw, k.i64(wd + ew)))
+                    inside_pad = None
+                    for i, size, e in zip(ipos, dims, end):
+                        ok = bld.icmp_signed("<", i, k.i64(size + e))
+                        inside_pad = ok if inside_pad is None else bld.and_(inside_pad, ok)
                     with bld.if_then(inside_pad):
                         bld.store(bld.fadd(bld.load(padded), k.f32(1.0)), padded)
-                with bld.if_then(bld.and_(k.in_range(ih, h), k.in_range(iw, wd))):
-                    v = k.load(X, k.index((nc, h * wd), (ih, wd), (iw, 1)))
+                inside = None
+                for i, size in zip(ipos, dims):
+                    ok = k.in_range(i, size)
+                    inside = ok if inside is None else bld.and_(inside, ok)
+                with bld.if_then(inside):
+                    v = k.load(X, k.index((nc, _prod(dims)), *zip(ipos, in_strides)))
                     if is_max:
                         bld.store(k.maximum(bld.load(acc), v), acc)
                     else:
@@ -789,7 +798,7 @@ class _Pool(Op):
             if not is_max:
                 count = bld.load(padded if attrs["count_include_pad"] else valid)
                 result = bld.fdiv(result, count)
-            k.store(k.activate(result), Y, k.index((nc, oh_n * ow_n), (oh, ow_n), (ow, 1)))
+            k.store(k.activate(result), Y, k.index((nc, _prod(out)), *zip(opos, out_strides)))
 
 
 class MaxPool(_Pool):

@@ -284,3 +284,16 @@ def test_constant_graph_output_is_copied_out(tmp_path):
              helper.make_node("ConstantOfShape", ["s"], ["c"], value=helper.make_tensor("v", 1, [1], [2.5]))]
     model = make_model(nodes, {"x": (2, 3)}, {"y": None, "c": None}, {"s": np.array([3, 2], np.int64)})
     run_host(model, tmp_path)
+
+
+@pytest.mark.parametrize("attrs", [{}, {"pads": [1, 0, 2, 1, 1, 0], "strides": [2, 1, 2]},
+                                   {"dilations": [2, 1, 1], "group": 2}])
+def test_conv_3d(tmp_path, attrs):
+    w_shape = (4, 2 if attrs.get("group") else 4, 3, 2, 3)
+    run_host(conv_model((1, 4, 6, 5, 7), w_shape, **attrs), tmp_path)
+
+
+@pytest.mark.parametrize("op_type", ["MaxPool", "AveragePool"])
+def test_pool_3d(tmp_path, op_type):
+    run_host(single_op(op_type, {"x": (1, 2, 5, 6, 7)}, opset=12, kernel_shape=[2, 3, 2],
+                       strides=[2, 2, 3], pads=[1, 0, 1, 0, 1, 1]), tmp_path)
