@@ -21,6 +21,11 @@ FRONTEND_OPS = {"Constant", "ConstantOfShape", "Shape", "Size", "Range",
 
 
 def supported_ops() -> list[str]:
+    """ONNX op types a model may use: lowered ops plus compile-time ones.
+
+    >>> "Conv" in supported_ops()
+    True
+    """
     return sorted(set(OPS) | FRONTEND_OPS)
 
 
