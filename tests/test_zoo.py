@@ -40,8 +40,8 @@ def test_zoo_model_matches_onnxruntime_on_host(tmp_path, name):
     module = minirt.load(lib.export_library(tmp_path / f"{name}.so"))
     got, want = module.run(feeds), reference(model, feeds)
     assert_matches(got, want)
-    # The five top classes agree, not just the numbers within tolerance.
-    assert list(np.argsort(got[0][0])[-5:]) == list(np.argsort(want[0][0])[-5:])
+    # The predicted class agrees, not just the numbers within tolerance.
+    assert got[0][0].argmax() == want[0][0].argmax()
     print(f"{name}: compiled in {seconds:.1f} s, {lib.summary}")
 
 
