@@ -490,6 +490,10 @@ class Elementwise(Op):
     def combine(self, k: Kernel, values: list):
         raise NotImplementedError
 
+    def operand_shapes(self, shapes, attrs):
+        """The shapes broadcast against each other (an op may reinterpret one)."""
+        return list(shapes)
+
     def lower(self, k, inputs, outputs, attrs):
         out = outputs[0]
         if all(t.shape == out.shape for t in inputs):
@@ -499,7 +503,8 @@ class Elementwise(Op):
             return
         shape = out.shape or (1,)
         out_strides = _broadcast_strides(shape, shape)
-        in_strides = [_broadcast_strides(t.shape, shape) for t in inputs]
+        in_strides = [_broadcast_strides(s, shape)
+                      for s in self.operand_shapes([t.shape for t in inputs], attrs)]
         with k.nested_loops(shape) as idx:
             values = [k.load(ptr, k.index(*zip(idx, st))) for ptr, st in zip(k.inputs, in_strides)]
             k.store(k.activate(self.combine(k, values)), k.outputs[0], k.index(*zip(idx, out_strides)))
@@ -564,12 +569,22 @@ class Mean(Elementwise):
 
 
 class PRelu(Elementwise):
-    """y = x < 0 ? slope * x : x, slope broadcast to x (unidirectionally)."""
+    """y = x < 0 ? slope * x : x, slope broadcast to x (unidirectionally).
+    Before opset 7 a 1-D slope of size C applies along the channel axis."""
 
     op_type = "PRelu"
 
+    def attributes(self, raw, constants, opset):
+        return {"channel_slope": opset < 7}
+
+    def operand_shapes(self, shapes, attrs):
+        x, slope = shapes
+        if attrs["channel_slope"] and len(slope) == 1 and len(x) > 2 and slope[0] == x[1]:
+            return [x, (slope[0],) + (1,) * (len(x) - 2)]
+        return [x, slope]
+
     def infer(self, inputs, attrs):
-        out = super().infer(inputs, attrs)
+        out = super().infer(self.operand_shapes(inputs, attrs), attrs)
         if out[0] != tuple(inputs[0]):
             raise ShapeError(f"PRelu slope of shape {inputs[1]} does not broadcast to X {inputs[0]}")
         return out
