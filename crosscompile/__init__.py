@@ -6,7 +6,8 @@
 """
 from .compiler import PRODUCER, CompiledModule, __version__, build
 from .errors import BuildError, LinkError, ShapeError, UnsupportedOpError
+from .frontend import supported_ops
 from .target import TARGETS, Target
 
 __all__ = ["build", "CompiledModule", "Target", "TARGETS", "BuildError", "UnsupportedOpError",
-           "ShapeError", "LinkError", "PRODUCER", "__version__"]
+           "ShapeError", "LinkError", "PRODUCER", "__version__", "supported_ops"]

@@ -30,19 +30,45 @@ def generate(graph: Graph, plan: MemoryPlan, metadata: dict,
     module.data_layout = data_layout
 
     kernels = []
+    # Kernels depend on shapes and attributes only (data comes in through
+    # pointers), so repeated blocks of a network share one function.
+    cache: dict[str, ir.Function] = {}
     for pos, node in enumerate(graph.nodes):
         if node.name in plan.aliased_nodes:
             continue
-        k = Kernel(module, f"node{pos}_{_symbol(node.op_type)}", len(node.inputs), len(node.outputs))
-        OPS[node.op_type].lower(k, [graph.tensors[t] for t in node.inputs],
-                                [graph.tensors[t] for t in node.outputs], node.attrs)
-        k.finish()
-        kernels.append((node, k.function))
+        ins = [graph.tensors[t] for t in node.inputs]
+        outs = [graph.tensors[t] for t in node.outputs]
+        key = repr((node.op_type, [t.shape for t in ins], [t.shape for t in outs], node.attrs))
+        if key not in cache:
+            cache[key] = _lower(module, f"node{pos}_{_symbol(node.op_type)}", node, ins, outs)
+        kernels.append((node, cache[key]))
 
     _define_abi_version(module)
     _define_metadata(module, json.dumps(metadata, separators=(",", ":")))
     _define_run(module, graph, plan, kernels)
     return module
+
+
+def kernel_functions(module: ir.Module) -> list:
+    """The node kernels defined in module (shared kernels count once)."""
+    return [f for f in module.functions if f.name.startswith("node") and f.blocks]
+
+
+def _lower(module: ir.Module, name: str, node, ins, outs) -> ir.Function:
+    epilogue = [_activation(op_type, attrs) for op_type, attrs in node.attrs.get("epilogue", ())]
+    k = Kernel(module, name, len(ins), len(outs), epilogue)
+    OPS[node.op_type].lower(k, ins, outs, node.attrs)
+    if epilogue and not k.activated:
+        # The op stores intermediate values (e.g. Softmax): one extra pass.
+        with k.loop(outs[0].size) as i:
+            k.store(k.activate(k.load(k.outputs[0], i)), k.outputs[0], i)
+    k.finish()
+    return k.function
+
+
+def _activation(op_type: str, attrs: dict):
+    op = OPS[op_type]
+    return lambda k, value: op.apply(k, value, attrs)
 
 
 def _define_abi_version(module: ir.Module) -> None:
@@ -65,6 +91,37 @@ def _constant_bytes(module: ir.Module, name: str, data: bytearray, align: int) -
     gv.align = align
     gv.initializer = ir.Constant(ir.ArrayType(I8, len(data)), data)
     return gv
+
+
+def _declare_param(module: ir.Module, name: str, data: bytes) -> ir.GlobalVariable:
+    """Declare a parameter global defined outside the LLVM module.
+
+    LLVM only takes constants as IR text (seconds and gigabytes for a large
+    model), so the bytes go into a separate object (elfdata.data_object)
+    and the code refers to them as hidden external symbols.
+    """
+    gv = ir.GlobalVariable(module, ir.ArrayType(I8, len(data)), name=name)
+    gv.global_constant = True
+    gv.align = ALIGNMENT
+    params(module)[name] = data
+    return gv
+
+
+def params(module: ir.Module) -> dict:
+    """name -> bytes of the parameters the module refers to."""
+    if not hasattr(module, "tether_params"):
+        module.tether_params = {}
+    return module.tether_params
+
+
+def render(module: ir.Module) -> str:
+    """The module's LLVM assembly, with parameter declarations marked hidden
+    (llvmlite does not print visibility) so references need no GOT."""
+    lines = str(module).split("\n")
+    for pos, line in enumerate(lines):
+        if line.startswith('@"param.'):
+            lines[pos] = line.replace(" = external constant ", " = external hidden constant ", 1)
+    return "\n".join(lines)
 
 
 def _define_run(module: ir.Module, graph: Graph, plan: MemoryPlan, kernels) -> None:
@@ -100,8 +157,8 @@ def _define_run(module: ir.Module, graph: Graph, plan: MemoryPlan, kernels) -> N
             raw = b.gep(workspace, [ir.Constant(ir.IntType(64), loc.index)])
         else:
             if loc.name not in params:
-                data = bytearray(np.ascontiguousarray(graph.constants[loc.name], dtype="<f4").tobytes())
-                params[loc.name] = _constant_bytes(module, f"param.{len(params)}", data, ALIGNMENT)
+                data = np.ascontiguousarray(graph.constants[loc.name], dtype="<f4").tobytes()
+                params[loc.name] = _declare_param(module, f"param.{len(params)}", data)
             raw = params[loc.name]
         return b.bitcast(raw, F32_PTR)
 

@@ -1,17 +1,22 @@
 """build(): ONNX model → one shared object for a target board."""
 from __future__ import annotations
 
+import io
+import json
 import os
 import re
-from dataclasses import dataclass
+import tarfile
+from dataclasses import dataclass, field
 
 import llvmlite.binding as llvm
 
 from . import codegen
+from .elfdata import data_object
 from .errors import BuildError
 from .frontend import import_onnx
 from .link import link_shared
-from .passes import eliminate_dead_code, plan_memory
+from .passes import (eliminate_dead_code, fold_batchnorm, fold_channel_affine, fuse_elementwise,
+                     plan_memory)
 from .target import Target, resolve_target
 
 __version__ = "0.1.0"
@@ -25,17 +30,35 @@ class CompiledModule:
     so_bytes: bytes
     metadata: dict
     target: Target
+    objects: tuple = ()  # (file name, bytes) of the relocatable objects
+    # ops, kernels, fused ops, ops folded into Conv, workspace/param/code bytes.
+    summary: dict = field(default_factory=dict)
 
     def export_library(self, path: "str | os.PathLike") -> str:
-        """Write the shared object to path and return the path.
+        """Write the shared object (or, for a path ending in .tar, the object
+        files plus metadata.json for linking on the board) and return the path.
 
         >>> crosscompile.build(model, "rasp4b64").export_library("net.so")  # doctest: +SKIP
         'net.so'
         """
         path = os.fspath(path)
+        data = self.object_tar() if path.endswith(".tar") else self.so_bytes
         with open(path, "wb") as f:
-            f.write(self.so_bytes)
+            f.write(data)
         return path
+
+    def object_tar(self) -> bytes:
+        """A tar of module.o, params.o and metadata.json; on the board
+        `cc -shared -o net.so *.o` links it into the same module."""
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w") as tar:
+            members = list(self.objects) + [("metadata.json", json.dumps(self.metadata, indent=2).encode())]
+            for name, data in members:
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                info.mode = 0o644
+                tar.addfile(info, io.BytesIO(data))
+        return buffer.getvalue()
 
 
 def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = None) -> CompiledModule:
@@ -45,7 +68,9 @@ def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = 
     >>> lib.export_library("net.so")                   # doctest: +SKIP
     """
     target = resolve_target(target)
-    graph = eliminate_dead_code(import_onnx(model, input_shapes))
+    imported = eliminate_dead_code(import_onnx(model, input_shapes))
+    folded = fold_channel_affine(fold_batchnorm(imported))
+    graph = fuse_elementwise(folded)
     plan = plan_memory(graph)
     metadata = {
         "abi_version": codegen.ABI_VERSION,
@@ -55,14 +80,33 @@ def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = 
         "outputs": [_spec(graph.tensors[n]) for n in graph.outputs],
         "workspace_bytes": plan.workspace_bytes,
         "param_bytes": codegen.param_bytes(graph, plan),
-        "ops": sorted({node.op_type for node in graph.nodes}),
+        "ops": sorted({node.op_type for node in imported.nodes}),
         "producer": PRODUCER,
     }
     machine = _target_machine(target)
     module = codegen.generate(graph, plan, metadata, target.triple, str(machine.target_data))
     obj = _compile(module, machine)
+    objects = [("module.o", obj)]
+    if codegen.params(module):
+        objects.append(("params.o", data_object(obj, list(codegen.params(module).items()))))
     soname = re.sub(r"[^A-Za-z0-9_.-]", "_", graph.name) + ".so"
-    return CompiledModule(link_shared(obj, soname), metadata, target)
+    summary = {
+        "ops": len(imported.nodes),
+        "kernels": len({id(fn) for fn in codegen.kernel_functions(module)}),
+        "fused_ops": len(folded.nodes) - len(graph.nodes),
+        "fused_kernels": sum(1 for n in graph.nodes if n.attrs.get("epilogue")),
+        "folded_into_conv": len(imported.nodes) - len(folded.nodes),
+        "workspace_bytes": plan.workspace_bytes,
+        "param_bytes": metadata["param_bytes"],
+        "code_bytes": _code_bytes(obj),
+    }
+    return CompiledModule(link_shared([o for _, o in objects], soname), metadata, target,
+                          tuple(objects), summary)
+
+
+def _code_bytes(obj: bytes) -> int:
+    """Size of the executable sections of an object file."""
+    return sum(s.size() for s in llvm.ObjectFileRef.from_data(obj).sections() if s.is_text())
 
 
 def _spec(tensor) -> dict:
@@ -82,7 +126,7 @@ def _target_machine(target: Target) -> llvm.TargetMachine:
 
 def _compile(module, machine: llvm.TargetMachine) -> bytes:
     try:
-        parsed = llvm.parse_assembly(str(module))
+        parsed = llvm.parse_assembly(codegen.render(module))
         parsed.verify()
     except RuntimeError as exc:  # a bug in an op's lowering, not in the user's model
         raise BuildError(f"internal error: generated LLVM IR is invalid: {exc}") from None

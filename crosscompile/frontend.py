@@ -8,16 +8,24 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from . import folding
 from .errors import BuildError, ShapeError, UnsupportedOpError
 from .ir import Graph, Node, Tensor
 from .ops import OPS
 
 SUPPORTED_DTYPES = {"float32"}
-# Ops the frontend evaluates itself instead of lowering.
-FRONTEND_OPS = {"Constant"}
+# Ops the frontend evaluates itself instead of lowering (any other standard
+# op also folds when all its inputs are constants).
+FRONTEND_OPS = {"Constant", "ConstantOfShape", "Shape", "Size", "Range",
+                "Floor", "Ceil", "Equal", "Where"}
 
 
 def supported_ops() -> list[str]:
+    """ONNX op types a model may use: lowered ops plus compile-time ones.
+
+    >>> "Conv" in supported_ops()
+    True
+    """
     return sorted(set(OPS) | FRONTEND_OPS)
 
 
@@ -68,14 +76,24 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
             raise UnsupportedOpError(name, f"{np_node.domain}.{np_node.op_type}", supported_ops())
         raw = {a.name: _attribute_value(a) for a in np_node.attribute}
         if np_node.op_type == "Constant":
-            value = _constant_value(name, raw)
-            constants[np_node.output[0]] = value
-            tensors[np_node.output[0]] = Tensor(np_node.output[0], value.shape, value.dtype.name)
+            _add_constant(constants, tensors, np_node.output[0], _constant_value(name, raw))
+            continue
+        where = f"node {name!r} ({np_node.op_type})"
+        if np_node.op_type in folding.SHAPE_OPS and np_node.input[0] in tensors:
+            _add_constant(constants, tensors, np_node.output[0],
+                          folding.shape_value(np_node.op_type, tensors[np_node.input[0]].shape, raw))
+            continue
+        if folding.can_fold(np_node, constants) or (np_node.op_type in FRONTEND_OPS and not np_node.input):
+            for out, value in zip(np_node.output, folding.evaluate(np_node, constants, opset, where)):
+                if out:
+                    _add_constant(constants, tensors, out, value)
             continue
         op = OPS.get(np_node.op_type)
         if op is None:
+            if np_node.op_type in FRONTEND_OPS:
+                raise BuildError(f"{where}: its inputs must be constants (it is evaluated at compile "
+                                 "time); a runtime input here is not supported")
             raise UnsupportedOpError(name, np_node.op_type, supported_ops())
-        where = f"node {name!r} ({np_node.op_type})"
 
         compile_time, runtime = {}, []
         for pos, tensor_name in enumerate(np_node.input):
@@ -94,6 +112,8 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
             _check_dtype(tensors[tensor_name], f"{where}: input {tensor_name!r}")
         try:
             attrs = op.attributes(raw, compile_time, opset)
+            if op.counts_outputs:
+                attrs["outputs"] = len(np_node.output)
             shapes = op.infer([tensors[t].shape for t in runtime], attrs)
         except BuildError as exc:
             raise type(exc)(f"{where}: {exc}") from None
@@ -112,7 +132,16 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
             raise BuildError(f"graph output {vi.name!r} is {dropped[vi.name]}, which is not supported")
         if vi.name not in tensors:
             raise BuildError(f"graph output {vi.name!r} is not produced by any node")
-        if vi.name in inputs or vi.name in constants or vi.name in outputs:
+        if vi.name in constants and constants[vi.name].dtype == np.float32 and vi.name not in outputs:
+            # A constant output (e.g. a folded subgraph): copied out by an Identity.
+            value_name = f"{vi.name}/value"
+            constants[value_name] = constants.pop(vi.name)
+            tensors[value_name] = Tensor(value_name, tensors[vi.name].shape, "float32")
+            for node in nodes:
+                node.inputs = [value_name if t == vi.name else t for t in node.inputs]
+            nodes.append(Node("Identity", f"{vi.name}/copy", [value_name], [vi.name], {}))
+            tensors[vi.name] = Tensor(vi.name, tensors[value_name].shape, "float32")
+        elif vi.name in inputs or vi.name in constants or vi.name in outputs:
             raise BuildError(f"graph output {vi.name!r} is a model input, a constant or a repeated "
                              "output; route it through an Identity node")
         declared = _declared_shape(vi)
@@ -122,6 +151,11 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
         outputs.append(vi.name)
 
     return Graph(g.name or "model", inputs, outputs, nodes, tensors, constants)
+
+
+def _add_constant(constants: dict, tensors: dict, name: str, value: np.ndarray) -> None:
+    constants[name] = value
+    tensors[name] = Tensor(name, tuple(int(d) for d in value.shape), value.dtype.name)
 
 
 def _input_shape(vi: onnx.ValueInfoProto, override) -> tuple[int, ...]:

@@ -30,16 +30,18 @@ def find_linker() -> list[str]:
     return [sys.executable, "-m", "ziglang", "ld.lld"]
 
 
-def link_shared(obj: bytes, soname: str, linker: "list[str] | None" = None) -> bytes:
-    """Link one ELF object into a shared object and return its bytes."""
+def link_shared(objects: "list[bytes]", soname: str, linker: "list[str] | None" = None) -> bytes:
+    """Link ELF objects into a shared object and return its bytes."""
     command = list(linker or find_linker())
     with tempfile.TemporaryDirectory(prefix="tether-link-") as tmp:
-        obj_path = os.path.join(tmp, "module.o")
+        paths = []
+        for i, obj in enumerate(objects):
+            paths.append(os.path.join(tmp, f"part{i}.o"))
+            with open(paths[-1], "wb") as f:
+                f.write(obj)
         so_path = os.path.join(tmp, soname)
-        with open(obj_path, "wb") as f:
-            f.write(obj)
         args = command + ["-shared", "--hash-style=both", "-z", "noexecstack", "--build-id",
-                          "-soname", soname, "-o", so_path, obj_path]
+                          "-soname", soname, "-o", so_path, *paths]
         try:
             proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
         except FileNotFoundError:

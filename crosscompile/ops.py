@@ -46,11 +46,18 @@ class Op:
     frontend hands them to attributes() and drops them from the node.
     alias: the output holds input 0's data unchanged, so the memory planner may
     let it share input 0's buffer; lower() is then only used when it cannot.
+    Raising BuildError (or ShapeError) from attributes() or infer() is how an
+    op rejects a model; the frontend adds the node's name and op type.
     """
 
     op_type = ""
     compile_time_inputs: tuple[int, ...] = ()
     alias = False
+    # An element-wise op of one runtime input that can run as the epilogue of
+    # the node producing that input (see passes.fuse_elementwise).
+    fusable = False
+    # The frontend adds attrs["outputs"] = the node's output count.
+    counts_outputs = False
 
     def attributes(self, raw: dict, constants: dict, opset: int) -> dict:
         return {}
@@ -72,33 +79,35 @@ class AliasOp(Op):
             k.store(k.load(k.inputs[0], i), k.outputs[0], i)
 
 
-def _matmul(k: Kernel, m: int, kdim: int, n: int, a_strides, b_strides) -> None:
-    """out[m, n] = sum_k A[m, k] * B[k, n], with A and B read through strides.
+def _matmul(k: Kernel, m: int, kdim: int, n: int, a_strides, b_strides, bases=(0, 0, 0)) -> None:
+    """out[m, n] = sum_k A[m, k] * B[k, n], with A and B read through strides
+    from element offsets bases = (A, B, out) (ints or i64 values).
 
     The loop order keeps the innermost loop on unit stride: over n when B's
     rows are contiguous, otherwise over k as a dot product.
     """
     a, b, out = k.inputs[0], k.inputs[1], k.outputs[0]
+    a0, b0, o0 = ((base, 1) for base in bases)
     bld = k.builder
     if b_strides[1] == 1:
         with k.loop(m) as i:
             with k.loop(n) as j:
-                k.store(k.f32(0.0), out, k.index((i, n), (j, 1)))
+                k.store(k.f32(0.0), out, k.index(o0, (i, n), (j, 1)))
             with k.loop(kdim) as p:
-                aval = k.load(a, k.index((i, a_strides[0]), (p, a_strides[1])))
+                aval = k.load(a, k.index(a0, (i, a_strides[0]), (p, a_strides[1])))
                 with k.loop(n) as j:
-                    o = k.index((i, n), (j, 1))
-                    bval = k.load(b, k.index((p, b_strides[0]), (j, 1)))
+                    o = k.index(o0, (i, n), (j, 1))
+                    bval = k.load(b, k.index(b0, (p, b_strides[0]), (j, 1)))
                     k.store(bld.fadd(k.load(out, o), bld.fmul(aval, bval)), out, o)
     else:
         with k.loop(m) as i:
             with k.loop(n) as j:
                 acc = k.variable(k.f32(0.0))
                 with k.loop(kdim) as p:
-                    aval = k.load(a, k.index((i, a_strides[0]), (p, a_strides[1])))
-                    bval = k.load(b, k.index((p, b_strides[0]), (j, b_strides[1])))
+                    aval = k.load(a, k.index(a0, (i, a_strides[0]), (p, a_strides[1])))
+                    bval = k.load(b, k.index(b0, (p, b_strides[0]), (j, b_strides[1])))
                     bld.store(bld.fadd(bld.load(acc), bld.fmul(aval, bval)), acc)
-                k.store(bld.load(acc), out, k.index((i, n), (j, 1)))
+                k.store(bld.load(acc), out, k.index(o0, (i, n), (j, 1)))
 
 
 class Gemm(Op):
@@ -142,61 +151,70 @@ class Gemm(Op):
                 if has_c:
                     c = k.load(k.inputs[2], k.index((i, c_strides[0]), (j, c_strides[1])))
                     value = bld.fadd(value, bld.fmul(c, k.f32(beta)))
-                k.store(value, out, o)
+                k.store(k.activate(value), out, o)
 
 
 class MatMul(Op):
+    """numpy matmul: 1-D operands are promoted and the added axis dropped;
+    batch dimensions broadcast."""
+
     op_type = "MatMul"
 
+    @staticmethod
+    def _geometry(a, b):
+        a2 = (1, *a) if len(a) == 1 else tuple(a)
+        b2 = (*b, 1) if len(b) == 1 else tuple(b)
+        if a2[-1] != b2[-2]:
+            raise ShapeError(f"MatMul inner dimensions differ: {tuple(a)} x {tuple(b)}")
+        try:
+            batch = tuple(np.broadcast_shapes(a2[:-2], b2[:-2]))
+        except ValueError:
+            raise ShapeError(f"MatMul batch dimensions of {tuple(a)} and {tuple(b)} do not broadcast") from None
+        out = batch + (a2[-2],) * (len(a) > 1) + (b2[-1],) * (len(b) > 1)
+        return a2, b2, batch, out
+
     def infer(self, inputs, attrs):
-        a, b = inputs
-        if len(a) < 2 or len(b) != 2:
-            raise ShapeError(f"MatMul supports A of rank >= 2 times a 2-D B, got {a} x {b}")
-        if a[-1] != b[0]:
-            raise ShapeError(f"MatMul inner dimensions differ: {a} x {b}")
-        return [(*a[:-1], b[1])]
+        if len(inputs) != 2 or not inputs[0] or not inputs[1]:
+            raise ShapeError(f"MatMul takes two tensors of rank >= 1, got {inputs}")
+        return [self._geometry(*inputs)[3]]
 
     def lower(self, k, inputs, outputs, attrs):
-        a, b = inputs[0].shape, inputs[1].shape
-        _matmul(k, _prod(a[:-1]), a[-1], b[1], (a[-1], 1), (b[1], 1))
+        a2, b2, batch, _ = self._geometry(inputs[0].shape, inputs[1].shape)
+        m, kdim, n = a2[-2], a2[-1], b2[-1]
+        if not batch:
+            _matmul(k, m, kdim, n, (kdim, 1), (n, 1))
+            return
+        a_strides = _broadcast_strides(a2[:-2], batch)
+        b_strides = _broadcast_strides(b2[:-2], batch)
+        o_strides = _broadcast_strides(batch, batch)
+        with k.nested_loops(batch) as idx:
+            bases = (k.index(*zip(idx, [s * m * kdim for s in a_strides])),
+                     k.index(*zip(idx, [s * kdim * n for s in b_strides])),
+                     k.index(*zip(idx, [s * m * n for s in o_strides])))
+            _matmul(k, m, kdim, n, (kdim, 1), (n, 1), bases)
 
 
-class Add(Op):
-    op_type = "Add"
+class Expand(Op):
+    """Broadcast to a constant shape (numpy rules, both ways)."""
+
+    op_type = "Expand"
+    compile_time_inputs = (1,)
+
+    def attributes(self, raw, constants, opset):
+        shape = _const_ints(constants, 1)
+        if shape is None:
+            raise BuildError("Expand needs a constant shape")
+        return {"shape": shape}
 
     def infer(self, inputs, attrs):
         try:
-            return [tuple(np.broadcast_shapes(*inputs))]
+            return [tuple(np.broadcast_shapes(inputs[0], attrs["shape"]))]
         except ValueError:
-            raise ShapeError(f"Add operands of shapes {inputs[0]} and {inputs[1]} do not broadcast") from None
+            raise ShapeError(f"Expand: {inputs[0]} does not broadcast with {attrs['shape']}") from None
 
     def lower(self, k, inputs, outputs, attrs):
-        out = outputs[0]
-        bld = k.builder
-        if all(t.shape == out.shape for t in inputs):
-            with k.loop(out.size) as i:
-                k.store(bld.fadd(k.load(k.inputs[0], i), k.load(k.inputs[1], i)), k.outputs[0], i)
-            return
-        out_strides = _broadcast_strides(out.shape, out.shape)
-        a_strides, b_strides = (_broadcast_strides(t.shape, out.shape) for t in inputs)
-        with k.nested_loops(out.shape) as idx:
-            a = k.load(k.inputs[0], k.index(*zip(idx, a_strides)))
-            b = k.load(k.inputs[1], k.index(*zip(idx, b_strides)))
-            k.store(bld.fadd(a, b), k.outputs[0], k.index(*zip(idx, out_strides)))
-
-
-class Relu(Op):
-    op_type = "Relu"
-
-    def infer(self, inputs, attrs):
-        return [inputs[0]]
-
-    def lower(self, k, inputs, outputs, attrs):
-        bld = k.builder
-        with k.loop(outputs[0].size) as i:
-            x = k.load(k.inputs[0], i)
-            negative = bld.fcmp_ordered("<", x, k.f32(0.0))
-            k.store(bld.select(negative, k.f32(0.0), x), k.outputs[0], i)
+        out = outputs[0].shape
+        _copy_strided(k, out, _broadcast_strides(inputs[0].shape, out))
 
 
 class Softmax(Op):
@@ -304,6 +322,950 @@ class Dropout(AliasOp):
         return [inputs[0]]
 
 
+def _ints(raw: dict, name: str, default=None):
+    value = raw.get(name, default)
+    return None if value is None else tuple(int(v) for v in value)
+
+
+def _const_ints(constants: dict, pos: int):
+    value = constants.get(pos)
+    return None if value is None else tuple(int(v) for v in np.asarray(value).reshape(-1))
+
+
+def _const_float(constants: dict, pos: int):
+    value = constants.get(pos)
+    return None if value is None else float(np.asarray(value).reshape(-1)[0])
+
+
+def _check_choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise BuildError(f"attribute {name}={value!r} is not supported; supported: "
+                         f"{', '.join(repr(a) for a in allowed)}")
+
+
+# -- element-wise ---------------------------------------------------------------
+
+class Unary(Op):
+    """y = f(x) element by element; fusable into the producer of x."""
+
+    fusable = True
+
+    def infer(self, inputs, attrs):
+        if len(inputs) != 1:
+            raise ShapeError(f"{self.op_type} takes one runtime input, got {len(inputs)}")
+        return [inputs[0]]
+
+    def apply(self, k: Kernel, x, attrs):
+        raise NotImplementedError
+
+    def lower(self, k, inputs, outputs, attrs):
+        with k.loop(outputs[0].size) as i:
+            k.store(k.activate(self.apply(k, k.load(k.inputs[0], i), attrs)), k.outputs[0], i)
+
+
+class Relu(Unary):
+    op_type = "Relu"
+
+    def apply(self, k, x, attrs):
+        return k.builder.select(k.builder.fcmp_ordered("<", x, k.f32(0.0)), k.f32(0.0), x)
+
+
+class LeakyRelu(Unary):
+    op_type = "LeakyRelu"
+
+    def attributes(self, raw, constants, opset):
+        return {"alpha": float(raw.get("alpha", 0.01))}
+
+    def apply(self, k, x, attrs):
+        b = k.builder
+        return b.select(b.fcmp_ordered("<", x, k.f32(0.0)), b.fmul(x, k.f32(attrs["alpha"])), x)
+
+
+class Sigmoid(Unary):
+    op_type = "Sigmoid"
+
+    def apply(self, k, x, attrs):
+        return k.sigmoid(x)
+
+
+class Tanh(Unary):
+    op_type = "Tanh"
+
+    def apply(self, k, x, attrs):
+        return k.tanh(x)
+
+
+class HardSigmoid(Unary):
+    op_type = "HardSigmoid"
+
+    def attributes(self, raw, constants, opset):
+        return {"alpha": float(raw.get("alpha", 0.2)), "beta": float(raw.get("beta", 0.5))}
+
+    def apply(self, k, x, attrs):
+        b = k.builder
+        return k.clamp(b.fadd(b.fmul(x, k.f32(attrs["alpha"])), k.f32(attrs["beta"])), 0.0, 1.0)
+
+
+class HardSwish(Unary):
+    op_type = "HardSwish"
+
+    def apply(self, k, x, attrs):
+        b = k.builder
+        return b.fmul(x, k.clamp(b.fadd(b.fmul(x, k.f32(1.0 / 6.0)), k.f32(0.5)), 0.0, 1.0))
+
+
+class Clip(Unary):
+    """min/max are attributes before opset 11 and optional constant inputs after."""
+
+    op_type = "Clip"
+    compile_time_inputs = (1, 2)
+
+    def attributes(self, raw, constants, opset):
+        if opset < 11:
+            lo, hi = raw.get("min"), raw.get("max")
+        else:
+            lo, hi = _const_float(constants, 1), _const_float(constants, 2)
+        return {"min": None if lo is None else float(lo), "max": None if hi is None else float(hi)}
+
+    def apply(self, k, x, attrs):
+        if attrs["min"] is not None:
+            x = k.maximum(x, k.f32(attrs["min"]))
+        if attrs["max"] is not None:
+            x = k.minimum(x, k.f32(attrs["max"]))
+        return x
+
+
+class Neg(Unary):
+    op_type = "Neg"
+
+    def apply(self, k, x, attrs):
+        return k.builder.fsub(k.f32(0.0), x)
+
+
+class Abs(Unary):
+    op_type = "Abs"
+
+    def apply(self, k, x, attrs):
+        return k.maximum(x, k.builder.fsub(k.f32(0.0), x))
+
+
+class Exp(Unary):
+    op_type = "Exp"
+
+    def apply(self, k, x, attrs):
+        return k.exp(x)
+
+
+class Sqrt(Unary):
+    op_type = "Sqrt"
+
+    def apply(self, k, x, attrs):
+        return k.sqrt(x)
+
+
+class Reciprocal(Unary):
+    op_type = "Reciprocal"
+
+    def apply(self, k, x, attrs):
+        return k.builder.fdiv(k.f32(1.0), x)
+
+
+class Elementwise(Op):
+    """n-ary op with numpy broadcasting. The innermost loop runs over the
+    output's last dimension, so same-shape and per-channel operands both give
+    unit-stride loops LLVM vectorises."""
+
+    arity = (2, 2)
+
+    def infer(self, inputs, attrs):
+        lo, hi = self.arity
+        if not lo <= len(inputs) <= hi:
+            raise ShapeError(f"{self.op_type} takes {lo}..{hi} runtime inputs, got {len(inputs)}")
+        try:
+            return [tuple(np.broadcast_shapes(*inputs))]
+        except ValueError:
+            shapes = " and ".join(str(s) for s in inputs)
+            raise ShapeError(f"{self.op_type} operands of shapes {shapes} do not broadcast") from None
+
+    def combine(self, k: Kernel, values: list):
+        raise NotImplementedError
+
+    def operand_shapes(self, shapes, attrs):
+        """The shapes broadcast against each other (an op may reinterpret one)."""
+        return list(shapes)
+
+    def lower(self, k, inputs, outputs, attrs):
+        out = outputs[0]
+        if all(t.shape == out.shape for t in inputs):
+            with k.loop(out.size) as i:
+                value = self.combine(k, [k.load(ptr, i) for ptr in k.inputs])
+                k.store(k.activate(value), k.outputs[0], i)
+            return
+        shape = out.shape or (1,)
+        out_strides = _broadcast_strides(shape, shape)
+        in_strides = [_broadcast_strides(s, shape)
+                      for s in self.operand_shapes([t.shape for t in inputs], attrs)]
+        with k.nested_loops(shape) as idx:
+            values = [k.load(ptr, k.index(*zip(idx, st))) for ptr, st in zip(k.inputs, in_strides)]
+            k.store(k.activate(self.combine(k, values)), k.outputs[0], k.index(*zip(idx, out_strides)))
+
+
+def _fold(fn):
+    def combine(self, k, values):
+        acc = values[0]
+        for v in values[1:]:
+            acc = fn(k, acc, v)
+        return acc
+    return combine
+
+
+class Add(Elementwise):
+    op_type = "Add"
+    combine = _fold(lambda k, a, b: k.builder.fadd(a, b))
+
+
+class Sub(Elementwise):
+    op_type = "Sub"
+    combine = _fold(lambda k, a, b: k.builder.fsub(a, b))
+
+
+class Mul(Elementwise):
+    op_type = "Mul"
+    combine = _fold(lambda k, a, b: k.builder.fmul(a, b))
+
+
+class Div(Elementwise):
+    op_type = "Div"
+    combine = _fold(lambda k, a, b: k.builder.fdiv(a, b))
+
+
+class Sum(Elementwise):
+    op_type = "Sum"
+    arity = (1, 1 << 16)
+    combine = _fold(lambda k, a, b: k.builder.fadd(a, b))
+
+
+class Max(Elementwise):
+    op_type = "Max"
+    arity = (1, 1 << 16)
+    combine = _fold(lambda k, a, b: k.maximum(a, b))
+
+
+class Min(Elementwise):
+    op_type = "Min"
+    arity = (1, 1 << 16)
+    combine = _fold(lambda k, a, b: k.minimum(a, b))
+
+
+class Mean(Elementwise):
+    op_type = "Mean"
+    arity = (1, 1 << 16)
+
+    def combine(self, k, values):
+        acc = values[0]
+        for v in values[1:]:
+            acc = k.builder.fadd(acc, v)
+        return k.builder.fmul(acc, k.f32(1.0 / len(values)))
+
+
+class PRelu(Elementwise):
+    """y = x < 0 ? slope * x : x, slope broadcast to x (unidirectionally).
+    Before opset 7 a 1-D slope of size C applies along the channel axis."""
+
+    op_type = "PRelu"
+
+    def attributes(self, raw, constants, opset):
+        return {"channel_slope": opset < 7}
+
+    def operand_shapes(self, shapes, attrs):
+        x, slope = shapes
+        if attrs["channel_slope"] and len(slope) == 1 and len(x) > 2 and slope[0] == x[1]:
+            return [x, (slope[0],) + (1,) * (len(x) - 2)]
+        return [x, slope]
+
+    def infer(self, inputs, attrs):
+        out = super().infer(self.operand_shapes(inputs, attrs), attrs)
+        if out[0] != tuple(inputs[0]):
+            raise ShapeError(f"PRelu slope of shape {inputs[1]} does not broadcast to X {inputs[0]}")
+        return out
+
+    def combine(self, k, values):
+        x, slope = values
+        b = k.builder
+        return b.select(b.fcmp_ordered("<", x, k.f32(0.0)), b.fmul(x, slope), x)
+
+
+# -- convolution and pooling --------------------------------------------------------
+
+def _window(in_dims, kernel, strides, dilations, pads, auto_pad, ceil_mode=False):
+    """Output sizes and (begin, end) pads of a sliding window over in_dims."""
+    n = len(in_dims)
+    out, begin, end = [], [], []
+    for i in range(n):
+        size, k, s, d = in_dims[i], kernel[i], strides[i], dilations[i]
+        extent = (k - 1) * d + 1
+        if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+            o = -(-size // s)
+            total = max(0, (o - 1) * s + extent - size)
+            small = total // 2
+            pb, pe = (small, total - small) if auto_pad == "SAME_UPPER" else (total - small, small)
+        else:
+            pb, pe = (0, 0) if auto_pad == "VALID" else (pads[i], pads[i + n])
+            span = size + pb + pe - extent
+            if span < 0:
+                raise ShapeError(f"window of extent {extent} (kernel {k}, dilation {d}) is larger "
+                                 f"than the padded input ({size} + {pb} + {pe})")
+            o = (-(-span // s) if ceil_mode else span // s) + 1
+            # ceil_mode: a window must start inside the input or the begin padding.
+            if ceil_mode and (o - 1) * s >= size + pb:
+                o -= 1
+        out.append(o)
+        begin.append(pb)
+        end.append(pe)
+    return tuple(out), tuple(begin), tuple(end)
+
+
+def _window_attributes(raw) -> dict:
+    auto_pad = raw.get("auto_pad", "NOTSET")
+    _check_choice("auto_pad", auto_pad, ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID"))
+    return {"kernel_shape": _ints(raw, "kernel_shape"), "strides": _ints(raw, "strides"),
+            "pads": _ints(raw, "pads"), "auto_pad": auto_pad, "dilations": _ints(raw, "dilations")}
+
+
+def _resolve_window(x_shape, kernel, attrs, ceil_mode=False, what="window"):
+    """Spatial geometry as 3-D (depth, height, width); 1-D and 2-D inputs get
+    unit leading dimensions, so one lowering serves all three ranks."""
+    spatial = tuple(x_shape[2:])
+    n = len(spatial)
+    if n not in (1, 2, 3):
+        raise ShapeError(f"only 1-D, 2-D and 3-D {what}s are supported, input has shape {tuple(x_shape)}")
+    if len(kernel) != n:
+        raise ShapeError(f"kernel_shape {kernel} does not fit input {tuple(x_shape)}")
+    strides = attrs["strides"] or (1,) * n
+    dilations = attrs.get("dilations") or (1,) * n
+    pads = attrs["pads"] or (0,) * (2 * n)
+    if len(strides) != n or len(dilations) != n or len(pads) != 2 * n:
+        raise ShapeError(f"strides {strides}, dilations {dilations} or pads {pads} do not fit "
+                         f"a {n}-D {what}")
+    if min(strides) < 1 or min(dilations) < 1 or min(kernel) < 1:
+        raise BuildError(f"strides {strides}, dilations {dilations} and kernel {kernel} must be >= 1")
+    out, begin, end = _window(spatial, kernel, strides, dilations, pads, attrs["auto_pad"], ceil_mode)
+    ones, zeros = (1,) * (3 - n), (0,) * (3 - n)
+    return (ones + spatial, ones + tuple(kernel), ones + tuple(strides), ones + tuple(dilations),
+            zeros + tuple(begin), zeros + tuple(end), ones + tuple(out))
+
+
+def _valid_range(offset: int, stride: int, size: int, count: int) -> tuple[int, int]:
+    """Output positions o in [0, count) with 0 <= o * stride + offset < size."""
+    lo = 0 if offset >= 0 else (-offset + stride - 1) // stride
+    last = size - 1 - offset
+    hi = 0 if last < 0 else min(count, last // stride + 1)
+    return lo, max(lo, hi)
+
+
+class Conv(Op):
+    """2-D (and 1-D) convolution, NCHW, with groups, dilation and padding.
+
+    Lowered as a direct loop nest whose innermost loop runs along one output
+    row with the weight held in a register: contiguous for stride 1, so LLVM
+    vectorises it. Padding never becomes a branch in that loop: the valid
+    range of output columns for each kernel column is computed here. A 1x1
+    stride-1 convolution runs over the whole plane as one row (a GEMM).
+    Bias and fused activations are applied to each finished row.
+    """
+
+    op_type = "Conv"
+
+    def attributes(self, raw, constants, opset):
+        attrs = _window_attributes(raw)
+        attrs["group"] = int(raw.get("group", 1))
+        return attrs
+
+    def infer(self, inputs, attrs):
+        if len(inputs) not in (2, 3):
+            raise ShapeError(f"Conv takes X, W and an optional B, got {len(inputs)} inputs")
+        x, w = inputs[0], inputs[1]
+        if len(x) != len(w) or len(x) < 3:
+            raise ShapeError(f"Conv input {x} and weight {w} ranks do not match")
+        group = attrs["group"]
+        if group < 1 or x[1] % group or w[0] % group or x[1] // group != w[1]:
+            raise ShapeError(f"Conv with group={group}: input channels {x[1]} and weight {w} do not fit")
+        kernel = attrs["kernel_shape"] or tuple(w[2:])
+        if tuple(kernel) != tuple(w[2:]):
+            raise ShapeError(f"kernel_shape {kernel} differs from the weight's {tuple(w[2:])}")
+        if len(inputs) == 3 and tuple(inputs[2]) != (w[0],):
+            raise ShapeError(f"Conv bias of shape {inputs[2]} should be ({w[0]},)")
+        *_, out = _resolve_window(x, kernel, attrs, what="convolution")
+        out = out[5 - len(x):]
+        return [(x[0], w[0], *out)]
+
+    def lower(self, k, inputs, outputs, attrs):
+        x, w = inputs[0].shape, inputs[1].shape
+        (dz, h, wd), (kz, kh_n, kw_n), (sz, sh, sw), (ddz, dh, dw), (pz, ph, pw), _, (oz, oh_n, ow_n) = \
+            _resolve_window(x, tuple(w[2:]), attrs, what="convolution")
+        if (kz, kh_n, kw_n, sz, sh, sw, pz, ph, pw) == (1, 1, 1, 1, 1, 1, 0, 0, 0):
+            # pointwise: the whole volume is one row
+            dz, h, wd, oz, oh_n, ow_n = 1, 1, dz * h * wd, 1, 1, dz * h * wd
+        n_n, c_n, m_n, group = x[0], x[1], w[0], attrs["group"]
+        mg, cg = m_n // group, c_n // group
+        # Output channels in blocks: each input value loaded feeds `block` rows.
+        block = next(b for b in (4, 2, 1) if mg % b == 0)
+        volume_in, volume_out, taps = dz * h * wd, oz * oh_n * ow_n, kz * kh_n * kw_n
+        bld = k.builder
+        X, W, Y = k.inputs[0], k.inputs[1], k.outputs[0]
+        bias = k.inputs[2] if len(inputs) == 3 else None
+        with k.loop(n_n) as n, k.loop(group) as g, k.loop(mg // block) as mb:
+            oc = k.index((g, mg), (mb, block))
+            starts = [k.load(bias, bld.add(oc, k.i64(b))) if bias is not None else k.f32(0.0)
+                      for b in range(block)]
+            with k.loop(oz) as od, k.loop(oh_n) as oh:
+                row = k.index((n, m_n * volume_out), (oc, volume_out), (od, oh_n * ow_n), (oh, ow_n))
+                rows = [bld.add(row, k.i64(b * volume_out)) for b in range(block)]
+                with k.loop(ow_n) as ow:
+                    for r, start in zip(rows, starts):
+                        k.store(start, Y, bld.add(r, ow))
+                with k.loop(cg) as c:
+                    plane = k.index((n, c_n * volume_in), (g, cg * volume_in), (c, volume_in))
+                    wbase = k.index((oc, cg * taps), (c, taps))
+                    with k.loop(kz) as kd:
+                        iz = k.index((od, sz), (kd, ddz), (-pz, 1))
+                        with bld.if_then(k.in_range(iz, dz)), k.loop(kh_n) as kh:
+                            ih = k.index((oh, sh), (kh, dh), (-ph, 1))
+                            with bld.if_then(k.in_range(ih, h)):
+                                line = k.index((plane, 1), (iz, h * wd), (ih, wd))
+                                for kw in range(kw_n):
+                                    offset = kw * dw - pw
+                                    lo, hi = _valid_range(offset, sw, wd, ow_n)
+                                    if lo >= hi:
+                                        continue
+                                    tap = k.index((wbase, 1), (kd, kh_n * kw_n), (kh, kw_n), (kw, 1))
+                                    weights = [k.load(W, bld.add(tap, k.i64(b * cg * taps)))
+                                               for b in range(block)]
+                                    with k.loop(hi, start=lo) as ow:
+                                        src = k.load(X, k.index((line, 1), (ow, sw), (offset, 1)))
+                                        for r, weight in zip(rows, weights):
+                                            o = bld.add(r, ow)
+                                            k.store(bld.fadd(k.load(Y, o), bld.fmul(weight, src)), Y, o)
+                if k.epilogue:
+                    with k.loop(ow_n) as ow:
+                        for r in rows:
+                            o = bld.add(r, ow)
+                            k.store(k.activate(k.load(Y, o)), Y, o)
+        k.activated = True
+
+
+class _Pool(Op):
+    """MaxPool / AveragePool over 1-D or 2-D windows; only output 0 (no Indices)."""
+
+    def attributes(self, raw, constants, opset):
+        attrs = _window_attributes(raw)
+        if attrs["kernel_shape"] is None:
+            raise BuildError(f"{self.op_type} needs the kernel_shape attribute")
+        attrs["ceil_mode"] = int(raw.get("ceil_mode", 0))
+        attrs["count_include_pad"] = int(raw.get("count_include_pad", 0))
+        if int(raw.get("storage_order", 0)) != 0:
+            raise BuildError("storage_order=1 is not supported (only row-major indices)")
+        return attrs
+
+    def infer(self, inputs, attrs):
+        x = inputs[0]
+        if len(x) < 3:
+            raise ShapeError(f"{self.op_type} needs an N x C x spatial input, got {x}")
+        *_, out = _resolve_window(x, attrs["kernel_shape"], attrs, bool(attrs["ceil_mode"]),
+                                  what=self.op_type)
+        return [(x[0], x[1], *out[5 - len(x):])]
+
+    def lower(self, k, inputs, outputs, attrs):
+        x = inputs[0].shape
+        dims, kernel, strides, dilations, begin, end, out = \
+            _resolve_window(x, attrs["kernel_shape"], attrs, bool(attrs["ceil_mode"]))
+        is_max = self.op_type == "MaxPool"
+        bld = k.builder
+        X, Y = k.inputs[0], k.outputs[0]
+        in_strides, out_strides = _c_strides(dims), _c_strides(out)
+        with k.loop(x[0] * x[1]) as nc, k.nested_loops(out) as opos:
+            acc = k.variable(k.f32(-math.inf if is_max else 0.0))
+            valid = k.variable(k.f32(0.0))
+            padded = k.variable(k.f32(0.0))
+            with k.nested_loops(kernel) as kpos:
+                ipos = [k.index((o, s), (kk, d), (-b, 1))
+                        for o, kk, s, d, b in zip(opos, kpos, strides, dilations, begin)]
+                if not is_max:
+                    # count_include_pad counts positions inside the padded input.
+                    inside_pad = None
+                    for i, size, e in zip(ipos, dims, end):
+                        ok = bld.icmp_signed("<", i, k.i64(size + e))
+                        inside_pad = ok if inside_pad is None else bld.and_(inside_pad, ok)
+                    with bld.if_then(inside_pad):
+                        bld.store(bld.fadd(bld.load(padded), k.f32(1.0)), padded)
+                inside = None
+                for i, size in zip(ipos, dims):
+                    ok = k.in_range(i, size)
+                    inside = ok if inside is None else bld.and_(inside, ok)
+                with bld.if_then(inside):
+                    v = k.load(X, k.index((nc, _prod(dims)), *zip(ipos, in_strides)))
+                    if is_max:
+                        bld.store(k.maximum(bld.load(acc), v), acc)
+                    else:
+                        bld.store(bld.fadd(bld.load(acc), v), acc)
+                        bld.store(bld.fadd(bld.load(valid), k.f32(1.0)), valid)
+            result = bld.load(acc)
+            if not is_max:
+                count = bld.load(padded if attrs["count_include_pad"] else valid)
+                result = bld.fdiv(result, count)
+            k.store(k.activate(result), Y, k.index((nc, _prod(out)), *zip(opos, out_strides)))
+
+
+class MaxPool(_Pool):
+    op_type = "MaxPool"
+
+
+class AveragePool(_Pool):
+    op_type = "AveragePool"
+
+
+class _GlobalPool(Op):
+    def infer(self, inputs, attrs):
+        x = inputs[0]
+        if len(x) < 3:
+            raise ShapeError(f"{self.op_type} needs an N x C x spatial input, got {x}")
+        return [(x[0], x[1]) + (1,) * (len(x) - 2)]
+
+    def lower(self, k, inputs, outputs, attrs):
+        x = inputs[0].shape
+        size = _prod(x[2:])
+        is_max = self.op_type == "GlobalMaxPool"
+        bld = k.builder
+        with k.loop(x[0] * x[1]) as nc:
+            acc = k.variable(k.f32(-math.inf if is_max else 0.0))
+            with k.loop(size) as i:
+                v = k.load(k.inputs[0], k.index((nc, size), (i, 1)))
+                bld.store(k.maximum(bld.load(acc), v) if is_max else bld.fadd(bld.load(acc), v), acc)
+            result = bld.load(acc) if is_max else bld.fmul(bld.load(acc), k.f32(1.0 / size))
+            k.store(k.activate(result), k.outputs[0], nc)
+
+
+class GlobalAveragePool(_GlobalPool):
+    op_type = "GlobalAveragePool"
+
+
+class GlobalMaxPool(_GlobalPool):
+    op_type = "GlobalMaxPool"
+
+
+class BatchNormalization(Op):
+    """Inference BatchNorm: y = (x - mean) / sqrt(var + eps) * scale + B per
+    channel. passes.fold_batchnorm folds it into a preceding Conv; this
+    lowering serves the rest (e.g. BN before Conv in DenseNet)."""
+
+    op_type = "BatchNormalization"
+
+    def attributes(self, raw, constants, opset):
+        if opset < 9 and int(raw.get("spatial", 1)) != 1:
+            raise BuildError("BatchNormalization with spatial=0 is not supported")
+        if int(raw.get("training_mode", 0)):
+            raise BuildError("BatchNormalization with training_mode=1 is not supported (inference only)")
+        return {"epsilon": float(raw.get("epsilon", 1e-5))}
+
+    def infer(self, inputs, attrs):
+        if len(inputs) != 5:
+            raise ShapeError(f"BatchNormalization takes X, scale, B, mean, var; got {len(inputs)} inputs")
+        x = inputs[0]
+        channels = x[1] if len(x) > 1 else 1
+        for s in inputs[1:]:
+            if tuple(s) != (channels,):
+                raise ShapeError(f"BatchNormalization parameter of shape {s} should be ({channels},)")
+        return [x]
+
+    def lower(self, k, inputs, outputs, attrs):
+        x = inputs[0].shape
+        channels = x[1] if len(x) > 1 else 1
+        inner = _prod(x[2:])
+        bld = k.builder
+        X, scale, bias, mean, var = k.inputs
+        with k.loop(x[0]) as n, k.loop(channels) as c:
+            a = bld.fdiv(k.load(scale, c), k.sqrt(bld.fadd(k.load(var, c), k.f32(attrs["epsilon"]))))
+            b = bld.fsub(k.load(bias, c), bld.fmul(k.load(mean, c), a))
+            with k.loop(inner) as i:
+                o = k.index((n, channels * inner), (c, inner), (i, 1))
+                k.store(k.activate(bld.fadd(bld.fmul(k.load(X, o), a), b)), k.outputs[0], o)
+
+
+class LRN(Op):
+    """Local response normalisation across channels:
+    y = x / (bias + alpha / size * sum of x^2 over the window) ** beta."""
+
+    op_type = "LRN"
+
+    def attributes(self, raw, constants, opset):
+        if "size" not in raw:
+            raise BuildError("LRN needs the size attribute")
+        return {"size": int(raw["size"]), "alpha": float(raw.get("alpha", 1e-4)),
+                "beta": float(raw.get("beta", 0.75)), "bias": float(raw.get("bias", 1.0))}
+
+    def infer(self, inputs, attrs):
+        if len(inputs[0]) < 2:
+            raise ShapeError(f"LRN needs an N x C x ... input, got {inputs[0]}")
+        return [inputs[0]]
+
+    def lower(self, k, inputs, outputs, attrs):
+        x = inputs[0].shape
+        channels, inner = x[1], _prod(x[2:])
+        size = attrs["size"]
+        before = (size - 1) // 2
+        bld = k.builder
+        X = k.inputs[0]
+        with k.loop(x[0]) as n, k.loop(channels) as c, k.loop(inner) as i:
+            total = k.variable(k.f32(0.0))
+            with k.loop(size) as j:
+                cc = k.index((c, 1), (j, 1), (-before, 1))
+                with bld.if_then(k.in_range(cc, channels)):
+                    v = k.load(X, k.index((n, channels * inner), (cc, inner), (i, 1)))
+                    bld.store(bld.fadd(bld.load(total), bld.fmul(v, v)), total)
+            base = bld.fadd(k.f32(attrs["bias"]), bld.fmul(bld.load(total), k.f32(attrs["alpha"] / size)))
+            o = k.index((n, channels * inner), (c, inner), (i, 1))
+            value = bld.fdiv(k.load(X, o), k.power(base, attrs["beta"]))
+            k.store(k.activate(value), k.outputs[0], o)
+
+
+# -- data movement --------------------------------------------------------------------
+
+def _copy_strided(k: Kernel, out_shape, src_strides, base: int = 0, src=None, dst=None,
+                  dst_offset: int = 0) -> None:
+    """dst[i] = src[base + sum(idx * src_strides)] over out_shape in C order."""
+    src = k.inputs[0] if src is None else src
+    dst = k.outputs[0] if dst is None else dst
+    shape = tuple(out_shape) or (1,)
+    strides = list(src_strides) or [0]
+    dst_strides = _broadcast_strides(shape, shape)
+    with k.nested_loops(shape) as idx:
+        value = k.load(src, k.index(*zip(idx, strides), (base, 1)))
+        k.store(k.activate(value), dst, k.index(*zip(idx, dst_strides), (dst_offset, 1)))
+
+
+def _c_strides(shape) -> list[int]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= d
+    return strides[::-1]
+
+
+class Gather(Op):
+    """Gather from a runtime tensor with constant indices (an embedding
+    lookup, a channel pick); with constant data too it folds at import."""
+
+    op_type = "Gather"
+    compile_time_inputs = (1,)
+    MAX_INDICES = 4096  # each index becomes one copy loop
+
+    def attributes(self, raw, constants, opset):
+        indices = constants.get(1)
+        if indices is None:
+            raise BuildError("Gather needs constant indices")
+        indices = np.asarray(indices)
+        if indices.dtype.kind not in "iu":
+            raise BuildError(f"Gather indices must be integers, got {indices.dtype}")
+        if indices.size > self.MAX_INDICES:
+            raise BuildError(f"Gather with {indices.size} indices is not supported (at most {self.MAX_INDICES})")
+        return {"axis": int(raw.get("axis", 0)), "indices": tuple(int(i) for i in indices.reshape(-1)),
+                "indices_shape": tuple(indices.shape)}
+
+    def infer(self, inputs, attrs):
+        x = inputs[0]
+        axis = _axis(attrs["axis"], len(x))
+        for i in attrs["indices"]:
+            if not -x[axis] <= i < x[axis]:
+                raise ShapeError(f"Gather index {i} is out of range for axis {axis} of size {x[axis]}")
+        return [(*x[:axis], *attrs["indices_shape"], *x[axis + 1:])]
+
+    def lower(self, k, inputs, outputs, attrs):
+        x = inputs[0].shape
+        axis = _axis(attrs["axis"], len(x))
+        outer, inner = _prod(x[:axis]), _prod(x[axis + 1:])
+        count = len(attrs["indices"])
+        for j, index in enumerate(attrs["indices"]):
+            index %= x[axis]
+            with k.loop(outer) as o, k.loop(inner) as i:
+                value = k.load(k.inputs[0], k.index((o, x[axis] * inner), (index, inner), (i, 1)))
+                k.store(k.activate(value), k.outputs[0], k.index((o, count * inner), (j, inner), (i, 1)))
+        k.activated = True
+
+
+class Transpose(Op):
+    op_type = "Transpose"
+
+    def attributes(self, raw, constants, opset):
+        return {"perm": _ints(raw, "perm")}
+
+    def infer(self, inputs, attrs):
+        x = inputs[0]
+        perm = attrs["perm"] or tuple(range(len(x)))[::-1]
+        if sorted(perm) != list(range(len(x))):
+            raise ShapeError(f"perm {perm} is not a permutation of the {len(x)} axes of {x}")
+        return [tuple(x[p] for p in perm)]
+
+    def lower(self, k, inputs, outputs, attrs):
+        x = inputs[0].shape
+        perm = attrs["perm"] or tuple(range(len(x)))[::-1]
+        strides = _c_strides(x)
+        _copy_strided(k, outputs[0].shape, [strides[p] for p in perm])
+
+
+class Concat(Op):
+    op_type = "Concat"
+
+    def attributes(self, raw, constants, opset):
+        if "axis" not in raw:
+            if opset >= 4:
+                raise BuildError("Concat needs the axis attribute")
+            return {"axis": 1}
+        return {"axis": int(raw["axis"])}
+
+    def infer(self, inputs, attrs):
+        first = inputs[0]
+        axis = _axis(attrs["axis"], len(first))
+        for s in inputs[1:]:
+            if len(s) != len(first) or any(a != b for i, (a, b) in enumerate(zip(s, first)) if i != axis):
+                raise ShapeError(f"Concat inputs {inputs} differ outside axis {axis}")
+        return [(*first[:axis], sum(s[axis] for s in inputs), *first[axis + 1:])]
+
+    def lower(self, k, inputs, outputs, attrs):
+        out = outputs[0].shape
+        axis = _axis(attrs["axis"], len(out))
+        outer, inner = _prod(out[:axis]), _prod(out[axis + 1:])
+        offset = 0
+        for ptr, t in zip(k.inputs, inputs):
+            chunk = t.shape[axis] * inner
+            if chunk:
+                with k.loop(outer) as o, k.loop(chunk) as j:
+                    value = k.load(ptr, k.index((o, chunk), (j, 1)))
+                    k.store(k.activate(value), k.outputs[0], k.index((o, out[axis] * inner), (j, 1), (offset, 1)))
+            offset += chunk
+
+
+class Split(Op):
+    """split sizes come from the attribute (< 13), a constant input (>= 13),
+    num_outputs (>= 18) or equal parts; set by the frontend from the node's
+    output count."""
+
+    op_type = "Split"
+    compile_time_inputs = (1,)
+    counts_outputs = True
+
+    def attributes(self, raw, constants, opset):
+        split = _ints(raw, "split") if opset < 13 else _const_ints(constants, 1)
+        return {"axis": int(raw.get("axis", 0)), "split": split,
+                "num_outputs": raw.get("num_outputs")}
+
+    def infer(self, inputs, attrs):
+        x = inputs[0]
+        axis = _axis(attrs["axis"], len(x))
+        split = attrs["split"]
+        count = attrs.get("outputs") or attrs["num_outputs"]
+        if split is None:
+            if not count:
+                raise ShapeError("Split needs split sizes or a number of outputs")
+            part = -(-x[axis] // count)
+            split = [min(part, x[axis] - part * i) for i in range(count)]
+        if sum(split) != x[axis] or min(split) < 0:
+            raise ShapeError(f"split sizes {tuple(split)} do not add up to {x[axis]} along axis {axis} of {x}")
+        return [(*x[:axis], s, *x[axis + 1:]) for s in split]
+
+    def lower(self, k, inputs, outputs, attrs):
+        x = inputs[0].shape
+        axis = _axis(attrs["axis"], len(x))
+        outer, inner = _prod(x[:axis]), _prod(x[axis + 1:])
+        offset = 0
+        for ptr, t in zip(k.outputs, outputs):
+            chunk = t.shape[axis] * inner
+            if chunk:
+                with k.loop(outer) as o, k.loop(chunk) as j:
+                    value = k.load(k.inputs[0], k.index((o, x[axis] * inner), (j, 1), (offset, 1)))
+                    k.store(value, ptr, k.index((o, chunk), (j, 1)))
+            offset += chunk
+        k.activated = True
+
+
+class Slice(Op):
+    """Slice with constant starts/ends/axes/steps (inputs from opset 10)."""
+
+    op_type = "Slice"
+    compile_time_inputs = (1, 2, 3, 4)
+
+    def attributes(self, raw, constants, opset):
+        if opset < 10:
+            return {"starts": _ints(raw, "starts"), "ends": _ints(raw, "ends"),
+                    "axes": _ints(raw, "axes"), "steps": None}
+        if constants.get(1) is None or constants.get(2) is None:
+            raise BuildError("Slice needs constant starts and ends")
+        return {"starts": _const_ints(constants, 1), "ends": _const_ints(constants, 2),
+                "axes": _const_ints(constants, 3), "steps": _const_ints(constants, 4)}
+
+    @staticmethod
+    def _resolve(x, attrs):
+        starts, ends = attrs["starts"], attrs["ends"]
+        axes = attrs["axes"] or tuple(range(len(starts)))
+        steps = attrs["steps"] or (1,) * len(starts)
+        begin, step, out = [0] * len(x), [1] * len(x), list(x)
+        for s, e, a, st in zip(starts, ends, axes, steps):
+            a = _axis(a, len(x))
+            if st == 0:
+                raise ShapeError("Slice step 0 is not allowed")
+            idx = range(x[a])[slice(s, e, st)]
+            begin[a], step[a], out[a] = (idx.start if len(idx) else 0), st, len(idx)
+        return begin, step, tuple(out)
+
+    def infer(self, inputs, attrs):
+        return [self._resolve(inputs[0], attrs)[2]]
+
+    def lower(self, k, inputs, outputs, attrs):
+        x = inputs[0].shape
+        begin, step, out = self._resolve(x, attrs)
+        strides = _c_strides(x)
+        base = sum(b * s for b, s in zip(begin, strides))
+        _copy_strided(k, out, [s * st for s, st in zip(strides, step)], base)
+
+
+class Pad(Op):
+    """constant / reflect / edge padding; pads (and value, axes) are
+    attributes before opset 11 and constant inputs after."""
+
+    op_type = "Pad"
+    compile_time_inputs = (1, 2, 3)
+
+    def attributes(self, raw, constants, opset):
+        mode = raw.get("mode", "constant")
+        _check_choice("mode", mode, ("constant", "reflect", "edge"))
+        if opset < 11:
+            pads, value, axes = _ints(raw, "pads" if opset >= 2 else "paddings"), float(raw.get("value", 0.0)), None
+        else:
+            pads, value, axes = _const_ints(constants, 1), _const_float(constants, 2) or 0.0, _const_ints(constants, 3)
+        if pads is None:
+            raise BuildError("Pad needs constant pads")
+        return {"mode": mode, "pads": pads, "value": value, "axes": axes}
+
+    @staticmethod
+    def _full_pads(rank, attrs):
+        axes = attrs["axes"] or tuple(range(rank))
+        pads = attrs["pads"]
+        if len(pads) != 2 * len(axes):
+            raise ShapeError(f"pads {pads} should have {2 * len(axes)} entries")
+        begin, end = [0] * rank, [0] * rank
+        for i, a in enumerate(axes):
+            a = _axis(a, rank)
+            begin[a], end[a] = pads[i], pads[i + len(axes)]
+        return begin, end
+
+    def infer(self, inputs, attrs):
+        x = inputs[0]
+        begin, end = self._full_pads(len(x), attrs)
+        out = tuple(d + b + e for d, b, e in zip(x, begin, end))
+        if min(out, default=1) < 0:
+            raise ShapeError(f"pads {attrs['pads']} crop more than the input {x}")
+        if attrs["mode"] == "reflect" and any((b > d - 1 or e > d - 1) and (b or e) for d, b, e in zip(x, begin, end)):
+            raise ShapeError(f"reflect pads {attrs['pads']} must be smaller than the input dims {x}")
+        if attrs["mode"] != "constant" and any(d == 0 and (b or e) for d, b, e in zip(x, begin, end)):
+            raise ShapeError(f"{attrs['mode']} padding of an empty dimension in {x}")
+        return [out]
+
+    def lower(self, k, inputs, outputs, attrs):
+        x = inputs[0].shape
+        out = outputs[0].shape
+        begin, _ = self._full_pads(len(x), attrs)
+        strides = _c_strides(x)
+        out_strides = _c_strides(out)
+        bld = k.builder
+        mode = attrs["mode"]
+        if not out or _prod(out) == 0:
+            k.activated = True
+            return
+        with k.nested_loops(out) as idx:
+            inside = None
+            offset = k.i64(0)
+            for o, d, b, st in zip(idx, x, begin, strides):
+                i = bld.sub(o, k.i64(b))
+                if mode == "constant":
+                    ok = k.in_range(i, d)
+                    inside = ok if inside is None else bld.and_(inside, ok)
+                    i = bld.select(ok, i, k.i64(0))
+                elif mode == "edge":
+                    i = bld.select(bld.icmp_signed("<", i, k.i64(0)), k.i64(0), i)
+                    i = bld.select(bld.icmp_signed(">", i, k.i64(d - 1)), k.i64(d - 1), i)
+                else:
+                    i = bld.select(bld.icmp_signed("<", i, k.i64(0)), bld.sub(k.i64(0), i), i)
+                    i = bld.select(bld.icmp_signed(">", i, k.i64(d - 1)), bld.sub(k.i64(2 * d - 2), i), i)
+                offset = bld.add(offset, bld.mul(i, k.i64(st)))
+            value = k.load(k.inputs[0], offset)
+            if inside is not None:
+                value = bld.select(inside, value, k.f32(attrs["value"]))
+            k.store(k.activate(value), k.outputs[0], k.index(*zip(idx, out_strides)))
+
+
+class Squeeze(AliasOp):
+    op_type = "Squeeze"
+    compile_time_inputs = (1,)
+
+    def attributes(self, raw, constants, opset):
+        return {"axes": _ints(raw, "axes") if opset < 13 else _const_ints(constants, 1)}
+
+    def infer(self, inputs, attrs):
+        x = inputs[0]
+        if attrs["axes"] is None:
+            return [tuple(d for d in x if d != 1)]
+        axes = {_axis(a, len(x)) for a in attrs["axes"]}
+        if any(x[a] != 1 for a in axes):
+            raise ShapeError(f"Squeeze axes {attrs['axes']} of {x} are not all of size 1")
+        return [tuple(d for i, d in enumerate(x) if i not in axes)]
+
+
+class Unsqueeze(AliasOp):
+    op_type = "Unsqueeze"
+    compile_time_inputs = (1,)
+
+    def attributes(self, raw, constants, opset):
+        axes = _ints(raw, "axes") if opset < 13 else _const_ints(constants, 1)
+        if axes is None:
+            raise BuildError("Unsqueeze needs axes")
+        return {"axes": axes}
+
+    def infer(self, inputs, attrs):
+        x = inputs[0]
+        rank = len(x) + len(attrs["axes"])
+        axes = sorted(_axis(a, rank) for a in attrs["axes"])
+        if len(set(axes)) != len(axes):
+            raise ShapeError(f"Unsqueeze axes {attrs['axes']} repeat")
+        out, rest = [], iter(x)
+        for i in range(rank):
+            out.append(1 if i in axes else next(rest))
+        return [tuple(out)]
+
+
+class Cast(AliasOp):
+    """A runtime Cast is only float32 -> float32 (the identity); casts of
+    constants are folded by the frontend."""
+
+    op_type = "Cast"
+
+    def attributes(self, raw, constants, opset):
+        to = int(raw.get("to", 0))
+        if to != 1:  # TensorProto.FLOAT
+            import onnx
+            name = onnx.TensorProto.DataType.Name(to) if to in onnx.TensorProto.DataType.values() else to
+            raise BuildError(f"Cast of a runtime tensor to {name} is not supported; "
+                             "runtime tensors are float32 only")
+        return {}
+
+    def infer(self, inputs, attrs):
+        return [inputs[0]]
+
+
 OPS: dict[str, Op] = {op.op_type: op for op in (
-    Gemm(), MatMul(), Add(), Relu(), Softmax(), Flatten(), Reshape(), Identity(), Dropout(),
+    Gemm(), MatMul(), Softmax(), Flatten(), Reshape(), Identity(), Dropout(),
+    Relu(), LeakyRelu(), Sigmoid(), Tanh(), HardSigmoid(), HardSwish(), Clip(),
+    Neg(), Abs(), Exp(), Sqrt(), Reciprocal(),
+    Add(), Sub(), Mul(), Div(), Sum(), Max(), Min(), Mean(), PRelu(),
+    Conv(), MaxPool(), AveragePool(), GlobalAveragePool(), GlobalMaxPool(),
+    BatchNormalization(), LRN(),
+    Expand(), Gather(), Transpose(), Concat(), Split(), Slice(), Pad(), Squeeze(), Unsqueeze(), Cast(),
 )}

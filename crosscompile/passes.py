@@ -5,9 +5,12 @@ on hand-made graphs.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, replace
 
-from .ir import Graph
+import numpy as np
+
+from .ir import Graph, Node, Tensor
 from .ops import OPS
 
 ALIGNMENT = 64
@@ -28,6 +31,140 @@ def eliminate_dead_code(graph: Graph) -> Graph:
         constants={k: v for k, v in graph.constants.items() if k in live},
         tensors={k: v for k, v in graph.tensors.items() if k in live},
     )
+
+
+def _consumers(graph: Graph) -> Counter:
+    uses = Counter(name for node in graph.nodes for name in node.inputs)
+    uses.update(graph.outputs)
+    return uses
+
+
+def fold_batchnorm(graph: Graph) -> Graph:
+    """Fold each BatchNormalization with constant parameters into the Conv
+    that feeds it (when the Conv has constant weights and no other reader):
+    W' = W * a, B' = (B - mean) * a + beta with a = scale / sqrt(var + eps).
+    """
+    producer = {out: node for node in graph.nodes for out in node.outputs}
+    uses = _consumers(graph)
+    constants, tensors = dict(graph.constants), dict(graph.tensors)
+    replaced: dict[str, Node] = {}  # conv name -> folded conv
+    dropped = set()
+    for node in graph.nodes:
+        if node.op_type != "BatchNormalization":
+            continue
+        conv = producer.get(node.inputs[0])
+        if (conv is None or conv.op_type != "Conv" or uses[node.inputs[0]] != 1
+                or conv.name in replaced
+                or not all(t in constants for t in conv.inputs[1:] + node.inputs[1:])):
+            continue
+        scale, beta, mean, var = (constants[t].astype(np.float64) for t in node.inputs[1:])
+        a = scale / np.sqrt(var + node.attrs["epsilon"])
+        weight = constants[conv.inputs[1]]
+        bias = constants[conv.inputs[2]].astype(np.float64) if len(conv.inputs) == 3 else 0.0
+        new_w = (weight * a.reshape((-1,) + (1,) * (weight.ndim - 1))).astype(np.float32)
+        new_b = ((bias - mean) * a + beta).astype(np.float32)
+        w_name, b_name = f"{conv.name}/bn_weight", f"{conv.name}/bn_bias"
+        for name, value in ((w_name, new_w), (b_name, new_b)):
+            constants[name] = value
+            tensors[name] = Tensor(name, value.shape, "float32")
+        replaced[conv.name] = Node("Conv", conv.name, [conv.inputs[0], w_name, b_name],
+                                   list(node.outputs), dict(conv.attrs))
+        dropped.add(node.name)
+    if not replaced:
+        return graph
+    nodes = [replaced.get(n.name, n) for n in graph.nodes if n.name not in dropped]
+    return eliminate_dead_code(replace(graph, nodes=nodes, constants=constants, tensors=tensors))
+
+
+def fold_channel_affine(graph: Graph) -> Graph:
+    """Fold a Mul or Add by a per-channel constant (shape (M, 1, 1), (1, M, 1, 1),
+    scalar, ...) into the Conv that feeds it: Mul scales W and B, Add shifts B.
+    Exporters write BatchNorm this way (e.g. Inception v2)."""
+    producer = {out: node for node in graph.nodes for out in node.outputs}
+    uses = _consumers(graph)
+    constants, tensors = dict(graph.constants), dict(graph.tensors)
+    current: dict[str, Node] = {}  # conv name -> its latest folded form
+    dropped = set()
+    for node in graph.nodes:
+        if node.op_type not in ("Mul", "Add") or len(node.inputs) != 2:
+            continue
+        data = [t for t in node.inputs if t not in constants]
+        if len(data) != 1:
+            continue
+        (const_name,) = [t for t in node.inputs if t in constants]
+        conv = producer.get(data[0])
+        conv = current.get(conv.name, conv) if conv is not None else None
+        if (conv is None or conv.op_type != "Conv" or uses[data[0]] != 1
+                or data[0] != conv.outputs[0] or conv.attrs.get("epilogue")
+                or not all(t in constants for t in conv.inputs[1:])):
+            continue
+        out_shape = tensors[conv.outputs[0]].shape
+        value = constants[const_name]
+        if value.ndim > len(out_shape) or value.dtype != np.float32:
+            continue
+        padded = value.reshape((1,) * (len(out_shape) - value.ndim) + value.shape)
+        m = out_shape[1]
+        if any(d != 1 for i, d in enumerate(padded.shape) if i != 1) or padded.shape[1] not in (1, m):
+            continue
+        per_channel = np.broadcast_to(padded.reshape(-1), (m,)).astype(np.float64)
+        weight = constants[conv.inputs[1]]
+        bias = constants[conv.inputs[2]].astype(np.float64) if len(conv.inputs) == 3 else np.zeros(m)
+        if node.op_type == "Mul":
+            weight = weight * per_channel.reshape((-1,) + (1,) * (weight.ndim - 1))
+            bias = bias * per_channel
+        else:
+            bias = bias + per_channel
+        w_name, b_name = f"{node.name}/folded_weight", f"{node.name}/folded_bias"
+        for name, array in ((w_name, weight.astype(np.float32)), (b_name, bias.astype(np.float32))):
+            constants[name] = array
+            tensors[name] = Tensor(name, array.shape, "float32")
+        current[conv.name] = Node("Conv", conv.name, [conv.inputs[0], w_name, b_name],
+                                  list(node.outputs), dict(conv.attrs))
+        producer[node.outputs[0]] = current[conv.name]
+        dropped.add(node.name)
+    if not current:
+        return graph
+    nodes = [current.get(n.name, n) for n in graph.nodes if n.name not in dropped]
+    return eliminate_dead_code(replace(graph, nodes=nodes, constants=constants, tensors=tensors))
+
+
+def fuse_elementwise(graph: Graph) -> Graph:
+    """Run each fusable element-wise op (Relu, Clip, Sigmoid, ...) as the
+    epilogue of the node producing its input, when that node has one output,
+    is not a shape-only alias, and nothing else reads the intermediate.
+
+    The producer's attrs gain "epilogue": a tuple of (op_type, attrs).
+    """
+    producer = {out: node for node in graph.nodes for out in node.outputs}
+    uses = _consumers(graph)
+    merged: dict[str, Node] = {}  # producer name -> node with epilogue
+    absorbed: dict[str, str] = {}  # activation name -> producer name
+    for node in graph.nodes:
+        if not OPS[node.op_type].fusable or len(node.inputs) != 1:
+            continue
+        src = producer.get(node.inputs[0])
+        if src is None:
+            continue
+        src = merged.get(src.name, src)
+        if (OPS[src.op_type].alias or len(src.outputs) != 1
+                or uses[node.inputs[0]] != 1 or node.inputs[0] not in src.outputs):
+            continue
+        attrs = dict(src.attrs)
+        attrs["epilogue"] = tuple(attrs.get("epilogue", ())) + ((node.op_type, node.attrs),)
+        fused = Node(src.op_type, src.name, list(src.inputs), list(node.outputs), attrs)
+        merged[src.name] = fused
+        producer[node.outputs[0]] = fused
+        absorbed[node.name] = src.name
+    if not absorbed:
+        return graph
+    nodes = [merged.get(n.name, n) for n in graph.nodes if n.name not in absorbed]
+    live = {t for n in nodes for t in n.inputs + n.outputs} | set(graph.inputs) | set(graph.outputs)
+    return replace(graph, nodes=nodes, tensors={k: v for k, v in graph.tensors.items() if k in live})
+
+
+def optimize(graph: Graph) -> Graph:
+    """The standard pipeline: dead code, BatchNorm and affine folding, fusion."""
+    return fuse_elementwise(fold_channel_affine(fold_batchnorm(eliminate_dead_code(graph))))
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,12 @@ def cmd_compile(args):
     for kind in ("inputs", "outputs"):
         for t in meta[kind]:
             print(f"  {kind[:-1]:6} {t['name']}: {t['dtype']}{list(t['shape'])}")
+    s = lib.summary
+    print(f"  ops {s['ops']} ({', '.join(meta['ops'])}); kernels {s['kernels']}; "
+          f"fused kernels {s['fused_kernels']} ({s['fused_ops']} element-wise ops fused, "
+          f"{s['folded_into_conv']} BatchNorm/Mul/Add folded into Conv)")
+    print(f"  workspace {s['workspace_bytes']} bytes; parameters {s['param_bytes']} bytes; "
+          f"code {s['code_bytes']} bytes")
     return 0
 
 

@@ -1,0 +1,299 @@
+"""Per-op correctness against onnxruntime on random inputs, including odd
+shapes: 1x1 images, sizes that are not multiples of the vector width,
+padding larger than the kernel and strides larger than the kernel."""
+import numpy as np
+import pytest
+from onnx import helper
+
+from tests.onnx_models import make_model
+from tests.test_crosscompile import rand, run_host, single_op
+
+
+def conv_model(x_shape, w_shape, bias=True, opset=13, **attrs):
+    inits = {"w": rand(*w_shape, seed=1)}
+    if bias:
+        inits["b"] = rand(w_shape[0], seed=2)
+    return single_op("Conv", {"x": x_shape}, inits, opset=opset, **attrs)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs", [
+    ((1, 3, 9, 11), (5, 3, 3, 3), {}),
+    ((2, 3, 9, 11), (5, 3, 3, 3), {"pads": [1, 1, 1, 1]}),
+    ((1, 4, 1, 1), (6, 4, 1, 1), {}),                                   # 1x1 image
+    ((1, 4, 1, 1), (6, 4, 3, 3), {"pads": [1, 1, 1, 1]}),
+    ((1, 3, 17, 13), (7, 3, 1, 1), {}),                                 # pointwise
+    ((1, 3, 17, 13), (7, 3, 3, 5), {"strides": [2, 3]}),
+    ((1, 2, 8, 8), (3, 2, 2, 2), {"strides": [3, 3]}),                  # stride > kernel
+    ((1, 2, 5, 5), (3, 2, 2, 2), {"pads": [3, 4, 3, 2]}),               # padding > kernel
+    ((1, 3, 12, 12), (4, 3, 3, 3), {"dilations": [2, 3], "pads": [2, 1, 0, 3]}),
+    ((1, 6, 10, 9), (6, 1, 3, 3), {"group": 6, "pads": [1, 1, 1, 1]}),  # depthwise
+    ((1, 6, 10, 9), (4, 3, 3, 3), {"group": 2, "strides": [2, 2]}),
+    ((1, 3, 10, 9), (4, 3, 3, 4), {"auto_pad": "SAME_UPPER", "strides": [2, 2]}),
+    ((1, 3, 10, 9), (4, 3, 4, 3), {"auto_pad": "SAME_LOWER", "strides": [3, 2]}),
+    ((1, 3, 10, 9), (4, 3, 3, 3), {"auto_pad": "VALID", "strides": [2, 2]}),
+    ((1, 3, 19), (4, 3, 3), {"pads": [1, 2], "strides": [2]}),          # 1-D
+])
+@pytest.mark.parametrize("bias", [True, False])
+def test_conv(tmp_path, x_shape, w_shape, attrs, bias):
+    run_host(conv_model(x_shape, w_shape, bias, **attrs), tmp_path)
+
+
+def test_conv_old_opset_with_fused_relu_and_clip(tmp_path):
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"]),
+             helper.make_node("Clip", ["r"], ["y"], min=0.0, max=0.5)]
+    model = make_model(nodes, {"x": (1, 3, 7, 7)}, {"y": None},
+                       {"w": rand(4, 3, 3, 3, seed=1), "b": rand(4, seed=2)}, opset=7)
+    lib = run_host(model, tmp_path)
+    assert lib.summary["fused_kernels"] == 1 and lib.summary["kernels"] == 1
+
+
+def test_conv_then_batchnorm_is_folded(tmp_path):
+    c = 5
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"]),
+             helper.make_node("BatchNormalization", ["c", "s", "bb", "m", "v"], ["y"], epsilon=1e-3)]
+    inits = {"w": rand(c, 3, 3, 3, seed=1), "s": rand(c, seed=2), "bb": rand(c, seed=3),
+             "m": rand(c, seed=4), "v": np.abs(rand(c, seed=5)) + 0.1}
+    lib = run_host(make_model(nodes, {"x": (2, 3, 8, 8)}, {"y": None}, inits), tmp_path)
+    assert lib.summary["folded_into_conv"] == 1 and lib.summary["kernels"] == 1
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 3, 4), (3, 7), (2, 3, 5)])
+def test_batchnorm_alone(tmp_path, shape):
+    c = shape[1]
+    inits = {"s": rand(c, seed=2), "bb": rand(c, seed=3), "m": rand(c, seed=4),
+             "v": np.abs(rand(c, seed=5)) + 0.1}
+    run_host(single_op("BatchNormalization", {"x": shape}, inits, opset=9), tmp_path)
+
+
+@pytest.mark.parametrize("op_type,attrs,opset", [
+    ("Relu", {}, 13), ("LeakyRelu", {"alpha": 0.3}, 13), ("Sigmoid", {}, 13), ("Tanh", {}, 13),
+    ("HardSigmoid", {"alpha": 0.3, "beta": 0.4}, 13), ("HardSwish", {}, 14),
+    ("Clip", {"min": -0.5, "max": 0.7}, 6), ("Neg", {}, 13), ("Abs", {}, 13), ("Exp", {}, 13),
+])
+def test_unary(tmp_path, op_type, attrs, opset):
+    x = 4 * rand(3, 37)
+    x[0, :5] = [0.0, 1e-6, -1e-6, 0.1, -0.1]
+    run_host(single_op(op_type, {"x": x.shape}, opset=opset, **attrs), tmp_path, feeds={"x": x})
+
+
+@pytest.mark.parametrize("inits", [{}, {"lo": np.float32(-0.5)}, {"lo": np.float32(-0.5), "hi": np.float32(0.2)}])
+def test_clip_input_form(tmp_path, inits):
+    names = ["x"] + (["lo"] if "lo" in inits else []) + (["hi"] if "hi" in inits else [])
+    model = make_model([helper.make_node("Clip", names, ["y"])], {"x": (3, 9)}, {"y": None}, inits)
+    run_host(model, tmp_path)
+
+
+def test_clip_with_only_max(tmp_path):
+    model = make_model([helper.make_node("Clip", ["x", "", "hi"], ["y"])], {"x": (3, 9)}, {"y": None},
+                       {"hi": np.float32(0.25)})
+    run_host(model, tmp_path)
+
+
+@pytest.mark.parametrize("op_type", ["Add", "Sub", "Mul", "Div"])
+@pytest.mark.parametrize("a_shape,b_shape", [((2, 3, 4, 5), (3, 1, 1)), ((1, 17), (3, 1)),
+                                             ((5,), (2, 1, 5)), ((2, 3), (2, 3))])
+def test_binary_broadcasting(tmp_path, op_type, a_shape, b_shape):
+    feeds = {"a": rand(*a_shape), "b": rand(*b_shape, seed=1) + (3.0 if op_type == "Div" else 0.0)}
+    run_host(single_op(op_type, {"a": a_shape, "b": b_shape}), tmp_path, feeds=feeds)
+
+
+@pytest.mark.parametrize("op_type", ["Sum", "Max", "Min", "Mean"])
+def test_variadic(tmp_path, op_type):
+    run_host(single_op(op_type, {"a": (2, 3, 4), "b": (3, 1), "c": (4,)}), tmp_path)
+
+
+@pytest.mark.parametrize("slope_shape", [(1,), (3, 1, 1), (3, 4, 5)])
+def test_prelu(tmp_path, slope_shape):
+    run_host(single_op("PRelu", {"x": (2, 3, 4, 5)}, {"s": rand(*slope_shape, seed=1)}), tmp_path)
+
+
+POOLS = [
+    ((1, 3, 9, 11), {"kernel_shape": [3, 3]}),
+    ((2, 3, 9, 11), {"kernel_shape": [3, 2], "strides": [2, 2], "pads": [1, 0, 1, 1]}),
+    ((1, 2, 8, 8), {"kernel_shape": [2, 2], "strides": [3, 3]}),
+    ((1, 2, 7, 7), {"kernel_shape": [3, 3], "strides": [2, 2], "ceil_mode": 1}),
+    ((1, 2, 6, 6), {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], "ceil_mode": 1}),
+    ((1, 2, 1, 1), {"kernel_shape": [1, 1]}),
+    ((1, 2, 9, 10), {"kernel_shape": [3, 3], "strides": [2, 2], "auto_pad": "SAME_UPPER"}),
+    ((1, 2, 13), {"kernel_shape": [4], "strides": [3], "pads": [2, 1]}),
+]
+
+
+@pytest.mark.parametrize("x_shape,attrs", POOLS)
+def test_max_pool(tmp_path, x_shape, attrs):
+    run_host(single_op("MaxPool", {"x": x_shape}, opset=12, **attrs), tmp_path)
+
+
+def test_max_pool_dilated(tmp_path):
+    run_host(single_op("MaxPool", {"x": (1, 2, 11, 11)}, opset=12, kernel_shape=[3, 3],
+                       dilations=[2, 2], pads=[1, 1, 1, 1]), tmp_path)
+
+
+@pytest.mark.parametrize("x_shape,attrs", POOLS)
+@pytest.mark.parametrize("count_include_pad", [0, 1])
+def test_average_pool(tmp_path, x_shape, attrs, count_include_pad):
+    run_host(single_op("AveragePool", {"x": x_shape}, opset=12, count_include_pad=count_include_pad,
+                       **attrs), tmp_path)
+
+
+@pytest.mark.parametrize("op_type", ["GlobalAveragePool", "GlobalMaxPool"])
+@pytest.mark.parametrize("shape", [(2, 3, 7, 5), (1, 4, 1, 1), (1, 3, 17)])
+def test_global_pool(tmp_path, op_type, shape):
+    run_host(single_op(op_type, {"x": shape}), tmp_path)
+
+
+@pytest.mark.parametrize("size", [1, 3, 5])
+def test_lrn(tmp_path, size):
+    run_host(single_op("LRN", {"x": (2, 7, 3, 4)}, size=size, alpha=1e-2, beta=0.75, bias=2.0), tmp_path)
+
+
+def test_softmax_after_gemm_is_fused(tmp_path):
+    nodes = [helper.make_node("Gemm", ["x", "w"], ["g"]), helper.make_node("Sigmoid", ["g"], ["y"])]
+    lib = run_host(make_model(nodes, {"x": (2, 5)}, {"y": None}, {"w": rand(5, 3)}), tmp_path)
+    assert lib.summary["fused_kernels"] == 1
+
+
+@pytest.mark.parametrize("axis", [0, 1, 2, -1])
+def test_concat(tmp_path, axis):
+    shapes = {"a": [2, 3, 4], "b": [2, 3, 4], "c": [2, 3, 4]}
+    for name, extra in zip(shapes, (1, 2, 3)):
+        shapes[name][axis] = extra
+    run_host(single_op("Concat", {k: tuple(v) for k, v in shapes.items()}, axis=axis), tmp_path)
+
+
+@pytest.mark.parametrize("opset,split", [(11, [2, 3]), (13, [1, 4]), (13, None), (18, None)])
+def test_split(tmp_path, opset, split):
+    inits, names = {}, ["x"]
+    attrs = {"axis": 1}
+    if split is not None and opset >= 13:
+        inits["s"] = np.array(split, np.int64)
+        names.append("s")
+    elif split is not None:
+        attrs["split"] = split
+    if opset >= 18 and split is None:
+        attrs["num_outputs"] = 2
+    outs = ["y0", "y1"] if split or opset >= 18 else ["y0", "y1", "y2", "y3", "y4"]
+    node = helper.make_node("Split", names, outs, **attrs)
+    model = make_model([node], {"x": (2, 5, 3)}, {o: None for o in outs}, inits, opset=opset)
+    run_host(model, tmp_path)
+
+
+@pytest.mark.parametrize("perm", [None, [0, 2, 1, 3], [3, 1, 0, 2]])
+def test_transpose(tmp_path, perm):
+    attrs = {} if perm is None else {"perm": perm}
+    run_host(single_op("Transpose", {"x": (2, 3, 4, 5)}, **attrs), tmp_path)
+
+
+def test_channel_shuffle_reshape_transpose_reshape(tmp_path):
+    nodes = [helper.make_node("Reshape", ["x", "s1"], ["r"]),
+             helper.make_node("Transpose", ["r"], ["t"], perm=[0, 2, 1, 3, 4]),
+             helper.make_node("Reshape", ["t", "s2"], ["y"])]
+    inits = {"s1": np.array([1, 3, 4, 5, 5], np.int64), "s2": np.array([1, 12, 5, 5], np.int64)}
+    run_host(make_model(nodes, {"x": (1, 12, 5, 5)}, {"y": None}, inits), tmp_path)
+
+
+@pytest.mark.parametrize("opset", [11, 13])
+def test_squeeze_unsqueeze(tmp_path, opset):
+    if opset < 13:
+        nodes = [helper.make_node("Unsqueeze", ["x"], ["u"], axes=[0, 3]),
+                 helper.make_node("Squeeze", ["u"], ["s"], axes=[0]),
+                 helper.make_node("Relu", ["s"], ["y"])]
+        inits = {}
+    else:
+        nodes = [helper.make_node("Unsqueeze", ["x", "a"], ["u"]),
+                 helper.make_node("Squeeze", ["u", "b"], ["s"]),
+                 helper.make_node("Relu", ["s"], ["y"])]
+        inits = {"a": np.array([0, 3], np.int64), "b": np.array([0], np.int64)}
+    run_host(make_model(nodes, {"x": (2, 3, 4)}, {"y": None}, inits, opset=opset), tmp_path)
+
+
+@pytest.mark.parametrize("mode", ["constant", "reflect", "edge"])
+@pytest.mark.parametrize("pads", [[0, 1, 2, 0, 2, 1], [1, 0, 0, 0, 0, 2]])
+def test_pad(tmp_path, mode, pads):
+    inits = {"p": np.array(pads, np.int64), "v": np.float32(1.5)}
+    names = ["x", "p", "v"] if mode == "constant" else ["x", "p"]
+    if mode != "constant":
+        inits.pop("v")
+    model = make_model([helper.make_node("Pad", names, ["y"], mode=mode)], {"x": (2, 3, 4)},
+                       {"y": None}, inits)
+    run_host(model, tmp_path)
+
+
+def test_pad_attribute_form_larger_than_input(tmp_path):
+    model = single_op("Pad", {"x": (1, 2, 2, 2)}, opset=2, pads=[0, 0, 3, 4, 0, 0, 5, 1], value=-1.0)
+    run_host(model, tmp_path)
+
+
+def test_slice(tmp_path):
+    inits = {"st": np.array([1, -1], np.int64), "en": np.array([3, -100], np.int64),
+             "ax": np.array([0, 2], np.int64), "sp": np.array([1, -2], np.int64)}
+    node = helper.make_node("Slice", ["x", "st", "en", "ax", "sp"], ["y"])
+    run_host(make_model([node], {"x": (4, 3, 7)}, {"y": None}, inits), tmp_path)
+
+
+def test_shape_arithmetic_is_folded(tmp_path):
+    """Flatten written the way exporters do it: Shape, Gather, Unsqueeze,
+    Concat, Reshape; plus Range/ConstantOfShape/Cast feeding an Add."""
+    i64 = lambda *v: np.array(v, np.int64)  # noqa: E731
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shape"]),
+        helper.make_node("Gather", ["shape", "zero"], ["batch"], axis=0),
+        helper.make_node("Unsqueeze", ["batch", "axes"], ["batch1"]),
+        helper.make_node("Concat", ["batch1", "minus1"], ["target"], axis=0),
+        helper.make_node("Reshape", ["x", "target"], ["flat"]),
+        helper.make_node("Range", ["r0", "r1", "r2"], ["range"]),
+        helper.make_node("Cast", ["range"], ["rangef"], to=1),
+        helper.make_node("ConstantOfShape", ["cshape"], ["ones"],
+                         value=helper.make_tensor("v", 1, [1], [0.5])),
+        helper.make_node("Add", ["rangef", "ones"], ["bias"]),
+        helper.make_node("Add", ["flat", "bias"], ["y"]),
+    ]
+    inits = {"zero": np.array(0, np.int64), "axes": i64(0), "minus1": i64(-1),
+             "r0": np.array(0, np.int64), "r1": np.array(60, np.int64), "r2": np.array(1, np.int64),
+             "cshape": i64(60)}
+    lib = run_host(make_model(nodes, {"x": (2, 3, 4, 5)}, {"y": None}, inits), tmp_path)
+    assert lib.metadata["ops"] == ["Add", "Reshape"]
+
+
+def test_unknown_dims_fixed_by_input_shapes(tmp_path):
+    model = conv_model(("N", 3, "H", "W"), (4, 3, 3, 3))
+    feeds = {"x": rand(2, 3, 6, 7)}
+    run_host(model, tmp_path, feeds=feeds, input_shapes={"x": (2, 3, 6, 7)})
+
+
+@pytest.mark.parametrize("a_shape,b_shape", [((2, 3, 4), (2, 4, 5)), ((3, 1, 3, 4), (1, 2, 4, 2)),
+                                             ((4,), (2, 4, 3)), ((1, 2, 4, 3), (3,)), ((3,), (3,))])
+def test_batched_matmul(tmp_path, a_shape, b_shape):
+    run_host(single_op("MatMul", {"a": a_shape, "b": b_shape}), tmp_path)
+
+
+@pytest.mark.parametrize("x_shape,shape", [((3, 1), (2, 1, 6)), ((1, 4), (3, 1)), ((2, 3), (2, 3))])
+def test_expand(tmp_path, x_shape, shape):
+    run_host(single_op("Expand", {"x": x_shape}, {"s": np.array(shape, np.int64)}), tmp_path)
+
+
+@pytest.mark.parametrize("axis,indices", [(0, [2, 0, -1]), (1, [[0, 3], [3, 1]]), (2, 1)])
+def test_gather_with_constant_indices(tmp_path, axis, indices):
+    model = single_op("Gather", {"x": (3, 4, 5)}, {"i": np.array(indices, np.int64)}, axis=axis)
+    run_host(model, tmp_path)
+
+
+def test_constant_graph_output_is_copied_out(tmp_path):
+    nodes = [helper.make_node("Relu", ["x"], ["y"]),
+             helper.make_node("ConstantOfShape", ["s"], ["c"], value=helper.make_tensor("v", 1, [1], [2.5]))]
+    model = make_model(nodes, {"x": (2, 3)}, {"y": None, "c": None}, {"s": np.array([3, 2], np.int64)})
+    run_host(model, tmp_path)
+
+
+@pytest.mark.parametrize("attrs", [{}, {"pads": [1, 0, 2, 1, 1, 0], "strides": [2, 1, 2]},
+                                   {"dilations": [2, 1, 1], "group": 2}])
+def test_conv_3d(tmp_path, attrs):
+    w_shape = (4, 2 if attrs.get("group") else 4, 3, 2, 3)
+    run_host(conv_model((1, 4, 6, 5, 7), w_shape, **attrs), tmp_path)
+
+
+@pytest.mark.parametrize("op_type", ["MaxPool", "AveragePool"])
+def test_pool_3d(tmp_path, op_type):
+    run_host(single_op(op_type, {"x": (1, 2, 5, 6, 7)}, opset=12, kernel_shape=[2, 3, 2],
+                       strides=[2, 2, 3], pads=[1, 0, 1, 0, 1, 1]), tmp_path)
