@@ -17,7 +17,6 @@ import os
 import platform
 import sys
 import threading
-import time
 from typing import List, Optional
 
 from remote import errors
