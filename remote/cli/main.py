@@ -61,6 +61,16 @@ def cmd_compile(args):
     return 0
 
 
+def cmd_bench(args):
+    from remote.cli.bench import run_bench
+    return run_bench(args, _tracker_address(args.tracker))
+
+
+def cmd_run(args):
+    from remote.cli.run import run_once
+    return run_once(args, _tracker_address(args.tracker))
+
+
 def cmd_demo(args):
     from remote.cli.demo import run_demo
     return run_demo(key=args.key, runs=args.runs)
@@ -116,6 +126,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-shape", action="append", default=[], metavar="NAME=D0,D1,...",
                    help="fix an input's unknown dimensions")
     p.set_defaults(func=cmd_compile)
+
+    from remote.cli import bench, run
+    p = sub.add_parser(
+        "bench", help="time a model on one or many boards of a key",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+               "  tether bench model.onnx --target rasp4b64 --key rasp4b64 --devices all "
+               "--json run.json\n"
+               "  tether bench net.so --key rasp4b64 --repeat 20 --min-repeat-ms 200 "
+               "--vs run.json --plot latency.png")
+    bench.add_arguments(p)
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser(
+        "run", help="run a model once on a board and print its outputs",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+               "  tether run model.onnx --target rasp4b64 --key rasp4b64 --random --top-k 5\n"
+               "  tether run net.so --key rasp4b64 --input image.npy")
+    run.add_arguments(p)
+    p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("emulate", help="run an emulated ARM board (qemu, Debian's own Python)",
                        epilog="example: tether emulate --arch arm64 --release bookworm "

@@ -146,9 +146,12 @@ class Session:
                     return receive(fs, reply) if receive is not None else reply
                 except (errors.TetherError, OSError):
                     raise
-                except BaseException:
+                except BaseException as exc:
                     # Interrupted half way through a frame: the stream is out of step.
                     self._abandon()
+                    if isinstance(exc, KeyboardInterrupt):
+                        # Ctrl-C in a notebook must not leave the board held.
+                        self.close()
                     raise
             except errors.TetherError:
                 raise  # RequestTimeout is a TimeoutError, which socket.timeout also is
@@ -382,9 +385,21 @@ class Session:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"<Session {self.address} {self._info.triple} {state}>"
+
+    def __str__(self) -> str:
+        from remote.client import display
+        return display.session_text(self)
+
+    def _repr_html_(self) -> str:
+        from remote.client import display
+        return display.session_html(self)
 
 
 def _send_file(fs: FrameSocket, path: str, total: int, checksum: Checksum,
@@ -475,11 +490,21 @@ class BenchmarkResult:
         self.p90: float = data["p90"]
         self.p99: float = data["p99"]
         self.load_s: float = data["load_s"]
+        #: the most memory the session's process on the board held (0: not reported)
+        self.peak_rss_bytes: int = int(data.get("peak_rss_bytes", 0))
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in (
             "samples", "number", "repeat", "mean", "median", "std", "min", "max", "p90",
-            "p99", "load_s")}
+            "p99", "load_s", "peak_rss_bytes")}
+
+    def __str__(self) -> str:
+        from remote.client import display
+        return display.benchmark_text(self)
+
+    def _repr_html_(self) -> str:
+        from remote.client import display
+        return display.benchmark_html(self)
 
     def __repr__(self) -> str:
         return (f"<BenchmarkResult median {self.median * 1e3:.4f} ms, mean "
@@ -575,3 +600,11 @@ class RemoteModule:
 
     def __repr__(self) -> str:
         return f"<RemoteModule {self.module_id} on {self.session.address}>"
+
+    def __str__(self) -> str:
+        from remote.client import display
+        return display.module_text(self)
+
+    def _repr_html_(self) -> str:
+        from remote.client import display
+        return display.module_html(self)

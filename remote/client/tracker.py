@@ -78,8 +78,28 @@ class TrackerClient:
                                    farm_secret=self.farm_secret)
         # The tracker enforces the timeout; the deadline here only covers a lost tracker.
         deadline = None if timeout is None else timeout + 10.0
-        reply = self._call(self._stub.RequestDevice, request, deadline)
+        call = self._stub.RequestDevice.future(request, timeout=deadline)
+        try:
+            reply = self._call(lambda _request, timeout: call.result(), request, None)
+        except BaseException:
+            # Ctrl-C (or closing this client) while waiting: cancelling the call takes
+            # the request out of the tracker's queue; a lease granted in that instant
+            # goes straight back.
+            if not call.cancel():
+                self._give_back_granted(call)
+            raise
+        if not reply.token:
+            raise errors.ConnectionFailed(f"the request to tracker {self.address} was "
+                                          "cancelled before a device was granted")
         return Lease(reply.token, reply.device_id, reply.address, reply.key)
+
+    def _give_back_granted(self, call) -> None:
+        try:
+            reply = call.result(timeout=0)
+            if reply.token:
+                self.release(Lease(reply.token, reply.device_id, reply.address, reply.key))
+        except BaseException:  # noqa: BLE001 - the tracker expires what is left
+            pass
 
     def release(self, lease: Lease) -> None:
         """Give a leased device back (a no-op when the lease has already ended)."""
@@ -116,6 +136,7 @@ class TrackerClient:
         ``held_since`` (Unix time) and its capabilities; each waiting request
         its key, priority, client and seconds waited, in the order they will be served.
         """
+        from remote.client.display import PoolSummary
         reply = self._call(self._stub.Summary, pb.Empty(), self.timeout)
         now = time.time()
         devices = []
@@ -137,7 +158,7 @@ class TrackerClient:
                 for k in reply.keys]
         waiting = [{"key": w.key, "priority": w.priority, "client": w.client,
                     "waited_s": w.waited_s} for w in reply.waiting]
-        return {"tracker": self.address, "devices": devices, "keys": keys, "waiting": waiting}
+        return PoolSummary(tracker=self.address, devices=devices, keys=keys, waiting=waiting)
 
     def text_summary(self) -> str:
         """The pool as a table a person reads (what ``tether status`` prints)."""
@@ -145,6 +166,16 @@ class TrackerClient:
 
     def close(self):
         self._channel.close()
+
+    def __repr__(self) -> str:
+        return f"<TrackerClient {self.address}>"
+
+    def _repr_html_(self) -> str:
+        from remote.client import display
+        try:
+            return display.summary_html(self.summary())
+        except errors.TetherError as exc:
+            return display.error_html(f"tracker {self.address}: {exc}")
 
     def __enter__(self):
         return self

@@ -48,6 +48,19 @@ def report_end(error_class: str, reason: str) -> None:
         pass  # the server is gone; nobody is left to tell
 
 
+def peak_rss_bytes() -> int:
+    """The most memory this process has held resident (VmHWM), or 0 where the
+    kernel does not say (no /proc, as on some Android builds)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # the kernel counts in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 class Watchdog:
     """Ends the process when a module call outlives its timeout.
 
@@ -415,7 +428,8 @@ class Worker:
         finally:
             self.watchdog.disarm()
         result = {"samples": samples, "number": number, "repeat": len(samples),
-                  "load_s": self.load_s[header.name], **timing.summarize(samples)}
+                  "load_s": self.load_s[header.name], "peak_rss_bytes": peak_rss_bytes(),
+                  **timing.summarize(samples)}
         fs.send(pb.DataFrame(op="ok", text=json.dumps(result)))
 
 

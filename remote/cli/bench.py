@@ -1,0 +1,403 @@
+"""``tether bench``: one model timed on one or many boards of a key at once.
+
+Each board gets its own thread: lease, open a session, upload, load the module
+twice (cold, then warm), time it on the board, close. The report is a table
+per board; ``--json`` keeps the raw samples and everything needed to run the
+same measurement again, and ``--vs`` compares with such a file.
+
+Ctrl-C at any point closes every session and returns every lease before the
+command ends.
+"""
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import os
+import platform
+import sys
+import threading
+from typing import List, Optional
+
+from remote import errors
+from remote.cli import modelfile
+from remote.cli.progress import ByteBar, say
+from remote.client import display
+from remote.client.session import Session
+from remote.client.tracker import Lease, TrackerClient, default_client_name
+
+SCHEMA = "tether.bench/1"
+# Statistics compared against an earlier run, in the order they are shown.
+COMPARED = display.STATS + ("cold_load", "warm_load")
+PROFILE_UNSUPPORTED = ("--profile: per-layer timing is not supported yet (compiled modules do "
+                       "not record per-layer times); the whole-model benchmark runs without it")
+
+
+def tool_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("tether")
+    except Exception:  # noqa: BLE001 - not installed, e.g. run from a checkout
+        return "unknown"
+
+
+class Farm:
+    """The boards this command holds, so that Ctrl-C can give every one back."""
+
+    def __init__(self, tracker: TrackerClient, waiter: TrackerClient):
+        self.tracker = tracker      # releases leases; stays open until the end
+        self.waiter = waiter        # waits in the queue; closing it cancels the waits
+        self.lock = threading.Lock()
+        self.cancelled = False
+        self.leases: List[Lease] = []
+        self.sessions: List[Session] = []
+
+    def give_back(self, lease: Lease) -> None:
+        try:
+            self.tracker.release(lease)
+        except (errors.TetherError, ValueError):
+            pass  # the tracker expires a lease nobody returns
+
+    def hold_lease(self, lease: Lease) -> None:
+        with self.lock:
+            if not self.cancelled:
+                self.leases.append(lease)
+                return
+        self.give_back(lease)
+        raise KeyboardInterrupt
+
+    def hold_session(self, sess: Session) -> None:
+        with self.lock:
+            if not self.cancelled:
+                self.sessions.append(sess)
+                return
+        sess.close()
+        raise KeyboardInterrupt
+
+    def cancel(self) -> int:
+        """Close every session, return every lease, stop waiting; how many boards were held."""
+        with self.lock:
+            self.cancelled = True
+            sessions, leases = list(self.sessions), list(self.leases)
+        self.waiter.close()
+        for sess in sessions:
+            sess.close()  # the board returns its lease once its session is gone
+        in_session = {s.address for s in sessions}
+        for lease in leases:
+            if lease.address not in in_session:
+                self.give_back(lease)
+        return len(leases)
+
+
+class BoardRun(threading.Thread):
+    """Everything done on one board, in its own thread."""
+
+    def __init__(self, index: int, farm: Farm, module: modelfile.ModuleFile, args):
+        super().__init__(name=f"board-{index}", daemon=True)
+        self.index = index
+        self.farm = farm
+        self.module = module
+        self.args = args
+        self.lease: Optional[Lease] = None
+        self.record: Optional[dict] = None
+        self.error: Optional[BaseException] = None
+        self.metadata: dict = {}
+
+    def run(self):
+        try:
+            self.record = self._measure()
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            self.error = exc
+
+    def _measure(self) -> dict:
+        args, farm = self.args, self.farm
+        client = default_client_name()
+        lease = farm.waiter.lease(args.key, timeout=args.wait, client=client)
+        farm.hold_lease(lease)
+        self.lease = lease
+        label = f"[{lease.device_id}]"
+        say(f"{label} leased {lease.address}")
+        sess = Session(lease.address, lease_token=lease.token, client=client,
+                       timeout=args.timeout, tls_ca=farm.tracker.tls_ca,
+                       on_close=lambda: farm.give_back(lease))
+        farm.hold_session(sess)
+        with sess:
+            info = sess.device_info()
+            bar = ByteBar(f"{label} upload {os.path.basename(self.module.path)}",
+                          position=self.index)
+            try:
+                name = sess.upload(self.module.path, progress=bar)
+            finally:
+                bar.close()
+            cold = sess.load_module(name)
+            warm = sess.load_module(name)  # the library is on the board and mapped now
+            self.metadata = cold.metadata
+            say(f"{label} benchmarking: {args.repeat} samples"
+                + (f" of at least {args.min_repeat_ms:g} ms" if args.min_repeat_ms else ""))
+            res = cold.benchmark(number=args.number, repeat=args.repeat,
+                                 min_repeat_ms=args.min_repeat_ms, cooldown_ms=args.cooldown_ms,
+                                 timeout=_benchmark_timeout(args))
+        return {
+            "device_id": lease.device_id, "key": lease.key, "address": lease.address,
+            "device": info, "samples_s": res.samples, "number": res.number,
+            "repeat": res.repeat, "stats_s": {name: getattr(res, name) for name in display.STATS},
+            "cold_load_s": cold.load_s, "warm_load_s": warm.load_s,
+            "peak_rss_bytes": res.peak_rss_bytes,
+        }
+
+
+def _benchmark_timeout(args) -> float:
+    """Long enough for the whole timing loop, even on a slow board."""
+    planned = args.repeat * (args.min_repeat_ms + args.cooldown_ms) / 1e3
+    return max(args.timeout or 0.0, 60.0 + 3 * planned)
+
+
+def _device_count(tracker: TrackerClient, key: str, wanted: str) -> int:
+    keys = {k["key"]: k for k in tracker.summary()["keys"]}
+    if key not in keys:
+        raise errors.NoSuchKey(f"no device registered under key {key!r}; registered keys: "
+                               f"{', '.join(sorted(keys)) or '(none)'}")
+    total = keys[key]["total"]
+    if wanted == "all":
+        return total
+    try:
+        count = int(wanted)
+    except ValueError:
+        raise ValueError(f"--devices {wanted!r}: give a number of boards or 'all'") from None
+    if count < 1:
+        raise ValueError(f"--devices {count}: at least one board is needed")
+    if count > total:
+        raise ValueError(f"--devices {count}: key {key!r} has only {total} board(s); "
+                         f"use --devices {total} or --devices all")
+    return count
+
+
+def _check_options(args) -> None:
+    if args.number < 1 or args.repeat < 1:
+        raise ValueError(f"--number ({args.number}) and --repeat ({args.repeat}) must be at "
+                         "least 1")
+    if args.min_repeat_ms < 0 or args.cooldown_ms < 0:
+        raise ValueError("--min-repeat-ms and --cooldown-ms must not be negative")
+    if args.plot:
+        _matplotlib()
+    if args.vs:
+        load_report(args.vs)
+
+
+def _matplotlib():
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("--plot needs matplotlib, which is not installed: "
+                         "pip install 'tether[plot]' (or pip install matplotlib)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def load_report(path: str) -> dict:
+    """An earlier ``--json`` file, checked enough to compare against."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--vs {path!r}: no such file; give a file written by "
+                                "`tether bench --json`") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--vs {path!r} is not JSON ({exc}); give a file written by "
+                         "`tether bench --json`") from None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA or not data.get("results"):
+        raise ValueError(f"--vs {path!r} is not a `tether bench --json` result "
+                         f"(expected schema {SCHEMA!r} with results)")
+    return data
+
+
+def _value(record: dict, name: str) -> float:
+    if name in ("cold_load", "warm_load"):
+        return record[name + "_s"]
+    return record["stats_s"][name]
+
+
+def _match(record: dict, old_results: list, index: int) -> dict:
+    """The earlier result for the same board, else the one in the same place."""
+    for old in old_results:
+        if old.get("device_id") == record["device_id"]:
+            return old
+    return old_results[min(index, len(old_results) - 1)]
+
+
+def ratios(record: dict, old: dict) -> dict:
+    """new / old for every compared statistic (below 1: faster now)."""
+    out = {}
+    for name in COMPARED:
+        before = _value(old, name)
+        out[name] = _value(record, name) / before if before else None
+    return out
+
+
+# ------------------------------------------------------------- reports --
+def _headline(record: dict) -> str:
+    d = record["device"]
+    return (f"device {record['device_id']} at {record['address']} (key {record['key']}): "
+            f"{d['machine'] or '?'}, {d['cpu_model'] or '?'}, {d['cores']} cores, "
+            f"{display.size(d['memory_bytes'])}, {d['os'] or '?'}")
+
+
+def board_table(record: dict, old: Optional[dict] = None) -> str:
+    rows = []
+    comparison = ratios(record, old) if old else {}
+    for name in COMPARED:
+        label = name.replace("_", " ")
+        row = [label, display.ms(_value(record, name))]
+        if old:
+            ratio = comparison[name]
+            row += [display.ms(_value(old, name)), "-" if ratio is None else f"{ratio:.3f}x"]
+        rows.append(tuple(row))
+    rows.append(("peak memory", display.size(record["peak_rss_bytes"]))
+                + (("", "") if old else ()))
+    rows.append(("runs", f"{record['repeat']} x {record['number']}") + (("", "") if old else ()))
+    headers = ("STATISTIC", "VALUE") + (("BEFORE", "RATIO") if old else ())
+    return _headline(record) + "\n" + "\n".join(
+        "  " + line for line in display.text_table(headers, rows).splitlines())
+
+
+def build_report(args, module: modelfile.ModuleFile, runs: List[BoardRun], tracker: str) -> dict:
+    metadata = next((r.metadata for r in runs if r.metadata), {})
+    return {
+        "schema": SCHEMA,
+        "tool": {"name": "tether", "version": tool_version(), "python": platform.python_version()},
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": ["tether", *sys.argv[1:]],
+        "model": module.describe(),
+        "target": metadata.get("target", {"name": args.target}),
+        "module": {"inputs": metadata.get("inputs", []), "outputs": metadata.get("outputs", [])},
+        "options": {"key": args.key, "devices": args.devices, "number": args.number,
+                    "repeat": args.repeat, "min_repeat_ms": args.min_repeat_ms,
+                    "cooldown_ms": args.cooldown_ms, "target": args.target},
+        "tracker": tracker,
+        "results": [r.record for r in runs if r.record is not None],
+        "failures": [{"device_id": r.lease.device_id if r.lease else None,
+                      "error": f"{type(r.error).__name__}: {r.error}"}
+                     for r in runs if r.error is not None],
+    }
+
+
+def write_csv(path: str, results: List[dict]) -> None:
+    columns = ["device_id", "key", "address"] + [f"{s}_ms" for s in COMPARED] + [
+        "peak_rss_bytes", "number", "repeat"]
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(columns)
+        for r in results:
+            writer.writerow([r["device_id"], r["key"], r["address"]]
+                            + [f"{_value(r, s) * 1e3:.6f}" for s in COMPARED]
+                            + [r["peak_rss_bytes"], r["number"], r["repeat"]])
+
+
+def write_plot(path: str, report: dict, old: Optional[dict]) -> None:
+    """Box plots of the per-sample latency of every board (and of the earlier run)."""
+    plt = _matplotlib()
+    series, labels = [], []
+    for tag, data in (("", report), (" (before)", old)):
+        if data is None:
+            continue
+        for r in data["results"]:
+            series.append([s * 1e3 for s in r["samples_s"]])
+            labels.append(f"{r['device_id']}{tag}")
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(series) + 2), 4))
+    ax.boxplot(series)
+    ax.set_xticks(range(1, len(labels) + 1))
+    ax.set_xticklabels(labels, rotation=20, ha="right")
+    ax.set_ylabel("latency per run (ms)")
+    ax.set_title(f"{os.path.basename(report['model']['path'])} on "
+                 f"{report['target'].get('name', '?')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------- main --
+def run_bench(args, tracker_address) -> int:
+    if args.profile:
+        say(PROFILE_UNSUPPORTED)
+    _check_options(args)
+    old = load_report(args.vs) if args.vs else None
+    module = modelfile.prepare(args.model, args.target,
+                               modelfile.parse_input_shapes(args.input_shape))
+    host, port = tracker_address
+    tracker = TrackerClient(host, port, tls_ca=args.tls_ca)
+    waiter = TrackerClient(host, port, tls_ca=args.tls_ca)
+    farm = Farm(tracker, waiter)
+    try:
+        count = _device_count(tracker, args.key, args.devices)
+        say(f"benchmarking on {count} board(s) of key {args.key!r}")
+        runs = [BoardRun(i, farm, module, args) for i in range(count)]
+        try:
+            for run in runs:
+                run.start()
+            for run in runs:
+                while run.is_alive():
+                    run.join(0.2)  # short joins keep Ctrl-C reaching this thread
+        except KeyboardInterrupt:
+            held = farm.cancel()
+            for run in runs:
+                run.join(5.0)
+            say(f"interrupted: closed the sessions and returned {held} board(s)")
+            raise
+        report = build_report(args, module, runs, tracker.address)
+    finally:
+        waiter.close()
+        tracker.close()
+        module.cleanup()
+
+    old_results = old["results"] if old else None
+    for i, record in enumerate(report["results"]):
+        print(board_table(record, _match(record, old_results, i) if old_results else None))
+        print()
+    for failure in report["failures"]:
+        say(f"tether bench: board {failure['device_id'] or '?'} failed: {failure['error']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        say(f"wrote {args.json}")
+    if args.csv:
+        write_csv(args.csv, report["results"])
+        say(f"wrote {args.csv}")
+    if args.plot and report["results"]:
+        write_plot(args.plot, report, old)
+        say(f"wrote {args.plot}")
+    if not report["results"]:
+        raise errors.TetherError(f"no board finished the benchmark: "
+                                 f"{report['failures'][0]['error']}")
+    return 1 if report["failures"] else 0
+
+
+def add_arguments(p) -> None:
+    p.add_argument("model", help="ONNX model (compiled for --target) or a built module .so")
+    p.add_argument("--target", default="host",
+                   help="preset or triple[/cpu[/features]] to compile an ONNX model for "
+                        "(default host)")
+    p.add_argument("--key", required=True, help="device key of the boards to use")
+    p.add_argument("--devices", default="1", metavar="N|all",
+                   help="how many boards of the key to use at once (default 1)")
+    p.add_argument("--number", type=int, default=10, help="runs averaged into one sample")
+    p.add_argument("--repeat", type=int, default=10, help="samples to take (default 10)")
+    p.add_argument("--min-repeat-ms", type=float, default=0.0,
+                   help="grow --number until one sample lasts at least this long")
+    p.add_argument("--cooldown-ms", type=float, default=0.0, help="pause between samples")
+    p.add_argument("--input-shape", action="append", default=[], metavar="NAME=D0,D1,...",
+                   help="fix an ONNX input's unknown dimensions")
+    p.add_argument("--json", metavar="FILE", help="write raw samples and run conditions here")
+    p.add_argument("--csv", metavar="FILE", help="write one summary row per board here")
+    p.add_argument("--vs", metavar="OLD.json", help="print ratios against an earlier --json")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="write a latency plot of every board (needs matplotlib)")
+    p.add_argument("--profile", action="store_true",
+                   help="per-layer times (not supported yet; prints a note)")
+    p.add_argument("--wait", type=float, default=300.0,
+                   help="seconds to wait for a free board (default 300)")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds any one call on a board may take (default 60)")
+    p.add_argument("--tracker", help="HOST:PORT (default $TETHER_TRACKER)")
+    p.add_argument("--tls-ca", default=None,
+                   help="PEM certificate to trust when the farm serves TLS")

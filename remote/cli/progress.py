@@ -1,0 +1,106 @@
+"""Progress a person can see, for the ``progress=`` callbacks of the library.
+
+tqdm draws the bars when it is installed (``pip install tether[notebook]``;
+in Jupyter it draws widgets); otherwise a plain bar goes to stderr. Host side
+only: the library itself never prints.
+
+>>> from remote.cli.progress import bar
+>>> sess.upload("net.so", progress=bar("upload net.so"))     # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+try:  # optional extra
+    from tqdm.auto import tqdm as _tqdm
+except ImportError:  # pragma: no cover - depends on what is installed
+    _tqdm = None
+
+_PRINT_LOCK = threading.Lock()
+# A plain bar that is not on a terminal redraws at most this often.
+_PLAIN_INTERVAL_S = 0.5
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def say(message: str, stream=None) -> None:
+    """One line on stderr, whole even when several threads report at once."""
+    stream = stream or sys.stderr
+    with _PRINT_LOCK:
+        stream.write(message + "\n")
+        stream.flush()
+
+
+class ByteBar:
+    """A ``progress(done, total)`` callback that draws a bar of bytes."""
+
+    def __init__(self, label: str, position: int = 0, stream=None, use_tqdm=None):
+        self.label = label
+        self.stream = stream or sys.stderr
+        self.position = position
+        if use_tqdm is None:
+            # tqdm on a terminal or in Jupyter; CI logs read better with plain lines.
+            use_tqdm = _tqdm is not None and (_isatty(self.stream) or "ipykernel" in sys.modules)
+        self._use_tqdm = use_tqdm
+        self._bar = None
+        self._last = 0.0
+        self._done = False
+        self._start = time.monotonic()
+
+    def __call__(self, done: int, total: int) -> None:
+        if self._done:
+            return
+        if self._use_tqdm:
+            if self._bar is None:
+                self._bar = _tqdm(total=total, desc=self.label, unit="B", unit_scale=True,
+                                  unit_divisor=1024, position=self.position, leave=True,
+                                  file=self.stream)
+            self._bar.update(done - self._bar.n)
+            if done >= total:
+                self.close()
+            return
+        now = time.monotonic()
+        finished = done >= total
+        if not finished and now - self._last < _PLAIN_INTERVAL_S:
+            return
+        self._last = now
+        width = 24
+        filled = width * done // max(total, 1)
+        line = (f"{self.label} [{'#' * filled}{'.' * (width - filled)}] "
+                f"{done / 2**20:.1f}/{total / 2**20:.1f} MiB")
+        if finished:
+            line += f" in {now - self._start:.2f} s"
+            self._done = True
+        say(line, self.stream)
+
+    def close(self) -> None:
+        self._done = True
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+def bar(label: str, position: int = 0) -> ByteBar:
+    """A progress callback for ``upload``/``download``/``upload_tensor``."""
+    return ByteBar(label, position)
+
+
+@contextmanager
+def stage(label: str, stream=None):
+    """Announce a step that reports no progress of its own, then its duration.
+
+    >>> with stage("compiling mlp.onnx for rasp4b64"):      # doctest: +SKIP
+    ...     lib = crosscompile.build("mlp.onnx", "rasp4b64")
+    """
+    say(f"{label} ...", stream)
+    start = time.monotonic()
+    yield
+    say(f"{label}: done in {time.monotonic() - start:.2f} s", stream)

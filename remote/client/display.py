@@ -1,0 +1,181 @@
+"""How sessions, modules, benchmark results and the pool look to a person:
+plain-text tables for the terminal and ``print``, HTML tables for Jupyter.
+
+Pure functions over the objects' data; nothing here talks to a board.
+
+>>> res = mod.benchmark(number=10, repeat=5)      # doctest: +SKIP
+>>> print(res)                                    # the text table  # doctest: +SKIP
+>>> res                                           # in Jupyter: the HTML table  # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import html
+import time
+from typing import List, Sequence, Tuple
+
+Rows = Sequence[Tuple[object, ...]]
+
+# Benchmark statistics in the order every table shows them.
+STATS = ("mean", "median", "p90", "p99", "std", "min", "max")
+
+
+def ms(seconds: float) -> str:
+    """A time in milliseconds with four significant figures (0.01234 ms, 12.34 ms)."""
+    value = seconds * 1e3
+    if value == 0:
+        return "0 ms"
+    return f"{value:.4g} ms"
+
+
+def size(n_bytes: int) -> str:
+    """Bytes for people: 512 B, 3.4 KiB, 45.2 MiB, 1.5 GiB."""
+    if not n_bytes:
+        return "-"
+    value = float(n_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"
+
+
+# ------------------------------------------------------------ renderers --
+def text_table(headers: Sequence[str], rows: Rows) -> str:
+    """Columns padded to their widest cell, two spaces apart; no header line when
+    every header is empty (name/value lists)."""
+    lines = [tuple(headers), *rows] if any(headers) else list(rows)
+    widths = [max(len(str(x)) for x in col) for col in zip(*lines)]
+    return "\n".join("  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip()
+                     for row in lines)
+
+
+def html_table(headers: Sequence[str], rows: Rows, caption: str = "") -> str:
+    """A plain HTML table; every cell is escaped."""
+    out = ["<table>"]
+    if caption:
+        out.append(f"<caption>{html.escape(caption)}</caption>")
+    out.append("<thead><tr>" + "".join(f"<th>{html.escape(str(h))}</th>" for h in headers)
+               + "</tr></thead><tbody>")
+    for row in rows:
+        out.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>")
+    out.append("</tbody></table>")
+    return "".join(out)
+
+
+def error_html(message: str) -> str:
+    return f"<p><b>error:</b> {html.escape(message)}</p>"
+
+
+# -------------------------------------------------------------- session --
+def _device_rows(info: dict) -> List[Tuple[str, str]]:
+    memory = size(info.get("memory_bytes", 0))
+    return [
+        ("triple", info.get("triple") or "?"),
+        ("cpu", info.get("cpu_model") or "?"),
+        ("cores", str(info.get("cores", "?"))),
+        ("memory", memory),
+        ("os", info.get("os") or "?"),
+        ("python", info.get("python") or "?"),
+        ("numpy", info.get("numpy") or "?"),
+        ("server", info.get("server_version") or "?"),
+    ]
+
+
+def _session_rows(sess) -> List[Tuple[str, str]]:
+    rows = [("address", sess.address), ("session", sess.session_id),
+            ("state", "closed" if sess.closed else "open")]
+    return rows + _device_rows(sess.device_info())
+
+
+def session_text(sess) -> str:
+    return f"Session on {sess.address}\n" + text_table(("", ""), _session_rows(sess))
+
+
+def session_html(sess) -> str:
+    return html_table(("", ""), _session_rows(sess), caption=f"Session on {sess.address}")
+
+
+# --------------------------------------------------------------- module --
+def _tensor_rows(module) -> List[Tuple[str, str, str, str]]:
+    rows = []
+    for kind in ("inputs", "outputs"):
+        for t in module.metadata.get(kind, ()):
+            rows.append((kind[:-1], t["name"], t["dtype"], "x".join(map(str, t["shape"]))))
+    return rows
+
+
+def _module_caption(module) -> str:
+    target = module.metadata.get("target", {})
+    where = target.get("name") or target.get("triple") or "?"
+    return (f"RemoteModule {module.module_id} on {module.session.address} "
+            f"(built for {where}, loaded in {ms(module.load_s)})")
+
+
+def module_text(module) -> str:
+    return _module_caption(module) + "\n" + text_table(
+        ("", "NAME", "DTYPE", "SHAPE"), _tensor_rows(module))
+
+
+def module_html(module) -> str:
+    return html_table(("", "name", "dtype", "shape"), _tensor_rows(module),
+                      caption=_module_caption(module))
+
+
+# ------------------------------------------------------------ benchmark --
+def benchmark_rows(result) -> List[Tuple[str, str]]:
+    rows = [(name, ms(getattr(result, name))) for name in STATS]
+    rows.append(("load", ms(result.load_s)))
+    rows.append(("peak memory", size(getattr(result, "peak_rss_bytes", 0))))
+    rows.append(("runs", f"{result.repeat} x {result.number}"))
+    return rows
+
+
+def benchmark_text(result) -> str:
+    return "BenchmarkResult\n" + text_table(("", ""), benchmark_rows(result))
+
+
+def benchmark_html(result) -> str:
+    return html_table(("statistic", "value"), benchmark_rows(result),
+                      caption=f"Benchmark: {result.repeat} samples of {result.number} runs")
+
+
+# ----------------------------------------------------------------- pool --
+def _since(unix_time: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(unix_time))
+
+
+def _device_cells(d: dict) -> Tuple[str, ...]:
+    held = f"{_since(d['held_since'])} ({d['held_s']:.0f}s)" if d.get("holder") else "-"
+    return (d["device_id"], d["key"], d["address"], d["state"], d.get("holder") or "-", held,
+            d.get("triple") or "?", str(d.get("cores", "?")), size(d.get("memory_bytes", 0)))
+
+
+def summary_html(data: dict) -> str:
+    """``TrackerClient.summary()`` as three HTML tables: keys, devices, queue."""
+    parts = [f"<p>tracker {html.escape(data['tracker'])}</p>"]
+    parts.append(html_table(("key", "total", "free", "pending"),
+                            [(k["key"], k["total"], k["free"], k["pending"])
+                             for k in data["keys"]], caption="keys"))
+    parts.append(html_table(("device", "key", "address", "state", "holder", "since", "triple",
+                             "cores", "memory"),
+                            [_device_cells(d) for d in data["devices"]], caption="devices"))
+    parts.append(html_table(("#", "key", "priority", "client", "waited"),
+                            [(i + 1, w["key"], w["priority"], w["client"],
+                              f"{w['waited_s']:.1f}s") for i, w in enumerate(data["waiting"])],
+                            caption="queue, in the order it will be served"))
+    return "".join(parts)
+
+
+class PoolSummary(dict):
+    """The tracker's summary: plain JSON-ready data that prints as tables.
+
+    >>> tracker.summary()["keys"]       # doctest: +SKIP
+    >>> print(tracker.summary())        # the tables ``tether status`` shows  # doctest: +SKIP
+    """
+
+    def __str__(self) -> str:
+        from remote.client.tracker import format_summary
+        return format_summary(self)
+
+    def _repr_html_(self) -> str:
+        return summary_html(self)

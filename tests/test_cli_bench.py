@@ -1,0 +1,295 @@
+"""`tether bench` and `tether run` end to end: the commands run as subprocesses
+against a real tracker and two real device servers, with the test MLP really
+compiled; their printed output and JSON are parsed and checked."""
+import csv
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import onnx
+import pytest
+
+from remote.cli.localfarm import LocalFarm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+STATS = ("mean", "median", "p90", "p99", "std", "min", "max")
+
+
+@pytest.fixture(scope="module")
+def farm2():
+    with LocalFarm(keys=["host", "host"], env=ENV) as running:
+        yield running
+
+
+def tether(farm, *args, timeout=120):
+    host, port = farm.tracker
+    return subprocess.run([sys.executable, "-m", "remote.cli", *args, "--tracker",
+                           f"{host}:{port}"], env=ENV, cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def start_tether(farm, *args):
+    host, port = farm.tracker
+    return subprocess.Popen([sys.executable, "-m", "remote.cli", *args, "--tracker",
+                             f"{host}:{port}"], env=ENV, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def device_states(farm):
+    done = tether(farm, "status", "--json")
+    assert done.returncode == 0, done.stderr
+    return {d["device_id"]: (d["state"], d["holder"]) for d in json.loads(done.stdout)["devices"]}
+
+
+def wait_all_free(farm, within=15.0):
+    deadline = time.monotonic() + within
+    while True:
+        states = device_states(farm)
+        if all(state == "free" for state, _ in states.values()):
+            return states
+        if time.monotonic() > deadline:
+            raise AssertionError(f"boards still held after the interrupt: {states}")
+        time.sleep(0.2)
+
+
+def printed_tables(stdout):
+    """{device_id: {statistic: [cells...]}} from the per-board tables."""
+    tables, current = {}, None
+    for line in stdout.splitlines():
+        match = re.match(r"device (\S+) at (\S+) \(key (\S+)\)", line)
+        if match:
+            current = tables.setdefault(match.group(1), {})
+            continue
+        if current is not None and line.startswith("  ") and line.strip():
+            cells = re.split(r"\s{2,}", line.strip())
+            current[cells[0]] = cells[1:]
+    return tables
+
+
+@pytest.fixture(scope="module")
+def onnx_path(tmp_path_factory):
+    from tests.onnx_models import mlp
+    path = str(tmp_path_factory.mktemp("bench") / "mlp.onnx")
+    onnx.save(mlp(), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def first_run(farm2, onnx_path, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("first")
+    out_json, out_csv = str(folder / "a.json"), str(folder / "a.csv")
+    done = tether(farm2, "bench", onnx_path, "--target", "host", "--key", "host",
+                  "--number", "3", "--repeat", "4", "--json", out_json, "--csv", out_csv)
+    assert done.returncode == 0, done.stderr
+    return done, out_json, out_csv
+
+
+def test_bench_prints_a_table_and_writes_reproducible_json(first_run, onnx_path):
+    done, out_json, out_csv = first_run
+    assert "compiling mlp.onnx for host" in done.stderr      # progress of the compile step
+    assert re.search(r"upload mlp\.so .*MiB", done.stderr)   # and of the upload
+    tables = printed_tables(done.stdout)
+    assert len(tables) == 1
+    (table,) = tables.values()
+    for name in STATS + ("cold load", "warm load"):
+        assert re.fullmatch(r"[\d.e+-]+ ms", table[name][0]), (name, table[name])
+    assert re.fullmatch(r"[\d.]+ (KiB|MiB|GiB)", table["peak memory"][0])
+    assert table["runs"] == ["4 x 3"]
+
+    with open(out_json) as f:
+        report = json.load(f)
+    assert report["schema"] == "tether.bench/1"
+    assert isinstance(report["tool"]["version"], str) and report["tool"]["name"] == "tether"
+    assert isinstance(report["created"], str)
+    with open(onnx_path, "rb") as f:
+        assert report["model"]["sha256"] == hashlib.sha256(f.read()).hexdigest()
+    assert report["model"]["kind"] == "onnx" and report["model"]["module_bytes"] > 0
+    assert report["target"]["name"] == "host" and report["target"]["triple"]
+    assert report["options"] == {"key": "host", "devices": "1", "number": 3, "repeat": 4,
+                                 "min_repeat_ms": 0.0, "cooldown_ms": 0.0, "target": "host"}
+    assert [t["name"] for t in report["module"]["inputs"]] == ["input"]
+    assert report["failures"] == []
+    (result,) = report["results"]
+    assert result["device_id"] in table_ids(done.stdout)
+    assert len(result["samples_s"]) == 4 and all(isinstance(s, float) and s > 0
+                                                 for s in result["samples_s"])
+    assert result["number"] == 3 and result["repeat"] == 4
+    stats = result["stats_s"]
+    assert set(stats) == set(STATS)
+    assert stats["min"] == min(result["samples_s"]) and stats["max"] == max(result["samples_s"])
+    assert stats["min"] <= stats["median"] <= stats["p90"] <= stats["p99"] <= stats["max"]
+    assert result["cold_load_s"] > 0 and result["warm_load_s"] > 0
+    # The worker process on the board holds at least the module and numpy.
+    assert isinstance(result["peak_rss_bytes"], int) and result["peak_rss_bytes"] > 1 << 20
+    device = result["device"]
+    assert device["cores"] >= 1 and device["triple"] and "server_version" in device
+
+    with open(out_csv) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 1 and rows[0]["device_id"] == result["device_id"]
+    assert float(rows[0]["median_ms"]) == pytest.approx(stats["median"] * 1e3, rel=1e-5)
+
+
+def table_ids(stdout):
+    return set(printed_tables(stdout))
+
+
+def test_two_boards_in_parallel_with_ratios_against_an_earlier_run(farm2, first_run, tmp_path,
+                                                                  mlp_module):
+    _, old_json, _ = first_run
+    new_json, plot = str(tmp_path / "b.json"), str(tmp_path / "latency.png")
+    # A module built before (`tether compile`) goes to the boards as it is.
+    done = tether(farm2, "bench", mlp_module[1], "--key", "host", "--devices", "2",
+                  "--repeat", "5", "--vs", old_json, "--json", new_json, "--plot", plot)
+    try:
+        import matplotlib  # noqa: F401
+        has_matplotlib = True
+    except ImportError:
+        has_matplotlib = False
+    if not has_matplotlib:
+        assert done.returncode == 1
+        assert "--plot needs matplotlib" in done.stderr and "pip install" in done.stderr
+        assert "Traceback" not in done.stderr
+        done = tether(farm2, "bench", mlp_module[1], "--key", "host", "--devices", "2",
+                      "--repeat", "5", "--vs", old_json, "--json", new_json)
+    assert done.returncode == 0, done.stderr
+    with open(old_json) as f:
+        old = json.load(f)
+    with open(new_json) as f:
+        new = json.load(f)
+    assert new["model"]["kind"] == "module"
+    assert len({r["device_id"] for r in new["results"]}) == 2   # two different boards
+    assert len(set(r["address"] for r in new["results"])) == 2
+    tables = printed_tables(done.stdout)
+    assert set(tables) == {r["device_id"] for r in new["results"]}
+    (before,) = old["results"]
+    for result in new["results"]:
+        table = tables[result["device_id"]]
+        if result["device_id"] == before["device_id"]:
+            ratio = float(table["median"][2].rstrip("x"))
+            assert ratio == pytest.approx(result["stats_s"]["median"]
+                                          / before["stats_s"]["median"], abs=1e-3)
+            ratio = float(table["cold load"][2].rstrip("x"))
+            assert ratio == pytest.approx(result["cold_load_s"] / before["cold_load_s"], abs=1e-3)
+        assert len(table["mean"]) == 3   # value, before, ratio
+    if has_matplotlib:
+        with open(plot, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_vs_rejects_a_file_that_is_not_a_bench_result(farm2, onnx_path, tmp_path):
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"hello": 1}))
+    done = tether(farm2, "bench", onnx_path, "--key", "host", "--vs", str(other))
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "is not a `tether bench --json` result" in lines[0]
+
+
+def test_errors_are_one_line_and_debug_shows_the_traceback(farm2, onnx_path):
+    done = tether(farm2, "bench", onnx_path, "--key", "no-such-board")
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    assert "no device registered under key 'no-such-board'; registered keys: host" in done.stderr
+    done = tether(farm2, "bench", onnx_path, "--key", "host", "--devices", "3")
+    assert "key 'host' has only 2 board(s); use --devices 2 or --devices all" in done.stderr
+    done = tether(farm2, "run", "missing.onnx", "--key", "host", "--random")
+    assert done.returncode == 1 and "'missing.onnx': no such file" in done.stderr
+    assert "Traceback" not in done.stderr
+    done = tether(farm2, "run", onnx_path, "--key", "host")
+    assert "give the inputs: --input x.npy" in done.stderr
+    host, port = farm2.tracker
+    debug = subprocess.run([sys.executable, "-m", "remote.cli", "--debug", "bench", onnx_path,
+                            "--key", "no-such-board", "--tracker", f"{host}:{port}"],
+                           env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert debug.returncode == 1 and "Traceback" in debug.stderr and "NoSuchKey" in debug.stderr
+
+
+@pytest.mark.parametrize("command", ["bench", "run", "status", "compile", "demo"])
+def test_every_command_help_has_an_example(command):
+    done = subprocess.run([sys.executable, "-m", "remote.cli", command, "--help"], env=ENV,
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0
+    assert re.search(r"examples?:\s+tether " + command, done.stdout), done.stdout
+
+
+def test_profile_says_it_is_not_supported_yet(farm2, mlp_module):
+    done = tether(farm2, "bench", mlp_module[1], "--key", "host", "--repeat", "2", "--profile")
+    assert done.returncode == 0, done.stderr
+    assert "--profile: per-layer timing is not supported yet" in done.stderr
+    assert len(printed_tables(done.stdout)) == 1
+
+
+def test_run_random_prints_top_k_like_onnxruntime(farm2, onnx_path):
+    from remote.cli.run import random_inputs
+    from tests.onnx_models import mlp, reference
+    done = tether(farm2, "run", onnx_path, "--key", "host", "--random", "--top-k", "3",
+                  "--seed", "5")
+    assert done.returncode == 0, done.stderr
+    ranked = re.findall(r"#(\d)\s+class (\d+)\s+(\S+)", done.stdout)
+    assert [int(r[0]) for r in ranked] == [1, 2, 3]
+    x = random_inputs([{"name": "input", "dtype": "float32", "shape": [1, 1, 28, 28]}], 5)
+    (ref,) = reference(mlp(), x)
+    expected = np.argsort(ref[0])[::-1][:3]
+    assert [int(r[1]) for r in ranked] == list(expected)
+    for (_, index, score) in ranked:
+        assert float(score) == pytest.approx(float(ref[0][int(index)]), rel=1e-4, abs=1e-6)
+    assert re.search(r"latency: [\d.e+-]+ ms on the board, [\d.e+-]+ ms round trip", done.stdout)
+
+
+def read_stderr_until(proc, pattern, within=60.0):
+    """Lines of the command's stderr up to the first that matches ``pattern``."""
+    seen = []
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        seen.append(line)
+        if re.search(pattern, line):
+            return seen
+    proc.kill()
+    raise AssertionError(f"never saw {pattern!r}; stderr so far: {''.join(seen)}")
+
+
+def interrupt(proc, seen):
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    return proc.returncode, "".join(seen) + err
+
+
+def test_ctrl_c_during_upload_returns_the_board(farm2, tmp_path):
+    # Big enough that the upload lasts a while even on loopback (a sparse file:
+    # nothing is written here, but every byte is checksummed and sent).
+    big = tmp_path / "big.so"
+    with open(big, "wb") as f:
+        f.truncate(768 << 20)
+    proc = start_tether(farm2, "bench", str(big), "--key", "host")
+    seen = read_stderr_until(proc, r"upload big\.so \[.*\] [\d.]+/768\.0 MiB$")
+    code, err = interrupt(proc, seen)
+    assert code == 130, err
+    assert "interrupted: closed the sessions and returned 1 board(s)" in err
+    assert not re.search(r"upload big\.so .* in [\d.]+ s", err)  # stopped part way
+    assert "Traceback" not in err
+    wait_all_free(farm2)
+
+
+def test_ctrl_c_during_benchmark_returns_every_board(farm2, onnx_path):
+    proc = start_tether(farm2, "bench", onnx_path, "--key", "host", "--devices", "2",
+                        "--repeat", "30", "--min-repeat-ms", "1000")
+    seen = read_stderr_until(proc, r"benchmarking: 30 samples")
+    seen += read_stderr_until(proc, r"benchmarking: 30 samples")
+    held = device_states(farm2)
+    assert all(state == "in_use" for state, _ in held.values()), held
+    code, err = interrupt(proc, seen)
+    assert code == 130, err
+    assert "interrupted: closed the sessions and returned 2 board(s)" in err
+    assert "Traceback" not in err
+    wait_all_free(farm2)
