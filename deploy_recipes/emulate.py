@@ -7,7 +7,9 @@ that generation ships them. It is built once with ``debootstrap --foreign``
 the downloaded packages, and cached under ``$TETHER_CACHE/rootfs`` (default
 ``~/.cache/tether/rootfs``). The device server then runs inside it with
 ``qemu-aarch64``/``qemu-arm -L ROOTFS``: every system call is the host's, so the
-board listens on, and dials, the host's own network.
+board listens on, and dials, the host's own network. Where a Debian package
+cannot work as shipped (GUEST_FIXES: trixie armhf's grpcio), a small preload
+library built with the host's cross compiler goes into that root filesystem.
 
     >>> board = EmulatedBoard("bookworm", "arm64")                       # doctest: +SKIP
     >>> board.start(tracker="127.0.0.1:9190", key="qemu-arm64")          # doctest: +SKIP
