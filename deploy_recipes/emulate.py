@@ -106,7 +106,9 @@ def missing_tools(arch: str = "arm64", release: Optional[str] = None) -> List[st
     need = [(ARCHES[arch].qemu, "qemu-user"), ("debootstrap", "debootstrap"),
             ("dpkg-deb", "dpkg")]
     if any(a == arch and release in (None, r) for r, a in GUEST_FIXES):
-        need.append((_cross_compiler(ARCHES[arch]), "gcc-" + ARCHES[arch].multiarch))
+        # The compiler, and the C library it links against.
+        need += [(_cross_compiler(ARCHES[arch]), "gcc-" + ARCHES[arch].multiarch),
+                 (_cross_compiler(ARCHES[arch]), f"libc6-dev-{arch}-cross")]
     if os.getuid() != 0:
         need.append(("fakeroot", "fakeroot"))  # debootstrap makes device nodes
     path = os.environ.get("PATH", "") + os.pathsep + "/usr/sbin:/sbin"
@@ -270,7 +272,8 @@ def _install_fixes(root: str, release: str, arch: Arch, progress: Progress):
         tmp = root + lib + f".{os.getpid()}"
         src = os.path.join(os.path.dirname(os.path.abspath(__file__)), source)
         _run([compiler, "-shared", "-fPIC", "-O2", "-o", tmp, src, "-ldl"],
-             f"{_cross_compiler(arch)} of {source}")
+             f"{_cross_compiler(arch)} of {source} (needs gcc-{arch.multiarch} and "
+             f"libc6-dev-{arch.debian}-cross)")
         os.replace(tmp, root + lib)
         with open(os.path.join(fix_dir, source), "wb") as f:
             f.write(_fix_source(source))
