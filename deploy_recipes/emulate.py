@@ -7,7 +7,9 @@ that generation ships them. It is built once with ``debootstrap --foreign``
 the downloaded packages, and cached under ``$TETHER_CACHE/rootfs`` (default
 ``~/.cache/tether/rootfs``). The device server then runs inside it with
 ``qemu-aarch64``/``qemu-arm -L ROOTFS``: every system call is the host's, so the
-board listens on, and dials, the host's own network.
+board listens on, and dials, the host's own network. Where a Debian package
+cannot work as shipped (GUEST_FIXES: trixie armhf's grpcio), a small preload
+library built with the host's cross compiler goes into that root filesystem.
 
     >>> board = EmulatedBoard("bookworm", "arm64")                       # doctest: +SKIP
     >>> board.start(tracker="127.0.0.1:9190", key="qemu-arm64")          # doctest: +SKIP
@@ -38,6 +40,18 @@ PACKAGES = ("python3", "python3-numpy", "python3-grpcio", "python3-protobuf")
 EXTRA_PACKAGES = {"trixie": ("libre2-11",)}
 # Bump when the way a root filesystem is made changes, so caches are rebuilt.
 ROOTFS_FORMAT = 2
+# Debian packages that fail as shipped, worked around by a preload library the
+# guest's dynamic loader loads into every process (listed in the root
+# filesystem's /etc/ld.so.preload). (release, arch): (C source in
+# deploy_recipes/, why). Delete an entry once Debian fixes its package.
+GUEST_FIXES = {
+    ("trixie", "armhf"): (
+        "grpc_time64_fix.c",
+        "python3-grpcio 1.51.1 reads the clock through the 32-bit clock_gettime system call "
+        "into a 64-bit timespec and aborts at start"),
+}
+# Where the fix libraries (and a copy of their source) live inside the root filesystem.
+FIX_DIR = "/usr/local/lib/tether"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 STARTUP_TIMEOUT_S = 180.0
 # Where the device-side code lives inside the root filesystem.
@@ -84,10 +98,17 @@ def _check(release: str, arch: str) -> Arch:
     return ARCHES[arch]
 
 
-def missing_tools(arch: str = "arm64") -> List[str]:
-    """Debian packages to install before boards of ``arch`` can be built and run."""
+def missing_tools(arch: str = "arm64", release: Optional[str] = None) -> List[str]:
+    """Debian packages to install before boards of ``arch`` can be built and run.
+
+    Without ``release``: what every release of ``arch`` needs.
+    """
     need = [(ARCHES[arch].qemu, "qemu-user"), ("debootstrap", "debootstrap"),
             ("dpkg-deb", "dpkg")]
+    if any(a == arch and release in (None, r) for r, a in GUEST_FIXES):
+        # The compiler, and the C library it links against.
+        need += [(_cross_compiler(ARCHES[arch]), "gcc-" + ARCHES[arch].multiarch),
+                 (_cross_compiler(ARCHES[arch]), f"libc6-dev-{arch}-cross")]
     if os.getuid() != 0:
         need.append(("fakeroot", "fakeroot"))  # debootstrap makes device nodes
     path = os.environ.get("PATH", "") + os.pathsep + "/usr/sbin:/sbin"
@@ -159,27 +180,29 @@ def build_rootfs(release: str, arch: str, progress: Progress = None,
     spec = _check(release, arch)
     root = rootfs_path(release, arch)
     marker = os.path.join(root, ".tether-rootfs.json")
-    if _current(marker):
+    if _current(marker) and _fixes_current(root, release, arch):
         return root
-    missing = missing_tools(arch)
+    missing = missing_tools(arch, release)
     if missing:
-        raise EmulationError(f"emulated boards need: apt-get install {' '.join(missing)}")
+        raise EmulationError(f"emulated {release} {arch} boards need: "
+                             f"apt-get install {' '.join(missing)}")
     os.makedirs(os.path.dirname(root), exist_ok=True)
     # Two processes building the same root filesystem wait for each other.
     with open(root + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if _current(marker):
-            return root
-        work = tempfile.mkdtemp(prefix=f".{release}-{arch}-", dir=os.path.dirname(root))
-        os.chmod(work, 0o755)
-        try:
-            _build_into(work, release, spec, progress, mirror or debian_mirror())
-            if os.path.isdir(root):
-                shutil.rmtree(root)
-            os.rename(work, root)
-        except BaseException:
-            shutil.rmtree(work, ignore_errors=True)
-            raise
+        if not _current(marker):
+            work = tempfile.mkdtemp(prefix=f".{release}-{arch}-", dir=os.path.dirname(root))
+            os.chmod(work, 0o755)
+            try:
+                _build_into(work, release, spec, progress, mirror or debian_mirror())
+                if os.path.isdir(root):
+                    shutil.rmtree(root)
+                os.rename(work, root)
+            except BaseException:
+                shutil.rmtree(work, ignore_errors=True)
+                raise
+        if not _fixes_current(root, release, arch):
+            _install_fixes(root, release, spec, progress)
     return root
 
 
@@ -189,6 +212,79 @@ def _current(marker: str) -> bool:
             return json.load(f).get("format") == ROOTFS_FORMAT
     except (OSError, ValueError):
         return False
+
+
+def _cross_compiler(arch: Arch) -> str:
+    return arch.multiarch + "-gcc"
+
+
+def _fix_source(name: str) -> bytes:
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), name), "rb") as f:
+        return f.read()
+
+
+def _preload_lines(root: str) -> List[str]:
+    try:
+        with open(os.path.join(root, "etc", "ld.so.preload")) as f:
+            return f.read().split()
+    except OSError:
+        return []
+
+
+def _fixes_current(root: str, release: str, arch: str) -> bool:
+    """Whether the root filesystem holds exactly the fixes GUEST_FIXES asks for, built
+    from the current sources."""
+    fix = GUEST_FIXES.get((release, arch))
+    ours = [line for line in _preload_lines(root) if line.startswith(FIX_DIR + "/")]
+    if fix is None:
+        return not ours
+    source, _why = fix
+    lib = f"{FIX_DIR}/{source[:-2]}.so"
+    try:
+        with open(root + f"{FIX_DIR}/{source}", "rb") as f:
+            built_from = f.read()
+    except OSError:
+        return False
+    return ours == [lib] and built_from == _fix_source(source) and os.path.isfile(root + lib)
+
+
+def _install_fixes(root: str, release: str, arch: Arch, progress: Progress):
+    """Build the preload library GUEST_FIXES names for this system with the host's cross
+    compiler, put it in the root filesystem and list it in its /etc/ld.so.preload (or
+    remove a fix that is no longer needed)."""
+    say = progress or (lambda _msg: None)
+    others = [line for line in _preload_lines(root) if not line.startswith(FIX_DIR + "/")]
+    libs = []
+    fix = GUEST_FIXES.get((release, arch.debian))
+    if fix is not None:
+        source, why = fix
+        compiler = shutil.which(_cross_compiler(arch))
+        if compiler is None:
+            raise EmulationError(
+                f"emulated {release} {arch.debian} boards need a workaround built with "
+                f"{_cross_compiler(arch)}: apt-get install gcc-{arch.multiarch} "
+                f"libc6-dev-{arch.debian}-cross")
+        say(f"building {source[:-2]}.so into the root filesystem: Debian {release} "
+            f"{arch.debian} {why} (see docs/boards.md)")
+        fix_dir = root + FIX_DIR
+        os.makedirs(fix_dir, exist_ok=True)
+        lib = f"{FIX_DIR}/{source[:-2]}.so"
+        tmp = root + lib + f".{os.getpid()}"
+        src = os.path.join(os.path.dirname(os.path.abspath(__file__)), source)
+        _run([compiler, "-shared", "-fPIC", "-O2", "-o", tmp, src, "-ldl"],
+             f"{_cross_compiler(arch)} of {source} (needs gcc-{arch.multiarch} and "
+             f"libc6-dev-{arch.debian}-cross)")
+        os.replace(tmp, root + lib)
+        with open(os.path.join(fix_dir, source), "wb") as f:
+            f.write(_fix_source(source))
+        libs.append(lib)
+    preload = os.path.join(root, "etc", "ld.so.preload")
+    if others or libs:
+        with open(preload + ".tmp", "w") as f:
+            f.write("".join(line + "\n" for line in others + libs))
+        os.replace(preload + ".tmp", preload)
+    elif os.path.exists(preload):
+        os.unlink(preload)
 
 
 def _build_into(work: str, release: str, arch: Arch, progress: Progress, mirror: str):

@@ -31,16 +31,6 @@ SYSTEMS = [(release, arch) for release in emulate.RELEASES for arch in emulate.A
 
 def _system_param(release, arch):
     marks = [pytest.mark.emulated, getattr(pytest.mark, f"{release}_{arch}")]
-    if (release, arch) == ("trixie", "armhf"):
-        # Debian trixie's armhf grpcio (1.51.1, built for 64-bit time_t) reads the
-        # clock with the raw 32-bit clock_gettime system call, which fills only half
-        # of its 64-bit timespec; grpc core then aborts on the garbage tv_nsec as it
-        # starts (time_posix.cc). This is in Debian's package, not in qemu: qemu 10
-        # aborts the same way. Not strict: the garbage can happen to be in range.
-        marks.append(pytest.mark.xfail(
-            strict=False,
-            reason="Debian trixie armhf python3-grpcio 1.51.1 calls the 32-bit clock_gettime "
-                   "syscall with a 64-bit timespec; grpc aborts at start on any qemu"))
     return pytest.param((release, arch), id=f"{release}-{arch}", marks=marks)
 
 
@@ -175,6 +165,27 @@ def test_child_pythons_of_the_board_run_emulated_too(rootfs_builds):
     parent, child = out.stdout.split("\n")[:2]
     assert parent == "armv7l"
     assert child.startswith("armv7l 1.24.")
+
+
+@pytest.mark.emulated
+@pytest.mark.trixie_armhf
+def test_trixie_armhf_grpc_works_in_the_board_and_its_child_pythons(rootfs_builds):
+    """Debian trixie's armhf grpcio aborts on its own clock reads; the preload fix the
+    emulator builds into that root filesystem reaches child Pythons as well."""
+    emulate.build_rootfs("trixie", "armhf")
+    board = emulate.EmulatedBoard("trixie", "armhf")
+    serve = ("import concurrent.futures, time, grpc; "
+             "s = grpc.server(concurrent.futures.ThreadPoolExecutor(1)); "
+             "port = s.add_insecure_port('127.0.0.1:0'); s.start(); time.sleep(0.2); "
+             "print('fix' if 'grpc_time64_fix' in open('/proc/self/maps').read() else 'nofix', "
+             "port > 0, flush=True); s.stop(None)")
+    code = (f"import subprocess, sys; exec({serve!r}); "
+            f"subprocess.check_call([sys.executable, '-c', {serve!r}])")
+    out = subprocess.run(board.command(["-c", code]), env=board.environment(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         universal_newlines=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:2] == ["fix True", "fix True"]
 
 
 @pytest.mark.emulated
