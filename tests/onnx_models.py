@@ -135,3 +135,67 @@ def assert_zoo_matches(got: list, want: list) -> None:
     first row, the logits when zoo_model exposes them) is the reference's."""
     assert_zoo_close(got, want)
     assert got[0][0].argmax() == want[0][0].argmax()
+
+
+# -- the onnx package's bundled model zoo -------------------------------------------------
+
+ZOO = ["bvlc_alexnet", "densenet121", "inception_v1", "inception_v2", "resnet50",
+       "shufflenet", "squeezenet", "vgg19", "zfnet512"]
+
+
+def zoo_path(name: str) -> str:
+    import os
+    return os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light",
+                        f"light_{name}.onnx")
+
+
+def zoo_model(name: str, seed: int = 0, logits: bool = True) -> onnx.ModelProto:
+    """A light zoo model with random parameters instead of its constant fill.
+
+    The bundled models fill every weight with one value (ConstantOfShape), so
+    every spatial position and channel computes the same number and indexing
+    bugs would cancel out; random parameters make each output element
+    distinct. Weights are scaled so activations stay in range; 1-D
+    parameters (biases, BatchNorm scale/mean/var) are drawn from [0.5, 1.5].
+    """
+    model = onnx.load(zoo_path(name))
+    graph = model.graph
+    inits = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    rng = np.random.default_rng(seed)
+    kept, params = [], []
+    for node in graph.node:
+        if node.op_type == "ConstantOfShape" and node.input[0] in inits:
+            shape = tuple(int(d) for d in inits[node.input[0]])
+            if len(shape) >= 2:
+                # He scaling for convolutions; the classifier gets a tenth
+                # of it so that the final softmax does not saturate.
+                fan_in = int(np.prod(shape[1:]))
+                gain = 2.0 if len(shape) > 2 else 0.01
+                value = rng.standard_normal(shape) * np.sqrt(gain / fan_in)
+            else:
+                value = rng.uniform(0.5, 1.5, shape)
+            params.append(numpy_helper.from_array(value.astype(np.float32), node.output[0]))
+        else:
+            kept.append(node)
+    del graph.node[:]
+    graph.node.extend(kept)
+    used = {name for node in kept for name in node.input}
+    unused = [i for i in graph.initializer if i.name not in used]
+    for init in unused:  # the shapes of the fills just replaced
+        graph.initializer.remove(init)
+    gone = {i.name for i in unused}
+    for vi in [vi for vi in graph.input if vi.name in gone]:
+        graph.input.remove(vi)
+    graph.initializer.extend(params)
+    if logits and kept[-1].op_type == "Softmax":
+        # Also expose the logits: a saturated softmax would hide errors.
+        graph.output.append(helper.make_tensor_value_info(kept[-1].input[0], TensorProto.FLOAT, None))
+    return model
+
+
+def zoo_input(model: onnx.ModelProto, seed: int = 1) -> dict:
+    """Random input for the zoo model's one runtime input."""
+    inits = {i.name for i in model.graph.initializer}
+    (vi,) = [vi for vi in model.graph.input if vi.name not in inits]
+    shape = [d.dim_value for d in vi.type.tensor_type.shape.dim]
+    return {vi.name: np.random.default_rng(seed).standard_normal(shape).astype(np.float32)}
