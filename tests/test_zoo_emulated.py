@@ -3,13 +3,20 @@ run on emulated boards through a real tracker, against onnxruntime on the host.
 
 One emulated Debian bookworm board per architecture (arm64 for rasp4b64,
 armhf for rasp3b) is started once for the session and registered with one
-tracker; each test leases its board, uploads the module, loads and runs it.
-Each model is compiled once per target (session cache on disk). Tolerance and
-class check are test_zoo.py's (tests.onnx_models.assert_zoo_matches).
+tracker. For each model, one worker per board compiles it once for that
+board's target, leases the board, uploads, loads and runs it; the test then
+checks the outputs against onnxruntime with test_zoo.py's tolerance and class
+check (tests.onnx_models.assert_zoo_matches). Uploads go up to 575 MB
+(VGG-19), under the server's default --max-upload-bytes of 1 GiB, which the
+tests check against the limit the board reports.
 
-Run time: qemu runs this code about 100-150x slower than the host (ResNet-50
-~70 s, VGG-19 a few minutes per board), so the model bodies get generous run
-timeouts; the marks let one architecture be picked alone:
+Run time: qemu runs this code about 100x slower than the host. Measured on
+2 shared cores (board run, arm64 / armhf): VGG-19 233 / 203 s, ResNet-50
+77 / 66 s, Inception v2 34 / 23 s, DenseNet-121 33 / 27 s, Inception v1
+19 / 18 s, ZFNet-512 14 / 15 s, SqueezeNet 5 / 9 s, AlexNet 5 / 5 s,
+ShuffleNet 2 / 4 s; the whole file about 9 minutes, as the two boards run
+at once (see zoo_runs). Runs get generous timeouts; the marks let one
+architecture be picked alone:
 
     pytest -m bookworm_arm64 tests/test_zoo_emulated.py
 """
