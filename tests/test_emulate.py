@@ -16,8 +16,8 @@ import pytest
 
 from deploy_recipes import emulate
 from remote import errors, rpc
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.emulated_boards import (ROOT, TARGET_FOR_ARCH, local_farm, running_board,
+                                   skip_without_tools)
 
 # What each Debian release ships: (Python, numpy) major.minor of its own packages.
 RELEASE_STACKS = {
@@ -25,7 +25,6 @@ RELEASE_STACKS = {
     "bookworm": ("3.11", "1.24"),
     "trixie": ("3.13", "2.2"),
 }
-TARGET_FOR_ARCH = {"arm64": "rasp4b64", "armhf": "rasp3b"}
 SYSTEMS = [(release, arch) for release in emulate.RELEASES for arch in emulate.ARCHES]
 
 
@@ -37,16 +36,10 @@ def _system_param(release, arch):
 SYSTEM_PARAMS = [_system_param(r, a) for r, a in SYSTEMS]
 
 
-def _skip_without_tools():
-    missing = sorted({pkg for arch in emulate.ARCHES for pkg in emulate.missing_tools(arch)})
-    if missing:
-        pytest.skip(f"emulated ARM boards need Debian packages: apt-get install {' '.join(missing)}")
-
-
 @pytest.fixture(scope="session")
 def rootfs_builds(request):
     """Builds of every root filesystem the selected tests use, started at once in parallel."""
-    _skip_without_tools()
+    skip_without_tools()
     wanted = []
     for item in request.session.items:
         callspec = getattr(item, "callspec", None)
@@ -61,9 +54,7 @@ def rootfs_builds(request):
 
 @pytest.fixture(scope="module")
 def tracker():
-    from remote.cli.localfarm import LocalFarm
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    with LocalFarm(keys=[], env=env) as farm:
+    with local_farm() as farm:
         yield farm
 
 
@@ -95,14 +86,8 @@ def board(system, rootfs_builds, tracker):
     release, arch = system
     rootfs_builds[system].result()
     key = f"emu-{release}-{arch}"
-    b = emulate.EmulatedBoard(release, arch)
-    b.start(tracker=f"127.0.0.1:{tracker.tracker[1]}", key=key,
-            log_path=os.path.join(tracker.log_dir, f"{key}.log"))
-    try:
-        tracker.wait_for_devices(key, 1, timeout=120)
+    with running_board(tracker, release, arch, key) as b:
         yield key, b
-    finally:
-        b.stop()
 
 
 def test_emulated_board_reports_its_arm_system(system, board, tracker):

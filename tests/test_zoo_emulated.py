@@ -1,0 +1,134 @@
+"""Every model of the onnx package's light zoo, compiled for rasp4b64 and rasp3b,
+run on emulated boards through a real tracker, against onnxruntime on the host.
+
+One emulated Debian bookworm board per architecture (arm64 for rasp4b64,
+armhf for rasp3b) is started once for the session and registered with one
+tracker. For each model, one worker per board compiles it once for that
+board's target, leases the board, uploads, loads and runs it; the test then
+checks the outputs against onnxruntime with test_zoo.py's tolerance and class
+check (tests.onnx_models.assert_zoo_matches). Uploads go up to 575 MB
+(VGG-19), under the server's default --max-upload-bytes of 1 GiB, which the
+tests check against the limit the board reports.
+
+Run time: qemu runs this code about 100x slower than the host. Measured on
+2 shared cores (board run, arm64 / armhf): VGG-19 233 / 203 s, ResNet-50
+77 / 66 s, Inception v2 34 / 23 s, DenseNet-121 33 / 27 s, Inception v1
+19 / 18 s, ZFNet-512 14 / 15 s, SqueezeNet 5 / 9 s, AlexNet 5 / 5 s,
+ShuffleNet 2 / 4 s; the whole file about 9 minutes, as the two boards run
+at once (see zoo_runs). Runs get generous timeouts; the marks let one
+architecture be picked alone:
+
+    pytest -m bookworm_arm64 tests/test_zoo_emulated.py
+"""
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
+
+import pytest
+
+from deploy_recipes import emulate
+from remote import rpc
+from tests.emulated_boards import TARGET_FOR_ARCH, local_farm, running_board, skip_without_tools
+from tests.onnx_models import ZOO, assert_zoo_matches, reference, zoo_input, zoo_model
+
+RELEASE = "bookworm"
+ARCHES = ["arm64", "armhf"]
+# Seconds a run may take on an emulated board; far above what was measured
+# (the slowest, VGG-19, takes a few minutes) so that a slow CI machine does
+# not fail, while a hung module still ends the test.
+RUN_TIMEOUT_S = 1800.0
+# Transfers of up to ~575 MB (VGG-19's parameters) into the emulated server.
+UPLOAD_TIMEOUT_S = 600.0
+
+
+@pytest.fixture(scope="session")
+def zoo_farm():
+    """One tracker plus one emulated bookworm board per architecture, for the session."""
+    skip_without_tools()
+    for arch in ARCHES:
+        emulate.build_rootfs(RELEASE, arch)
+    with local_farm() as farm:
+        with running_board(farm, RELEASE, ARCHES[0], f"zoo-{RELEASE}-{ARCHES[0]}") as first, \
+                running_board(farm, RELEASE, ARCHES[1], f"zoo-{RELEASE}-{ARCHES[1]}") as second:
+            keys = {ARCHES[0]: first.key, ARCHES[1]: second.key}
+            yield farm, keys
+
+
+TEST_NAME = "test_zoo_model_matches_onnxruntime_on_emulated_board"
+
+
+class BoardRun(NamedTuple):
+    outputs: list
+    device_s: float     # the run on the board
+    total_s: float      # lease, upload, load and run
+    upload_bytes: int
+
+
+def _compile(folder, name, model, target):
+    import crosscompile
+    path = os.path.join(folder, f"{name}-{target}.so")
+    crosscompile.build(model, target=target).export_library(path)
+    return path
+
+
+def _run_on_board(farm, key, so_path, name, feeds):
+    started = time.perf_counter()
+    with rpc.connect_tracker(*farm.tracker).request(key, timeout=120) as sess:
+        size = os.path.getsize(so_path)
+        assert size <= sess.max_upload_bytes, \
+            f"{so_path} is {size} bytes, over the board's --max-upload-bytes {sess.max_upload_bytes}"
+        sess.upload(so_path, target=f"{name}.so", timeout=UPLOAD_TIMEOUT_S)
+        module = sess.load_module(f"{name}.so", timeout=UPLOAD_TIMEOUT_S)
+        outputs = module.run(feeds, timeout=RUN_TIMEOUT_S)
+        return BoardRun(outputs, module.last_run_s, time.perf_counter() - started, size)
+
+
+@pytest.fixture(scope="session")
+def zoo_runs(request, zoo_farm, tmp_path_factory):
+    """{(model, arch): Future of BoardRun} for the selected tests.
+
+    The two boards are separate single-threaded qemu processes: one worker
+    per architecture compiles each model for its target (once) and runs it on
+    its board, so both boards are busy at once and compiling the next model
+    overlaps the current run. The tests wait for their own result.
+    """
+    farm, keys = zoo_farm
+    folder = str(tmp_path_factory.mktemp("zoo-arm"))
+    wanted = []
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        if getattr(item, "originalname", "") == TEST_NAME and callspec:
+            wanted.append((callspec.params["name"], callspec.params["arch"]))
+
+    def job(name, arch):
+        model = zoo_model(name)
+        so_path = _compile(folder, name, model, TARGET_FOR_ARCH[arch])
+        try:
+            return _run_on_board(farm, keys[arch], so_path, name, zoo_input(model))
+        finally:
+            os.unlink(so_path)  # up to 575 MB each
+
+    pools = {arch: ThreadPoolExecutor(max_workers=1) for arch in ARCHES}
+    futures = {(name, arch): pools[arch].submit(job, name, arch) for name, arch in wanted}
+    yield futures
+    for future in futures.values():
+        future.cancel()
+    for pool in pools.values():
+        pool.shutdown(wait=True)
+
+
+def _arch_param(arch):
+    return pytest.param(arch, id=f"{RELEASE}-{arch}",
+                        marks=[pytest.mark.emulated, getattr(pytest.mark, f"{RELEASE}_{arch}")])
+
+
+@pytest.mark.parametrize("arch", [_arch_param(a) for a in ARCHES])
+@pytest.mark.parametrize("name", ZOO)
+def test_zoo_model_matches_onnxruntime_on_emulated_board(zoo_runs, name, arch):
+    model = zoo_model(name)
+    feeds = zoo_input(model)
+    run = zoo_runs[name, arch].result()
+    assert_zoo_matches(run.outputs, reference(model, feeds))
+    print(f"{name} on emulated {RELEASE} {arch} ({TARGET_FOR_ARCH[arch]}): run {run.device_s:.1f} s "
+          f"on the board, {run.total_s:.1f} s with the upload of {run.upload_bytes / 1e6:.0f} MB")
