@@ -23,7 +23,7 @@ I8_PTR = I8.as_pointer()
 
 
 def generate(graph: Graph, plan: MemoryPlan, metadata: dict,
-             triple: str, data_layout: str) -> ir.Module:
+             triple: str, data_layout: str, target=None) -> ir.Module:
     """Build the module: one internal kernel per node plus the ABI entry points."""
     module = ir.Module(name=graph.name)
     module.triple = triple
@@ -40,7 +40,7 @@ def generate(graph: Graph, plan: MemoryPlan, metadata: dict,
         outs = [graph.tensors[t] for t in node.outputs]
         key = repr((node.op_type, [t.shape for t in ins], [t.shape for t in outs], node.attrs))
         if key not in cache:
-            cache[key] = _lower(module, f"node{pos}_{_symbol(node.op_type)}", node, ins, outs)
+            cache[key] = _lower(module, f"node{pos}_{_symbol(node.op_type)}", node, ins, outs, target)
         kernels.append((node, cache[key]))
 
     _define_abi_version(module)
@@ -54,9 +54,10 @@ def kernel_functions(module: ir.Module) -> list:
     return [f for f in module.functions if f.name.startswith("node") and f.blocks]
 
 
-def _lower(module: ir.Module, name: str, node, ins, outs) -> ir.Function:
+def _lower(module: ir.Module, name: str, node, ins, outs, target) -> ir.Function:
     epilogue = [_activation(op_type, attrs) for op_type, attrs in node.attrs.get("epilogue", ())]
-    k = Kernel(module, name, len(ins), len(outs), epilogue)
+    scratch = OPS[node.op_type].scratch_bytes(ins, outs, node.attrs) > 0
+    k = Kernel(module, name, len(ins), len(outs), epilogue, target, scratch)
     OPS[node.op_type].lower(k, ins, outs, node.attrs)
     if epilogue and not k.activated:
         # The op stores intermediate values (e.g. Softmax): one extra pass.
@@ -68,7 +69,11 @@ def _lower(module: ir.Module, name: str, node, ins, outs) -> ir.Function:
 
 def _activation(op_type: str, attrs: dict):
     op = OPS[op_type]
-    return lambda k, value: op.apply(k, value, attrs)
+
+    def apply(k, value):
+        return op.apply(k, value, attrs)
+    apply.vectorizable = op.vectorizable
+    return apply
 
 
 def _define_abi_version(module: ir.Module) -> None:
@@ -162,8 +167,11 @@ def _define_run(module: ir.Module, graph: Graph, plan: MemoryPlan, kernels) -> N
             raw = params[loc.name]
         return b.bitcast(raw, F32_PTR)
 
+    scratch = b.bitcast(b.gep(workspace, [ir.Constant(ir.IntType(64), plan.workspace_bytes - plan.scratch_bytes)]),
+                        F32_PTR) if plan.scratch_bytes else None
     for node, kernel in kernels:
-        b.call(kernel, [pointer(t) for t in node.inputs + node.outputs])
+        extra = [scratch] if len(kernel.args) > len(node.inputs) + len(node.outputs) else []
+        b.call(kernel, [pointer(t) for t in node.inputs + node.outputs] + extra)
     b.ret(ir.Constant(I32, RUN_OK))
 
 

@@ -24,8 +24,8 @@ class Kernel:
     """
 
     def __init__(self, module: ir.Module, name: str, n_inputs: int, n_outputs: int,
-                 epilogue=()):
-        fnty = ir.FunctionType(ir.VoidType(), [F32_PTR] * (n_inputs + n_outputs))
+                 epilogue=(), target=None, scratch: bool = False):
+        fnty = ir.FunctionType(ir.VoidType(), [F32_PTR] * (n_inputs + n_outputs + int(scratch)))
         self.function = ir.Function(module, fnty, name=name)
         self.function.linkage = "internal"
         # Inlining hundreds of kernels into tether_run makes one huge function
@@ -34,7 +34,11 @@ class Kernel:
         for arg in self.function.args:
             arg.add_attribute("noalias")
         self.inputs = list(self.function.args[:n_inputs])
-        self.outputs = list(self.function.args[n_inputs:])
+        self.outputs = list(self.function.args[n_inputs:n_inputs + n_outputs])
+        # Per-call temporary memory (Op.scratch_bytes), e.g. an im2col buffer.
+        self.scratch = self.function.args[-1] if scratch else None
+        self.target = target
+        self._lanes = 0
         self.builder = ir.IRBuilder(self.function.append_basic_block("entry"))
         self.module = module
         # Fused element-wise ops: callables value -> value applied to every
@@ -54,9 +58,21 @@ class Kernel:
         self.builder.ret_void()
 
     # -- values -------------------------------------------------------------
-    @staticmethod
-    def f32(value: float) -> ir.Constant:
+    def f32(self, value: float) -> ir.Constant:
+        """A float32 constant; a splat vector inside vector_constants()."""
+        if self._lanes:
+            return ir.Constant(ir.VectorType(F32, self._lanes), [float(value)] * self._lanes)
         return ir.Constant(F32, float(value))
+
+    @contextmanager
+    def vector_constants(self, lanes: int):
+        """Make f32() produce <lanes x float> splats, so element-wise code
+        written for scalars (Relu, Clip, ...) applies to whole vectors."""
+        saved, self._lanes = self._lanes, lanes
+        try:
+            yield
+        finally:
+            self._lanes = saved
 
     @staticmethod
     def i64(value: int) -> ir.Constant:

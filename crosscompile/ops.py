@@ -10,6 +10,7 @@ import math
 import numpy as np
 
 from .emit import Kernel
+from .gemm import emit_gemm, tile_for, vector_epilogue
 from .errors import BuildError, ShapeError
 from .ir import Tensor
 
@@ -58,6 +59,8 @@ class Op:
     fusable = False
     # The frontend adds attrs["outputs"] = the node's output count.
     counts_outputs = False
+    # apply() works on vectors as well as scalars (fused into vector epilogues).
+    vectorizable = False
 
     def attributes(self, raw: dict, constants: dict, opset: int) -> dict:
         return {}
@@ -67,6 +70,10 @@ class Op:
 
     def lower(self, k: Kernel, inputs: list[Tensor], outputs: list[Tensor], attrs: dict) -> None:
         raise NotImplementedError
+
+    def scratch_bytes(self, inputs: list[Tensor], outputs: list[Tensor], attrs: dict) -> int:
+        """Temporary bytes lower() needs during the call (then k.scratch is set)."""
+        return 0
 
 
 class AliasOp(Op):
@@ -365,6 +372,7 @@ class Unary(Op):
 
 class Relu(Unary):
     op_type = "Relu"
+    vectorizable = True
 
     def apply(self, k, x, attrs):
         return k.builder.select(k.builder.fcmp_ordered("<", x, k.f32(0.0)), k.f32(0.0), x)
@@ -372,6 +380,7 @@ class Relu(Unary):
 
 class LeakyRelu(Unary):
     op_type = "LeakyRelu"
+    vectorizable = True
 
     def attributes(self, raw, constants, opset):
         return {"alpha": float(raw.get("alpha", 0.01))}
@@ -397,6 +406,7 @@ class Tanh(Unary):
 
 class HardSigmoid(Unary):
     op_type = "HardSigmoid"
+    vectorizable = True
 
     def attributes(self, raw, constants, opset):
         return {"alpha": float(raw.get("alpha", 0.2)), "beta": float(raw.get("beta", 0.5))}
@@ -408,6 +418,7 @@ class HardSigmoid(Unary):
 
 class HardSwish(Unary):
     op_type = "HardSwish"
+    vectorizable = True
 
     def apply(self, k, x, attrs):
         b = k.builder
@@ -418,6 +429,7 @@ class Clip(Unary):
     """min/max are attributes before opset 11 and optional constant inputs after."""
 
     op_type = "Clip"
+    vectorizable = True
     compile_time_inputs = (1, 2)
 
     def attributes(self, raw, constants, opset):
@@ -437,6 +449,7 @@ class Clip(Unary):
 
 class Neg(Unary):
     op_type = "Neg"
+    vectorizable = True
 
     def apply(self, k, x, attrs):
         return k.builder.fsub(k.f32(0.0), x)
@@ -444,6 +457,7 @@ class Neg(Unary):
 
 class Abs(Unary):
     op_type = "Abs"
+    vectorizable = True
 
     def apply(self, k, x, attrs):
         return k.maximum(x, k.builder.fsub(k.f32(0.0), x))
@@ -699,7 +713,24 @@ class Conv(Op):
         out = out[5 - len(x):]
         return [(x[0], w[0], *out)]
 
+    def scratch_bytes(self, inputs, outputs, attrs):
+        if "packed_mr" not in attrs:
+            return 0
+        x, w = inputs[0].shape, attrs["weight_shape"]
+        geometry = _resolve_window(x, tuple(w[2:]), attrs, what="convolution")
+        if self._pointwise(geometry):
+            return 0
+        return 4 * _prod(w[1:]) * _prod(geometry[-1])
+
+    @staticmethod
+    def _pointwise(geometry) -> bool:
+        _, kernel, strides, _, begin, end, _ = geometry
+        return set(kernel + strides) == {1} and set(begin + end) == {0}
+
     def lower(self, k, inputs, outputs, attrs):
+        if "packed_mr" in attrs:
+            self._lower_gemm(k, inputs, outputs, attrs)
+            return
         x, w = inputs[0].shape, inputs[1].shape
         (dz, h, wd), (kz, kh_n, kw_n), (sz, sh, sw), (ddz, dh, dw), (pz, ph, pw), _, (oz, oh_n, ow_n) = \
             _resolve_window(x, tuple(w[2:]), attrs, what="convolution")
@@ -752,6 +783,62 @@ class Conv(Op):
                             o = bld.add(r, ow)
                             k.store(k.activate(k.load(Y, o)), Y, o)
         k.activated = True
+
+
+    def _lower_gemm(self, k, inputs, outputs, attrs):
+        """Group-1 convolution as C[M, N] = W[M, K] @ B[K, N] per image, with W
+        packed at compile time (passes.pack_conv_weights) and B the input
+        itself for a pointwise convolution, otherwise its im2col in scratch."""
+        x, w = inputs[0].shape, attrs["weight_shape"]
+        geometry = _resolve_window(x, tuple(w[2:]), attrs, what="convolution")
+        tile = tile_for(k.target)
+        if tile.mr != attrs["packed_mr"]:
+            raise BuildError(f"Conv weights were packed for {attrs['packed_mr']} rows, the target's tile has {tile.mr}")
+        m, kdim = w[0], _prod(w[1:])
+        volume_in, n = _prod(geometry[0]), _prod(geometry[-1])
+        bias = k.inputs[2] if len(inputs) == 3 else None
+        epilogue = vector_epilogue(k)
+        with k.loop(x[0]) as image:
+            x_base = k.index((image, x[1] * volume_in))
+            if self._pointwise(geometry):
+                b_ptr, b_base = k.inputs[0], x_base
+            else:
+                _im2col(k, x[1], geometry, x_base)
+                b_ptr, b_base = k.scratch, k.i64(0)
+            emit_gemm(k, tile, m, kdim, n, k.inputs[1], b_ptr, b_base, n,
+                      k.outputs[0], k.index((image, m * n)), bias, epilogue)
+        k.activated = epilogue is not None or not k.epilogue
+
+
+def _im2col(k: Kernel, channels: int, geometry, x_base) -> None:
+    """scratch[(c, kd, kh, kw), (od, oh, ow)] = the input value that tap
+    meets at that output position, 0 in the padding."""
+    (dz, h, wd), (kz, kh_n, kw_n), (sz, sh, sw), (ddz, dh, dw), (pz, ph, pw), _, (oz, oh_n, ow_n) = geometry
+    n = oz * oh_n * ow_n
+    bld, X, S = k.builder, k.inputs[0], k.scratch
+    with k.loop(channels) as c, k.loop(kz) as kd, k.loop(kh_n) as kh:
+        plane = k.index((x_base, 1), (c, dz * h * wd))
+        for kw in range(kw_n):
+            row = k.index((c, kz * kh_n * kw_n), (kd, kh_n * kw_n), (kh, kw_n), (kw, 1))
+            offset = kw * dw - pw
+            lo, hi = _valid_range(offset, sw, wd, ow_n)
+            with k.loop(oz) as od, k.loop(oh_n) as oh:
+                iz = k.index((od, sz), (kd, ddz), (-pz, 1))
+                ih = k.index((oh, sh), (kh, dh), (-ph, 1))
+                inside = bld.and_(k.in_range(iz, dz), k.in_range(ih, h))
+                # Out-of-range rows read a valid row and select 0 instead, so
+                # the copy loop has no branch and vectorises.
+                line = bld.select(inside, k.index((plane, 1), (iz, h * wd), (ih, wd), (offset, 1)), plane)
+                dst = k.index((row, n), (od, oh_n * ow_n), (oh, ow_n))
+                with k.loop(lo) as ow:
+                    k.store(k.f32(0.0), S, bld.add(dst, ow))
+                if lo < hi:
+                    with k.loop(hi, start=lo) as ow:
+                        src = bld.select(inside, k.index((line, 1), (ow, sw)), plane)
+                        value = bld.select(inside, k.load(X, src), k.f32(0.0))
+                        k.store(value, S, bld.add(dst, ow))
+                with k.loop(ow_n, start=max(hi, lo)) as ow:
+                    k.store(k.f32(0.0), S, bld.add(dst, ow))
 
 
 class _Pool(Op):

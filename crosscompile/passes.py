@@ -162,6 +162,30 @@ def fuse_elementwise(graph: Graph) -> Graph:
     return replace(graph, nodes=nodes, tensors={k: v for k, v in graph.tensors.items() if k in live})
 
 
+def pack_conv_weights(graph: Graph, mr: int) -> Graph:
+    """Store each group-1 Conv's constant weight as pack_weights(W, mr) (the
+    GEMM micro-kernel's layout) and mark the node with attrs["packed_mr"].
+
+    The packed constant is a new tensor, so a weight another node also
+    reads stays as it was.
+    """
+    from .gemm import pack_weights
+    constants, tensors = dict(graph.constants), dict(graph.tensors)
+    nodes = []
+    for node in graph.nodes:
+        if (node.op_type == "Conv" and node.attrs.get("group", 1) == 1
+                and len(node.inputs) >= 2 and node.inputs[1] in constants):
+            name = f"{node.inputs[1]}/packed{mr}"
+            if name not in constants:
+                constants[name] = pack_weights(constants[node.inputs[1]], mr)
+                tensors[name] = Tensor(name, constants[name].shape, "float32")
+            attrs = dict(node.attrs, packed_mr=mr, weight_shape=tuple(graph.tensors[node.inputs[1]].shape))
+            node = Node(node.op_type, node.name, [node.inputs[0], name, *node.inputs[2:]],
+                        list(node.outputs), attrs)
+        nodes.append(node)
+    return eliminate_dead_code(replace(graph, nodes=nodes, constants=constants, tensors=tensors))
+
+
 def optimize(graph: Graph) -> Graph:
     """The standard pipeline: dead code, BatchNorm and affine folding, fusion."""
     return fuse_elementwise(fold_channel_affine(fold_batchnorm(eliminate_dead_code(graph))))
@@ -186,6 +210,9 @@ class MemoryPlan:
     locations: dict[str, Location]
     aliased_nodes: frozenset[str]  # nodes that need no code: output shares input's buffer
     workspace_bytes: int
+    # The last scratch_bytes of the workspace are a temporary area any
+    # kernel may use during its own call (Op.scratch_bytes), e.g. im2col.
+    scratch_bytes: int = 0
 
 
 def plan_memory(graph: Graph, alignment: int = ALIGNMENT) -> MemoryPlan:
@@ -261,7 +288,10 @@ def plan_memory(graph: Graph, alignment: int = ALIGNMENT) -> MemoryPlan:
     for name in graph.tensors:
         locations.setdefault(name, locations.get(root(name)))
     workspace = _align(max((end for _, end, _ in placed), default=0), alignment)
-    return MemoryPlan(locations, frozenset(aliased), workspace)
+    scratch = _align(max((OPS[n.op_type].scratch_bytes([graph.tensors[t] for t in n.inputs],
+                                                        [graph.tensors[t] for t in n.outputs], n.attrs)
+                          for n in graph.nodes if n.name not in aliased), default=0), alignment)
+    return MemoryPlan(locations, frozenset(aliased), workspace + scratch, scratch)
 
 
 def _align(value: int, alignment: int) -> int:

@@ -38,6 +38,22 @@ def test_conv(tmp_path, x_shape, w_shape, attrs, bias):
     run_host(conv_model(x_shape, w_shape, bias, **attrs), tmp_path)
 
 
+@pytest.mark.parametrize("x_shape,w_shape,attrs", [
+    ((1, 5, 9, 11), (29, 5, 3, 3), {"pads": [1, 1, 1, 1]}),    # 2 full row tiles + 5 rows, 3 full column tiles + 3
+    ((2, 16, 8, 9), (24, 16, 1, 1), {}),                        # pointwise, rows a multiple of every tile
+    ((1, 7, 15, 15), (13, 7, 3, 3), {"strides": [2, 2], "pads": [0, 1, 2, 1]}),
+])
+def test_conv_register_tiles_with_partial_tiles_and_fused_relu(tmp_path, x_shape, w_shape, attrs):
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], **attrs),
+             helper.make_node("Relu", ["c"], ["y"])]
+    # Weights scaled by 1/sqrt(fan-in) as in trained nets keep the sums O(1),
+    # so the absolute tolerance fits whatever order the reduction takes.
+    weight = (rand(*w_shape, seed=1) / np.sqrt(np.prod(w_shape[1:]))).astype(np.float32)
+    model = make_model(nodes, {"x": x_shape}, {"y": None}, {"w": weight, "b": rand(w_shape[0], seed=2)})
+    lib = run_host(model, tmp_path)
+    assert lib.summary["fused_kernels"] == 1
+
+
 def test_conv_old_opset_with_fused_relu_and_clip(tmp_path):
     nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
              helper.make_node("Relu", ["c"], ["r"]),

@@ -1,0 +1,165 @@
+"""Register-blocked matrix multiply with explicit vector types: the core of
+Conv (through im2col) and of 1x1 convolutions.
+
+C[M, N] = A[M, K] @ B[K, N] for a constant A packed at compile time and a
+row-major B read through a row stride. C and B stay row-major, so a
+convolution keeps NCHW at its boundaries: M is the output channel, N the
+output pixel and K the (input channel, kernel tap) reduction.
+
+The micro-kernel holds a tile of `mr` rows x `nv` vectors of C in registers
+for the whole K reduction: per k it loads nv vectors of B and broadcasts mr
+scalars of A, so each loaded value feeds several FMAs. The tile size comes
+from the Target's vector width and register count (see tile_for).
+
+Example:
+    >>> from crosscompile.target import resolve_target
+    >>> tile_for(resolve_target("rasp4b64"))
+    GemmTile(lanes=4, mr=8, nv=2)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from llvmlite import ir
+
+from .emit import F32, Kernel
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    lanes: int  # float32 lanes in one vector register
+    mr: int     # rows of C (output channels) per register tile
+    nv: int     # vectors of C columns (output pixels) per register tile
+
+    @property
+    def nr(self) -> int:
+        return self.lanes * self.nv
+
+
+def tile_for(target) -> GemmTile:
+    """The register tile for a target: mr * nv accumulators plus nv loaded
+    vectors and one broadcast must fit the vector register file."""
+    lanes = max(1, target.vector_bits // 32)
+    registers = target.vector_registers
+    if registers >= 32:
+        return GemmTile(lanes, 8, 2) if lanes <= 4 else GemmTile(lanes, 12, 2)
+    return GemmTile(lanes, 6, 2) if lanes >= 8 else GemmTile(lanes, 4, 2)
+
+
+def pack_weights(weight: np.ndarray, mr: int) -> np.ndarray:
+    """[M, K...] -> [ceil(M / mr), K, mr], zero rows padding the last block,
+    so the micro-kernel reads the mr values of one k contiguously.
+
+    >>> pack_weights(np.arange(6, dtype=np.float32).reshape(3, 2), 2).tolist()
+    [[[0.0, 2.0], [1.0, 3.0]], [[4.0, 0.0], [5.0, 0.0]]]
+    """
+    m = weight.shape[0]
+    a = weight.reshape(m, -1).astype(np.float32)
+    blocks = -(-m // mr)
+    padded = np.zeros((blocks * mr, a.shape[1]), np.float32)
+    padded[:m] = a
+    return np.ascontiguousarray(padded.reshape(blocks, mr, -1).transpose(0, 2, 1))
+
+
+def _vector_ptr(k: Kernel, ptr: ir.Value, offset: ir.Value, lanes: int) -> ir.Value:
+    return k.builder.bitcast(k.builder.gep(ptr, [offset]), ir.VectorType(F32, lanes).as_pointer())
+
+
+def _splat(k: Kernel, value: ir.Value, lanes: int) -> ir.Value:
+    b = k.builder
+    vty = ir.VectorType(F32, lanes)
+    one = b.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
+    return b.shuffle_vector(one, ir.Constant(vty, ir.Undefined),
+                            ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes))
+
+
+def _fmuladd(k: Kernel, a, b, c):
+    # fmuladd fuses where the target has FMA and stays mul + add elsewhere
+    # (armv7 without VFPv4): llvm.fma could become a libm call there.
+    name = f"llvm.fmuladd.v{a.type.count}f32"
+    fn = k.module.globals.get(name)
+    if fn is None:
+        fn = ir.Function(k.module, ir.FunctionType(a.type, [a.type] * 3), name=name)
+    return k.builder.call(fn, [a, b, c])
+
+
+def emit_gemm(k: Kernel, tile: GemmTile, m: int, kdim: int, n: int,
+              a_packed: ir.Value, b_ptr: ir.Value, b_base, ldb: int,
+              c_ptr: ir.Value, c_base, bias: "ir.Value | None", epilogue) -> None:
+    """C[c_base + i * n + j] = epilogue(i, bias[i] + sum_p A[i, p] * B[b_base + p * ldb + j]).
+
+    a_packed is laid out by pack_weights(A, tile.mr). epilogue(rows, vectors)
+    maps the finished tile (a list per row of (column offset, vector)) in
+    registers before the store, or is None.
+    """
+    full_m, tail_m = divmod(m, tile.mr)
+    full_n, tail_n = divmod(n, tile.nr)
+    # (count, first block, shape): full blocks, then one partial block.
+    row_blocks = [(full_m, 0, tile.mr)] + ([(1, full_m, tail_m)] if tail_m else [])
+    col_blocks = [(full_n, 0, [tile.lanes] * tile.nv)]
+    if tail_n:
+        col_blocks.append((1, full_n, _split(tail_n, tile.lanes)))
+    b = k.builder
+    for n_count, n_first, widths in col_blocks:
+        if not n_count:
+            continue
+        with k.loop(n_count + n_first, start=n_first) as nb:
+            col0 = b.mul(nb, k.i64(tile.nr))
+            for m_count, m_first, rows in row_blocks:
+                if not m_count:
+                    continue
+                with k.loop(m_count + m_first, start=m_first) as block:
+                    _tile(k, tile, rows, widths, kdim, n, a_packed, block, b_ptr, b_base, ldb,
+                          c_ptr, c_base, col0, bias, epilogue)
+
+
+def _split(count: int, lanes: int) -> list[int]:
+    widths = [lanes] * (count // lanes)
+    return widths + ([count % lanes] if count % lanes else [])
+
+
+def _tile(k, tile, rows, widths, kdim, n, a_packed, block, b_ptr, b_base, ldb,
+          c_ptr, c_base, col0, bias, epilogue):
+    b = k.builder
+    offsets = [sum(widths[:v]) for v in range(len(widths))]
+    accs = [[k.variable(ir.Constant(ir.VectorType(F32, w), [0.0] * w)) for w in widths]
+            for _ in range(rows)]
+    a_block = b.mul(block, k.i64(kdim * tile.mr))
+    with k.loop(kdim) as p:
+        brow = b.add(b.add(b.mul(p, k.i64(ldb)), col0), b_base)
+        bvecs = [b.load(_vector_ptr(k, b_ptr, b.add(brow, k.i64(off)), w), align=4)
+                 for off, w in zip(offsets, widths)]
+        a_row = b.add(a_block, b.mul(p, k.i64(tile.mr)))
+        for r in range(rows):
+            a = k.load(a_packed, b.add(a_row, k.i64(r)))
+            for v, w in enumerate(widths):
+                b.store(_fmuladd(k, _splat(k, a, w), bvecs[v], b.load(accs[r][v])), accs[r][v])
+    row0 = b.mul(block, k.i64(tile.mr))
+    for r in range(rows):
+        row = b.add(row0, k.i64(r))
+        start = k.load(bias, row) if bias is not None else None
+        for v, w in enumerate(widths):
+            value = b.load(accs[r][v])
+            if start is not None:
+                value = b.fadd(value, _splat(k, start, w))
+            if epilogue is not None:
+                value = epilogue(value, row, b.add(col0, k.i64(offsets[v])), w)
+            out = b.add(b.add(b.mul(row, k.i64(n)), b.add(col0, k.i64(offsets[v]))), c_base)
+            b.store(value, _vector_ptr(k, c_ptr, out, w), align=4)
+
+
+def vector_epilogue(k: Kernel):
+    """An epilogue callback applying the kernel's fused element-wise ops to
+    whole vectors, or None when one of them has no vector form (the caller
+    then runs the scalar epilogue over the stored output)."""
+    if not k.epilogue:
+        return None
+    if not all(getattr(fn, "vectorizable", False) for fn in k.epilogue):
+        return None
+
+    def apply(value, row, col, lanes):
+        with k.vector_constants(lanes):
+            return k.activate(value)
+    return apply
+
