@@ -163,3 +163,61 @@ def vector_epilogue(k: Kernel):
             return k.activate(value)
     return apply
 
+
+
+def emit_dot_rows(k: Kernel, lanes: int, m: int, kdim: int, n: int,
+                  a_ptr: ir.Value, bt_ptr: ir.Value, c_ptr: ir.Value) -> None:
+    """C[i, j] = sum_p A[i, p] * Bt[j, p] for row-major A [M, K] and Bt [N, K]
+    (Gemm with transB, e.g. a fully connected layer).
+
+    With one input row this is a matrix-vector product bound by reading Bt,
+    so it is streamed once: four rows of Bt at a time against the same
+    vectors of A, two vector accumulators per row to hide FMA latency.
+    """
+    b = k.builder
+    rows, unroll = 4, 2
+    step = lanes * unroll
+    full_p = kdim // step * step
+    vty = ir.VectorType(F32, lanes)
+    with k.loop(m) as i:
+        a_row = b.mul(i, k.i64(kdim))
+        for count, first, block in ((n // rows, 0, rows), (n % rows, n // rows * rows, 1)):
+            if not count:
+                continue
+            with k.loop(first // block + count, start=first // block) as jb:
+                j0 = b.mul(jb, k.i64(block))
+                accs = [[k.variable(ir.Constant(vty, [0.0] * lanes)) for _ in range(unroll)]
+                        for _ in range(block)]
+                if full_p:
+                    with k.loop(full_p // step) as pb:
+                        p0 = b.mul(pb, k.i64(step))
+                        xs = [b.load(_vector_ptr(k, a_ptr, b.add(a_row, b.add(p0, k.i64(u * lanes))), lanes),
+                                     align=4) for u in range(unroll)]
+                        for r in range(block):
+                            w_row = b.mul(b.add(j0, k.i64(r)), k.i64(kdim))
+                            for u in range(unroll):
+                                w = b.load(_vector_ptr(k, bt_ptr, b.add(w_row, b.add(p0, k.i64(u * lanes))),
+                                                       lanes), align=4)
+                                b.store(_fmuladd(k, xs[u], w, b.load(accs[r][u])), accs[r][u])
+                for r in range(block):
+                    vec = b.load(accs[r][0])
+                    for u in range(1, unroll):
+                        vec = b.fadd(vec, b.load(accs[r][u]))
+                    total = k.variable(_horizontal_sum(k, vec, lanes))
+                    w_row = b.mul(b.add(j0, k.i64(r)), k.i64(kdim))
+                    with k.loop(kdim, start=full_p) as p:
+                        prod = b.fmul(k.load(a_ptr, b.add(a_row, p)), k.load(bt_ptr, b.add(w_row, p)))
+                        b.store(b.fadd(b.load(total), prod), total)
+                    k.store(b.load(total), c_ptr, b.add(b.mul(i, k.i64(n)), b.add(j0, k.i64(r))))
+
+
+def _horizontal_sum(k: Kernel, vec: ir.Value, lanes: int) -> ir.Value:
+    """Pairwise sum of a vector's lanes by halving shuffles."""
+    b = k.builder
+    i32 = ir.IntType(32)
+    while lanes > 1:
+        half = lanes // 2
+        lo = b.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(i32, half), list(range(half))))
+        hi = b.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(i32, half), list(range(half, lanes))))
+        vec, lanes = b.fadd(lo, hi), half
+    return b.extract_element(vec, ir.Constant(i32, 0))

@@ -10,7 +10,7 @@ import math
 import numpy as np
 
 from .emit import Kernel
-from .gemm import emit_gemm, tile_for, vector_epilogue
+from .gemm import emit_dot_rows, emit_gemm, tile_for, vector_epilogue
 from .errors import BuildError, ShapeError
 from .ir import Tensor
 
@@ -144,7 +144,11 @@ class Gemm(Op):
         b_strides = (1, b_cols) if attrs["transB"] else (b_cols, 1)
         kdim = a_rows if attrs["transA"] else a_cols
         m, n = outputs[0].shape
-        _matmul(k, m, kdim, n, a_strides, b_strides)
+        if attrs["transB"] and not attrs["transA"] and k.target is not None:
+            emit_dot_rows(k, max(1, k.target.vector_bits // 32), m, kdim, n,
+                          k.inputs[0], k.inputs[1], k.outputs[0])
+        else:
+            _matmul(k, m, kdim, n, a_strides, b_strides)
         alpha, beta = attrs["alpha"], attrs["beta"]
         has_c = len(inputs) == 3 and beta != 0.0
         if alpha == 1.0 and not has_c:
@@ -720,7 +724,7 @@ class Conv(Op):
         geometry = _resolve_window(x, tuple(w[2:]), attrs, what="convolution")
         if self._pointwise(geometry):
             return 0
-        return 4 * _prod(w[1:]) * _prod(geometry[-1])
+        return 4 * _prod(w[1:]) * _prod(geometry[-1])  # one group's im2col
 
     @staticmethod
     def _pointwise(geometry) -> bool:
@@ -786,7 +790,7 @@ class Conv(Op):
 
 
     def _lower_gemm(self, k, inputs, outputs, attrs):
-        """Group-1 convolution as C[M, N] = W[M, K] @ B[K, N] per image, with W
+        """Convolution as C[M, N] = W[M, K] @ B[K, N] per image and group, with W
         packed at compile time (passes.pack_conv_weights) and B the input
         itself for a pointwise convolution, otherwise its im2col in scratch."""
         x, w = inputs[0].shape, attrs["weight_shape"]
@@ -794,19 +798,24 @@ class Conv(Op):
         tile = tile_for(k.target)
         if tile.mr != attrs["packed_mr"]:
             raise BuildError(f"Conv weights were packed for {attrs['packed_mr']} rows, the target's tile has {tile.mr}")
-        m, kdim = w[0], _prod(w[1:])
+        group = attrs["group"]
+        m, kdim = w[0] // group, _prod(w[1:])
+        cg = x[1] // group
         volume_in, n = _prod(geometry[0]), _prod(geometry[-1])
-        bias = k.inputs[2] if len(inputs) == 3 else None
         epilogue = vector_epilogue(k)
-        with k.loop(x[0]) as image:
-            x_base = k.index((image, x[1] * volume_in))
+        bld = k.builder
+        a_group = -(-m // tile.mr) * tile.mr * kdim
+        with k.loop(x[0]) as image, k.loop(group) as g:
+            x_base = k.index((image, x[1] * volume_in), (g, cg * volume_in))
             if self._pointwise(geometry):
                 b_ptr, b_base = k.inputs[0], x_base
             else:
-                _im2col(k, x[1], geometry, x_base)
+                _im2col(k, cg, geometry, x_base)
                 b_ptr, b_base = k.scratch, k.i64(0)
-            emit_gemm(k, tile, m, kdim, n, k.inputs[1], b_ptr, b_base, n,
-                      k.outputs[0], k.index((image, m * n)), bias, epilogue)
+            a_ptr = bld.gep(k.inputs[1], [k.index((g, a_group))])
+            bias = bld.gep(k.inputs[2], [k.index((g, m))]) if len(inputs) == 3 else None
+            emit_gemm(k, tile, m, kdim, n, a_ptr, b_ptr, b_base, n,
+                      k.outputs[0], k.index((image, w[0] * n), (g, m * n)), bias, epilogue)
         k.activated = epilogue is not None or not k.epilogue
 
 

@@ -162,9 +162,15 @@ def fuse_elementwise(graph: Graph) -> Graph:
     return replace(graph, nodes=nodes, tensors={k: v for k, v in graph.tensors.items() if k in live})
 
 
+# Output channels per group below which a Conv keeps its direct loop nest
+# (depthwise convolutions): a register tile of rows would be mostly padding.
+MIN_GEMM_ROWS = 4
+
+
 def pack_conv_weights(graph: Graph, mr: int) -> Graph:
-    """Store each group-1 Conv's constant weight as pack_weights(W, mr) (the
-    GEMM micro-kernel's layout) and mark the node with attrs["packed_mr"].
+    """Store each Conv's constant weight as pack_weights(W_g, mr) (the GEMM
+    micro-kernel's layout) per group g, concatenated, and mark the node with
+    attrs["packed_mr"].
 
     The packed constant is a new tensor, so a weight another node also
     reads stays as it was.
@@ -173,11 +179,13 @@ def pack_conv_weights(graph: Graph, mr: int) -> Graph:
     constants, tensors = dict(graph.constants), dict(graph.tensors)
     nodes = []
     for node in graph.nodes:
-        if (node.op_type == "Conv" and node.attrs.get("group", 1) == 1
-                and len(node.inputs) >= 2 and node.inputs[1] in constants):
+        group = node.attrs.get("group", 1)
+        if (node.op_type == "Conv" and len(node.inputs) >= 2 and node.inputs[1] in constants
+                and graph.tensors[node.inputs[1]].shape[0] // group >= MIN_GEMM_ROWS):
             name = f"{node.inputs[1]}/packed{mr}"
             if name not in constants:
-                constants[name] = pack_weights(constants[node.inputs[1]], mr)
+                constants[name] = np.concatenate(
+                    [pack_weights(w, mr) for w in np.split(constants[node.inputs[1]], group)])
                 tensors[name] = Tensor(name, constants[name].shape, "float32")
             attrs = dict(node.attrs, packed_mr=mr, weight_shape=tuple(graph.tensors[node.inputs[1]].shape))
             node = Node(node.op_type, node.name, [node.inputs[0], name, *node.inputs[2:]],

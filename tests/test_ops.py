@@ -42,6 +42,8 @@ def test_conv(tmp_path, x_shape, w_shape, attrs, bias):
     ((1, 5, 9, 11), (29, 5, 3, 3), {"pads": [1, 1, 1, 1]}),    # 2 full row tiles + 5 rows, 3 full column tiles + 3
     ((2, 16, 8, 9), (24, 16, 1, 1), {}),                        # pointwise, rows a multiple of every tile
     ((1, 7, 15, 15), (13, 7, 3, 3), {"strides": [2, 2], "pads": [0, 1, 2, 1]}),
+    ((2, 6, 9, 9), (26, 3, 3, 3), {"group": 2, "pads": [1, 1, 1, 1]}),  # 13 rows per group
+    ((1, 12, 7, 7), (15, 4, 1, 1), {"group": 3}),
 ])
 def test_conv_register_tiles_with_partial_tiles_and_fused_relu(tmp_path, x_shape, w_shape, attrs):
     nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], **attrs),
@@ -313,3 +315,14 @@ def test_conv_3d(tmp_path, attrs):
 def test_pool_3d(tmp_path, op_type):
     run_host(single_op(op_type, {"x": (1, 2, 5, 6, 7)}, opset=12, kernel_shape=[2, 3, 2],
                        strides=[2, 2, 3], pads=[1, 0, 1, 0, 1, 1]), tmp_path)
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 100, 9), (2, 75, 7), (3, 64, 4)])
+def test_fully_connected_gemm_with_vector_dot_products_and_tails(tmp_path, m, k, n):
+    # K past several vector widths plus a remainder; N not a multiple of the
+    # four rows done at once; weights scaled like a trained layer's.
+    weight = (rand(n, k, seed=1) / np.sqrt(k)).astype(np.float32)
+    nodes = [helper.make_node("Gemm", ["a", "w", "c"], ["g"], transB=1),
+             helper.make_node("Relu", ["g"], ["y"])]
+    model = make_model(nodes, {"a": (m, k)}, {"y": None}, {"w": weight, "c": rand(n, seed=2)})
+    run_host(model, tmp_path)
