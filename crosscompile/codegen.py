@@ -58,6 +58,7 @@ def _lower(module: ir.Module, name: str, node, ins, outs, target) -> ir.Function
     epilogue = [_activation(op_type, attrs) for op_type, attrs in node.attrs.get("epilogue", ())]
     scratch = OPS[node.op_type].scratch_bytes(ins, outs, node.attrs) > 0
     k = Kernel(module, name, len(ins), len(outs), epilogue, target, scratch)
+    k.epilogue_key = repr(node.attrs.get("epilogue", ()))
     OPS[node.op_type].lower(k, ins, outs, node.attrs)
     if epilogue and not k.activated:
         # The op stores intermediate values (e.g. Softmax): one extra pass.

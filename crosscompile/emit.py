@@ -24,19 +24,23 @@ class Kernel:
     """
 
     def __init__(self, module: ir.Module, name: str, n_inputs: int, n_outputs: int,
-                 epilogue=(), target=None, scratch: bool = False):
-        fnty = ir.FunctionType(ir.VoidType(), [F32_PTR] * (n_inputs + n_outputs + int(scratch)))
+                 epilogue=(), target=None, scratch: bool = False, extra_args=()):
+        pointers = n_inputs + n_outputs + int(scratch)
+        fnty = ir.FunctionType(ir.VoidType(), [F32_PTR] * pointers + list(extra_args))
         self.function = ir.Function(module, fnty, name=name)
         self.function.linkage = "internal"
         # Inlining hundreds of kernels into tether_run makes one huge function
         # that the optimiser spends most of the compile time on, for no gain.
         self.function.attributes.add("noinline")
-        for arg in self.function.args:
+        for arg in self.function.args[:pointers]:
             arg.add_attribute("noalias")
         self.inputs = list(self.function.args[:n_inputs])
         self.outputs = list(self.function.args[n_inputs:n_inputs + n_outputs])
         # Per-call temporary memory (Op.scratch_bytes), e.g. an im2col buffer.
-        self.scratch = self.function.args[-1] if scratch else None
+        self.scratch = self.function.args[pointers - 1] if scratch else None
+        self.extra = list(self.function.args[pointers:])
+        # Identifies the epilogue for sharing functions between kernels.
+        self.epilogue_key = repr(epilogue)
         self.target = target
         self._lanes = 0
         self.builder = ir.IRBuilder(self.function.append_basic_block("entry"))
@@ -112,8 +116,9 @@ class Kernel:
 
     # -- control flow ---------------------------------------------------------
     @contextmanager
-    def loop(self, count: int, start: int = 0):
-        """for (i = start; i < count; i++) — yields i as an i64."""
+    def loop(self, count: "int | ir.Value", start: int = 0):
+        """for (i = start; i < count; i++) — yields i as an i64; count is a
+        constant or an i64 value."""
         b = self.builder
         before = b.block
         header = b.append_basic_block("loop")
@@ -123,7 +128,8 @@ class Kernel:
         b.position_at_end(header)
         i = b.phi(I64, name="i")
         i.add_incoming(self.i64(start), before)
-        b.cbranch(b.icmp_signed("<", i, self.i64(count)), body, after)
+        end = count if isinstance(count, ir.Value) else self.i64(count)
+        b.cbranch(b.icmp_signed("<", i, end), body, after)
         b.position_at_end(body)
         yield i
         i.add_incoming(b.add(i, self.i64(1)), b.block)

@@ -86,32 +86,36 @@ def _fmuladd(k: Kernel, a, b, c):
 
 def emit_gemm(k: Kernel, tile: GemmTile, m: int, kdim: int, n: int,
               a_packed: ir.Value, b_ptr: ir.Value, b_base, ldb: int,
-              c_ptr: ir.Value, c_base, bias: "ir.Value | None", epilogue) -> None:
-    """C[c_base + i * n + j] = epilogue(i, bias[i] + sum_p A[i, p] * B[b_base + p * ldb + j]).
+              c_ptr: ir.Value, c_base, bias: "ir.Value | None", vector_epilogue: bool) -> None:
+    """C[c_base + i * n + j] = epilogue(bias[i] + sum_p A[i, p] * B[b_base + p * ldb + j]).
 
-    a_packed is laid out by pack_weights(A, tile.mr). epilogue(rows, vectors)
-    maps the finished tile (a list per row of (column offset, vector)) in
-    registers before the store, or is None.
+    a_packed is laid out by pack_weights(A, tile.mr). With vector_epilogue
+    the kernel's fused element-wise ops are applied in registers.
     """
     full_m, tail_m = divmod(m, tile.mr)
     full_n, tail_n = divmod(n, tile.nr)
     # (count, first block, shape): full blocks, then one partial block.
     row_blocks = [(full_m, 0, tile.mr)] + ([(1, full_m, tail_m)] if tail_m else [])
-    col_blocks = [(full_n, 0, [tile.lanes] * tile.nv)]
+    col_blocks = [(full_n, 0, (tile.lanes,) * tile.nv)]
     if tail_n:
-        col_blocks.append((1, full_n, _split(tail_n, tile.lanes)))
+        col_blocks.append((1, full_n, tuple(_split(tail_n, tile.lanes))))
     b = k.builder
     for n_count, n_first, widths in col_blocks:
         if not n_count:
             continue
         with k.loop(n_count + n_first, start=n_first) as nb:
             col0 = b.mul(nb, k.i64(tile.nr))
+            b_col = b.gep(b_ptr, [b.add(b_base, col0)])
             for m_count, m_first, rows in row_blocks:
                 if not m_count:
                     continue
+                fn = _tile_function(k, tile, rows, widths, bias is not None, vector_epilogue)
                 with k.loop(m_count + m_first, start=m_first) as block:
-                    _tile(k, tile, rows, widths, kdim, n, a_packed, block, b_ptr, b_base, ldb,
-                          c_ptr, c_base, col0, bias, epilogue)
+                    row0 = b.mul(block, k.i64(tile.mr))
+                    a = b.gep(a_packed, [b.mul(block, k.i64(kdim * tile.mr))])
+                    c = b.gep(c_ptr, [b.add(c_base, b.add(b.mul(row0, k.i64(n)), col0))])
+                    bias_row = b.gep(bias, [row0]) if bias is not None else ir.Constant(F32.as_pointer(), None)
+                    b.call(fn, [a, b_col, c, bias_row, k.i64(kdim), k.i64(ldb), k.i64(n)])
 
 
 def _split(count: int, lanes: int) -> list[int]:
@@ -119,50 +123,54 @@ def _split(count: int, lanes: int) -> list[int]:
     return widths + ([count % lanes] if count % lanes else [])
 
 
-def _tile(k, tile, rows, widths, kdim, n, a_packed, block, b_ptr, b_base, ldb,
-          c_ptr, c_base, col0, bias, epilogue):
-    b = k.builder
+def _tile_function(k: Kernel, tile: GemmTile, rows: int, widths: tuple, has_bias: bool,
+                   vector_epilogue: bool) -> ir.Function:
+    """The micro-kernel for one register-tile shape, as a function shared by
+    every convolution of the module with that shape and epilogue:
+    void(a, b, c, bias, kdim, ldb, ldc). Sharing keeps code size and compile
+    time independent of the number of distinct layers."""
+    key = (tile.mr, rows, widths, has_bias, k.epilogue_key if vector_epilogue else None)
+    cache = k.module.__dict__.setdefault("tether_tiles", {})
+    if key in cache:
+        return cache[key]
+    i64 = ir.IntType(64)
+    t = Kernel(k.module, f"tile{len(cache)}_{rows}x{sum(widths)}", 4, 0,
+               k.epilogue if vector_epilogue else (), k.target, extra_args=(i64, i64, i64))
+    a_ptr, b_ptr, c_ptr, bias = t.inputs
+    kdim, ldb, ldc = t.extra
+    b = t.builder
     offsets = [sum(widths[:v]) for v in range(len(widths))]
-    accs = [[k.variable(ir.Constant(ir.VectorType(F32, w), [0.0] * w)) for w in widths]
+    accs = [[t.variable(ir.Constant(ir.VectorType(F32, w), [0.0] * w)) for w in widths]
             for _ in range(rows)]
-    a_block = b.mul(block, k.i64(kdim * tile.mr))
-    with k.loop(kdim) as p:
-        brow = b.add(b.add(b.mul(p, k.i64(ldb)), col0), b_base)
-        bvecs = [b.load(_vector_ptr(k, b_ptr, b.add(brow, k.i64(off)), w), align=4)
+    with t.loop(kdim) as p:
+        brow = b.mul(p, ldb)
+        bvecs = [b.load(_vector_ptr(t, b_ptr, b.add(brow, t.i64(off)), w), align=4)
                  for off, w in zip(offsets, widths)]
-        a_row = b.add(a_block, b.mul(p, k.i64(tile.mr)))
+        a_row = b.mul(p, t.i64(tile.mr))
         for r in range(rows):
-            a = k.load(a_packed, b.add(a_row, k.i64(r)))
+            a = t.load(a_ptr, b.add(a_row, t.i64(r)))
             for v, w in enumerate(widths):
-                b.store(_fmuladd(k, _splat(k, a, w), bvecs[v], b.load(accs[r][v])), accs[r][v])
-    row0 = b.mul(block, k.i64(tile.mr))
+                b.store(_fmuladd(t, _splat(t, a, w), bvecs[v], b.load(accs[r][v])), accs[r][v])
     for r in range(rows):
-        row = b.add(row0, k.i64(r))
-        start = k.load(bias, row) if bias is not None else None
+        start = t.load(bias, t.i64(r)) if has_bias else None
         for v, w in enumerate(widths):
             value = b.load(accs[r][v])
             if start is not None:
-                value = b.fadd(value, _splat(k, start, w))
-            if epilogue is not None:
-                value = epilogue(value, row, b.add(col0, k.i64(offsets[v])), w)
-            out = b.add(b.add(b.mul(row, k.i64(n)), b.add(col0, k.i64(offsets[v]))), c_base)
-            b.store(value, _vector_ptr(k, c_ptr, out, w), align=4)
+                value = b.fadd(value, _splat(t, start, w))
+            if vector_epilogue:
+                with t.vector_constants(w):
+                    value = t.activate(value)
+            out = b.add(b.mul(t.i64(r), ldc), t.i64(offsets[v]))
+            b.store(value, _vector_ptr(t, c_ptr, out, w), align=4)
+    t.finish()
+    cache[key] = t.function
+    return t.function
 
 
-def vector_epilogue(k: Kernel):
-    """An epilogue callback applying the kernel's fused element-wise ops to
-    whole vectors, or None when one of them has no vector form (the caller
-    then runs the scalar epilogue over the stored output)."""
-    if not k.epilogue:
-        return None
-    if not all(getattr(fn, "vectorizable", False) for fn in k.epilogue):
-        return None
-
-    def apply(value, row, col, lanes):
-        with k.vector_constants(lanes):
-            return k.activate(value)
-    return apply
-
+def vector_epilogue(k: Kernel) -> bool:
+    """Whether every fused element-wise op of the kernel has a vector form
+    (else the caller runs the scalar epilogue over the stored output)."""
+    return bool(k.epilogue) and all(getattr(fn, "vectorizable", False) for fn in k.epilogue)
 
 
 def emit_dot_rows(k: Kernel, lanes: int, m: int, kdim: int, n: int,

@@ -816,7 +816,7 @@ class Conv(Op):
             bias = bld.gep(k.inputs[2], [k.index((g, m))]) if len(inputs) == 3 else None
             emit_gemm(k, tile, m, kdim, n, a_ptr, b_ptr, b_base, n,
                       k.outputs[0], k.index((image, w[0] * n), (g, m * n)), bias, epilogue)
-        k.activated = epilogue is not None or not k.epilogue
+        k.activated = epilogue or not k.epilogue
 
 
 def _im2col(k: Kernel, channels: int, geometry, x_base) -> None:
