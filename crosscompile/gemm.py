@@ -100,17 +100,27 @@ def emit_gemm(k: Kernel, tile: GemmTile, m: int, kdim: int, n: int,
     if tail_n:
         col_blocks.append((1, full_n, tuple(_split(tail_n, tile.lanes))))
     b = k.builder
+    # Threads split the column panels when there are enough of them to go
+    # round, otherwise the row blocks.
+    panels, blocks = full_n + bool(tail_n), full_m + bool(tail_m)
+    split_columns = panels >= blocks
+    col_lo, col_hi = k.part(panels) if split_columns else (k.i64(0), k.i64(panels))
+    row_lo, row_hi = (k.i64(0), k.i64(blocks)) if split_columns else k.part(blocks)
     for n_count, n_first, widths in col_blocks:
         if not n_count:
             continue
-        with k.loop(n_count + n_first, start=n_first) as nb:
+        n_lo = k.smax(col_lo, k.i64(n_first))
+        n_hi = k.smin(col_hi, k.i64(n_first + n_count))
+        with k.loop(n_hi, start=n_lo) as nb:
             col0 = b.mul(nb, k.i64(tile.nr))
             b_col = b.gep(b_ptr, [b.add(b_base, col0)])
             for m_count, m_first, rows in row_blocks:
                 if not m_count:
                     continue
                 fn = _tile_function(k, tile, rows, widths, bias is not None, vector_epilogue)
-                with k.loop(m_count + m_first, start=m_first) as block:
+                m_lo = k.smax(row_lo, k.i64(m_first))
+                m_hi = k.smin(row_hi, k.i64(m_first + m_count))
+                with k.loop(m_hi, start=m_lo) as block:
                     row0 = b.mul(block, k.i64(tile.mr))
                     a = b.gep(a_packed, [b.mul(block, k.i64(kdim * tile.mr))])
                     c = b.gep(c_ptr, [b.add(c_base, b.add(b.mul(row0, k.i64(n)), col0))])

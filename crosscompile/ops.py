@@ -75,6 +75,11 @@ class Op:
         """Temporary bytes lower() needs during the call (then k.scratch is set)."""
         return 0
 
+    def parallel(self, attrs: dict) -> bool:
+        """lower() splits its work between threads (Kernel.part/barrier):
+        every thread of tether_run_parallel calls the kernel, not only the first."""
+        return False
+
 
 class AliasOp(Op):
     """An op that only reinterprets its input's shape."""
@@ -726,6 +731,9 @@ class Conv(Op):
             return 0
         return 4 * _prod(w[1:]) * _prod(geometry[-1])  # one group's im2col
 
+    def parallel(self, attrs):
+        return "packed_mr" in attrs
+
     @staticmethod
     def _pointwise(geometry) -> bool:
         _, kernel, strides, _, begin, end, _ = geometry
@@ -807,15 +815,19 @@ class Conv(Op):
         a_group = -(-m // tile.mr) * tile.mr * kdim
         with k.loop(x[0]) as image, k.loop(group) as g:
             x_base = k.index((image, x[1] * volume_in), (g, cg * volume_in))
-            if self._pointwise(geometry):
+            pointwise = self._pointwise(geometry)
+            if pointwise:
                 b_ptr, b_base = k.inputs[0], x_base
             else:
                 _im2col(k, cg, geometry, x_base)
+                k.barrier()  # every thread's GEMM reads all of im2col
                 b_ptr, b_base = k.scratch, k.i64(0)
             a_ptr = bld.gep(k.inputs[1], [k.index((g, a_group))])
             bias = bld.gep(k.inputs[2], [k.index((g, m))]) if len(inputs) == 3 else None
             emit_gemm(k, tile, m, kdim, n, a_ptr, b_ptr, b_base, n,
                       k.outputs[0], k.index((image, w[0] * n), (g, m * n)), bias, epilogue)
+            if not pointwise:
+                k.barrier()  # before the next image or group overwrites im2col
         k.activated = epilogue or not k.epilogue
 
 
@@ -825,7 +837,8 @@ def _im2col(k: Kernel, channels: int, geometry, x_base) -> None:
     (dz, h, wd), (kz, kh_n, kw_n), (sz, sh, sw), (ddz, dh, dw), (pz, ph, pw), _, (oz, oh_n, ow_n) = geometry
     n = oz * oh_n * ow_n
     bld, X, S = k.builder, k.inputs[0], k.scratch
-    with k.loop(channels) as c, k.loop(kz) as kd, k.loop(kh_n) as kh:
+    lo_c, hi_c = k.part(channels)
+    with k.loop(hi_c, start=lo_c) as c, k.loop(kz) as kd, k.loop(kh_n) as kh:
         plane = k.index((x_base, 1), (c, dz * h * wd))
         for kw in range(kw_n):
             row = k.index((c, kz * kh_n * kw_n), (kd, kh_n * kw_n), (kh, kw_n), (kw, 1))
