@@ -72,3 +72,84 @@ def test_module_without_the_parallel_entry_point_runs_on_one_thread(tmp_path, mo
     assert module.threads == 1
     x = rand(1, 3, 37, 41, seed=3)
     np.testing.assert_allclose(module.run({"x": x})[0], reference(model, {"x": x})[0], rtol=1e-5, atol=1e-6)
+
+
+PARALLEL_DRIVER_C = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+struct tether_sync { int32_t arrived, generation; long (*syscall)(long, ...); };
+typedef int32_t (*run_parallel_fn)(void *const *, void *const *, void *, int32_t, int32_t,
+                                   struct tether_sync *);
+static run_parallel_fn run;
+static void *ins[1], *outs[1], *workspace;
+static struct tether_sync sync_state;
+static int32_t threads, status[16];
+
+static void *work(void *arg) {
+    int32_t t = (int32_t)(intptr_t)arg;
+    status[t] = run(ins, outs, workspace, t, threads, &sync_state);
+    return NULL;
+}
+
+/* driver MODULE.so WORKSPACE_BYTES IN.bin N_IN OUT.bin N_OUT THREADS */
+int main(int argc, char **argv) {
+    if (argc != 8) { fprintf(stderr, "usage\n"); return 2; }
+    void *lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
+    if (!lib) { fprintf(stderr, "dlopen: %s\n", dlerror()); return 3; }
+    run = (run_parallel_fn)dlsym(lib, "tether_run_parallel");
+    if (!run) { fprintf(stderr, "missing tether_run_parallel\n"); return 4; }
+    size_t ws = strtoul(argv[2], NULL, 10), n_in = strtoul(argv[4], NULL, 10), n_out = strtoul(argv[6], NULL, 10);
+    threads = atoi(argv[7]);
+    workspace = aligned_alloc(64, ws ? ws : 64);
+    float *in = malloc(n_in * sizeof(float)), *out = malloc(n_out * sizeof(float));
+    FILE *f = fopen(argv[3], "rb");
+    if (!f || fread(in, sizeof(float), n_in, f) != n_in) { fprintf(stderr, "read\n"); return 5; }
+    fclose(f);
+    ins[0] = in; outs[0] = out;
+    sync_state.syscall = syscall;
+    pthread_t ids[16];
+    for (int t = 1; t < threads; t++) pthread_create(&ids[t], NULL, work, (void *)(intptr_t)t);
+    work((void *)0);
+    for (int t = 1; t < threads; t++) pthread_join(ids[t], NULL);
+    for (int t = 0; t < threads; t++)
+        if (status[t] != 0) { fprintf(stderr, "thread %d: %d\n", t, status[t]); return 6; }
+    f = fopen(argv[5], "wb");
+    fwrite(out, sizeof(float), n_out, f);
+    fclose(f);
+    return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("preset", ["rasp4b64", "rasp3b"])
+def test_parallel_run_on_emulated_arm_boards(tmp_path, preset):
+    import os
+    import shutil
+    import subprocess
+    from tests.test_crosscompile import EMULATED
+    qemu, gcc, sysroot = EMULATED[preset]
+    if not (shutil.which(qemu) and shutil.which(gcc) and os.path.isdir(sysroot)):
+        pytest.skip(f"needs {qemu}, {gcc} and {sysroot}: "
+                    "apt-get install qemu-user gcc-aarch64-linux-gnu gcc-arm-linux-gnueabihf")
+    model = small_cnn()
+    x = rand(2, 3, 37, 41, seed=9)
+    want = reference(model, {"x": x})[0]
+    lib = crosscompile.build(model, target=preset)
+    so = lib.export_library(tmp_path / "cnn.so")
+    (tmp_path / "driver.c").write_text(PARALLEL_DRIVER_C)
+    subprocess.run([gcc, "-O1", "-pthread", "-o", str(tmp_path / "driver"), str(tmp_path / "driver.c"), "-ldl"],
+                   check=True, capture_output=True)
+    x.tofile(tmp_path / "in.bin")
+    proc = subprocess.run([qemu, "-L", sysroot, str(tmp_path / "driver"), so,
+                           str(lib.metadata["workspace_bytes"]), str(tmp_path / "in.bin"),
+                           str(x.size), str(tmp_path / "out.bin"), str(want.size), "3"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    got = np.fromfile(tmp_path / "out.bin", dtype=np.float32).reshape(want.shape)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
