@@ -303,6 +303,10 @@ def barrier_function(module: ir.Module, target) -> ir.Function:
         return existing
     fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [I32.as_pointer(), I32]), name="tether.barrier")
     fn.linkage = "internal"
+    # The call through the syscall pointer could unwind as far as LLVM
+    # knows; without nounwind, 32-bit ARM code would then reference the
+    # C++ unwinder's personality routine, which the loader cannot resolve.
+    fn.attributes.add("nounwind")
     state, threads = fn.args
     b = ir.IRBuilder(fn.append_basic_block("entry"))
     done = fn.append_basic_block("done")

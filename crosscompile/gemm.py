@@ -86,11 +86,13 @@ def _fmuladd(k: Kernel, a, b, c):
 
 def emit_gemm(k: Kernel, tile: GemmTile, m: int, kdim: int, n: int,
               a_packed: ir.Value, b_ptr: ir.Value, b_base, ldb: int,
-              c_ptr: ir.Value, c_base, bias: "ir.Value | None", vector_epilogue: bool) -> None:
+              c_ptr: ir.Value, c_base, bias: "ir.Value | None", vector_epilogue: bool,
+              residual: "ir.Value | None" = None, residual_at: int = 0) -> None:
     """C[c_base + i * n + j] = epilogue(bias[i] + sum_p A[i, p] * B[b_base + p * ldb + j]).
 
     a_packed is laid out by pack_weights(A, tile.mr). With vector_epilogue
-    the kernel's fused element-wise ops are applied in registers.
+    the kernel's fused element-wise ops are applied in registers; a residual
+    (laid out like C) is added after the first residual_at of them.
     """
     full_m, tail_m = divmod(m, tile.mr)
     full_n, tail_n = divmod(n, tile.nr)
@@ -117,15 +119,19 @@ def emit_gemm(k: Kernel, tile: GemmTile, m: int, kdim: int, n: int,
             for m_count, m_first, rows in row_blocks:
                 if not m_count:
                     continue
-                fn = _tile_function(k, tile, rows, widths, bias is not None, vector_epilogue)
+                fn = _tile_function(k, tile, rows, widths, bias is not None, vector_epilogue,
+                                    residual_at if residual is not None else None)
                 m_lo = k.smax(row_lo, k.i64(m_first))
                 m_hi = k.smin(row_hi, k.i64(m_first + m_count))
                 with k.loop(m_hi, start=m_lo) as block:
                     row0 = b.mul(block, k.i64(tile.mr))
                     a = b.gep(a_packed, [b.mul(block, k.i64(kdim * tile.mr))])
-                    c = b.gep(c_ptr, [b.add(c_base, b.add(b.mul(row0, k.i64(n)), col0))])
-                    bias_row = b.gep(bias, [row0]) if bias is not None else ir.Constant(F32.as_pointer(), None)
-                    b.call(fn, [a, b_col, c, bias_row, k.i64(kdim), k.i64(ldb), k.i64(n)])
+                    c_offset = b.add(c_base, b.add(b.mul(row0, k.i64(n)), col0))
+                    c = b.gep(c_ptr, [c_offset])
+                    null = ir.Constant(F32.as_pointer(), None)
+                    bias_row = b.gep(bias, [row0]) if bias is not None else null
+                    res = b.gep(residual, [c_offset]) if residual is not None else null
+                    b.call(fn, [a, b_col, c, bias_row, res, k.i64(kdim), k.i64(ldb), k.i64(n)])
 
 
 def _split(count: int, lanes: int) -> list[int]:
@@ -134,19 +140,19 @@ def _split(count: int, lanes: int) -> list[int]:
 
 
 def _tile_function(k: Kernel, tile: GemmTile, rows: int, widths: tuple, has_bias: bool,
-                   vector_epilogue: bool) -> ir.Function:
+                   vector_epilogue: bool, residual_at: "int | None") -> ir.Function:
     """The micro-kernel for one register-tile shape, as a function shared by
     every convolution of the module with that shape and epilogue:
-    void(a, b, c, bias, kdim, ldb, ldc). Sharing keeps code size and compile
+    void(a, b, c, bias, residual, kdim, ldb, ldc). Sharing keeps code size and compile
     time independent of the number of distinct layers."""
-    key = (tile.mr, rows, widths, has_bias, k.epilogue_key if vector_epilogue else None)
+    key = (tile.mr, rows, widths, has_bias, k.epilogue_key if vector_epilogue else None, residual_at)
     cache = k.module.__dict__.setdefault("tether_tiles", {})
     if key in cache:
         return cache[key]
     i64 = ir.IntType(64)
-    t = Kernel(k.module, f"tile{len(cache)}_{rows}x{sum(widths)}", 4, 0,
+    t = Kernel(k.module, f"tile{len(cache)}_{rows}x{sum(widths)}", 5, 0,
                k.epilogue if vector_epilogue else (), k.target, extra_args=(i64, i64, i64))
-    a_ptr, b_ptr, c_ptr, bias = t.inputs
+    a_ptr, b_ptr, c_ptr, bias, res_ptr = t.inputs
     kdim, ldb, ldc = t.extra
     b = t.builder
     offsets = [sum(widths[:v]) for v in range(len(widths))]
@@ -167,10 +173,14 @@ def _tile_function(k: Kernel, tile: GemmTile, rows: int, widths: tuple, has_bias
             value = b.load(accs[r][v])
             if start is not None:
                 value = b.fadd(value, _splat(t, start, w))
-            if vector_epilogue:
-                with t.vector_constants(w):
-                    value = t.activate(value)
             out = b.add(b.mul(t.i64(r), ldc), t.i64(offsets[v]))
+            with t.vector_constants(w):
+                for pos, fn in enumerate(t.epilogue):
+                    if pos == residual_at:
+                        value = b.fadd(value, b.load(_vector_ptr(t, res_ptr, out, w), align=4))
+                    value = fn(t, value)
+            if residual_at is not None and residual_at >= len(t.epilogue):
+                value = b.fadd(value, b.load(_vector_ptr(t, res_ptr, out, w), align=4))
             b.store(value, _vector_ptr(t, c_ptr, out, w), align=4)
     t.finish()
     cache[key] = t.function

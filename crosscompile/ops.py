@@ -810,6 +810,8 @@ class Conv(Op):
         m, kdim = w[0] // group, _prod(w[1:])
         cg = x[1] // group
         volume_in, n = _prod(geometry[0]), _prod(geometry[-1])
+        residual_at = attrs.get("residual_at")
+        has_bias = len(inputs) - (residual_at is not None) == 3
         epilogue = vector_epilogue(k)
         bld = k.builder
         a_group = -(-m // tile.mr) * tile.mr * kdim
@@ -823,9 +825,10 @@ class Conv(Op):
                 k.barrier()  # every thread's GEMM reads all of im2col
                 b_ptr, b_base = k.scratch, k.i64(0)
             a_ptr = bld.gep(k.inputs[1], [k.index((g, a_group))])
-            bias = bld.gep(k.inputs[2], [k.index((g, m))]) if len(inputs) == 3 else None
+            bias = bld.gep(k.inputs[2], [k.index((g, m))]) if has_bias else None
             emit_gemm(k, tile, m, kdim, n, a_ptr, b_ptr, b_base, n,
-                      k.outputs[0], k.index((image, w[0] * n), (g, m * n)), bias, epilogue)
+                      k.outputs[0], k.index((image, w[0] * n), (g, m * n)), bias, epilogue,
+                      k.inputs[-1] if residual_at is not None else None, residual_at or 0)
             if not pointwise:
                 k.barrier()  # before the next image or group overwrites im2col
         k.activated = epilogue or not k.epilogue

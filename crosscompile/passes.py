@@ -194,6 +194,47 @@ def pack_conv_weights(graph: Graph, mr: int) -> Graph:
     return eliminate_dead_code(replace(graph, nodes=nodes, constants=constants, tensors=tensors))
 
 
+def fuse_residual_add(graph: Graph) -> Graph:
+    """Fold `Add(conv, r)` (or a two-input Sum) into a packed Conv that only
+    the Add reads: the Conv gains r as its last input and adds it in its
+    epilogue (attrs["residual_at"]: after that many of its own fused ops,
+    followed by the Add's), saving a pass over both tensors. The fused node
+    takes the Add's place, where r is already computed. Only when every
+    fused op has a vector form, as the micro-kernel's epilogue needs.
+    """
+    producer = {out: node for node in graph.nodes for out in node.outputs}
+    uses = _consumers(graph)
+    fused: dict[str, Node] = {}  # add name -> fused conv
+    dropped = set()
+
+    def vectorizable(node):
+        return all(OPS[op].vectorizable for op, _ in node.attrs.get("epilogue", ()))
+
+    for node in graph.nodes:
+        if node.op_type not in ("Add", "Sum") or len(node.inputs) != 2:
+            continue
+        shape = graph.tensors[node.outputs[0]].shape
+        if any(graph.tensors[t].shape != shape for t in node.inputs) or not vectorizable(node):
+            continue
+        for pos, name in enumerate(node.inputs):
+            conv = producer.get(name)
+            other = node.inputs[1 - pos]
+            if (conv is None or conv.op_type != "Conv" or "packed_mr" not in conv.attrs
+                    or conv.name in dropped or uses[name] != 1 or other == name
+                    or not vectorizable(conv) or other in graph.constants):
+                continue
+            own = tuple(conv.attrs.get("epilogue", ()))
+            attrs = dict(conv.attrs, residual_at=len(own),
+                         epilogue=own + tuple(node.attrs.get("epilogue", ())))
+            fused[node.name] = Node("Conv", conv.name, conv.inputs + [other], list(node.outputs), attrs)
+            dropped.add(conv.name)
+            break
+    if not fused:
+        return graph
+    nodes = [fused.get(n.name, n) for n in graph.nodes if n.name not in dropped]
+    return eliminate_dead_code(replace(graph, nodes=nodes))
+
+
 def optimize(graph: Graph) -> Graph:
     """The standard pipeline: dead code, BatchNorm and affine folding, fusion."""
     return fuse_elementwise(fold_channel_affine(fold_batchnorm(eliminate_dead_code(graph))))

@@ -326,3 +326,21 @@ def test_fully_connected_gemm_with_vector_dot_products_and_tails(tmp_path, m, k,
              helper.make_node("Relu", ["g"], ["y"])]
     model = make_model(nodes, {"a": (m, k)}, {"y": None}, {"w": weight, "c": rand(n, seed=2)})
     run_host(model, tmp_path)
+
+
+@pytest.mark.parametrize("op_type,conv_first", [("Add", True), ("Sum", False)])
+def test_residual_add_after_conv_runs_in_the_conv_epilogue(tmp_path, op_type, conv_first):
+    # y = relu(conv(relu(conv(x))) + x): the shortcut is the model input,
+    # the second conv's Add and Relu fold into its epilogue.
+    def weight(seed):
+        return (rand(16, 16, 3, 3, seed=seed) / 12).astype(np.float32)
+    add_inputs = ["c2", "x"] if conv_first else ["x", "c2"]
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2"], ["c2"], pads=[1, 1, 1, 1]),
+             helper.make_node(op_type, add_inputs, ["s"]),
+             helper.make_node("Relu", ["s"], ["y"])]
+    model = make_model(nodes, {"x": (2, 16, 9, 13)}, {"y": None},
+                       {"w1": weight(1), "b1": rand(16, seed=2), "w2": weight(3)})
+    lib = run_host(model, tmp_path)
+    assert lib.summary["kernels"] == 2
