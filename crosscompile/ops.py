@@ -401,6 +401,7 @@ class LeakyRelu(Unary):
 
 class Sigmoid(Unary):
     op_type = "Sigmoid"
+    vectorizable = True
 
     def apply(self, k, x, attrs):
         return k.sigmoid(x)
@@ -408,6 +409,7 @@ class Sigmoid(Unary):
 
 class Tanh(Unary):
     op_type = "Tanh"
+    vectorizable = True
 
     def apply(self, k, x, attrs):
         return k.tanh(x)
@@ -474,6 +476,7 @@ class Abs(Unary):
 
 class Exp(Unary):
     op_type = "Exp"
+    vectorizable = True
 
     def apply(self, k, x, attrs):
         return k.exp(x)

@@ -5,6 +5,9 @@ import numpy as np
 import pytest
 from onnx import helper
 
+import crosscompile
+import minirt
+
 from tests.onnx_models import make_model
 from tests.test_crosscompile import rand, run_host, single_op
 
@@ -344,3 +347,27 @@ def test_residual_add_after_conv_runs_in_the_conv_epilogue(tmp_path, op_type, co
                        {"w1": weight(1), "b1": rand(16, seed=2), "w2": weight(3)})
     lib = run_host(model, tmp_path)
     assert lib.summary["kernels"] == 2
+
+
+@pytest.mark.parametrize("op_type,lo,hi,max_abs,max_rel", [
+    ("Exp", -87.0, 88.0, None, 2e-7), ("Sigmoid", -40.0, 40.0, 1e-7, 3e-7), ("Tanh", -12.0, 12.0, 1e-7, 5e-7)])
+@pytest.mark.parametrize("fused", [True, False])
+def test_exp_sigmoid_tanh_error_bounds_scalar_and_in_conv_vector_epilogue(
+        tmp_path, op_type, lo, hi, max_abs, max_rel, fused):
+    # The bounds stated in crosscompile/emit.py, over a dense sweep; fused
+    # runs the op on vectors in the convolution's epilogue (identity 1x1 conv).
+    x = np.linspace(lo, hi, 1 << 16).astype(np.float32).reshape(1, 16, 64, 64)
+    if fused:
+        nodes = [helper.make_node("Conv", ["x", "w"], ["c"]), helper.make_node(op_type, ["c"], ["y"])]
+        inits = {"w": np.eye(16, dtype=np.float32).reshape(16, 16, 1, 1)}
+    else:
+        nodes, inits = [helper.make_node(op_type, ["x"], ["y"])], {}
+    model = make_model(nodes, {"x": x.shape}, {"y": None}, inits)
+    lib = crosscompile.build(model)
+    got = minirt.load(lib.export_library(tmp_path / "m.so")).run({"x": x})[0].astype(np.float64)
+    exact = {"Exp": np.exp, "Sigmoid": lambda v: 1 / (1 + np.exp(-v)), "Tanh": np.tanh}[op_type](
+        x.astype(np.float64))
+    error = np.abs(got - exact)
+    if max_abs is not None:
+        assert error.max() < max_abs
+    assert (error / np.abs(exact)).max() < max_rel
