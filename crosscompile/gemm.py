@@ -43,7 +43,9 @@ def tile_for(target) -> GemmTile:
     lanes = max(1, target.vector_bits // 32)
     registers = target.vector_registers
     if registers >= 32:
-        return GemmTile(lanes, 8, 2) if lanes <= 4 else GemmTile(lanes, 12, 2)
+        # AVX-512: 6 x 4 vectors measured a few per cent faster on ResNet-50
+        # than 12 x 2 (fewer loads per FMA: broadcasts fold into the FMA).
+        return GemmTile(lanes, 8, 2) if lanes <= 4 else GemmTile(lanes, 6, 4)
     return GemmTile(lanes, 6, 2) if lanes >= 8 else GemmTile(lanes, 4, 2)
 
 

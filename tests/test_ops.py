@@ -42,7 +42,7 @@ def test_conv(tmp_path, x_shape, w_shape, attrs, bias):
 
 
 @pytest.mark.parametrize("x_shape,w_shape,attrs", [
-    ((1, 5, 9, 11), (29, 5, 3, 3), {"pads": [1, 1, 1, 1]}),    # 2 full row tiles + 5 rows, 3 full column tiles + 3
+    ((1, 5, 9, 11), (29, 5, 3, 3), {"pads": [1, 1, 1, 1]}),    # full and partial tiles in rows and columns
     ((2, 16, 8, 9), (24, 16, 1, 1), {}),                        # pointwise, rows a multiple of every tile
     ((1, 7, 15, 15), (13, 7, 3, 3), {"strides": [2, 2], "pads": [0, 1, 2, 1]}),
     ((2, 6, 9, 9), (26, 3, 3, 3), {"group": 2, "pads": [1, 1, 1, 1]}),  # 13 rows per group
