@@ -1,6 +1,6 @@
-"""Model latency of ours, onnxruntime (1 and 2 threads) and Apache TVM
-(relax, llvm target, untuned) side by side, then GFLOP/s of the main
-convolution shapes against the machine's peak.
+"""Model latency of ours and onnxruntime (1 and 2 threads each) and Apache
+TVM (relax, llvm target, untuned, its default threads) side by side, then
+GFLOP/s of the main convolution shapes against the machine's peak.
 
     python benchmarks/bench_models.py [model ...] [--repeat N] [--no-tvm]
 
@@ -116,8 +116,8 @@ def main() -> int:
             print(f"TVM left out: {exc} (pip install apache-tvm)")
             use_tvm = False
     cores = os.cpu_count() or 1
-    print(f"{'model':14} {'compile s':>9} {'ours ms':>8} {'ort1 ms':>8} {'ort2 ms':>8} {'tvm ms':>9} "
-          f"{'ours/ort1':>9} {'ours/ort2':>9} {'ours/tvm':>9}")
+    print(f"{'model':14} {'compile s':>9} {'ours1 ms':>8} {'ours2 ms':>8} {'ort1 ms':>8} {'ort2 ms':>8} "
+          f"{'tvm ms':>8} {'ours1/ort1':>10} {'ours2/ort2':>10} {'ours2/tvm':>9}")
     with tempfile.TemporaryDirectory(prefix="tether-bench-") as tmp:
         for name in args.models:
             model = zoo_model(name, logits=False)
@@ -126,7 +126,10 @@ def main() -> int:
             lib = crosscompile.build(model, target="host")
             compile_s = time.perf_counter() - started
             module = minirt.load(lib.export_library(os.path.join(tmp, f"{name}.so")))
-            ours = median_seconds(lambda: module.run(feeds), args.repeat)
+            ours = []
+            for threads in (1, 2):
+                module.set_threads(threads)
+                ours.append(median_seconds(lambda: module.run(feeds), args.repeat))
             peers = []
             for threads in (1, 2):
                 session = ort_session(model, threads)
@@ -134,9 +137,9 @@ def main() -> int:
             tvm_s = float("nan")
             if use_tvm:
                 tvm_s = median_seconds(tvm_runner(model, feeds), 1)
-            print(f"{name:14} {compile_s:9.1f} {ours * 1e3:8.1f} {peers[0] * 1e3:8.1f} {peers[1] * 1e3:8.1f} "
-                  f"{tvm_s * 1e3:9.0f} {ours / peers[0]:9.2f} {ours / peers[1]:9.2f} {ours / tvm_s:9.3f}",
-                  flush=True)
+            print(f"{name:14} {compile_s:9.1f} {ours[0] * 1e3:8.1f} {ours[1] * 1e3:8.1f} {peers[0] * 1e3:8.1f} "
+                  f"{peers[1] * 1e3:8.1f} {tvm_s * 1e3:8.0f} {ours[0] / peers[0]:10.2f} {ours[1] / peers[1]:10.2f} "
+                  f"{ours[1] / tvm_s:9.3f}", flush=True)
 
         clock, peak = peak_gflops(cores, args.flop_per_cycle, args.ghz)
         print(f"\nconvolution GFLOP/s, 1 thread; machine peak {peak:.0f} GFLOP/s "
@@ -147,7 +150,8 @@ def main() -> int:
             model = conv_model(x_shape, w_shape, pad)
             feeds = {"x": np.random.default_rng(1).standard_normal(x_shape).astype(np.float32)}
             lib = crosscompile.build(model, target="host")
-            module = minirt.load(lib.export_library(os.path.join(tmp, f"conv{len(os.listdir(tmp))}.so")))
+            module = minirt.load(lib.export_library(os.path.join(tmp, f"conv{len(os.listdir(tmp))}.so")),
+                                 threads=1)
             ours = median_seconds(lambda: module.run(feeds), args.repeat)
             session = ort_session(model, 1)
             peer = median_seconds(lambda: session.run(None, feeds), args.repeat)
