@@ -251,3 +251,77 @@ def _horizontal_sum(k: Kernel, vec: ir.Value, lanes: int) -> ir.Value:
         hi = b.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(i32, half), list(range(half, lanes))))
         vec, lanes = b.fadd(lo, hi), half
     return b.extract_element(vec, ir.Constant(i32, 0))
+
+
+def emit_depthwise(k: Kernel, lanes: int, channels: int, geometry, X: ir.Value, Y: ir.Value,
+                   bias: "ir.Value | None", vector_epilogue: bool) -> None:
+    """Depthwise 2-D convolution (one filter per channel), direct: per output
+    row, a vector of output columns accumulates all kh x kw taps in a
+    register from contiguous input loads (strides 1 and 2). Rows whose
+    window crosses the top or bottom padding use zero weights for those
+    taps; columns whose window crosses the left or right padding take a
+    scalar path with bounds checks. Channels are split between threads.
+    """
+    (_, h, wd), (_, kh_n, kw_n), (_, sh, sw), (_, dh, dw), (_, ph, pw), _, (_, oh_n, ow_n) = geometry
+    b = k.builder
+    W = k.inputs[1]
+    # Columns where every tap is inside the row: the vector path.
+    lo = max(-(-(pw - kw * dw) // sw) if pw > kw * dw else 0 for kw in range(kw_n))
+    hi = min((wd - 1 - kw * dw + pw) // sw + 1 for kw in range(kw_n))
+    hi = max(lo, min(hi, ow_n))
+    # Vectors of decreasing width cover the interior: rows are short (7 to
+    # 56 columns) next to a 16-lane register. A strided window loads
+    # sw x width contiguous values and keeps every sw-th.
+    pieces, at = [], lo
+    width = lanes
+    while width >= 4 and sw <= 2:
+        while hi - at >= width:
+            pieces.append((at, width))
+            at += width
+        width //= 2
+    vec_end = at
+    c_lo, c_hi = k.part(channels)
+    with k.loop(c_hi, start=c_lo) as c:
+        taps = [[k.load(W, k.index((c, kh_n * kw_n), (kh * kw_n + kw, 1))) for kw in range(kw_n)]
+                for kh in range(kh_n)]
+        start = k.load(bias, c) if bias is not None else k.f32(0.0)
+        plane = k.index((c, h * wd))
+        with k.loop(oh_n) as oh:
+            rows = []
+            for kh in range(kh_n):
+                ih = k.index((oh, sh), (kh * dh - ph, 1))
+                inside = k.in_range(ih, h)
+                rows.append((inside, b.select(inside, k.index((plane, 1), (ih, wd)), plane)))
+            out_row = k.index((c, oh_n * ow_n), (oh, ow_n))
+            zero_taps = [[b.select(inside, w, k.f32(0.0)) for w in row_taps]
+                         for (inside, _), row_taps in zip(rows, taps)]
+            for first, width in pieces:
+                acc = _splat(k, start, width)
+                for (inside, line), row_taps in zip(rows, zero_taps):
+                    for kw, weight in enumerate(row_taps):
+                        src = b.add(line, k.i64(first * sw + kw * dw - pw))
+                        if sw == 1:
+                            x = b.load(_vector_ptr(k, X, src, width), align=4)
+                        else:
+                            wide = b.load(_vector_ptr(k, X, src, width * sw - (sw - 1)), align=4)
+                            picks = ir.Constant(ir.VectorType(ir.IntType(32), width), list(range(0, width * sw, sw)))
+                            x = b.shuffle_vector(wide, wide, picks)
+                        acc = _fmuladd(k, x, _splat(k, weight, width), acc)
+                if vector_epilogue:
+                    with k.vector_constants(width):
+                        acc = k.activate(acc)
+                b.store(acc, _vector_ptr(k, Y, b.add(out_row, k.i64(first)), width), align=4)
+            for first, last in ((0, lo), (vec_end, ow_n)):
+                if first >= last:
+                    continue
+                with k.loop(last, start=first) as ow:
+                    acc = start
+                    for (inside, line), row_taps in zip(rows, taps):
+                        for kw, weight in enumerate(row_taps):
+                            iw = k.index((ow, sw), (kw * dw - pw, 1))
+                            ok = b.and_(inside, k.in_range(iw, wd))
+                            value = k.load(X, b.select(ok, b.add(line, iw), line))
+                            acc = b.fadd(acc, b.fmul(b.select(ok, value, k.f32(0.0)), weight))
+                    if vector_epilogue:
+                        acc = k.activate(acc)
+                    k.store(acc, Y, b.add(out_row, ow))

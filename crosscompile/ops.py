@@ -10,7 +10,7 @@ import math
 import numpy as np
 
 from .emit import Kernel
-from .gemm import emit_dot_rows, emit_gemm, tile_for, vector_epilogue
+from .gemm import emit_depthwise, emit_dot_rows, emit_gemm, tile_for, vector_epilogue
 from .errors import BuildError, ShapeError
 from .ir import Tensor
 
@@ -735,7 +735,7 @@ class Conv(Op):
         return 4 * _prod(w[1:]) * _prod(geometry[-1])  # one group's im2col
 
     def parallel(self, attrs):
-        return "packed_mr" in attrs
+        return "packed_mr" in attrs or bool(attrs.get("depthwise"))
 
     @staticmethod
     def _pointwise(geometry) -> bool:
@@ -745,6 +745,18 @@ class Conv(Op):
     def lower(self, k, inputs, outputs, attrs):
         if "packed_mr" in attrs:
             self._lower_gemm(k, inputs, outputs, attrs)
+            return
+        if attrs.get("depthwise") and k.target is not None:
+            geometry = _resolve_window(inputs[0].shape, tuple(inputs[1].shape[2:]), attrs, what="convolution")
+            epilogue = vector_epilogue(k)
+            lanes = max(1, k.target.vector_bits // 32)
+            with k.loop(inputs[0].shape[0]) as image:
+                c_n = inputs[0].shape[1]
+                volume_in, volume_out = _prod(geometry[0]), _prod(geometry[-1])
+                x = k.builder.gep(k.inputs[0], [k.index((image, c_n * volume_in))])
+                y = k.builder.gep(k.outputs[0], [k.index((image, c_n * volume_out))])
+                emit_depthwise(k, lanes, c_n, geometry, x, y, k.inputs[2] if len(inputs) == 3 else None, epilogue)
+            k.activated = epilogue or not k.epilogue
             return
         x, w = inputs[0].shape, inputs[1].shape
         (dz, h, wd), (kz, kh_n, kw_n), (sz, sh, sw), (ddz, dh, dw), (pz, ph, pw), _, (oz, oh_n, ow_n) = \

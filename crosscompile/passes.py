@@ -167,13 +167,20 @@ def fuse_elementwise(graph: Graph) -> Graph:
 MIN_GEMM_ROWS = 4
 
 
+def _is_depthwise(graph: Graph, node: Node) -> bool:
+    """One 2-D (or 1-D) filter per channel: the direct depthwise kernel's case."""
+    x, w = graph.tensors[node.inputs[0]].shape, graph.tensors[node.inputs[1]].shape
+    return len(x) in (3, 4) and node.attrs.get("group", 1) == x[1] == w[0] and w[1] == 1
+
+
 def pack_conv_weights(graph: Graph, mr: int) -> Graph:
     """Store each Conv's constant weight as pack_weights(W_g, mr) (the GEMM
     micro-kernel's layout) per group g, concatenated, and mark the node with
     attrs["packed_mr"].
 
     The packed constant is a new tensor, so a weight another node also
-    reads stays as it was.
+    reads stays as it was. Depthwise convolutions are marked
+    attrs["depthwise"] instead (they run a direct kernel).
     """
     from .gemm import pack_weights
     constants, tensors = dict(graph.constants), dict(graph.tensors)
@@ -190,6 +197,9 @@ def pack_conv_weights(graph: Graph, mr: int) -> Graph:
             attrs = dict(node.attrs, packed_mr=mr, weight_shape=tuple(graph.tensors[node.inputs[1]].shape))
             node = Node(node.op_type, node.name, [node.inputs[0], name, *node.inputs[2:]],
                         list(node.outputs), attrs)
+        elif node.op_type == "Conv" and _is_depthwise(graph, node):
+            node = Node(node.op_type, node.name, list(node.inputs), list(node.outputs),
+                        dict(node.attrs, depthwise=True))
         nodes.append(node)
     return eliminate_dead_code(replace(graph, nodes=nodes, constants=constants, tensors=tensors))
 

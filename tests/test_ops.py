@@ -47,6 +47,10 @@ def test_conv(tmp_path, x_shape, w_shape, attrs, bias):
     ((1, 7, 15, 15), (13, 7, 3, 3), {"strides": [2, 2], "pads": [0, 1, 2, 1]}),
     ((2, 6, 9, 9), (26, 3, 3, 3), {"group": 2, "pads": [1, 1, 1, 1]}),  # 13 rows per group
     ((1, 12, 7, 7), (15, 4, 1, 1), {"group": 3}),
+    # depthwise: vector pieces of several widths, strides 1 and 2, dilation, 1-D
+    ((2, 5, 12, 40), (5, 1, 3, 3), {"group": 5, "pads": [1, 1, 1, 1], "strides": [2, 2]}),
+    ((1, 4, 9, 37), (4, 1, 3, 5), {"group": 4, "pads": [1, 2, 1, 2], "dilations": [2, 1]}),
+    ((1, 3, 50), (3, 1, 3), {"group": 3, "pads": [1, 1]}),
 ])
 def test_conv_register_tiles_with_partial_tiles_and_fused_relu(tmp_path, x_shape, w_shape, attrs):
     nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], **attrs),

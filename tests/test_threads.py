@@ -14,7 +14,8 @@ from tests.test_crosscompile import rand
 
 def small_cnn(batch=2):
     """im2col convs (scratch reused per image and group), a pointwise conv, a
-    grouped conv and serial ops in between, so threads hand work back and forth."""
+    grouped and a depthwise conv and serial ops in between, so threads hand
+    work back and forth."""
     def w(*shape, seed):
         return (rand(*shape, seed=seed) / np.sqrt(np.prod(shape[1:]))).astype(np.float32)
     nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
@@ -22,9 +23,11 @@ def small_cnn(batch=2):
              helper.make_node("MaxPool", ["r1"], ["p1"], kernel_shape=[2, 2], strides=[2, 2]),
              helper.make_node("Conv", ["p1", "w2", "b2"], ["c2"]),
              helper.make_node("Conv", ["c2", "w3"], ["c3"], group=2, pads=[1, 1, 1, 1], strides=[2, 2]),
-             helper.make_node("Sigmoid", ["c3"], ["y"])]
+             helper.make_node("Conv", ["c3", "w4"], ["c4"], group=26, pads=[1, 1, 1, 1]),
+             helper.make_node("Tanh", ["c4"], ["y"])]
     inits = {"w1": w(40, 3, 3, 3, seed=1), "b1": rand(40, seed=2), "w2": w(30, 40, 1, 1, seed=3),
-             "b2": rand(30, seed=4), "w3": w(26, 15, 3, 3, seed=5)}
+             "b2": rand(30, seed=4), "w3": w(26, 15, 3, 3, seed=5),
+             "w4": w(26, 1, 3, 3, seed=6)}
     return make_model(nodes, {"x": (batch, 3, 37, 41)}, {"y": None}, inits)
 
 
@@ -152,4 +155,6 @@ def test_parallel_run_on_emulated_arm_boards(tmp_path, preset):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     got = np.fromfile(tmp_path / "out.bin", dtype=np.float32).reshape(want.shape)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # ARMv7 NEON rounds differently (no fused multiply-add, flush to zero):
+    # an absolute floor scaled to the output, as in tests/test_zoo.py.
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
