@@ -97,7 +97,11 @@ def _check_elf(path: str) -> None:
 
 class Module:
     """A loaded module. run() is thread-safe: each concurrent call gets its
-    own workspace, and idle workspaces are kept for reuse."""
+    own workspace, and idle workspaces are kept for reuse.
+
+    With threads > 1 (set_threads) a run spreads its large ops over that
+    many threads through the module's tether_run_parallel; while one run
+    uses the threads, a concurrent run() goes single-threaded."""
 
     def __init__(self, path: str, lib: ctypes.CDLL, run_fn, metadata: dict, parallel_fn=None):
         self.path = path
