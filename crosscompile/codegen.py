@@ -8,7 +8,7 @@ import re
 import numpy as np
 from llvmlite import ir
 
-from .emit import F32_PTR, I32, Kernel
+from .emit import F32_PTR, I32, Kernel, barrier_function
 from .ir import Graph
 from .ops import OPS
 from .passes import ALIGNMENT, Location, MemoryPlan
@@ -23,7 +23,7 @@ I8_PTR = I8.as_pointer()
 
 
 def generate(graph: Graph, plan: MemoryPlan, metadata: dict,
-             triple: str, data_layout: str) -> ir.Module:
+             triple: str, data_layout: str, target=None) -> ir.Module:
     """Build the module: one internal kernel per node plus the ABI entry points."""
     module = ir.Module(name=graph.name)
     module.triple = triple
@@ -40,12 +40,14 @@ def generate(graph: Graph, plan: MemoryPlan, metadata: dict,
         outs = [graph.tensors[t] for t in node.outputs]
         key = repr((node.op_type, [t.shape for t in ins], [t.shape for t in outs], node.attrs))
         if key not in cache:
-            cache[key] = _lower(module, f"node{pos}_{_symbol(node.op_type)}", node, ins, outs)
+            cache[key] = _lower(module, f"node{pos}_{_symbol(node.op_type)}", node, ins, outs, target)
         kernels.append((node, cache[key]))
 
     _define_abi_version(module)
     _define_metadata(module, json.dumps(metadata, separators=(",", ":")))
-    _define_run(module, graph, plan, kernels)
+    params: dict = {}
+    _define_run(module, graph, plan, kernels, params, target, parallel=False)
+    _define_run(module, graph, plan, kernels, params, target, parallel=True)
     return module
 
 
@@ -54,13 +56,19 @@ def kernel_functions(module: ir.Module) -> list:
     return [f for f in module.functions if f.name.startswith("node") and f.blocks]
 
 
-def _lower(module: ir.Module, name: str, node, ins, outs) -> ir.Function:
+def _lower(module: ir.Module, name: str, node, ins, outs, target) -> ir.Function:
     epilogue = [_activation(op_type, attrs) for op_type, attrs in node.attrs.get("epilogue", ())]
-    k = Kernel(module, name, len(ins), len(outs), epilogue)
+    scratch = OPS[node.op_type].scratch_bytes(ins, outs, node.attrs) > 0
+    k = Kernel(module, name, len(ins), len(outs), epilogue, target, scratch,
+               parallel=OPS[node.op_type].parallel(node.attrs))
+    k.epilogue_key = repr(node.attrs.get("epilogue", ()))
     OPS[node.op_type].lower(k, ins, outs, node.attrs)
     if epilogue and not k.activated:
-        # The op stores intermediate values (e.g. Softmax): one extra pass.
-        with k.loop(outs[0].size) as i:
+        # The op stores intermediate values (e.g. Softmax): one extra pass,
+        # split between the threads of a parallel kernel once all have stored.
+        k.barrier()
+        lo, hi = k.part(outs[0].size)
+        with k.loop(hi, start=lo) as i:
             k.store(k.activate(k.load(k.outputs[0], i)), k.outputs[0], i)
     k.finish()
     return k.function
@@ -68,7 +76,11 @@ def _lower(module: ir.Module, name: str, node, ins, outs) -> ir.Function:
 
 def _activation(op_type: str, attrs: dict):
     op = OPS[op_type]
-    return lambda k, value: op.apply(k, value, attrs)
+
+    def apply(k, value):
+        return op.apply(k, value, attrs)
+    apply.vectorizable = op.vectorizable
+    return apply
 
 
 def _define_abi_version(module: ir.Module) -> None:
@@ -124,10 +136,22 @@ def render(module: ir.Module) -> str:
     return "\n".join(lines)
 
 
-def _define_run(module: ir.Module, graph: Graph, plan: MemoryPlan, kernels) -> None:
-    fnty = ir.FunctionType(I32, [I8_PTR.as_pointer(), I8_PTR.as_pointer(), I8_PTR])
-    fn = ir.Function(module, fnty, name="tether_run")
-    inputs, outputs, workspace = fn.args
+def _define_run(module: ir.Module, graph: Graph, plan: MemoryPlan, kernels, params: dict,
+                target, parallel: bool) -> None:
+    """tether_run, or with parallel tether_run_parallel(inputs, outputs,
+    workspace, thread, threads, state): every one of `threads` threads calls
+    it at once with the same buffers and a zeroed int32[2] state. Parallel
+    kernels get the thread number and split their work; the others run on
+    thread 0 while the rest wait at a barrier when they next need its result."""
+    args = [I8_PTR.as_pointer(), I8_PTR.as_pointer(), I8_PTR]
+    if parallel:
+        args += [I32, I32, I32.as_pointer()]
+    fn = ir.Function(module, ir.FunctionType(I32, args), name="tether_run_parallel" if parallel else "tether_run")
+    inputs, outputs, workspace = fn.args[:3]
+    if parallel:
+        thread, threads, state = fn.args[3:]
+    else:
+        thread, threads, state = ir.Constant(I32, 0), ir.Constant(I32, 1), ir.Constant(I32.as_pointer(), None)
     b = ir.IRBuilder(fn.append_basic_block("entry"))
 
     # Reject NULL pointers up front: a caller bug should not crash the board.
@@ -147,8 +171,6 @@ def _define_run(module: ir.Module, graph: Graph, plan: MemoryPlan, kernels) -> N
             with b.if_then(b.icmp_unsigned("==", slots[(kind, i)], ir.Constant(I8_PTR, None)), likely=False):
                 b.ret(ir.Constant(I32, RUN_NULL_POINTER))
 
-    params = {}
-
     def pointer(tensor: str):
         loc: Location = plan.locations[tensor]
         if loc.kind in ("input", "output"):
@@ -162,8 +184,28 @@ def _define_run(module: ir.Module, graph: Graph, plan: MemoryPlan, kernels) -> N
             raw = params[loc.name]
         return b.bitcast(raw, F32_PTR)
 
+    scratch = b.bitcast(b.gep(workspace, [ir.Constant(ir.IntType(64), plan.workspace_bytes - plan.scratch_bytes)]),
+                        F32_PTR) if plan.scratch_bytes else None
+    barrier = barrier_function(module, target)
+    serial_pending = False  # thread 0 ran kernels the others have not waited for
     for node, kernel in kernels:
-        b.call(kernel, [pointer(t) for t in node.inputs + node.outputs])
+        buffers = [pointer(t) for t in node.inputs + node.outputs]
+        if plan.scratch_bytes and OPS[node.op_type].scratch_bytes(
+                [graph.tensors[t] for t in node.inputs], [graph.tensors[t] for t in node.outputs], node.attrs):
+            buffers.append(scratch)
+        if OPS[node.op_type].parallel(node.attrs):
+            if serial_pending and parallel:
+                b.call(barrier, [state, threads])
+            b.call(kernel, buffers + [thread, threads, state])
+            if parallel:
+                b.call(barrier, [state, threads])
+            serial_pending = False
+        elif parallel:
+            with b.if_then(b.icmp_signed("==", thread, ir.Constant(I32, 0))):
+                b.call(kernel, buffers)
+            serial_pending = True
+        else:
+            b.call(kernel, buffers)
     b.ret(ir.Constant(I32, RUN_OK))
 
 

@@ -15,8 +15,9 @@ from .elfdata import data_object
 from .errors import BuildError
 from .frontend import import_onnx
 from .link import link_shared
+from .gemm import tile_for
 from .passes import (eliminate_dead_code, fold_batchnorm, fold_channel_affine, fuse_elementwise,
-                     plan_memory)
+                     fuse_residual_add, pack_conv_weights, plan_memory)
 from .target import Target, resolve_target
 
 __version__ = "0.1.0"
@@ -70,7 +71,7 @@ def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = 
     target = resolve_target(target)
     imported = eliminate_dead_code(import_onnx(model, input_shapes))
     folded = fold_channel_affine(fold_batchnorm(imported))
-    graph = fuse_elementwise(folded)
+    graph = fuse_residual_add(pack_conv_weights(fuse_elementwise(folded), tile_for(target).mr))
     plan = plan_memory(graph)
     metadata = {
         "abi_version": codegen.ABI_VERSION,
@@ -84,7 +85,7 @@ def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = 
         "producer": PRODUCER,
     }
     machine = _target_machine(target)
-    module = codegen.generate(graph, plan, metadata, target.triple, str(machine.target_data))
+    module = codegen.generate(graph, plan, metadata, target.triple, str(machine.target_data), target)
     obj = _compile(module, machine)
     objects = [("module.o", obj)]
     if codegen.params(module):

@@ -24,17 +24,32 @@ class Kernel:
     """
 
     def __init__(self, module: ir.Module, name: str, n_inputs: int, n_outputs: int,
-                 epilogue=()):
-        fnty = ir.FunctionType(ir.VoidType(), [F32_PTR] * (n_inputs + n_outputs))
+                 epilogue=(), target=None, scratch: bool = False, extra_args=(),
+                 parallel: bool = False):
+        pointers = n_inputs + n_outputs + int(scratch)
+        if parallel:  # (thread, threads, barrier state): see part() and barrier()
+            extra_args = (I32, I32, I32.as_pointer()) + tuple(extra_args)
+        fnty = ir.FunctionType(ir.VoidType(), [F32_PTR] * pointers + list(extra_args))
         self.function = ir.Function(module, fnty, name=name)
         self.function.linkage = "internal"
         # Inlining hundreds of kernels into tether_run makes one huge function
         # that the optimiser spends most of the compile time on, for no gain.
         self.function.attributes.add("noinline")
-        for arg in self.function.args:
+        for arg in self.function.args[:pointers]:
             arg.add_attribute("noalias")
         self.inputs = list(self.function.args[:n_inputs])
-        self.outputs = list(self.function.args[n_inputs:])
+        self.outputs = list(self.function.args[n_inputs:n_inputs + n_outputs])
+        # Per-call temporary memory (Op.scratch_bytes), e.g. an im2col buffer.
+        self.scratch = self.function.args[pointers - 1] if scratch else None
+        self.extra = list(self.function.args[pointers:])
+        self.parallel = parallel
+        if parallel:
+            self.thread, self.threads, self.sync = self.extra[:3]
+            self.extra = self.extra[3:]
+        # Identifies the epilogue for sharing functions between kernels.
+        self.epilogue_key = repr(epilogue)
+        self.target = target
+        self._lanes = 0
         self.builder = ir.IRBuilder(self.function.append_basic_block("entry"))
         self.module = module
         # Fused element-wise ops: callables value -> value applied to every
@@ -54,9 +69,21 @@ class Kernel:
         self.builder.ret_void()
 
     # -- values -------------------------------------------------------------
-    @staticmethod
-    def f32(value: float) -> ir.Constant:
+    def f32(self, value: float) -> ir.Constant:
+        """A float32 constant; a splat vector inside vector_constants()."""
+        if self._lanes:
+            return ir.Constant(ir.VectorType(F32, self._lanes), [float(value)] * self._lanes)
         return ir.Constant(F32, float(value))
+
+    @contextmanager
+    def vector_constants(self, lanes: int):
+        """Make f32() produce <lanes x float> splats, so element-wise code
+        written for scalars (Relu, Clip, ...) applies to whole vectors."""
+        saved, self._lanes = self._lanes, lanes
+        try:
+            yield
+        finally:
+            self._lanes = saved
 
     @staticmethod
     def i64(value: int) -> ir.Constant:
@@ -94,10 +121,41 @@ class Kernel:
         self.builder.store(initial, slot)
         return slot
 
+    # -- threads --------------------------------------------------------------
+    def part(self, count: int):
+        """This thread's share [lo, hi) of range(count), as i64 values; the
+        whole range in a kernel that is not parallel."""
+        if not self.parallel:
+            return self.i64(0), self.i64(count)
+        b = self.builder
+        # Divided in double precision: ARMv7 may lack an integer divide and a
+        # libgcc helper call would make the module need more than the loader.
+        # Exact while count * threads < 2**53; thread t's hi is the same
+        # expression as thread t+1's lo, so the shares tile the range.
+        f64 = ir.DoubleType()
+        threads = b.uitofp(self.threads, f64)
+
+        def bound(t):
+            share = b.fdiv(b.fmul(ir.Constant(f64, float(count)), b.uitofp(t, f64)), threads)
+            return b.zext(b.fptoui(share, I32), I64)
+        return bound(self.thread), bound(b.add(self.thread, ir.Constant(I32, 1)))
+
+    def barrier(self) -> None:
+        """Wait until every thread of a parallel kernel has arrived here."""
+        if self.parallel:
+            self.builder.call(barrier_function(self.module, self.target), [self.sync, self.threads])
+
+    def smax(self, a: ir.Value, b: ir.Value) -> ir.Value:
+        return self.builder.select(self.builder.icmp_signed(">", a, b), a, b)
+
+    def smin(self, a: ir.Value, b: ir.Value) -> ir.Value:
+        return self.builder.select(self.builder.icmp_signed("<", a, b), a, b)
+
     # -- control flow ---------------------------------------------------------
     @contextmanager
-    def loop(self, count: int, start: int = 0):
-        """for (i = start; i < count; i++) — yields i as an i64."""
+    def loop(self, count: "int | ir.Value", start: "int | ir.Value" = 0):
+        """for (i = start; i < count; i++) — yields i as an i64; count and
+        start are constants or i64 values."""
         b = self.builder
         before = b.block
         header = b.append_basic_block("loop")
@@ -106,8 +164,9 @@ class Kernel:
         b.branch(header)
         b.position_at_end(header)
         i = b.phi(I64, name="i")
-        i.add_incoming(self.i64(start), before)
-        b.cbranch(b.icmp_signed("<", i, self.i64(count)), body, after)
+        i.add_incoming(start if isinstance(start, ir.Value) else self.i64(start), before)
+        end = count if isinstance(count, ir.Value) else self.i64(count)
+        b.cbranch(b.icmp_signed("<", i, end), body, after)
         b.position_at_end(body)
         yield i
         i.add_incoming(b.add(i, self.i64(1)), b.block)
@@ -144,12 +203,16 @@ class Kernel:
         return self.builder.icmp_unsigned("<", i, self.i64(upper))
 
     def sigmoid(self, x: ir.Value) -> ir.Value:
+        """1 / (1 + exp(-x)), scalars or vectors; absolute error below 1e-7,
+        relative below 3e-7 (measured against float64, tests/test_ops.py)."""
         b = self.builder
         return b.fdiv(self.f32(1.0), b.fadd(self.f32(1.0), self.exp(b.fsub(self.f32(0.0), x))))
 
     def tanh(self, x: ir.Value) -> ir.Value:
         """tanh without libm: (1 - e) / (1 + e) with e = exp(-2|x|), and a
-        Taylor polynomial near 0 where that form cancels."""
+        Taylor polynomial near 0 where that form cancels. Scalars or
+        vectors; absolute error below 1e-7, relative below 5e-7 (measured
+        against float64, tests/test_ops.py)."""
         b = self.builder
         ax = self.maximum(x, b.fsub(self.f32(0.0), x))
         e = self.exp(b.fmul(ax, self.f32(-2.0)))
@@ -195,11 +258,24 @@ class Kernel:
             return self.sqrt(x)
         return self.exp(self.builder.fmul(self.log(x), self.f32(exponent)))
 
+    def _int_type(self, like: ir.Value):
+        """i32, or a vector of i32 as wide as the float vector `like`."""
+        if isinstance(like.type, ir.VectorType):
+            return ir.VectorType(I32, like.type.count)
+        return I32
+
+    def _i32(self, value: int, like: ir.Value) -> ir.Constant:
+        ty = self._int_type(like)
+        return ir.Constant(ty, [value] * ty.count if isinstance(ty, ir.VectorType) else value)
+
     def exp(self, x: ir.Value) -> ir.Value:
         """exp(x) in float32 without libm: x = n*ln2 + r, exp(r) by polynomial.
 
         The board's libm would add a versioned glibc dependency to every
-        module, so exp is generated inline. Error is a few ulp.
+        module, so exp is generated inline. Branch-free, so it works on
+        vectors too (inside vector_constants). Error bound, measured against
+        float64 over [-87, 88] (tests/test_ops.py): relative error below
+        2e-7 (about 2 ulp); below -87.34 the result is 0.
         """
         b = self.builder
         hi_clamp, lo_clamp = 88.37626, -87.33654
@@ -208,8 +284,8 @@ class Kernel:
         # n = round(x / ln2), done with fptosi so no rint/floor libcall appears.
         t = b.fmul(xc, self.f32(1.4426950408889634))
         half = b.select(b.fcmp_ordered("<", t, self.f32(0.0)), self.f32(-0.5), self.f32(0.5))
-        n = b.fptosi(b.fadd(t, half), I32)
-        nf = b.sitofp(n, F32)
+        n = b.fptosi(b.fadd(t, half), self._int_type(x))
+        nf = b.sitofp(n, x.type)
         # Cody-Waite: ln2 split into a part exact in float32 and a remainder.
         r = b.fsub(xc, b.fmul(nf, self.f32(0.693359375)))
         r = b.fsub(r, b.fmul(nf, self.f32(-2.12194440e-4)))
@@ -220,7 +296,120 @@ class Kernel:
         for c in coeffs[1:]:
             p = b.fadd(b.fmul(p, r), self.f32(c))
         p = b.fadd(b.fmul(b.fmul(p, r), r), b.fadd(r, self.f32(1.0)))
-        scale = b.bitcast(b.shl(b.add(n, ir.Constant(I32, 127)), ir.Constant(I32, 23)), F32)
+        scale = b.bitcast(b.shl(b.add(n, self._i32(127, x)), self._i32(23, x)), x.type)
         result = b.fmul(p, scale)
         # Below the clamp the true value is subnormal or zero: return 0.
         return b.select(b.fcmp_ordered("<", x, self.f32(lo_clamp)), self.f32(0.0), result)
+
+
+def barrier_function(module: ir.Module, target) -> ir.Function:
+    """`void tether.barrier(i32 *state, i32 threads)`: a counting barrier
+    built from atomics alone, since the module links no libc.
+
+    state is the caller's struct tether_sync (docs/module-abi.md):
+    state[0] counts arrived threads, state[1] is the generation, and the
+    pointer-sized field at byte 8, when not NULL, is the C library's
+    `long syscall(long, ...)`. The last thread to arrive resets the count
+    and bumps the generation; the others spin on the generation with the
+    CPU's spin-wait hint, then sleep on it with futex (through that syscall
+    pointer): on a busy board a spinning thread would take the core from
+    the thread everybody waits for.
+    """
+    existing = module.globals.get("tether.barrier")
+    if existing is not None:
+        return existing
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [I32.as_pointer(), I32]), name="tether.barrier")
+    fn.linkage = "internal"
+    # The call through the syscall pointer could unwind as far as LLVM
+    # knows; without nounwind, 32-bit ARM code would then reference the
+    # C++ unwinder's personality routine, which the loader cannot resolve.
+    fn.attributes.add("nounwind")
+    state, threads = fn.args
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    done = fn.append_basic_block("done")
+    arrive = fn.append_basic_block("arrive")
+    b.cbranch(b.icmp_signed("<=", threads, ir.Constant(I32, 1)), done, arrive)
+    b.position_at_end(arrive)
+    count_ptr = state
+    gen_ptr = b.gep(state, [ir.Constant(I32, 1)])
+    futex = _futex(b, module, target, state)
+    generation = b.load_atomic(gen_ptr, "acquire", 4)
+    arrived = b.atomic_rmw("add", count_ptr, ir.Constant(I32, 1), "acq_rel")
+    last = fn.append_basic_block("last")
+    wait = fn.append_basic_block("wait")
+    b.cbranch(b.icmp_signed("==", arrived, b.sub(threads, ir.Constant(I32, 1))), last, wait)
+    b.position_at_end(last)
+    b.store_atomic(ir.Constant(I32, 0), count_ptr, "monotonic", 4)
+    b.atomic_rmw("add", gen_ptr, ir.Constant(I32, 1), "release")
+    if futex is not None:
+        futex(gen_ptr, FUTEX_WAKE_PRIVATE, ir.Constant(I32, 0x7FFFFFFF))
+    b.branch(done)
+    b.position_at_end(wait)
+    spins = b.phi(I32)
+    spins.add_incoming(ir.Constant(I32, 0), arrive)
+    _spin_hint(b, module, target)
+    now = b.load_atomic(gen_ptr, "acquire", 4)
+    again = fn.append_basic_block("again")
+    b.cbranch(b.icmp_signed("==", now, generation), again, done)
+    b.position_at_end(again)
+    next_spin = b.add(spins, ir.Constant(I32, 1))
+    spins.add_incoming(next_spin, again)
+    if futex is not None:
+        sleep = fn.append_basic_block("sleep")
+        b.cbranch(b.icmp_signed(">", next_spin, ir.Constant(I32, SPINS_BEFORE_SLEEP)), sleep, wait)
+        b.position_at_end(sleep)
+        futex(gen_ptr, FUTEX_WAIT_PRIVATE, generation)  # returns at once if it changed
+        spins.add_incoming(ir.Constant(I32, 0), b.block)
+        b.branch(wait)
+    else:
+        b.branch(wait)
+    b.position_at_end(done)
+    b.ret_void()
+    return fn
+
+
+SPINS_BEFORE_SLEEP = 2000
+FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE = 128, 129
+# Linux system call numbers of futex.
+_FUTEX_NUMBER = {"x86_64": 202, "aarch64": 98, "arm": 240, "i386": 240}
+
+
+def _futex(b: ir.IRBuilder, module: ir.Module, target, state: ir.Value):
+    """A callable emitting futex(addr, op, value, NULL) through the syscall
+    pointer in the sync state when it is set, or None for an unknown arch."""
+    import llvmlite.binding as llvm
+    arch = llvm.get_triple_parts(target.triple).Arch if target is not None else ""
+    if arch not in _FUTEX_NUMBER:
+        return None
+    word = ir.IntType(64 if arch in ("x86_64", "aarch64") else 32)
+    fnty = ir.FunctionType(word, [word], var_arg=True)
+    slot = b.bitcast(b.gep(state, [ir.Constant(I32, 2)]), fnty.as_pointer().as_pointer())
+    syscall = b.load(slot)
+    present = b.icmp_unsigned("!=", syscall, ir.Constant(fnty.as_pointer(), None))
+
+    def call(addr, op, value):
+        with b.if_then(present):
+            # Every argument is a full `long`: syscall() reads them as such.
+            wide = b.zext(value, word) if word.width > 32 else value
+            b.call(syscall, [ir.Constant(word, _FUTEX_NUMBER[arch]), b.ptrtoint(addr, word),
+                             ir.Constant(word, op), wide, ir.Constant(word, 0)])
+    return call
+
+
+def _spin_hint(b: ir.IRBuilder, module: ir.Module, target) -> None:
+    """pause (x86) or yield (ARM): lets a sibling hardware thread run and
+    saves power while spinning."""
+    import llvmlite.binding as llvm
+    arch = llvm.get_triple_parts(target.triple).Arch if target is not None else ""
+    if arch == "x86_64":
+        name, args = "llvm.x86.sse2.pause", []
+    elif arch == "aarch64":
+        name, args = "llvm.aarch64.hint", [ir.Constant(I32, 1)]
+    elif arch == "arm":
+        name, args = "llvm.arm.hint", [ir.Constant(I32, 1)]
+    else:
+        return
+    fn = module.globals.get(name)
+    if fn is None:
+        fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [a.type for a in args]), name=name)
+    b.call(fn, args)

@@ -10,6 +10,7 @@ import math
 import numpy as np
 
 from .emit import Kernel
+from .gemm import emit_depthwise, emit_dot_rows, emit_gemm, tile_for, vector_epilogue
 from .errors import BuildError, ShapeError
 from .ir import Tensor
 
@@ -58,6 +59,8 @@ class Op:
     fusable = False
     # The frontend adds attrs["outputs"] = the node's output count.
     counts_outputs = False
+    # apply() works on vectors as well as scalars (fused into vector epilogues).
+    vectorizable = False
 
     def attributes(self, raw: dict, constants: dict, opset: int) -> dict:
         return {}
@@ -67,6 +70,15 @@ class Op:
 
     def lower(self, k: Kernel, inputs: list[Tensor], outputs: list[Tensor], attrs: dict) -> None:
         raise NotImplementedError
+
+    def scratch_bytes(self, inputs: list[Tensor], outputs: list[Tensor], attrs: dict) -> int:
+        """Temporary bytes lower() needs during the call (then k.scratch is set)."""
+        return 0
+
+    def parallel(self, attrs: dict) -> bool:
+        """lower() splits its work between threads (Kernel.part/barrier):
+        every thread of tether_run_parallel calls the kernel, not only the first."""
+        return False
 
 
 class AliasOp(Op):
@@ -137,7 +149,11 @@ class Gemm(Op):
         b_strides = (1, b_cols) if attrs["transB"] else (b_cols, 1)
         kdim = a_rows if attrs["transA"] else a_cols
         m, n = outputs[0].shape
-        _matmul(k, m, kdim, n, a_strides, b_strides)
+        if attrs["transB"] and not attrs["transA"] and k.target is not None:
+            emit_dot_rows(k, max(1, k.target.vector_bits // 32), m, kdim, n,
+                          k.inputs[0], k.inputs[1], k.outputs[0])
+        else:
+            _matmul(k, m, kdim, n, a_strides, b_strides)
         alpha, beta = attrs["alpha"], attrs["beta"]
         has_c = len(inputs) == 3 and beta != 0.0
         if alpha == 1.0 and not has_c:
@@ -365,6 +381,7 @@ class Unary(Op):
 
 class Relu(Unary):
     op_type = "Relu"
+    vectorizable = True
 
     def apply(self, k, x, attrs):
         return k.builder.select(k.builder.fcmp_ordered("<", x, k.f32(0.0)), k.f32(0.0), x)
@@ -372,6 +389,7 @@ class Relu(Unary):
 
 class LeakyRelu(Unary):
     op_type = "LeakyRelu"
+    vectorizable = True
 
     def attributes(self, raw, constants, opset):
         return {"alpha": float(raw.get("alpha", 0.01))}
@@ -383,6 +401,7 @@ class LeakyRelu(Unary):
 
 class Sigmoid(Unary):
     op_type = "Sigmoid"
+    vectorizable = True
 
     def apply(self, k, x, attrs):
         return k.sigmoid(x)
@@ -390,6 +409,7 @@ class Sigmoid(Unary):
 
 class Tanh(Unary):
     op_type = "Tanh"
+    vectorizable = True
 
     def apply(self, k, x, attrs):
         return k.tanh(x)
@@ -397,6 +417,7 @@ class Tanh(Unary):
 
 class HardSigmoid(Unary):
     op_type = "HardSigmoid"
+    vectorizable = True
 
     def attributes(self, raw, constants, opset):
         return {"alpha": float(raw.get("alpha", 0.2)), "beta": float(raw.get("beta", 0.5))}
@@ -408,6 +429,7 @@ class HardSigmoid(Unary):
 
 class HardSwish(Unary):
     op_type = "HardSwish"
+    vectorizable = True
 
     def apply(self, k, x, attrs):
         b = k.builder
@@ -418,6 +440,7 @@ class Clip(Unary):
     """min/max are attributes before opset 11 and optional constant inputs after."""
 
     op_type = "Clip"
+    vectorizable = True
     compile_time_inputs = (1, 2)
 
     def attributes(self, raw, constants, opset):
@@ -437,6 +460,7 @@ class Clip(Unary):
 
 class Neg(Unary):
     op_type = "Neg"
+    vectorizable = True
 
     def apply(self, k, x, attrs):
         return k.builder.fsub(k.f32(0.0), x)
@@ -444,6 +468,7 @@ class Neg(Unary):
 
 class Abs(Unary):
     op_type = "Abs"
+    vectorizable = True
 
     def apply(self, k, x, attrs):
         return k.maximum(x, k.builder.fsub(k.f32(0.0), x))
@@ -451,6 +476,7 @@ class Abs(Unary):
 
 class Exp(Unary):
     op_type = "Exp"
+    vectorizable = True
 
     def apply(self, k, x, attrs):
         return k.exp(x)
@@ -699,7 +725,39 @@ class Conv(Op):
         out = out[5 - len(x):]
         return [(x[0], w[0], *out)]
 
+    def scratch_bytes(self, inputs, outputs, attrs):
+        if "packed_mr" not in attrs:
+            return 0
+        x, w = inputs[0].shape, attrs["weight_shape"]
+        geometry = _resolve_window(x, tuple(w[2:]), attrs, what="convolution")
+        if self._pointwise(geometry):
+            return 0
+        return 4 * _prod(w[1:]) * _prod(geometry[-1])  # one group's im2col
+
+    def parallel(self, attrs):
+        return "packed_mr" in attrs or bool(attrs.get("depthwise"))
+
+    @staticmethod
+    def _pointwise(geometry) -> bool:
+        _, kernel, strides, _, begin, end, _ = geometry
+        return set(kernel + strides) == {1} and set(begin + end) == {0}
+
     def lower(self, k, inputs, outputs, attrs):
+        if "packed_mr" in attrs:
+            self._lower_gemm(k, inputs, outputs, attrs)
+            return
+        if attrs.get("depthwise") and k.target is not None:
+            geometry = _resolve_window(inputs[0].shape, tuple(inputs[1].shape[2:]), attrs, what="convolution")
+            epilogue = vector_epilogue(k)
+            lanes = max(1, k.target.vector_bits // 32)
+            with k.loop(inputs[0].shape[0]) as image:
+                c_n = inputs[0].shape[1]
+                volume_in, volume_out = _prod(geometry[0]), _prod(geometry[-1])
+                x = k.builder.gep(k.inputs[0], [k.index((image, c_n * volume_in))])
+                y = k.builder.gep(k.outputs[0], [k.index((image, c_n * volume_out))])
+                emit_depthwise(k, lanes, c_n, geometry, x, y, k.inputs[2] if len(inputs) == 3 else None, epilogue)
+            k.activated = epilogue or not k.epilogue
+            return
         x, w = inputs[0].shape, inputs[1].shape
         (dz, h, wd), (kz, kh_n, kw_n), (sz, sh, sw), (ddz, dh, dw), (pz, ph, pw), _, (oz, oh_n, ow_n) = \
             _resolve_window(x, tuple(w[2:]), attrs, what="convolution")
@@ -752,6 +810,75 @@ class Conv(Op):
                             o = bld.add(r, ow)
                             k.store(k.activate(k.load(Y, o)), Y, o)
         k.activated = True
+
+
+    def _lower_gemm(self, k, inputs, outputs, attrs):
+        """Convolution as C[M, N] = W[M, K] @ B[K, N] per image and group, with W
+        packed at compile time (passes.pack_conv_weights) and B the input
+        itself for a pointwise convolution, otherwise its im2col in scratch."""
+        x, w = inputs[0].shape, attrs["weight_shape"]
+        geometry = _resolve_window(x, tuple(w[2:]), attrs, what="convolution")
+        tile = tile_for(k.target)
+        if tile.mr != attrs["packed_mr"]:
+            raise BuildError(f"Conv weights were packed for {attrs['packed_mr']} rows, the target's tile has {tile.mr}")
+        group = attrs["group"]
+        m, kdim = w[0] // group, _prod(w[1:])
+        cg = x[1] // group
+        volume_in, n = _prod(geometry[0]), _prod(geometry[-1])
+        residual_at = attrs.get("residual_at")
+        has_bias = len(inputs) - (residual_at is not None) == 3
+        epilogue = vector_epilogue(k)
+        bld = k.builder
+        a_group = -(-m // tile.mr) * tile.mr * kdim
+        with k.loop(x[0]) as image, k.loop(group) as g:
+            x_base = k.index((image, x[1] * volume_in), (g, cg * volume_in))
+            pointwise = self._pointwise(geometry)
+            if pointwise:
+                b_ptr, b_base = k.inputs[0], x_base
+            else:
+                _im2col(k, cg, geometry, x_base)
+                k.barrier()  # every thread's GEMM reads all of im2col
+                b_ptr, b_base = k.scratch, k.i64(0)
+            a_ptr = bld.gep(k.inputs[1], [k.index((g, a_group))])
+            bias = bld.gep(k.inputs[2], [k.index((g, m))]) if has_bias else None
+            emit_gemm(k, tile, m, kdim, n, a_ptr, b_ptr, b_base, n,
+                      k.outputs[0], k.index((image, w[0] * n), (g, m * n)), bias, epilogue,
+                      k.inputs[-1] if residual_at is not None else None, residual_at or 0)
+            if not pointwise:
+                k.barrier()  # before the next image or group overwrites im2col
+        k.activated = epilogue or not k.epilogue
+
+
+def _im2col(k: Kernel, channels: int, geometry, x_base) -> None:
+    """scratch[(c, kd, kh, kw), (od, oh, ow)] = the input value that tap
+    meets at that output position, 0 in the padding."""
+    (dz, h, wd), (kz, kh_n, kw_n), (sz, sh, sw), (ddz, dh, dw), (pz, ph, pw), _, (oz, oh_n, ow_n) = geometry
+    n = oz * oh_n * ow_n
+    bld, X, S = k.builder, k.inputs[0], k.scratch
+    lo_c, hi_c = k.part(channels)
+    with k.loop(hi_c, start=lo_c) as c, k.loop(kz) as kd, k.loop(kh_n) as kh:
+        plane = k.index((x_base, 1), (c, dz * h * wd))
+        for kw in range(kw_n):
+            row = k.index((c, kz * kh_n * kw_n), (kd, kh_n * kw_n), (kh, kw_n), (kw, 1))
+            offset = kw * dw - pw
+            lo, hi = _valid_range(offset, sw, wd, ow_n)
+            with k.loop(oz) as od, k.loop(oh_n) as oh:
+                iz = k.index((od, sz), (kd, ddz), (-pz, 1))
+                ih = k.index((oh, sh), (kh, dh), (-ph, 1))
+                inside = bld.and_(k.in_range(iz, dz), k.in_range(ih, h))
+                # Out-of-range rows read a valid row and select 0 instead, so
+                # the copy loop has no branch and vectorises.
+                line = bld.select(inside, k.index((plane, 1), (iz, h * wd), (ih, wd), (offset, 1)), plane)
+                dst = k.index((row, n), (od, oh_n * ow_n), (oh, ow_n))
+                with k.loop(lo) as ow:
+                    k.store(k.f32(0.0), S, bld.add(dst, ow))
+                if lo < hi:
+                    with k.loop(hi, start=lo) as ow:
+                        src = bld.select(inside, k.index((line, 1), (ow, sw)), plane)
+                        value = bld.select(inside, k.load(X, src), k.f32(0.0))
+                        k.store(value, S, bld.add(dst, ow))
+                with k.loop(ow_n, start=max(hi, lo)) as ow:
+                    k.store(k.f32(0.0), S, bld.add(dst, ow))
 
 
 class _Pool(Op):

@@ -162,6 +162,89 @@ def fuse_elementwise(graph: Graph) -> Graph:
     return replace(graph, nodes=nodes, tensors={k: v for k, v in graph.tensors.items() if k in live})
 
 
+# Output channels per group below which a Conv keeps its direct loop nest
+# (depthwise convolutions): a register tile of rows would be mostly padding.
+MIN_GEMM_ROWS = 4
+
+
+def _is_depthwise(graph: Graph, node: Node) -> bool:
+    """One 2-D (or 1-D) filter per channel: the direct depthwise kernel's case."""
+    x, w = graph.tensors[node.inputs[0]].shape, graph.tensors[node.inputs[1]].shape
+    return len(x) in (3, 4) and node.attrs.get("group", 1) == x[1] == w[0] and w[1] == 1
+
+
+def pack_conv_weights(graph: Graph, mr: int) -> Graph:
+    """Store each Conv's constant weight as pack_weights(W_g, mr) (the GEMM
+    micro-kernel's layout) per group g, concatenated, and mark the node with
+    attrs["packed_mr"].
+
+    The packed constant is a new tensor, so a weight another node also
+    reads stays as it was. Depthwise convolutions are marked
+    attrs["depthwise"] instead (they run a direct kernel).
+    """
+    from .gemm import pack_weights
+    constants, tensors = dict(graph.constants), dict(graph.tensors)
+    nodes = []
+    for node in graph.nodes:
+        group = node.attrs.get("group", 1)
+        if (node.op_type == "Conv" and len(node.inputs) >= 2 and node.inputs[1] in constants
+                and graph.tensors[node.inputs[1]].shape[0] // group >= MIN_GEMM_ROWS):
+            name = f"{node.inputs[1]}/packed{mr}"
+            if name not in constants:
+                constants[name] = np.concatenate(
+                    [pack_weights(w, mr) for w in np.split(constants[node.inputs[1]], group)])
+                tensors[name] = Tensor(name, constants[name].shape, "float32")
+            attrs = dict(node.attrs, packed_mr=mr, weight_shape=tuple(graph.tensors[node.inputs[1]].shape))
+            node = Node(node.op_type, node.name, [node.inputs[0], name, *node.inputs[2:]],
+                        list(node.outputs), attrs)
+        elif node.op_type == "Conv" and _is_depthwise(graph, node):
+            node = Node(node.op_type, node.name, list(node.inputs), list(node.outputs),
+                        dict(node.attrs, depthwise=True))
+        nodes.append(node)
+    return eliminate_dead_code(replace(graph, nodes=nodes, constants=constants, tensors=tensors))
+
+
+def fuse_residual_add(graph: Graph) -> Graph:
+    """Fold `Add(conv, r)` (or a two-input Sum) into a packed Conv that only
+    the Add reads: the Conv gains r as its last input and adds it in its
+    epilogue (attrs["residual_at"]: after that many of its own fused ops,
+    followed by the Add's), saving a pass over both tensors. The fused node
+    takes the Add's place, where r is already computed. Only when every
+    fused op has a vector form, as the micro-kernel's epilogue needs.
+    """
+    producer = {out: node for node in graph.nodes for out in node.outputs}
+    uses = _consumers(graph)
+    fused: dict[str, Node] = {}  # add name -> fused conv
+    dropped = set()
+
+    def vectorizable(node):
+        return all(OPS[op].vectorizable for op, _ in node.attrs.get("epilogue", ()))
+
+    for node in graph.nodes:
+        if node.op_type not in ("Add", "Sum") or len(node.inputs) != 2:
+            continue
+        shape = graph.tensors[node.outputs[0]].shape
+        if any(graph.tensors[t].shape != shape for t in node.inputs) or not vectorizable(node):
+            continue
+        for pos, name in enumerate(node.inputs):
+            conv = producer.get(name)
+            other = node.inputs[1 - pos]
+            if (conv is None or conv.op_type != "Conv" or "packed_mr" not in conv.attrs
+                    or conv.name in dropped or uses[name] != 1 or other == name
+                    or not vectorizable(conv) or other in graph.constants):
+                continue
+            own = tuple(conv.attrs.get("epilogue", ()))
+            attrs = dict(conv.attrs, residual_at=len(own),
+                         epilogue=own + tuple(node.attrs.get("epilogue", ())))
+            fused[node.name] = Node("Conv", conv.name, conv.inputs + [other], list(node.outputs), attrs)
+            dropped.add(conv.name)
+            break
+    if not fused:
+        return graph
+    nodes = [fused.get(n.name, n) for n in graph.nodes if n.name not in dropped]
+    return eliminate_dead_code(replace(graph, nodes=nodes))
+
+
 def optimize(graph: Graph) -> Graph:
     """The standard pipeline: dead code, BatchNorm and affine folding, fusion."""
     return fuse_elementwise(fold_channel_affine(fold_batchnorm(eliminate_dead_code(graph))))
@@ -186,6 +269,9 @@ class MemoryPlan:
     locations: dict[str, Location]
     aliased_nodes: frozenset[str]  # nodes that need no code: output shares input's buffer
     workspace_bytes: int
+    # The last scratch_bytes of the workspace are a temporary area any
+    # kernel may use during its own call (Op.scratch_bytes), e.g. im2col.
+    scratch_bytes: int = 0
 
 
 def plan_memory(graph: Graph, alignment: int = ALIGNMENT) -> MemoryPlan:
@@ -261,7 +347,10 @@ def plan_memory(graph: Graph, alignment: int = ALIGNMENT) -> MemoryPlan:
     for name in graph.tensors:
         locations.setdefault(name, locations.get(root(name)))
     workspace = _align(max((end for _, end, _ in placed), default=0), alignment)
-    return MemoryPlan(locations, frozenset(aliased), workspace)
+    scratch = _align(max((OPS[n.op_type].scratch_bytes([graph.tensors[t] for t in n.inputs],
+                                                        [graph.tensors[t] for t in n.outputs], n.attrs)
+                          for n in graph.nodes if n.name not in aliased), default=0), alignment)
+    return MemoryPlan(locations, frozenset(aliased), workspace + scratch, scratch)
 
 
 def _align(value: int, alignment: int) -> int:

@@ -59,6 +59,15 @@ class Target:
         features = parts[2] if len(parts) > 2 else ""
         return Target(spec, triple, cpu, features, _vector_bits(triple, features))
 
+    @property
+    def vector_registers(self) -> int:
+        """SIMD registers kernels may keep live: 32 on AArch64 and with
+        AVX-512, 16 on 32-bit ARM NEON and with SSE/AVX."""
+        arch = llvm.get_triple_parts(self.triple).Arch
+        if arch == "aarch64" or (arch == "x86_64" and self.vector_bits >= 512):
+            return 32
+        return 16
+
     def to_dict(self) -> dict:
         return {"name": self.name, "triple": self.triple, "cpu": self.cpu,
                 "features": self.features}

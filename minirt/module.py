@@ -5,6 +5,8 @@ import ctypes
 import json
 import os
 import platform
+import queue
+import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -24,11 +26,14 @@ class TensorSpec(NamedTuple):
     dtype: str
 
 
-def load(path: str | os.PathLike) -> Module:
+def load(path: str | os.PathLike, threads: int | None = None) -> Module:
     """Load a compiled module built for this machine.
 
-    >>> m = minirt.load("net.so")           # doctest: +SKIP
-    >>> m.run({"input": x})[0].shape        # doctest: +SKIP
+    threads: how many threads run() spreads the work over (default: the
+    machine's cores); modules without tether_run_parallel run on one.
+
+    >>> m = minirt.load("net.so", threads=2)  # doctest: +SKIP
+    >>> m.run({"input": x})[0].shape          # doctest: +SKIP
     (1, 10)
     """
     path = os.path.abspath(os.fspath(path))
@@ -57,7 +62,14 @@ def load(path: str | os.PathLike) -> Module:
         raise ModuleLoadError(f"{path} has unreadable metadata: {exc}") from None
     run_fn.restype = ctypes.c_int32
     run_fn.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
-    return Module(path, lib, run_fn, metadata)
+    # Optional (docs/module-abi.md); modules from before it run on one thread.
+    parallel_fn = getattr(lib, "tether_run_parallel", None)
+    if parallel_fn is not None:
+        parallel_fn.restype = ctypes.c_int32
+        parallel_fn.argtypes = run_fn.argtypes + [ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p]
+    module = Module(path, lib, run_fn, metadata, parallel_fn)
+    module.set_threads(threads)
+    return module
 
 
 def _check_elf(path: str) -> None:
@@ -85,9 +97,13 @@ def _check_elf(path: str) -> None:
 
 class Module:
     """A loaded module. run() is thread-safe: each concurrent call gets its
-    own workspace, and idle workspaces are kept for reuse."""
+    own workspace, and idle workspaces are kept for reuse.
 
-    def __init__(self, path: str, lib: ctypes.CDLL, run_fn, metadata: dict):
+    With threads > 1 (set_threads) a run spreads its large ops over that
+    many threads through the module's tether_run_parallel; while one run
+    uses the threads, a concurrent run() goes single-threaded."""
+
+    def __init__(self, path: str, lib: ctypes.CDLL, run_fn, metadata: dict, parallel_fn=None):
         self.path = path
         self.metadata = metadata
         self.inputs = [_spec(t) for t in metadata["inputs"]]
@@ -96,6 +112,23 @@ class Module:
         self._run = run_fn
         self._workspace_bytes = int(metadata["workspace_bytes"])
         self._idle_workspaces = [self._new_workspace()]
+        self._parallel = parallel_fn
+        self._pool: "_ThreadPool | None" = None
+        self._pool_lock = threading.Lock()
+        self.threads = 1
+
+    def set_threads(self, threads: int | None = None) -> None:
+        """Use `threads` threads per run (None: one per core). A module
+        without tether_run_parallel always runs on one thread."""
+        if threads is None:
+            threads = os.cpu_count() or 1
+        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+            raise InputError(f"threads must be a positive integer, got {threads!r}")
+        self.threads = threads if self._parallel is not None else 1
+        with self._pool_lock:
+            if self._pool is not None and self._pool.size != self.threads:
+                self._pool.close()
+                self._pool = None
 
     def __repr__(self) -> str:
         return f"<minirt.Module {self.metadata.get('name')!r} from {self.path}>"
@@ -112,13 +145,32 @@ class Module:
         except IndexError:
             workspace = self._new_workspace()
         try:
-            status = self._run(in_ptrs, out_ptrs, _aligned_address(workspace))
+            status = self._call(in_ptrs, out_ptrs, _aligned_address(workspace))
         finally:
             self._idle_workspaces.append(workspace)
         if status != 0:
             reason = RUN_ERRORS.get(status, "unknown error code")
             raise RunError(f"{self.path}: tether_run returned {status} ({reason})")
         return outputs
+
+    def _call(self, in_ptrs, out_ptrs, workspace: int) -> int:
+        # One parallel run at a time owns the pool; a concurrent run() from
+        # another Python thread goes single-threaded instead of waiting.
+        if self.threads > 1 and self._pool_lock.acquire(blocking=False):
+            try:
+                if self._pool is None or self._pool.size != self.threads:
+                    self._pool = _ThreadPool(self.threads)
+                return self._pool.run(self._parallel, (in_ptrs, out_ptrs, workspace))
+            finally:
+                self._pool_lock.release()
+        return self._run(in_ptrs, out_ptrs, workspace)
+
+    def close(self) -> None:
+        """Stop the module's worker threads (they also stop with the process)."""
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.close()
+                self._pool = None
 
     def _new_workspace(self) -> np.ndarray:
         return np.zeros(self._workspace_bytes + WORKSPACE_ALIGNMENT, dtype=np.uint8)
@@ -161,3 +213,64 @@ def _spec(entry: dict) -> TensorSpec:
 def _aligned_address(buffer: np.ndarray) -> int:
     address = buffer.ctypes.data
     return address + (-address) % WORKSPACE_ALIGNMENT
+
+
+class _SyncState(ctypes.Structure):
+    """struct tether_sync (docs/module-abi.md): the module's barrier state,
+    zeroed per run, and libc's syscall() for sleeping on a futex."""
+
+    _fields_ = [("arrived", ctypes.c_int32), ("generation", ctypes.c_int32),
+                ("syscall", ctypes.c_void_p)]
+
+
+def _libc_syscall():
+    try:
+        return ctypes.cast(ctypes.CDLL(None).syscall, ctypes.c_void_p).value
+    except (AttributeError, OSError):  # not Linux: the barrier only spins
+        return None
+
+
+_LIBC_SYSCALL = _libc_syscall() if platform.system() == "Linux" else None
+
+
+class _ThreadPool:
+    """size - 1 worker threads plus the caller, all entering
+    tether_run_parallel together. ctypes releases the GIL for the call, so
+    they run in parallel inside the module, which synchronises them with its
+    own barrier on a shared int32[2] state."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._jobs = [queue.Queue() for _ in range(size - 1)]
+        self._done: queue.Queue = queue.Queue()
+        self._workers = [threading.Thread(target=self._work, args=(i + 1,), daemon=True,
+                                          name=f"minirt-worker-{i + 1}") for i in range(size - 1)]
+        for worker in self._workers:
+            worker.start()
+
+    def _work(self, thread: int) -> None:
+        jobs = self._jobs[thread - 1]
+        while True:
+            job = jobs.get()
+            if job is None:
+                return
+            fn, args, state = job
+            try:
+                self._done.put(fn(*args, thread, self.size, ctypes.addressof(state)))
+            except BaseException as exc:  # reported by run(); the worker stays alive
+                self._done.put(exc)
+
+    def run(self, fn, args) -> int:
+        state = _SyncState(0, 0, _LIBC_SYSCALL)
+        for jobs in self._jobs:
+            jobs.put((fn, args, state))
+        status = fn(*args, 0, self.size, ctypes.addressof(state))
+        results = [self._done.get() for _ in self._jobs]
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return status or next((r for r in results if r), 0)
+
+    def close(self) -> None:
+        for jobs in self._jobs:
+            jobs.put(None)

@@ -16,7 +16,7 @@ from crosscompile import BuildError, ShapeError
 from crosscompile.frontend import import_onnx
 from crosscompile.ir import Graph, Node, Tensor
 from crosscompile.passes import (eliminate_dead_code, fold_batchnorm, fuse_elementwise,
-                                 plan_memory)
+                                 pack_conv_weights, plan_memory)
 from tests.onnx_models import make_model, reference, zoo_input, zoo_model
 from tests.test_crosscompile import ALLOWED_UNDEFINED, CROSS_TARGETS, rand, single_op
 
@@ -227,3 +227,19 @@ def test_a_full_size_mul_is_not_folded():
     model = make_model(nodes, {"x": (1, 3, 4, 4)}, {"y": None},
                        {"w": rand(2, 3, 1, 1), "k": rand(1, 2, 4, 4)})
     assert crosscompile.build(model).summary["folded_into_conv"] == 0
+
+
+def test_pack_conv_weights_lays_out_row_blocks_for_the_micro_kernel():
+    graph = conv_bn_relu_graph()
+    weight = graph.constants[graph.nodes[0].inputs[1]]
+    packed = pack_conv_weights(graph, 3)
+    conv = packed.nodes[0]
+    assert conv.attrs["packed_mr"] == 3 and conv.attrs["weight_shape"] == weight.shape
+    blocks = packed.constants[conv.inputs[1]]
+    m, k = weight.shape[0], weight[0].size
+    assert blocks.shape == (-(-m // 3), k, 3)
+    # row i, reduction index p lives at [i // 3, p, i % 3]; padding rows are 0
+    flat = weight.reshape(m, k)
+    for i in range(m):
+        np.testing.assert_array_equal(blocks[i // 3, :, i % 3], flat[i])
+    assert not blocks[m // 3, :, m % 3:].any()

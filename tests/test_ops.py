@@ -5,6 +5,9 @@ import numpy as np
 import pytest
 from onnx import helper
 
+import crosscompile
+import minirt
+
 from tests.onnx_models import make_model
 from tests.test_crosscompile import rand, run_host, single_op
 
@@ -36,6 +39,28 @@ def conv_model(x_shape, w_shape, bias=True, opset=13, **attrs):
 @pytest.mark.parametrize("bias", [True, False])
 def test_conv(tmp_path, x_shape, w_shape, attrs, bias):
     run_host(conv_model(x_shape, w_shape, bias, **attrs), tmp_path)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs", [
+    ((1, 5, 9, 11), (29, 5, 3, 3), {"pads": [1, 1, 1, 1]}),    # full and partial tiles in rows and columns
+    ((2, 16, 8, 9), (24, 16, 1, 1), {}),                        # pointwise, rows a multiple of every tile
+    ((1, 7, 15, 15), (13, 7, 3, 3), {"strides": [2, 2], "pads": [0, 1, 2, 1]}),
+    ((2, 6, 9, 9), (26, 3, 3, 3), {"group": 2, "pads": [1, 1, 1, 1]}),  # 13 rows per group
+    ((1, 12, 7, 7), (15, 4, 1, 1), {"group": 3}),
+    # depthwise: vector pieces of several widths, strides 1 and 2, dilation, 1-D
+    ((2, 5, 12, 40), (5, 1, 3, 3), {"group": 5, "pads": [1, 1, 1, 1], "strides": [2, 2]}),
+    ((1, 4, 9, 37), (4, 1, 3, 5), {"group": 4, "pads": [1, 2, 1, 2], "dilations": [2, 1]}),
+    ((1, 3, 50), (3, 1, 3), {"group": 3, "pads": [1, 1]}),
+])
+def test_conv_register_tiles_with_partial_tiles_and_fused_relu(tmp_path, x_shape, w_shape, attrs):
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], **attrs),
+             helper.make_node("Relu", ["c"], ["y"])]
+    # Weights scaled by 1/sqrt(fan-in) as in trained nets keep the sums O(1),
+    # so the absolute tolerance fits whatever order the reduction takes.
+    weight = (rand(*w_shape, seed=1) / np.sqrt(np.prod(w_shape[1:]))).astype(np.float32)
+    model = make_model(nodes, {"x": x_shape}, {"y": None}, {"w": weight, "b": rand(w_shape[0], seed=2)})
+    lib = run_host(model, tmp_path)
+    assert lib.summary["fused_kernels"] == 1
 
 
 def test_conv_old_opset_with_fused_relu_and_clip(tmp_path):
@@ -297,3 +322,56 @@ def test_conv_3d(tmp_path, attrs):
 def test_pool_3d(tmp_path, op_type):
     run_host(single_op(op_type, {"x": (1, 2, 5, 6, 7)}, opset=12, kernel_shape=[2, 3, 2],
                        strides=[2, 2, 3], pads=[1, 0, 1, 0, 1, 1]), tmp_path)
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 100, 9), (2, 75, 7), (3, 64, 4)])
+def test_fully_connected_gemm_with_vector_dot_products_and_tails(tmp_path, m, k, n):
+    # K past several vector widths plus a remainder; N not a multiple of the
+    # four rows done at once; weights scaled like a trained layer's.
+    weight = (rand(n, k, seed=1) / np.sqrt(k)).astype(np.float32)
+    nodes = [helper.make_node("Gemm", ["a", "w", "c"], ["g"], transB=1),
+             helper.make_node("Relu", ["g"], ["y"])]
+    model = make_model(nodes, {"a": (m, k)}, {"y": None}, {"w": weight, "c": rand(n, seed=2)})
+    run_host(model, tmp_path)
+
+
+@pytest.mark.parametrize("op_type,conv_first", [("Add", True), ("Sum", False)])
+def test_residual_add_after_conv_runs_in_the_conv_epilogue(tmp_path, op_type, conv_first):
+    # y = relu(conv(relu(conv(x))) + x): the shortcut is the model input,
+    # the second conv's Add and Relu fold into its epilogue.
+    def weight(seed):
+        return (rand(16, 16, 3, 3, seed=seed) / 12).astype(np.float32)
+    add_inputs = ["c2", "x"] if conv_first else ["x", "c2"]
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2"], ["c2"], pads=[1, 1, 1, 1]),
+             helper.make_node(op_type, add_inputs, ["s"]),
+             helper.make_node("Relu", ["s"], ["y"])]
+    model = make_model(nodes, {"x": (2, 16, 9, 13)}, {"y": None},
+                       {"w1": weight(1), "b1": rand(16, seed=2), "w2": weight(3)})
+    lib = run_host(model, tmp_path)
+    assert lib.summary["kernels"] == 2
+
+
+@pytest.mark.parametrize("op_type,lo,hi,max_abs,max_rel", [
+    ("Exp", -87.0, 88.0, None, 2e-7), ("Sigmoid", -40.0, 40.0, 1e-7, 3e-7), ("Tanh", -12.0, 12.0, 1e-7, 5e-7)])
+@pytest.mark.parametrize("fused", [True, False])
+def test_exp_sigmoid_tanh_error_bounds_scalar_and_in_conv_vector_epilogue(
+        tmp_path, op_type, lo, hi, max_abs, max_rel, fused):
+    # The bounds stated in crosscompile/emit.py, over a dense sweep; fused
+    # runs the op on vectors in the convolution's epilogue (identity 1x1 conv).
+    x = np.linspace(lo, hi, 1 << 16).astype(np.float32).reshape(1, 16, 64, 64)
+    if fused:
+        nodes = [helper.make_node("Conv", ["x", "w"], ["c"]), helper.make_node(op_type, ["c"], ["y"])]
+        inits = {"w": np.eye(16, dtype=np.float32).reshape(16, 16, 1, 1)}
+    else:
+        nodes, inits = [helper.make_node(op_type, ["x"], ["y"])], {}
+    model = make_model(nodes, {"x": x.shape}, {"y": None}, inits)
+    lib = crosscompile.build(model)
+    got = minirt.load(lib.export_library(tmp_path / "m.so")).run({"x": x})[0].astype(np.float64)
+    exact = {"Exp": np.exp, "Sigmoid": lambda v: 1 / (1 + np.exp(-v)), "Tanh": np.tanh}[op_type](
+        x.astype(np.float64))
+    error = np.abs(got - exact)
+    if max_abs is not None:
+        assert error.max() < max_abs
+    assert (error / np.abs(exact)).max() < max_rel

@@ -1,0 +1,166 @@
+"""Model latency of ours and onnxruntime (1 and 2 threads each) and Apache
+TVM (relax, llvm target, untuned, its default threads) side by side, then
+GFLOP/s of the main convolution shapes against the machine's peak.
+
+    python benchmarks/bench_models.py [model ...] [--repeat N] [--no-tvm]
+
+Every model of the onnx package's light zoo (random parameters, as in
+tests/test_zoo.py), one 1x3x224x224 image. Latencies are medians in ms;
+ratios are ours / peer (> 1: we are slower). TVM is timed on one run after
+a warm-up (untuned it takes seconds per image); it is skipped with a note
+when `import tvm` fails.
+
+Peak = cores x clock x flop/cycle/core, with the clock read from
+/proc/cpuinfo and --flop-per-cycle (default 32: two 256-bit FMA pipes, as on
+Zen 4, whose AVX-512 runs at that rate; use 64 for two 512-bit FMA units).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import crosscompile  # noqa: E402
+import minirt  # noqa: E402
+from tests.onnx_models import ZOO, make_model, zoo_input, zoo_model  # noqa: E402
+
+# ResNet-50's convolutions (input, weight, pad) and SqueezeNet's largest.
+CONV_SHAPES = [
+    ((1, 64, 56, 56), (64, 64, 3, 3), 1),
+    ((1, 256, 56, 56), (64, 256, 1, 1), 0),
+    ((1, 128, 28, 28), (128, 128, 3, 3), 1),
+    ((1, 256, 14, 14), (256, 256, 3, 3), 1),
+    ((1, 1024, 14, 14), (256, 1024, 1, 1), 0),
+    ((1, 512, 7, 7), (512, 512, 3, 3), 1),
+    ((1, 64, 55, 55), (256, 64, 3, 3), 1),
+]
+
+
+def median_seconds(fn, repeat: int) -> float:
+    fn()  # warm-up
+    samples = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples)
+
+
+def ort_session(model, threads: int):
+    import onnxruntime as ort
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def tvm_runner(model, feeds):
+    """A callable running the model with TVM relax, untuned, llvm for the host CPU."""
+    import llvmlite.binding as llvm
+    import tvm
+    from tvm import relax
+    from tvm.relax.frontend.onnx import from_onnx
+
+    mod = relax.get_pipeline("zero")(from_onnx(model, keep_params_in_input=False))
+    target = tvm.target.Target({"kind": "llvm", "mcpu": llvm.get_host_cpu_name()})
+    vm = relax.VirtualMachine(tvm.compile(mod, target=target), tvm.cpu())
+    args = [tvm.runtime.tensor(v) for v in feeds.values()]
+    return lambda: vm["main"](*args)
+
+
+def peak_gflops(cores: int, flop_per_cycle: int, ghz: "float | None") -> tuple[float, float]:
+    if ghz:
+        return ghz, cores * ghz * flop_per_cycle
+    mhz = []
+    try:
+        with open("/proc/cpuinfo") as f:
+            mhz = [float(line.split(":")[1]) for line in f if line.startswith("cpu MHz")]
+    except OSError:
+        pass
+    clock = max(mhz) / 1e3 if mhz else 3.0
+    return clock, cores * clock * flop_per_cycle
+
+
+def conv_model(x_shape, w_shape, pad):
+    from onnx import helper
+    rng = np.random.default_rng(0)
+    inits = {"w": (rng.standard_normal(w_shape) / np.sqrt(np.prod(w_shape[1:]))).astype(np.float32),
+             "b": rng.standard_normal(w_shape[0]).astype(np.float32)}
+    node = helper.make_node("Conv", ["x", "w", "b"], ["y"], pads=[pad] * 4)
+    return make_model([node], {"x": x_shape}, {"y": None}, inits)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="*", default=ZOO, help=f"default: all of {', '.join(ZOO)}")
+    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--no-tvm", action="store_true", help="leave TVM out")
+    parser.add_argument("--flop-per-cycle", type=int, default=32, help="float32 flop per cycle per core")
+    parser.add_argument("--ghz", type=float, help="core clock (default: /proc/cpuinfo, which in a VM "
+                                                   "may be the base clock, below the boost clock)")
+    args = parser.parse_args()
+
+    use_tvm = not args.no_tvm
+    if use_tvm:
+        try:
+            import tvm  # noqa: F401
+        except ImportError as exc:
+            print(f"TVM left out: {exc} (pip install apache-tvm)")
+            use_tvm = False
+    cores = os.cpu_count() or 1
+    print(f"{'model':14} {'compile s':>9} {'ours1 ms':>8} {'ours2 ms':>8} {'ort1 ms':>8} {'ort2 ms':>8} "
+          f"{'tvm ms':>8} {'ours1/ort1':>10} {'ours2/ort2':>10} {'ours2/tvm':>9}")
+    with tempfile.TemporaryDirectory(prefix="tether-bench-") as tmp:
+        for name in args.models:
+            model = zoo_model(name, logits=False)
+            feeds = zoo_input(model)
+            started = time.perf_counter()
+            lib = crosscompile.build(model, target="host")
+            compile_s = time.perf_counter() - started
+            module = minirt.load(lib.export_library(os.path.join(tmp, f"{name}.so")))
+            ours = []
+            for threads in (1, 2):
+                module.set_threads(threads)
+                ours.append(median_seconds(lambda: module.run(feeds), args.repeat))
+            peers = []
+            for threads in (1, 2):
+                session = ort_session(model, threads)
+                peers.append(median_seconds(lambda: session.run(None, feeds), args.repeat))
+            tvm_s = float("nan")
+            if use_tvm:
+                tvm_s = median_seconds(tvm_runner(model, feeds), 1)
+            print(f"{name:14} {compile_s:9.1f} {ours[0] * 1e3:8.1f} {ours[1] * 1e3:8.1f} {peers[0] * 1e3:8.1f} "
+                  f"{peers[1] * 1e3:8.1f} {tvm_s * 1e3:8.0f} {ours[0] / peers[0]:10.2f} {ours[1] / peers[1]:10.2f} "
+                  f"{ours[1] / tvm_s:9.3f}", flush=True)
+
+        clock, peak = peak_gflops(cores, args.flop_per_cycle, args.ghz)
+        print(f"\nconvolution GFLOP/s, 1 thread; machine peak {peak:.0f} GFLOP/s "
+              f"({cores} cores x {clock:.2f} GHz x {args.flop_per_cycle} flop/cycle), "
+              f"one core {peak / cores:.0f}")
+        print(f"{'input':>18} {'weight':>18} {'ours':>7} {'ort1':>7} {'ours/ort1':>9} {'ours % core peak':>16}")
+        for x_shape, w_shape, pad in CONV_SHAPES:
+            model = conv_model(x_shape, w_shape, pad)
+            feeds = {"x": np.random.default_rng(1).standard_normal(x_shape).astype(np.float32)}
+            lib = crosscompile.build(model, target="host")
+            module = minirt.load(lib.export_library(os.path.join(tmp, f"conv{len(os.listdir(tmp))}.so")),
+                                 threads=1)
+            ours = median_seconds(lambda: module.run(feeds), args.repeat)
+            session = ort_session(model, 1)
+            peer = median_seconds(lambda: session.run(None, feeds), args.repeat)
+            out_pixels = np.prod(module.run(feeds)[0].shape[2:])
+            flop = 2 * np.prod(w_shape) * out_pixels
+            print(f"{str(x_shape):>18} {str(w_shape):>18} {flop / ours / 1e9:7.1f} {flop / peer / 1e9:7.1f} "
+                  f"{ours / peer:9.2f} {100 * flop / ours / 1e9 / (peak / cores):15.0f}%", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Modules split large ops across threads (tether_run_parallel): the same
+results for any thread count, and old modules still run on one thread."""
+import numpy as np
+import pytest
+from onnx import helper
+
+import crosscompile
+import crosscompile.codegen
+import minirt
+from minirt import InputError
+from tests.onnx_models import make_model, reference
+from tests.test_crosscompile import rand
+
+
+def small_cnn(batch=2):
+    """im2col convs (scratch reused per image and group), a pointwise conv, a
+    grouped and a depthwise conv and serial ops in between, so threads hand
+    work back and forth."""
+    def w(*shape, seed):
+        return (rand(*shape, seed=seed) / np.sqrt(np.prod(shape[1:]))).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("MaxPool", ["r1"], ["p1"], kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("Conv", ["p1", "w2", "b2"], ["c2"]),
+             helper.make_node("Conv", ["c2", "w3"], ["c3"], group=2, pads=[1, 1, 1, 1], strides=[2, 2]),
+             helper.make_node("Conv", ["c3", "w4"], ["c4"], group=26, pads=[1, 1, 1, 1]),
+             helper.make_node("Tanh", ["c4"], ["y"])]
+    inits = {"w1": w(40, 3, 3, 3, seed=1), "b1": rand(40, seed=2), "w2": w(30, 40, 1, 1, seed=3),
+             "b2": rand(30, seed=4), "w3": w(26, 15, 3, 3, seed=5),
+             "w4": w(26, 1, 3, 3, seed=6)}
+    return make_model(nodes, {"x": (batch, 3, 37, 41)}, {"y": None}, inits)
+
+
+@pytest.fixture(scope="module")
+def cnn_module(tmp_path_factory):
+    model = small_cnn()
+    path = tmp_path_factory.mktemp("threads") / "cnn.so"
+    return model, minirt.load(crosscompile.build(model).export_library(path))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_any_thread_count_gives_the_single_thread_result(cnn_module, threads):
+    model, module = cnn_module
+    x = rand(2, 3, 37, 41, seed=9)
+    want = reference(model, {"x": x})[0]
+    module.set_threads(threads)
+    assert module.threads == threads
+    for _ in range(20):  # races would show as differing runs
+        got = module.run({"x": x})[0]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_default_thread_count_is_the_number_of_cores(cnn_module, tmp_path):
+    import os
+    module = minirt.load(crosscompile.build(small_cnn(batch=1)).export_library(tmp_path / "m.so"))
+    assert module.threads == (os.cpu_count() or 1)
+
+
+def test_bad_thread_count_is_an_input_error(cnn_module):
+    _, module = cnn_module
+    with pytest.raises(InputError, match="threads must be a positive integer, got 0"):
+        module.set_threads(0)
+
+
+def test_module_without_the_parallel_entry_point_runs_on_one_thread(tmp_path, monkeypatch):
+    serial_only = crosscompile.codegen._define_run
+
+    def define_run(module, graph, plan, kernels, params, target, parallel):
+        if not parallel:
+            serial_only(module, graph, plan, kernels, params, target, parallel)
+    monkeypatch.setattr(crosscompile.codegen, "_define_run", define_run)
+    model = small_cnn(batch=1)
+    lib = crosscompile.build(model)
+    module = minirt.load(lib.export_library(tmp_path / "old.so"), threads=2)
+    assert module.threads == 1
+    x = rand(1, 3, 37, 41, seed=3)
+    np.testing.assert_allclose(module.run({"x": x})[0], reference(model, {"x": x})[0], rtol=1e-5, atol=1e-6)
+
+
+PARALLEL_DRIVER_C = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+struct tether_sync { int32_t arrived, generation; long (*syscall)(long, ...); };
+typedef int32_t (*run_parallel_fn)(void *const *, void *const *, void *, int32_t, int32_t,
+                                   struct tether_sync *);
+static run_parallel_fn run;
+static void *ins[1], *outs[1], *workspace;
+static struct tether_sync sync_state;
+static int32_t threads, status[16];
+
+static void *work(void *arg) {
+    int32_t t = (int32_t)(intptr_t)arg;
+    status[t] = run(ins, outs, workspace, t, threads, &sync_state);
+    return NULL;
+}
+
+/* driver MODULE.so WORKSPACE_BYTES IN.bin N_IN OUT.bin N_OUT THREADS */
+int main(int argc, char **argv) {
+    if (argc != 8) { fprintf(stderr, "usage\n"); return 2; }
+    void *lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
+    if (!lib) { fprintf(stderr, "dlopen: %s\n", dlerror()); return 3; }
+    run = (run_parallel_fn)dlsym(lib, "tether_run_parallel");
+    if (!run) { fprintf(stderr, "missing tether_run_parallel\n"); return 4; }
+    size_t ws = strtoul(argv[2], NULL, 10), n_in = strtoul(argv[4], NULL, 10), n_out = strtoul(argv[6], NULL, 10);
+    threads = atoi(argv[7]);
+    workspace = aligned_alloc(64, ws ? ws : 64);
+    float *in = malloc(n_in * sizeof(float)), *out = malloc(n_out * sizeof(float));
+    FILE *f = fopen(argv[3], "rb");
+    if (!f || fread(in, sizeof(float), n_in, f) != n_in) { fprintf(stderr, "read\n"); return 5; }
+    fclose(f);
+    ins[0] = in; outs[0] = out;
+    sync_state.syscall = syscall;
+    pthread_t ids[16];
+    for (int t = 1; t < threads; t++) pthread_create(&ids[t], NULL, work, (void *)(intptr_t)t);
+    work((void *)0);
+    for (int t = 1; t < threads; t++) pthread_join(ids[t], NULL);
+    for (int t = 0; t < threads; t++)
+        if (status[t] != 0) { fprintf(stderr, "thread %d: %d\n", t, status[t]); return 6; }
+    f = fopen(argv[5], "wb");
+    fwrite(out, sizeof(float), n_out, f);
+    fclose(f);
+    return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("preset", ["rasp4b64", "rasp3b"])
+def test_parallel_run_on_emulated_arm_boards(tmp_path, preset):
+    import os
+    import shutil
+    import subprocess
+    from tests.test_crosscompile import EMULATED
+    qemu, gcc, sysroot = EMULATED[preset]
+    if not (shutil.which(qemu) and shutil.which(gcc) and os.path.isdir(sysroot)):
+        pytest.skip(f"needs {qemu}, {gcc} and {sysroot}: "
+                    "apt-get install qemu-user gcc-aarch64-linux-gnu gcc-arm-linux-gnueabihf")
+    model = small_cnn()
+    x = rand(2, 3, 37, 41, seed=9)
+    want = reference(model, {"x": x})[0]
+    lib = crosscompile.build(model, target=preset)
+    so = lib.export_library(tmp_path / "cnn.so")
+    (tmp_path / "driver.c").write_text(PARALLEL_DRIVER_C)
+    subprocess.run([gcc, "-O1", "-pthread", "-o", str(tmp_path / "driver"), str(tmp_path / "driver.c"), "-ldl"],
+                   check=True, capture_output=True)
+    x.tofile(tmp_path / "in.bin")
+    proc = subprocess.run([qemu, "-L", sysroot, str(tmp_path / "driver"), so,
+                           str(lib.metadata["workspace_bytes"]), str(tmp_path / "in.bin"),
+                           str(x.size), str(tmp_path / "out.bin"), str(want.size), "3"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    got = np.fromfile(tmp_path / "out.bin", dtype=np.float32).reshape(want.shape)
+    # ARMv7 NEON rounds differently (no fused multiply-add, flush to zero):
+    # an absolute floor scaled to the output, as in tests/test_zoo.py.
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
