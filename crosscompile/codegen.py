@@ -1,5 +1,6 @@
 """Graph + memory plan → LLVM module implementing the module ABI
-(docs/module-abi.md): tether_abi_version, tether_metadata, tether_run."""
+(docs/module-abi.md): tether_abi_version, tether_metadata, tether_run,
+tether_run_parallel and tether_run_profiled."""
 from __future__ import annotations
 
 import json
@@ -48,7 +49,35 @@ def generate(graph: Graph, plan: MemoryPlan, metadata: dict,
     params: dict = {}
     _define_run(module, graph, plan, kernels, params, target, parallel=False)
     _define_run(module, graph, plan, kernels, params, target, parallel=True)
+    _define_run(module, graph, plan, kernels, params, target, parallel=False, profiled=True)
     return module
+
+
+def describe_steps(imported: Graph, graph: Graph, plan: MemoryPlan) -> list:
+    """One entry per kernel call of tether_run, in order: the op, its node
+    name, the ops fused or folded into it and the shapes it reads and writes
+    (the "steps" metadata key of docs/module-abi.md)."""
+    producer = {out: node for node in imported.nodes for out in node.outputs}
+    steps = []
+    for node in graph.nodes:
+        if node.name in plan.aliased_nodes:
+            continue
+        # Walk back from the step's output through the original graph to the
+        # node it is named after: everything passed on the way was merged in.
+        stop = set(node.inputs) | set(imported.constants)
+        merged, seen, todo = [], set(), list(node.outputs[:1])
+        while todo:
+            source = producer.get(todo.pop())
+            if source is None or source.name == node.name or source.name in seen:
+                continue
+            seen.add(source.name)
+            merged.append(source.op_type)
+            todo.extend(t for t in source.inputs if t not in stop)
+        steps.append({"op": node.op_type, "name": node.name, "fused": merged[::-1],
+                      "inputs": [list(graph.tensors[t].shape) for t in node.inputs
+                                 if t not in graph.constants],
+                      "outputs": [list(graph.tensors[t].shape) for t in node.outputs]})
+    return steps
 
 
 def kernel_functions(module: ir.Module) -> list:
@@ -137,16 +166,23 @@ def render(module: ir.Module) -> str:
 
 
 def _define_run(module: ir.Module, graph: Graph, plan: MemoryPlan, kernels, params: dict,
-                target, parallel: bool) -> None:
+                target, parallel: bool, profiled: bool = False) -> None:
     """tether_run, or with parallel tether_run_parallel(inputs, outputs,
     workspace, thread, threads, state): every one of `threads` threads calls
     it at once with the same buffers and a zeroed int32[2] state. Parallel
     kernels get the thread number and split their work; the others run on
-    thread 0 while the rest wait at a barrier when they next need its result."""
+    thread 0 while the rest wait at a barrier when they next need its result.
+    With profiled, tether_run_profiled(inputs, outputs, workspace, mark, ctx):
+    one thread, calling mark(ctx, i) before kernel i and mark(ctx, n) after
+    the last."""
     args = [I8_PTR.as_pointer(), I8_PTR.as_pointer(), I8_PTR]
+    mark_type = ir.FunctionType(ir.VoidType(), [I8_PTR, I32])
     if parallel:
         args += [I32, I32, I32.as_pointer()]
-    fn = ir.Function(module, ir.FunctionType(I32, args), name="tether_run_parallel" if parallel else "tether_run")
+    if profiled:
+        args += [mark_type.as_pointer(), I8_PTR]
+    name = "tether_run_profiled" if profiled else "tether_run_parallel" if parallel else "tether_run"
+    fn = ir.Function(module, ir.FunctionType(I32, args), name=name)
     inputs, outputs, workspace = fn.args[:3]
     if parallel:
         thread, threads, state = fn.args[3:]
@@ -158,6 +194,7 @@ def _define_run(module: ir.Module, graph: Graph, plan: MemoryPlan, kernels, para
     checks = [inputs] if graph.inputs else []
     checks += [outputs] if graph.outputs else []
     checks += [workspace] if plan.workspace_bytes else []
+    checks += [fn.args[3]] if profiled else []
     bad = ir.Constant(ir.IntType(1), 0)
     for ptr in checks:
         bad = b.or_(bad, b.icmp_unsigned("==", ptr, ir.Constant(ptr.type, None)))
@@ -188,7 +225,9 @@ def _define_run(module: ir.Module, graph: Graph, plan: MemoryPlan, kernels, para
                         F32_PTR) if plan.scratch_bytes else None
     barrier = barrier_function(module, target)
     serial_pending = False  # thread 0 ran kernels the others have not waited for
-    for node, kernel in kernels:
+    for step, (node, kernel) in enumerate(kernels):
+        if profiled:
+            b.call(fn.args[3], [fn.args[4], ir.Constant(I32, step)])
         buffers = [pointer(t) for t in node.inputs + node.outputs]
         if plan.scratch_bytes and OPS[node.op_type].scratch_bytes(
                 [graph.tensors[t] for t in node.inputs], [graph.tensors[t] for t in node.outputs], node.attrs):
@@ -206,6 +245,8 @@ def _define_run(module: ir.Module, graph: Graph, plan: MemoryPlan, kernels, para
             serial_pending = True
         else:
             b.call(kernel, buffers)
+    if profiled:
+        b.call(fn.args[3], [fn.args[4], ir.Constant(I32, len(kernels))])
     b.ret(ir.Constant(I32, RUN_OK))
 
 

@@ -82,6 +82,7 @@ def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = 
         "workspace_bytes": plan.workspace_bytes,
         "param_bytes": codegen.param_bytes(graph, plan),
         "ops": sorted({node.op_type for node in imported.nodes}),
+        "steps": codegen.describe_steps(imported, graph, plan),
         "producer": PRODUCER,
     }
     machine = _target_machine(target)

@@ -7,8 +7,8 @@ numpy 1.19+).
 >>> m = minirt.load("net.so")        # doctest: +SKIP
 >>> outputs = m.run({"input": x})    # doctest: +SKIP
 """
-from .errors import InputError, MinirtError, ModuleLoadError, RunError
+from .errors import InputError, MinirtError, ModuleLoadError, ProfilingUnsupported, RunError
 from .module import ABI_VERSION, Module, TensorSpec, load
 
 __all__ = ["load", "Module", "TensorSpec", "ABI_VERSION", "MinirtError", "ModuleLoadError",
-           "InputError", "RunError"]
+           "InputError", "RunError", "ProfilingUnsupported"]

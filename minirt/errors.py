@@ -15,3 +15,7 @@ class InputError(MinirtError, ValueError):
 
 class RunError(MinirtError):
     """The module's entry point reported an error."""
+
+
+class ProfilingUnsupported(ModuleLoadError):
+    """The module has no tether_run_profiled (built by an older crosscompile)."""
