@@ -220,11 +220,40 @@ def test_every_command_help_has_an_example(command):
     assert re.search(r"examples?:\s+tether " + command, done.stdout), done.stdout
 
 
-def test_profile_says_it_is_not_supported_yet(farm2, mlp_module):
-    done = tether(farm2, "bench", mlp_module[1], "--key", "host", "--repeat", "2", "--profile")
+def test_profile_prints_the_slowest_layers_and_keeps_every_row(farm2, mlp_module, tmp_path):
+    report = str(tmp_path / "profile.json")
+    done = tether(farm2, "bench", mlp_module[1], "--key", "host", "--repeat", "2", "--profile",
+                  "--json", report)
     assert done.returncode == 0, done.stderr
-    assert "--profile: per-layer timing is not supported yet" in done.stderr
-    assert len(printed_tables(done.stdout)) == 1
+    with open(report) as f:
+        (record,) = json.load(f)["results"]
+    rows = record["profile"]
+    assert [(r["op"], r["name"]) for r in sorted(rows, key=lambda r: r["name"])] == [
+        ("Gemm", "fc0"), ("Gemm", "fc1"), ("Gemm", "fc2"), ("Softmax", "softmax")]
+    assert all(r["mean_s"] > 0 for r in rows)
+    assert abs(sum(r["share"] for r in rows) - 1.0) < 1e-9
+    assert [r["mean_s"] for r in rows] == sorted((r["mean_s"] for r in rows), reverse=True)
+    lines = done.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if "slowest 4 of 4 layers" in line)
+    assert lines[start + 1].split() == ["OP", "NAME", "FUSED", "INPUTS", "OUTPUTS", "TIME", "SHARE"]
+    printed = [re.split(r"\s{2,}", line.strip()) for line in lines[start + 2:start + 6]]
+    assert [(c[0], c[1]) for c in printed] == [(r["op"], r["name"]) for r in rows]
+    assert [c[-1] for c in printed] == [f"{r['share'] * 100:.1f}%" for r in rows]
+    assert ("Gemm", "fc0", "Relu", "1x784", "1x128") == tuple(
+        next(c for c in printed if c[1] == "fc0")[:5])
+
+
+def test_profile_of_a_module_without_the_export_says_to_rebuild(farm2, tmp_path):
+    from tests import session_modules
+    report = str(tmp_path / "old.json")
+    done = tether(farm2, "bench", session_modules.build(str(tmp_path)), "--key", "host",
+                  "--repeat", "2", "--profile", "--json", report)
+    assert done.returncode == 0, done.stderr
+    assert "per-layer profile unavailable" in done.stdout
+    assert "rebuild it with this crosscompile" in done.stderr
+    with open(report) as f:
+        (record,) = json.load(f)["results"]
+    assert "rebuild it with this crosscompile" in record["profile_error"]
 
 
 def test_run_random_prints_top_k_like_onnxruntime(farm2, onnx_path):

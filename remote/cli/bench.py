@@ -29,8 +29,8 @@ from remote.client.tracker import Lease, TrackerClient, default_client_name
 SCHEMA = "tether.bench/1"
 # Statistics compared against an earlier run, in the order they are shown.
 COMPARED = display.STATS + ("cold_load", "warm_load")
-PROFILE_UNSUPPORTED = ("--profile: per-layer timing is not supported yet (compiled modules do "
-                       "not record per-layer times); the whole-model benchmark runs without it")
+# --profile shows this many of the slowest steps per board (the JSON keeps all).
+PROFILE_SHOWN = 10
 
 
 def tool_version() -> str:
@@ -137,12 +137,21 @@ class BoardRun(threading.Thread):
             res = cold.benchmark(number=args.number, repeat=args.repeat,
                                  min_repeat_ms=args.min_repeat_ms, cooldown_ms=args.cooldown_ms,
                                  timeout=_benchmark_timeout(args))
+            extra = {}
+            if args.profile:
+                say(f"{label} profiling each layer: {args.number} runs")
+                try:
+                    profile = cold.profile(number=args.number, timeout=_benchmark_timeout(args))
+                    extra["profile"] = profile.as_dict()["rows"]
+                except errors.ModuleLoadError as exc:  # built without tether_run_profiled
+                    say(f"{label} --profile: {exc}")
+                    extra["profile_error"] = str(exc)
         return {
             "device_id": lease.device_id, "key": lease.key, "address": lease.address,
             "device": info, "samples_s": res.samples, "number": res.number,
             "repeat": res.repeat, "stats_s": {name: getattr(res, name) for name in display.STATS},
             "cold_load_s": cold.load_s, "warm_load_s": warm.load_s,
-            "peak_rss_bytes": res.peak_rss_bytes,
+            "peak_rss_bytes": res.peak_rss_bytes, **extra,
         }
 
 
@@ -261,6 +270,21 @@ def board_table(record: dict, old: Optional[dict] = None) -> str:
         "  " + line for line in display.text_table(headers, rows).splitlines())
 
 
+def profile_table(record: dict) -> str:
+    """The slowest layers of one board's --profile, or why there are none."""
+    if "profile_error" in record:
+        return f"  per-layer profile unavailable: {record['profile_error']}"
+    rows = record.get("profile") or []
+    total = sum(r["mean_s"] for r in rows)
+    shown = min(PROFILE_SHOWN, len(rows))
+    title = (f"  slowest {shown} of {len(rows)} layers ({display.ms(total)} per run, "
+             "single thread):")
+    return title + "\n" + "\n".join(
+        "    " + line for line in display.text_table(display.PROFILE_HEADERS,
+                                                    display.profile_rows(rows, PROFILE_SHOWN))
+        .splitlines())
+
+
 def build_report(args, module: modelfile.ModuleFile, runs: List[BoardRun], tracker: str) -> dict:
     metadata = next((r.metadata for r in runs if r.metadata), {})
     return {
@@ -318,8 +342,6 @@ def write_plot(path: str, report: dict, old: Optional[dict]) -> None:
 
 # ---------------------------------------------------------------- main --
 def run_bench(args, tracker_address) -> int:
-    if args.profile:
-        say(PROFILE_UNSUPPORTED)
     _check_options(args)
     old = load_report(args.vs) if args.vs else None
     module = modelfile.prepare(args.model, args.target,
@@ -353,6 +375,8 @@ def run_bench(args, tracker_address) -> int:
     old_results = old["results"] if old else None
     for i, record in enumerate(report["results"]):
         print(board_table(record, _match(record, old_results, i) if old_results else None))
+        if "profile" in record or "profile_error" in record:
+            print(profile_table(record))
         print()
     for failure in report["failures"]:
         say(f"tether bench: board {failure['device_id'] or '?'} failed: {failure['error']}")
@@ -393,7 +417,8 @@ def add_arguments(p) -> None:
     p.add_argument("--plot", metavar="FILE.png",
                    help="write a latency plot of every board (needs matplotlib)")
     p.add_argument("--profile", action="store_true",
-                   help="per-layer times (not supported yet; prints a note)")
+                   help="also time each layer (kernel call) on one thread and show the "
+                        "slowest; the --json file keeps every layer")
     p.add_argument("--wait", type=float, default=300.0,
                    help="seconds to wait for a free board (default 300)")
     p.add_argument("--timeout", type=float, default=60.0,

@@ -139,6 +139,34 @@ def benchmark_html(result) -> str:
                       caption=f"Benchmark: {result.repeat} samples of {result.number} runs")
 
 
+# -------------------------------------------------------------- profile --
+PROFILE_HEADERS = ("OP", "NAME", "FUSED", "INPUTS", "OUTPUTS", "TIME", "SHARE")
+
+
+def shapes(shape_list) -> str:
+    """[[1, 3, 8, 8], [4]] -> '1x3x8x8, 4'."""
+    return ", ".join("x".join(map(str, s)) for s in shape_list) or "-"
+
+
+def profile_rows(rows, limit: int = 0) -> List[Tuple[str, ...]]:
+    """Cells of per-step profile rows (as given, at most ``limit`` when set)."""
+    chosen = list(rows)[:limit] if limit else list(rows)
+    return [(r["op"], r["name"], "+".join(r.get("fused", ())) or "-", shapes(r.get("inputs", ())),
+             shapes(r.get("outputs", ())), ms(r["mean_s"]), f"{r['share'] * 100:.1f}%")
+            for r in chosen]
+
+
+def profile_text(result) -> str:
+    return (f"ProfileResult: {len(result.rows)} steps, {ms(result.total_s)} per run "
+            f"(mean of {result.number})\n" + text_table(PROFILE_HEADERS, profile_rows(result.rows)))
+
+
+def profile_html(result) -> str:
+    return html_table([h.lower() for h in PROFILE_HEADERS], profile_rows(result.rows),
+                      caption=f"Per-step times: {ms(result.total_s)} per run, "
+                              f"mean of {result.number}")
+
+
 # ----------------------------------------------------------------- pool --
 def _since(unix_time: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(unix_time))

@@ -512,6 +512,40 @@ class BenchmarkResult:
                 f"{self.repeat}×{self.number} runs, load {self.load_s * 1e3:.1f} ms>")
 
 
+class ProfileResult:
+    """Per-step times of one module on the board, slowest first.
+
+    ``rows`` holds one dict per step (a kernel call): ``op``, ``name``,
+    ``fused`` (ops merged into it), ``inputs``/``outputs`` (shapes),
+    ``mean_s`` (seconds per run) and ``share`` (of the sum of all steps).
+    """
+
+    def __init__(self, data: dict):
+        self.number: int = int(data["number"])
+        self.rows: List[dict] = sorted(data["rows"], key=lambda r: r["mean_s"], reverse=True)
+
+    @property
+    def total_s(self) -> float:
+        """Seconds per run, summed over the steps."""
+        return sum(r["mean_s"] for r in self.rows)
+
+    def as_dict(self) -> dict:
+        return {"number": self.number, "rows": [dict(r) for r in self.rows]}
+
+    def __str__(self) -> str:
+        from remote.client import display
+        return display.profile_text(self)
+
+    def _repr_html_(self) -> str:
+        from remote.client import display
+        return display.profile_html(self)
+
+    def __repr__(self) -> str:
+        top = self.rows[0] if self.rows else None
+        slowest = f", slowest {top['op']} {top['name']!r} {top['share']:.0%}" if top else ""
+        return f"<ProfileResult {len(self.rows)} steps, {self.total_s * 1e3:.4f} ms{slowest}>"
+
+
 class RemoteModule:
     """A module loaded on the device; ``run`` is one round trip."""
 
@@ -597,6 +631,24 @@ class RemoteModule:
         reply = self.session._exchange(f"benchmark of {self.module_id}", wait,
                                        lambda fs: fs.send(header, arrays))
         return BenchmarkResult(json.loads(reply.text))
+
+    def profile(self, number: int = 10, inputs=None,
+                timeout: Optional[float] = None) -> ProfileResult:
+        """Time each step (kernel call) of the module on the board, single
+        threaded, averaged over ``number`` runs. Inputs default to zeros.
+        A module built before per-step profiling existed raises
+        ModuleLoadError: rebuild it with this crosscompile.
+
+        >>> prof = mod.profile(number=20)                      # doctest: +SKIP
+        >>> print(prof)                                        # slowest steps first  # doctest: +SKIP
+        """
+        if not isinstance(number, int) or isinstance(number, bool) or number < 1:
+            raise ValueError(f"number must be a positive integer, got {number!r}")
+        header, arrays, wait = self._request("profile", inputs, timeout)
+        header.number = number
+        reply = self.session._exchange(f"profile of {self.module_id}", wait,
+                                       lambda fs: fs.send(header, arrays))
+        return ProfileResult(json.loads(reply.text))
 
     def __repr__(self) -> str:
         return f"<RemoteModule {self.module_id} on {self.session.address}>"

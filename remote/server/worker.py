@@ -432,6 +432,24 @@ class Worker:
                   **timing.summarize(samples)}
         fs.send(pb.DataFrame(op="ok", text=json.dumps(result)))
 
+    def op_profile(self, fs, header):
+        module = self._module(header.name)
+        inputs = self._inputs(fs, header)
+        for spec in module.inputs:
+            if spec.name not in inputs:
+                inputs[spec.name] = np.zeros(spec.shape, dtype=spec.dtype)
+        self.watchdog.arm(header.timeout_s, f"profile of {header.name}", fs)
+        try:
+            start = time.perf_counter()
+            rows = module.profile(inputs, number=header.number or 10)
+            elapsed = time.perf_counter() - start
+        except minirt.ProfilingUnsupported as exc:
+            raise errors.ModuleLoadError(str(exc).replace(module.path, header.name)) from None
+        finally:
+            self.watchdog.disarm()
+        fs.send(pb.DataFrame(op="ok", seconds=elapsed,
+                             text=json.dumps({"rows": rows, "number": header.number or 10})))
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m remote.server.worker")
