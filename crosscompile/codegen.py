@@ -183,6 +183,9 @@ def _define_run(module: ir.Module, graph: Graph, plan: MemoryPlan, kernels, para
         args += [mark_type.as_pointer(), I8_PTR]
     name = "tether_run_profiled" if profiled else "tether_run_parallel" if parallel else "tether_run"
     fn = ir.Function(module, ir.FunctionType(I32, args), name=name)
+    # The mark callback must not unwind; saying so keeps ARM's EHABI
+    # personality routine (a libc++ symbol) out of the module.
+    fn.attributes.add("nounwind")
     inputs, outputs, workspace = fn.args[:3]
     if parallel:
         thread, threads, state = fn.args[3:]
