@@ -49,7 +49,7 @@ def generate(graph: Graph, plan: MemoryPlan, metadata: dict,
     params: dict = {}
     _define_run(module, graph, plan, kernels, params, target, parallel=False)
     _define_run(module, graph, plan, kernels, params, target, parallel=True)
-    _define_run(module, graph, plan, kernels, params, target, parallel=False, profiled=True)
+    _emit_run(module, graph, plan, kernels, params, target, parallel=False, profiled=True)
     return module
 
 
@@ -166,7 +166,13 @@ def render(module: ir.Module) -> str:
 
 
 def _define_run(module: ir.Module, graph: Graph, plan: MemoryPlan, kernels, params: dict,
-                target, parallel: bool, profiled: bool = False) -> None:
+                target, parallel: bool) -> None:
+    """tether_run, or with parallel tether_run_parallel (see _emit_run)."""
+    _emit_run(module, graph, plan, kernels, params, target, parallel)
+
+
+def _emit_run(module: ir.Module, graph: Graph, plan: MemoryPlan, kernels, params: dict,
+              target, parallel: bool, profiled: bool = False) -> None:
     """tether_run, or with parallel tether_run_parallel(inputs, outputs,
     workspace, thread, threads, state): every one of `threads` threads calls
     it at once with the same buffers and a zeroed int32[2] state. Parallel
