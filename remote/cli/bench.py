@@ -314,7 +314,7 @@ def write_csv(path: str, results: List[dict]) -> None:
         writer.writerow(columns)
         for r in results:
             writer.writerow([r["device_id"], r["key"], r["address"]]
-                            + [f"{_value(r, s) * 1e3:.6f}" for s in COMPARED]
+                            + [f"{_value(r, s) * 1e3:.9g}" for s in COMPARED]
                             + [r["peak_rss_bytes"], r["number"], r["repeat"]])
 
 
