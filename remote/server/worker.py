@@ -414,12 +414,17 @@ class Worker:
                              tensors=[tensor_header(n, a) for n, a in zip(names, outputs)]),
                 [little_endian(a) for a in outputs])
 
-    def op_benchmark(self, fs, header):
-        module = self._module(header.name)
+    def _inputs_or_zeros(self, fs, header, module):
+        """The inputs sent with a timing request; zeros for any left out."""
         inputs = self._inputs(fs, header)
         for spec in module.inputs:
             if spec.name not in inputs:
                 inputs[spec.name] = np.zeros(spec.shape, dtype=spec.dtype)
+        return inputs
+
+    def op_benchmark(self, fs, header):
+        module = self._module(header.name)
+        inputs = self._inputs_or_zeros(fs, header, module)
         self.watchdog.arm(header.timeout_s, f"benchmark of {header.name}", fs)
         try:
             samples, number = timing.time_module(
@@ -434,10 +439,7 @@ class Worker:
 
     def op_profile(self, fs, header):
         module = self._module(header.name)
-        inputs = self._inputs(fs, header)
-        for spec in module.inputs:
-            if spec.name not in inputs:
-                inputs[spec.name] = np.zeros(spec.shape, dtype=spec.dtype)
+        inputs = self._inputs_or_zeros(fs, header, module)
         self.watchdog.arm(header.timeout_s, f"profile of {header.name}", fs)
         try:
             start = time.perf_counter()
