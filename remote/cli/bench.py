@@ -396,6 +396,16 @@ def run_bench(args, tracker_address) -> int:
     return 1 if report["failures"] else 0
 
 
+def add_farm_arguments(p, timeout_help: str) -> None:
+    """Where the farm is and how long to wait on it: the same for bench and run."""
+    p.add_argument("--wait", type=float, default=300.0,
+                   help="seconds to wait for a free board (default 300)")
+    p.add_argument("--timeout", type=float, default=60.0, help=timeout_help)
+    p.add_argument("--tracker", help="HOST:PORT (default $TETHER_TRACKER)")
+    p.add_argument("--tls-ca", default=None,
+                   help="PEM certificate to trust when the farm serves TLS")
+
+
 def add_arguments(p) -> None:
     p.add_argument("model", help="ONNX model (compiled for --target) or a built module .so")
     p.add_argument("--target", default="host",
@@ -419,10 +429,4 @@ def add_arguments(p) -> None:
     p.add_argument("--profile", action="store_true",
                    help="also time each layer (kernel call) on one thread and show the "
                         "slowest; the --json file keeps every layer")
-    p.add_argument("--wait", type=float, default=300.0,
-                   help="seconds to wait for a free board (default 300)")
-    p.add_argument("--timeout", type=float, default=60.0,
-                   help="seconds any one call on a board may take (default 60)")
-    p.add_argument("--tracker", help="HOST:PORT (default $TETHER_TRACKER)")
-    p.add_argument("--tls-ca", default=None,
-                   help="PEM certificate to trust when the farm serves TLS")
+    add_farm_arguments(p, "seconds any one call on a board may take (default 60)")

@@ -7,6 +7,7 @@ import time
 import numpy as np
 
 from remote.cli import modelfile
+from remote.cli.bench import add_farm_arguments
 from remote.cli.progress import ByteBar, say
 from remote.client import display
 from remote.client.tracker import TrackerClient
@@ -126,10 +127,4 @@ def add_arguments(p) -> None:
     p.add_argument("--output", metavar="FILE.npz", help="save the outputs here")
     p.add_argument("--input-shape", action="append", default=[], metavar="NAME=D0,D1,...",
                    help="fix an ONNX input's unknown dimensions")
-    p.add_argument("--wait", type=float, default=300.0,
-                   help="seconds to wait for a free board (default 300)")
-    p.add_argument("--timeout", type=float, default=60.0,
-                   help="seconds the run may take on the board (default 60)")
-    p.add_argument("--tracker", help="HOST:PORT (default $TETHER_TRACKER)")
-    p.add_argument("--tls-ca", default=None,
-                   help="PEM certificate to trust when the farm serves TLS")
+    add_farm_arguments(p, "seconds the run may take on the board (default 60)")

@@ -15,12 +15,10 @@ import numpy as np
 from remote import errors, tls
 from remote.address import split_address
 from remote.proto import make_stub, pb
-from remote.proto.frames import (Checksum, FrameSocket, little_endian, recv_tensors,
+from remote.proto.frames import (CHUNK_BYTES, Checksum, FrameSocket, little_endian,
+                                 recv_array_chunks, recv_tensors, send_array_chunks,
                                  tensor_header)
 
-# 1 MiB chunks: large enough that per-message overhead vanishes, small enough
-# that neither side holds more than a few of them in memory.
-CHUNK_BYTES = 1 << 20
 
 Progress = Callable[[int, int], None]
 
@@ -304,15 +302,7 @@ class Session:
 
         def send(fs):
             fs.send_prefix(header, total)
-            checksum = Checksum()
-            flat = memoryview(data.reshape(-1)).cast("B")
-            for i in range(0, total, CHUNK_BYTES):
-                view = flat[i:i + CHUNK_BYTES]
-                checksum.update(view)
-                fs.send_raw(view)
-                if progress is not None:
-                    progress(min(i + CHUNK_BYTES, total), total)
-            fs.send(pb.DataFrame(op="end", checksum=checksum.text()))
+            fs.send(pb.DataFrame(op="end", checksum=send_array_chunks(fs, data, progress)))
 
         self._exchange(f"upload of tensor {name!r}", timeout, send)
         return RemoteTensor(self, name, tuple(data.shape), data.dtype.name)
@@ -323,18 +313,10 @@ class Session:
         def receive(fs, reply):
             (desc,) = reply.tensors
             array = np.empty(tuple(desc.shape), np.dtype(desc.dtype).newbyteorder("<"))
-            total = array.nbytes
-            checksum = Checksum()
-            flat = memoryview(array.reshape(-1)).cast("B")
-            for i in range(0, total, CHUNK_BYTES):
-                view = flat[i:i + CHUNK_BYTES]
-                fs.recv_body_into(view)
-                checksum.update(view)
-                if progress is not None:
-                    progress(min(i + CHUNK_BYTES, total), total)
+            received = recv_array_chunks(fs, array, progress)
             end = fs.recv_header()
-            if end.checksum != checksum.text():
-                raise errors.RemoteError(f"tensor {name!r} arrived corrupt: {checksum.text()} "
+            if end.checksum != received:
+                raise errors.RemoteError(f"tensor {name!r} arrived corrupt: {received} "
                                          f"here, {end.checksum} on the board")
             return array.astype(array.dtype.newbyteorder("="), copy=False)
 

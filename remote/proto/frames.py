@@ -24,6 +24,8 @@ PREFIX = struct.Struct("<IQ")
 # train); larger bodies are sent from their own buffers without joining.
 JOIN_LIMIT = 256 * 1024
 MAX_HEADER_BYTES = 16 * 1024 * 1024
+# 1 MiB chunks: large enough that per-message overhead vanishes, small enough
+# that neither side holds more than a few of them in memory.
 CHUNK_BYTES = 1 << 20
 READ_BUFFER = 64 * 1024
 # struct timeval is two C longs where they are 64-bit; 32-bit boards may use a
@@ -219,6 +221,34 @@ def recv_tensors(fs: FrameSocket, descs) -> list:
         raise ValueError(f"{fs.body_left} bytes of tensor data left over after "
                          f"{len(arrays)} tensor(s)")
     return arrays
+
+
+def send_array_chunks(fs: FrameSocket, array, progress=None) -> str:
+    """Send a contiguous array's bytes in chunks (after a prefix); returns the checksum."""
+    checksum = Checksum()
+    total = array.nbytes
+    flat = memoryview(array.reshape(-1)).cast("B")
+    for i in range(0, total, CHUNK_BYTES):
+        view = flat[i:i + CHUNK_BYTES]
+        checksum.update(view)  # while the chunk is still in the cache
+        fs.send_raw(view)
+        if progress is not None:
+            progress(min(i + CHUNK_BYTES, total), total)
+    return checksum.text()
+
+
+def recv_array_chunks(fs: FrameSocket, array, progress=None) -> str:
+    """Fill a contiguous array from the frame body in chunks; returns the checksum."""
+    checksum = Checksum()
+    total = array.nbytes
+    flat = memoryview(array.reshape(-1)).cast("B")
+    for i in range(0, total, CHUNK_BYTES):
+        view = flat[i:i + CHUNK_BYTES]
+        fs.recv_body_into(view)
+        checksum.update(view)
+        if progress is not None:
+            progress(min(i + CHUNK_BYTES, total), total)
+    return checksum.text()
 
 
 def little_endian(array):

@@ -33,7 +33,8 @@ from minirt import elf, timing
 from remote import errors
 from remote.proto import pb
 from remote.proto.frames import (CHUNK_BYTES, Checksum, FrameSocket, PeerClosed, error_frame,
-                                 little_endian, recv_tensors, tensor_header)
+                                 little_endian, recv_array_chunks, recv_tensors,
+                                 send_array_chunks, tensor_header)
 from remote.server.workspace import Workspace
 
 EXIT_RUN_TIMEOUT = 3
@@ -333,26 +334,13 @@ class Worker:
             raise errors.InvalidArgument(f"tensor {header.name!r} of shape {tuple(desc.shape)} "
                                          f"{desc.dtype} needs {array.nbytes} bytes, "
                                          f"{fs.body_left} were sent")
-        # Checked chunk by chunk while the chunk is still in the cache.
-        checksum = Checksum()
-        flat = memoryview(array.reshape(-1)).cast("B")
-        for i in range(0, array.nbytes, CHUNK_BYTES):
-            view = flat[i:i + CHUNK_BYTES]
-            fs.recv_body_into(view)
-            checksum.update(view)
-        return array, checksum.text()
+        return array, recv_array_chunks(fs, array)
 
     def op_get_tensor(self, fs, header):
         array = little_endian(self._tensor(header.name))
         fs.send_prefix(pb.DataFrame(op="ok", name=header.name,
                                     tensors=[tensor_header(header.name, array)]), array.nbytes)
-        checksum = Checksum()
-        flat = memoryview(array.reshape(-1)).cast("B")
-        for i in range(0, array.nbytes, CHUNK_BYTES):
-            view = flat[i:i + CHUNK_BYTES]
-            checksum.update(view)
-            fs.send_raw(view)
-        fs.send(pb.DataFrame(op="end", checksum=checksum.text()))
+        fs.send(pb.DataFrame(op="end", checksum=send_array_chunks(fs, array)))
 
     def op_free_tensor(self, fs, header):
         self.tensors.pop(header.name, None)
