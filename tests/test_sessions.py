@@ -140,6 +140,28 @@ def test_a_client_that_vanishes_frees_the_board(server):
     connect_when_free(server, within=10).close()
 
 
+def test_a_server_killed_outright_takes_its_workers_and_workspaces_with_it():
+    srv = start_server()
+    try:
+        sess = connect(srv)
+        sess.upload(b"kept until the session ends", target="note.txt")
+        worker = listening_pid(sess._data.sock.getpeername()[1])
+        (workspace,) = os.listdir(srv.workspaces)
+        os.kill(srv.proc.pid, 9)
+        srv.proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{worker}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        status = open(f"/proc/{worker}/status").read() if os.path.exists(f"/proc/{worker}") else ""
+        assert not status or "zombie" in status, "the worker kept serving after its server died"
+        assert not os.path.exists(os.path.join(srv.workspaces, workspace))
+        with pytest.raises(errors.TetherError):
+            sess.ping()
+        sess.close()
+    finally:
+        srv.stop()
+
+
 def test_sessions_beyond_max_are_refused_or_queued_as_configured():
     refusing = start_server("--max-sessions", "1")
     queueing = start_server("--max-sessions", "1", "--session-queue", "20")
@@ -212,6 +234,27 @@ def test_worker_memory_stays_bounded_during_a_large_upload(server):
         sess.upload(bytes(120 << 20), target="zeros.bin")
         growth_mib = (vm_hwm_kib(pid) - before) / 1024
         assert growth_mib < 30, f"worker grew {growth_mib:.0f} MiB for a 120 MiB upload"
+
+
+def test_an_upload_whose_checksum_differs_is_refused_and_the_session_goes_on(server):
+    from remote.proto import pb
+    from remote.proto.frames import Checksum
+    body = os.urandom(3 << 20)
+    damaged = bytearray(body)
+    damaged[(1 << 20) + 7] ^= 1
+    sent_sum = Checksum()
+    sent_sum.update(body)  # what the sender meant to send
+    with connect(server) as sess:
+        fs = sess._data
+        fs.send_prefix(pb.DataFrame(op="upload", name="blob.bin", size=len(body)), len(body))
+        fs.send_raw(damaged)
+        fs.send(pb.DataFrame(op="end", checksum=sent_sum.text()))
+        reply = fs.recv_header()
+        assert (reply.op, reply.error) == ("error", "InvalidArgument")
+        assert "upload of 'blob.bin' is corrupt" in reply.text and sent_sum.text() in reply.text
+        assert "blob.bin" not in sess.listdir()
+        sess.upload(body, target="blob.bin")
+        assert sess.download("blob.bin") == body
 
 
 def test_size_limits_are_refused_with_the_limit_named(server):

@@ -15,9 +15,9 @@ import numpy as np
 from remote import errors, tls
 from remote.address import split_address
 from remote.proto import make_stub, pb
-from remote.proto.frames import (CHUNK_BYTES, Checksum, FrameSocket, little_endian,
-                                 recv_array_chunks, recv_tensors, send_array_chunks,
-                                 tensor_header)
+from remote.proto.frames import (CHUNK_BYTES, Checksum, FrameSocket, frame_bytes,
+                                 little_endian, recv_array_chunks, recv_tensors,
+                                 send_array_chunks, tensor_header)
 
 
 Progress = Callable[[int, int], None]
@@ -184,7 +184,7 @@ class Session:
 
     def ping(self, timeout: Optional[float] = None) -> None:
         """One empty round trip to the board (what a small call costs)."""
-        self._exchange("ping", timeout, lambda fs: fs.send(_PING))
+        self._exchange("ping", timeout, lambda fs: fs.send_raw(_PING))
 
     # --------------------------------------------------------- transfers --
     def upload(self, path_or_bytes: Union[str, os.PathLike, bytes], target: Optional[str] = None,
@@ -424,7 +424,7 @@ class _ClosedData:
         pass
 
 
-_PING = pb.DataFrame(op="ping")
+_PING = frame_bytes(pb.DataFrame(op="ping"))
 
 
 class RemoteTensor:

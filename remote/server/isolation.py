@@ -60,9 +60,11 @@ class WorkerProcess:
         """Hand the worker its session: the workspace folder; the token goes with it."""
         self._on_exit = on_exit
         try:
+            # stdin stays open: the worker ends when it closes, that is when
+            # this server process ends, however it ends.
             self.proc.stdin.write(f"{self.token}\n{workspace_root}\n".encode())
-            self.proc.stdin.close()
-        except OSError:
+            self.proc.stdin.flush()
+        except (OSError, ValueError):
             pass  # it died while waiting; the watcher reports why
 
     def alive(self) -> bool:
@@ -88,6 +90,10 @@ class WorkerProcess:
         out = self.proc.stdout.read()
         code = self.proc.wait()
         self.proc.stdout.close()
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
         error_class, reason = self._describe(code, out)
         try:
             self._on_exit(error_class, reason)

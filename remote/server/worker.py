@@ -33,11 +33,12 @@ from minirt import elf, timing
 from remote import errors
 from remote.proto import pb
 from remote.proto.frames import (CHUNK_BYTES, Checksum, FrameSocket, PeerClosed, error_frame,
-                                 little_endian, recv_array_chunks, recv_tensors,
+                                 frame_bytes, little_endian, recv_array_chunks, recv_tensors,
                                  send_array_chunks, tensor_header)
 from remote.server.workspace import Workspace
 
 EXIT_RUN_TIMEOUT = 3
+_OK = frame_bytes(pb.DataFrame(op="ok"))
 
 
 def report_end(error_class: str, reason: str) -> None:
@@ -250,7 +251,7 @@ class Worker:
 
     # -------------------------------------------------------------- files --
     def op_ping(self, fs, header):
-        fs.send(pb.DataFrame(op="ok"))
+        fs.send_raw(_OK)
 
     def op_upload(self, fs, header):
         name = header.name
@@ -441,6 +442,19 @@ class Worker:
                              text=json.dumps({"rows": rows, "number": header.number or 10})))
 
 
+def _follow_server(workspace: Workspace) -> None:
+    """End with the server: it holds our stdin open for as long as it runs, so
+    end of file there means it is gone (even killed with SIGKILL), and nobody
+    is left to end this session or clean up after it."""
+    try:
+        while sys.stdin.buffer.read(4096):
+            pass
+    except (OSError, ValueError):
+        pass
+    workspace.close()
+    os._exit(0)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m remote.server.worker")
     parser.add_argument("--listen-fd", type=int, required=True)
@@ -462,6 +476,8 @@ def main(argv=None) -> int:
         tls_context.load_cert_chain(args.tls_cert, args.tls_key)
     worker = Worker(Workspace(root=workspace), token, args.max_bytes, args.cc,
                     args.idle_timeout)
+    threading.Thread(target=_follow_server, args=(worker.workspace,), name="lifeline",
+                     daemon=True).start()
     if args.idle_timeout:
         listener.settimeout(args.idle_timeout)
     while True:
