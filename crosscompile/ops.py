@@ -926,7 +926,8 @@ def _panel_row(k: Kernel, tile, kdim: int, n: int, row, col0, first, last, value
 
 
 class _Pool(Op):
-    """MaxPool / AveragePool over 1-D or 2-D windows; only output 0 (no Indices)."""
+    """MaxPool / AveragePool over 1-D or 2-D windows; only output 0 (no Indices).
+    Channels are split between threads when passes.mark_split set attrs["split"]."""
 
     def attributes(self, raw, constants, opset):
         attrs = _window_attributes(raw)
@@ -954,7 +955,8 @@ class _Pool(Op):
         bld = k.builder
         X, Y = k.inputs[0], k.outputs[0]
         in_strides, out_strides = _c_strides(dims), _c_strides(out)
-        with k.loop(x[0] * x[1]) as nc, k.nested_loops(out) as opos:
+        lo, hi = k.part(x[0] * x[1])
+        with k.loop(hi, start=lo) as nc, k.nested_loops(out) as opos:
             acc = k.variable(k.f32(-math.inf if is_max else 0.0))
             valid = k.variable(k.f32(0.0))
             padded = k.variable(k.f32(0.0))
@@ -987,6 +989,10 @@ class _Pool(Op):
             k.store(k.activate(result), Y, k.index((nc, _prod(out)), *zip(opos, out_strides)))
 
 
+    def parallel(self, attrs):
+        return bool(attrs.get("split"))
+
+
 class MaxPool(_Pool):
     op_type = "MaxPool"
 
@@ -1007,13 +1013,18 @@ class _GlobalPool(Op):
         size = _prod(x[2:])
         is_max = self.op_type == "GlobalMaxPool"
         bld = k.builder
-        with k.loop(x[0] * x[1]) as nc:
+        lo, hi = k.part(x[0] * x[1])
+        with k.loop(hi, start=lo) as nc:
             acc = k.variable(k.f32(-math.inf if is_max else 0.0))
             with k.loop(size) as i:
                 v = k.load(k.inputs[0], k.index((nc, size), (i, 1)))
                 bld.store(k.maximum(bld.load(acc), v) if is_max else bld.fadd(bld.load(acc), v), acc)
             result = bld.load(acc) if is_max else bld.fmul(bld.load(acc), k.f32(1.0 / size))
             k.store(k.activate(result), k.outputs[0], nc)
+
+
+    def parallel(self, attrs):
+        return bool(attrs.get("split"))
 
 
 class GlobalAveragePool(_GlobalPool):
