@@ -831,6 +831,11 @@ class Conv(Op):
         epilogue = vector_epilogue(k)
         bld = k.builder
         a_group = -(-m // tile.mr) * tile.mr * kdim
+        # The panel copies' zero fills and row copies would otherwise become
+        # memset/memcpy calls, which 32-bit Android names __aeabi_memclr4
+        # and __aeabi_memcpy4: symbols its loader does not promise. llvmlite
+        # does not know this string attribute, hence the set's own add().
+        set.add(k.function.attributes, '"no-builtins"')
         with k.loop(x[0]) as image, k.loop(group) as g:
             x_base = k.index((image, x[1] * volume_in), (g, cg * volume_in))
             pointwise = self._pointwise(geometry)
