@@ -6,7 +6,9 @@ GFLOP/s of the main convolution shapes against the machine's peak.
 
 Every model of the onnx package's light zoo (random parameters, as in
 tests/test_zoo.py), one 1x3x224x224 image. Latencies are medians in ms;
-ratios are ours / peer (> 1: we are slower). TVM is timed on one run after
+ratios are ours / peer (> 1: we are slower). Ours and onnxruntime run
+interleaved, one run of each in turn, so that load from other processes
+on a shared machine hits both alike. TVM is timed on one run after
 a warm-up (untuned it takes seconds per image); it is skipped with a note
 when `import tvm` fails.
 
@@ -51,6 +53,19 @@ def median_seconds(fn, repeat: int) -> float:
         fn()
         samples.append(time.perf_counter() - started)
     return statistics.median(samples)
+
+
+def interleaved_medians(fns: list, repeat: int) -> list:
+    """Median seconds of each callable over `repeat` rounds, each round
+    running every callable once in turn (after one warm-up round)."""
+    samples = [[] for _ in fns]
+    for round_ in range(repeat + 1):
+        for fn, times in zip(fns, samples):
+            started = time.perf_counter()
+            fn()
+            if round_:
+                times.append(time.perf_counter() - started)
+    return [statistics.median(times) for times in samples]
 
 
 def ort_session(model, threads: int):
@@ -101,7 +116,7 @@ def conv_model(x_shape, w_shape, pad):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*", default=ZOO, help=f"default: all of {', '.join(ZOO)}")
-    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--no-tvm", action="store_true", help="leave TVM out")
     parser.add_argument("--flop-per-cycle", type=int, default=32, help="float32 flop per cycle per core")
     parser.add_argument("--ghz", type=float, help="core clock (default: /proc/cpuinfo, which in a VM "
@@ -125,15 +140,16 @@ def main() -> int:
             started = time.perf_counter()
             lib = crosscompile.build(model, target="host")
             compile_s = time.perf_counter() - started
-            module = minirt.load(lib.export_library(os.path.join(tmp, f"{name}.so")))
-            ours = []
+            path = lib.export_library(os.path.join(tmp, f"{name}.so"))
+            ours, peers = [], []
             for threads in (1, 2):
-                module.set_threads(threads)
-                ours.append(median_seconds(lambda: module.run(feeds), args.repeat))
-            peers = []
-            for threads in (1, 2):
+                module = minirt.load(path, threads=threads)
                 session = ort_session(model, threads)
-                peers.append(median_seconds(lambda: session.run(None, feeds), args.repeat))
+                mine, peer = interleaved_medians([lambda: module.run(feeds), lambda: session.run(None, feeds)],
+                                                 args.repeat)
+                ours.append(mine)
+                peers.append(peer)
+                module.close()
             tvm_s = float("nan")
             if use_tvm:
                 tvm_s = median_seconds(tvm_runner(model, feeds), 1)
@@ -152,9 +168,9 @@ def main() -> int:
             lib = crosscompile.build(model, target="host")
             module = minirt.load(lib.export_library(os.path.join(tmp, f"conv{len(os.listdir(tmp))}.so")),
                                  threads=1)
-            ours = median_seconds(lambda: module.run(feeds), args.repeat)
             session = ort_session(model, 1)
-            peer = median_seconds(lambda: session.run(None, feeds), args.repeat)
+            ours, peer = interleaved_medians([lambda: module.run(feeds), lambda: session.run(None, feeds)],
+                                             args.repeat)
             out_pixels = np.prod(module.run(feeds)[0].shape[2:])
             flop = 2 * np.prod(w_shape) * out_pixels
             print(f"{str(x_shape):>18} {str(w_shape):>18} {flop / ours / 1e9:7.1f} {flop / peer / 1e9:7.1f} "

@@ -17,7 +17,7 @@ from .frontend import import_onnx
 from .link import link_shared
 from .gemm import tile_for
 from .passes import (eliminate_dead_code, fold_batchnorm, fold_channel_affine, fuse_elementwise,
-                     fuse_residual_add, pack_conv_weights, plan_memory)
+                     fuse_residual_add, mark_split, pack_conv_weights, plan_memory)
 from .target import Target, resolve_target
 
 __version__ = "0.1.0"
@@ -72,6 +72,7 @@ def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = 
     imported = eliminate_dead_code(import_onnx(model, input_shapes))
     folded = fold_channel_affine(fold_batchnorm(imported))
     graph = fuse_residual_add(pack_conv_weights(fuse_elementwise(folded), tile_for(target).mr))
+    graph = mark_split(graph)
     plan = plan_memory(graph)
     metadata = {
         "abi_version": codegen.ABI_VERSION,

@@ -89,12 +89,21 @@ def _fmuladd(k: Kernel, a, b, c):
 def emit_gemm(k: Kernel, tile: GemmTile, m: int, kdim: int, n: int,
               a_packed: ir.Value, b_ptr: ir.Value, b_base, ldb: int,
               c_ptr: ir.Value, c_base, bias: "ir.Value | None", vector_epilogue: bool,
-              residual: "ir.Value | None" = None, residual_at: int = 0) -> None:
+              residual: "ir.Value | None" = None, residual_at: int = 0,
+              b_panels: bool = False, pack=None) -> None:
     """C[c_base + i * n + j] = epilogue(bias[i] + sum_p A[i, p] * B[b_base + p * ldb + j]).
 
     a_packed is laid out by pack_weights(A, tile.mr). With vector_epilogue
     the kernel's fused element-wise ops are applied in registers; a residual
     (laid out like C) is added after the first residual_at of them.
+
+    With b_panels, B is instead laid out in column panels (see
+    panel_offset): the micro-kernel then reads one contiguous block per
+    panel rather than K rows a page or more apart, which the TLB and the
+    prefetchers handle far better. pack(first, end), when given, emits
+    the code filling panels [first, end) of B; it is called for chunks of
+    about PACK_CHUNK_BYTES of the thread's own panels just before they are
+    multiplied (only when threads split the columns, see splits_columns).
     """
     full_m, tail_m = divmod(m, tile.mr)
     full_n, tail_n = divmod(n, tile.nr)
@@ -107,9 +116,51 @@ def emit_gemm(k: Kernel, tile: GemmTile, m: int, kdim: int, n: int,
     # Threads split the column panels when there are enough of them to go
     # round, otherwise the row blocks.
     panels, blocks = full_n + bool(tail_n), full_m + bool(tail_m)
-    split_columns = panels >= blocks
+    split_columns = splits_columns(tile, m, n)
     col_lo, col_hi = k.part(panels) if split_columns else (k.i64(0), k.i64(panels))
     row_lo, row_hi = (k.i64(0), k.i64(blocks)) if split_columns else k.part(blocks)
+    if pack is None:
+        _emit_panels(k, tile, kdim, n, col_blocks, row_blocks, col_lo, col_hi, row_lo, row_hi,
+                     a_packed, b_ptr, b_base, ldb, c_ptr, c_base, bias, vector_epilogue,
+                     residual, residual_at, b_panels)
+        return
+    if not split_columns:
+        raise ValueError("pack needs the columns split between threads")
+    chunk = max(1, PACK_CHUNK_BYTES // (4 * kdim * tile.nr))
+    chunks = b.add(divide(k, b.sub(b.sub(col_hi, col_lo), k.i64(1)), chunk), k.i64(1))
+    with k.loop(chunks) as q:
+        first = b.add(col_lo, b.mul(q, k.i64(chunk)))
+        end = k.smin(b.add(first, k.i64(chunk)), col_hi)
+        pack(first, end)
+        _emit_panels(k, tile, kdim, n, col_blocks, row_blocks, first, end, row_lo, row_hi,
+                     a_packed, b_ptr, b_base, ldb, c_ptr, c_base, bias, vector_epilogue,
+                     residual, residual_at, b_panels)
+
+
+def divide(k: Kernel, value: ir.Value, divisor: int) -> ir.Value:
+    """value // divisor (rounded toward 0) for an i64 value that fits in
+    32 bits: divided as i32, since a 64-bit division on ARMv7 is a libgcc
+    call the module cannot link, while a 32-bit division by a constant
+    becomes a multiply everywhere."""
+    b = k.builder
+    return b.sext(b.sdiv(b.trunc(value, ir.IntType(32)), ir.Constant(ir.IntType(32), divisor)), ir.IntType(64))
+
+
+# B chunk packed at a time: well inside a core's L2 next to A's packed weights.
+PACK_CHUNK_BYTES = 384 * 1024
+
+
+def splits_columns(tile: GemmTile, m: int, n: int) -> bool:
+    """Whether threads split C's column panels (else its row blocks): when
+    there are enough panels to go round."""
+    return -(-n // tile.nr) >= -(-m // tile.mr)
+
+
+def _emit_panels(k, tile, kdim, n, col_blocks, row_blocks, col_lo, col_hi, row_lo, row_hi,
+                 a_packed, b_ptr, b_base, ldb, c_ptr, c_base, bias, vector_epilogue,
+                 residual, residual_at, b_panels) -> None:
+    """Every register tile of column panels [col_lo, col_hi) and row blocks [row_lo, row_hi)."""
+    b = k.builder
     for n_count, n_first, widths in col_blocks:
         if not n_count:
             continue
@@ -117,7 +168,12 @@ def emit_gemm(k: Kernel, tile: GemmTile, m: int, kdim: int, n: int,
         n_hi = k.smin(col_hi, k.i64(n_first + n_count))
         with k.loop(n_hi, start=n_lo) as nb:
             col0 = b.mul(nb, k.i64(tile.nr))
-            b_col = b.gep(b_ptr, [b.add(b_base, col0)])
+            if b_panels:
+                b_col = b.gep(b_ptr, [b.add(b_base, b.mul(nb, k.i64(kdim * tile.nr)))])
+                b_ld = k.i64(sum(widths))
+            else:
+                b_col = b.gep(b_ptr, [b.add(b_base, col0)])
+                b_ld = k.i64(ldb)
             for m_count, m_first, rows in row_blocks:
                 if not m_count:
                     continue
@@ -133,7 +189,21 @@ def emit_gemm(k: Kernel, tile: GemmTile, m: int, kdim: int, n: int,
                     null = ir.Constant(F32.as_pointer(), None)
                     bias_row = b.gep(bias, [row0]) if bias is not None else null
                     res = b.gep(residual, [c_offset]) if residual is not None else null
-                    b.call(fn, [a, b_col, c, bias_row, res, k.i64(kdim), k.i64(ldb), k.i64(n)])
+                    b.call(fn, [a, b_col, c, bias_row, res, k.i64(kdim), b_ld, k.i64(n)])
+
+
+def panel_offset(k: Kernel, tile: GemmTile, kdim: int, n: int, row: ir.Value, panel: ir.Value) -> ir.Value:
+    """Where B[row, panel * nr] lives in the column-panel layout of a K x N
+    matrix (emit_gemm's b_panels), minus panel * nr, so that adding a column
+    index of that panel gives its element: full panels are [K][nr] blocks,
+    the last partial panel a [K][N % nr] block, K * N values in all."""
+    b = k.builder
+    width = k.i64(tile.nr)
+    if n % tile.nr:
+        last = b.icmp_signed("==", panel, k.i64(n // tile.nr))
+        width = b.select(last, k.i64(n % tile.nr), width)
+    start = b.mul(panel, k.i64(kdim * tile.nr))
+    return b.sub(b.add(start, b.mul(row, width)), b.mul(panel, k.i64(tile.nr)))
 
 
 def _split(count: int, lanes: int) -> list[int]:

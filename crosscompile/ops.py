@@ -10,7 +10,8 @@ import math
 import numpy as np
 
 from .emit import Kernel
-from .gemm import emit_depthwise, emit_dot_rows, emit_gemm, tile_for, vector_epilogue
+from .gemm import (divide, emit_depthwise, emit_dot_rows, emit_gemm, panel_offset, splits_columns, tile_for,
+                   vector_epilogue)
 from .errors import BuildError, ShapeError
 from .ir import Tensor
 
@@ -830,59 +831,108 @@ class Conv(Op):
         epilogue = vector_epilogue(k)
         bld = k.builder
         a_group = -(-m // tile.mr) * tile.mr * kdim
+        # The panel copies' zero fills and row copies would otherwise become
+        # memset/memcpy calls, which 32-bit Android names __aeabi_memclr4
+        # and __aeabi_memcpy4: symbols its loader does not promise. llvmlite
+        # does not know this string attribute, hence the set's own add().
+        set.add(k.function.attributes, '"no-builtins"')
         with k.loop(x[0]) as image, k.loop(group) as g:
             x_base = k.index((image, x[1] * volume_in), (g, cg * volume_in))
             pointwise = self._pointwise(geometry)
+            pack = None
             if pointwise:
                 b_ptr, b_base = k.inputs[0], x_base
+            elif splits_columns(tile, m, n):
+                # Each thread fills the panels it multiplies, a chunk at a
+                # time, just before using them: the chunk is still in L2
+                # then, where a whole-image im2col would have gone out to
+                # L3 or memory and back (7 MB for a 3x3 conv of 64 x 56 x 56).
+                b_ptr, b_base = k.scratch, k.i64(0)
+                def pack(p_lo, p_hi, x_base=x_base):
+                    ends = [bld.mul(p, k.i64(tile.nr)) for p in (p_lo, p_hi)]
+                    _im2col(k, tile, cg, geometry, x_base, (k.i64(0), k.i64(cg)),
+                            (ends[0], k.smin(ends[1], k.i64(n))))
             else:
-                _im2col(k, cg, geometry, x_base)
+                _im2col(k, tile, cg, geometry, x_base, k.part(cg), (k.i64(0), k.i64(n)))
                 k.barrier()  # every thread's GEMM reads all of im2col
                 b_ptr, b_base = k.scratch, k.i64(0)
             a_ptr = bld.gep(k.inputs[1], [k.index((g, a_group))])
             bias = bld.gep(k.inputs[2], [k.index((g, m))]) if has_bias else None
             emit_gemm(k, tile, m, kdim, n, a_ptr, b_ptr, b_base, n,
                       k.outputs[0], k.index((image, w[0] * n), (g, m * n)), bias, epilogue,
-                      k.inputs[-1] if residual_at is not None else None, residual_at or 0)
-            if not pointwise:
+                      k.inputs[-1] if residual_at is not None else None, residual_at or 0,
+                      b_panels=not pointwise, pack=pack)
+            if not pointwise and pack is None:
                 k.barrier()  # before the next image or group overwrites im2col
         k.activated = epilogue or not k.epilogue
 
 
-def _im2col(k: Kernel, channels: int, geometry, x_base) -> None:
+def _im2col(k: Kernel, tile, channels: int, geometry, x_base, chans, cols) -> None:
     """scratch[(c, kd, kh, kw), (od, oh, ow)] = the input value that tap
-    meets at that output position, 0 in the padding."""
+    meets at that output position, 0 in the padding, for input channels
+    c in chans = (lo, hi) and output positions (flattened) in cols =
+    (start, end), written in the GEMM's column-panel layout (gemm.panel_offset)."""
     (dz, h, wd), (kz, kh_n, kw_n), (sz, sh, sw), (ddz, dh, dw), (pz, ph, pw), _, (oz, oh_n, ow_n) = geometry
     n = oz * oh_n * ow_n
-    bld, X, S = k.builder, k.inputs[0], k.scratch
-    lo_c, hi_c = k.part(channels)
-    with k.loop(hi_c, start=lo_c) as c, k.loop(kz) as kd, k.loop(kh_n) as kh:
+    kdim = channels * kz * kh_n * kw_n
+    bld, X = k.builder, k.inputs[0]
+    start, end = cols
+    r_lo = divide(k, start, ow_n)
+    r_hi = bld.add(divide(k, bld.sub(end, k.i64(1)), ow_n), k.i64(1))
+    with k.loop(chans[1], start=chans[0]) as c, k.loop(kz) as kd, k.loop(kh_n) as kh:
         plane = k.index((x_base, 1), (c, dz * h * wd))
         for kw in range(kw_n):
             row = k.index((c, kz * kh_n * kw_n), (kd, kh_n * kw_n), (kh, kw_n), (kw, 1))
             offset = kw * dw - pw
             lo, hi = _valid_range(offset, sw, wd, ow_n)
-            with k.loop(oz) as od, k.loop(oh_n) as oh:
+            with k.loop(r_hi, start=r_lo) as r:  # output rows (od, oh) the columns cross
+                od = divide(k, r, oh_n) if oz > 1 else k.i64(0)
+                oh = bld.sub(r, bld.mul(od, k.i64(oh_n)))
                 iz = k.index((od, sz), (kd, ddz), (-pz, 1))
                 ih = k.index((oh, sh), (kh, dh), (-ph, 1))
                 inside = bld.and_(k.in_range(iz, dz), k.in_range(ih, h))
                 # Out-of-range rows read a valid row and select 0 instead, so
                 # the copy loop has no branch and vectorises.
                 line = bld.select(inside, k.index((plane, 1), (iz, h * wd), (ih, wd), (offset, 1)), plane)
-                dst = k.index((row, n), (od, oh_n * ow_n), (oh, ow_n))
-                with k.loop(lo) as ow:
-                    k.store(k.f32(0.0), S, bld.add(dst, ow))
+                col0 = bld.mul(r, k.i64(ow_n))
+                first = k.smax(bld.sub(start, col0), k.i64(0))
+                last = k.smin(bld.sub(end, col0), k.i64(ow_n))
+
+                def copy(ow, line=line, inside=inside):
+                    src = bld.select(inside, k.index((line, 1), (ow, sw)), plane)
+                    return bld.select(inside, k.load(X, src), k.f32(0.0))
+                segments = []
+                if lo > 0:
+                    segments.append((first, k.smin(last, k.i64(lo)), None))
                 if lo < hi:
-                    with k.loop(hi, start=lo) as ow:
-                        src = bld.select(inside, k.index((line, 1), (ow, sw)), plane)
-                        value = bld.select(inside, k.load(X, src), k.f32(0.0))
-                        k.store(value, S, bld.add(dst, ow))
-                with k.loop(ow_n, start=max(hi, lo)) as ow:
-                    k.store(k.f32(0.0), S, bld.add(dst, ow))
+                    segments.append((k.smax(first, k.i64(lo)), k.smin(last, k.i64(hi)), copy))
+                if max(hi, lo) < ow_n:
+                    segments.append((k.smax(first, k.i64(max(hi, lo))), last, None))
+                for seg_first, seg_last, value in segments:
+                    _panel_row(k, tile, kdim, n, row, col0, seg_first, seg_last, value)
+
+
+def _panel_row(k: Kernel, tile, kdim: int, n: int, row, col0, first, last, value) -> None:
+    """scratch[row, col0 + j] = value(j) (0 when value is None) for j in
+    [first, last), in column-panel layout: one contiguous loop per panel
+    the columns cross."""
+    bld = k.builder
+    start, end = bld.add(col0, first), bld.add(col0, last)
+    p_lo = divide(k, start, tile.nr)
+    p_hi = bld.add(divide(k, bld.sub(end, k.i64(1)), tile.nr), k.i64(1))
+    with k.loop(p_hi, start=p_lo) as panel:
+        base = panel_offset(k, tile, kdim, n, row, panel)
+        panel_col = bld.mul(panel, k.i64(tile.nr))
+        lo = k.smax(start, panel_col)
+        hi = k.smin(end, bld.add(panel_col, k.i64(tile.nr)))
+        with k.loop(hi, start=lo) as col:
+            v = k.f32(0.0) if value is None else value(bld.sub(col, col0))
+            k.store(v, k.scratch, bld.add(base, col))
 
 
 class _Pool(Op):
-    """MaxPool / AveragePool over 1-D or 2-D windows; only output 0 (no Indices)."""
+    """MaxPool / AveragePool over 1-D or 2-D windows; only output 0 (no Indices).
+    Channels are split between threads when passes.mark_split set attrs["split"]."""
 
     def attributes(self, raw, constants, opset):
         attrs = _window_attributes(raw)
@@ -910,7 +960,8 @@ class _Pool(Op):
         bld = k.builder
         X, Y = k.inputs[0], k.outputs[0]
         in_strides, out_strides = _c_strides(dims), _c_strides(out)
-        with k.loop(x[0] * x[1]) as nc, k.nested_loops(out) as opos:
+        lo, hi = k.part(x[0] * x[1])
+        with k.loop(hi, start=lo) as nc, k.nested_loops(out) as opos:
             acc = k.variable(k.f32(-math.inf if is_max else 0.0))
             valid = k.variable(k.f32(0.0))
             padded = k.variable(k.f32(0.0))
@@ -943,6 +994,10 @@ class _Pool(Op):
             k.store(k.activate(result), Y, k.index((nc, _prod(out)), *zip(opos, out_strides)))
 
 
+    def parallel(self, attrs):
+        return bool(attrs.get("split"))
+
+
 class MaxPool(_Pool):
     op_type = "MaxPool"
 
@@ -963,13 +1018,18 @@ class _GlobalPool(Op):
         size = _prod(x[2:])
         is_max = self.op_type == "GlobalMaxPool"
         bld = k.builder
-        with k.loop(x[0] * x[1]) as nc:
+        lo, hi = k.part(x[0] * x[1])
+        with k.loop(hi, start=lo) as nc:
             acc = k.variable(k.f32(-math.inf if is_max else 0.0))
             with k.loop(size) as i:
                 v = k.load(k.inputs[0], k.index((nc, size), (i, 1)))
                 bld.store(k.maximum(bld.load(acc), v) if is_max else bld.fadd(bld.load(acc), v), acc)
             result = bld.load(acc) if is_max else bld.fmul(bld.load(acc), k.f32(1.0 / size))
             k.store(k.activate(result), k.outputs[0], nc)
+
+
+    def parallel(self, attrs):
+        return bool(attrs.get("split"))
 
 
 class GlobalAveragePool(_GlobalPool):

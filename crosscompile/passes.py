@@ -173,6 +173,26 @@ def _is_depthwise(graph: Graph, node: Node) -> bool:
     return len(x) in (3, 4) and node.attrs.get("group", 1) == x[1] == w[0] and w[1] == 1
 
 
+# Ops that can split their channels between threads, and the input size
+# from which they do: below it the barrier after the op would cost more
+# than the share of work it saves (a serial op only makes the other threads
+# wait once, at the next split op).
+SPLITTABLE = ("MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool")
+MIN_SPLIT_ELEMENTS = 64 * 1024
+
+
+def mark_split(graph: Graph) -> Graph:
+    """Mark attrs["split"] on splittable ops with inputs of at least
+    MIN_SPLIT_ELEMENTS values, so they run on every thread of a parallel run."""
+    nodes = []
+    for node in graph.nodes:
+        if node.op_type in SPLITTABLE and graph.tensors[node.inputs[0]].size >= MIN_SPLIT_ELEMENTS:
+            node = Node(node.op_type, node.name, list(node.inputs), list(node.outputs),
+                        dict(node.attrs, split=True))
+        nodes.append(node)
+    return replace(graph, nodes=nodes)
+
+
 def pack_conv_weights(graph: Graph, mr: int) -> Graph:
     """Store each Conv's constant weight as pack_weights(W_g, mr) (the GEMM
     micro-kernel's layout) per group g, concatenated, and mark the node with
