@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import socket
 import ssl
@@ -191,7 +190,7 @@ class Session:
                progress: Optional[Progress] = None, timeout: Optional[float] = None) -> str:
         """Send a file (or bytes) to the session workspace; returns its name there.
 
-        The data streams in chunks with a CRC-32 checked on the board;
+        The data streams in chunks with a checksum checked on the board;
         ``progress(sent_bytes, total_bytes)`` is called after every chunk.
 
         >>> sess.upload("net.so", progress=lambda done, total: None)   # doctest: +SKIP
@@ -289,7 +288,7 @@ class Session:
                       timeout: Optional[float] = None) -> "RemoteTensor":
         """Copy ``array`` to the board and keep it there under ``name``.
 
-        The copy streams in chunks with a CRC-32 checked on the board;
+        The copy streams in chunks with a checksum checked on the board;
         ``progress(sent_bytes, total_bytes)`` is called after every chunk.
 
         >>> x = sess.upload_tensor("x", np.zeros((1, 4), np.float32))   # doctest: +SKIP
@@ -386,23 +385,21 @@ class Session:
 
 def _send_file(fs: FrameSocket, path: str, total: int, checksum: Checksum,
                progress: Optional[Progress], target: str) -> None:
-    """Send ``total`` bytes of a file: checksummed through a read-only mapping
-    and handed to the socket by the kernel (sendfile), so the bytes are never
-    copied through Python buffers."""
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size < total:
-            raise errors.InvalidArgument(f"{target!r} shrank while it was being sent")
-        if total == 0:
-            return
-        for offset in range(0, total, CHUNK_BYTES):
-            n = min(CHUNK_BYTES, total - offset)
-            # One chunk mapped at a time keeps the resident size at one chunk.
-            with mmap.mmap(f.fileno(), n, access=mmap.ACCESS_READ, offset=offset) as mapped:
-                checksum.update(mapped)
-            if fs.sock.sendfile(f, offset, n) != n:
+    """Send ``total`` bytes of a file a chunk at a time through one buffer:
+    read, checksummed and sent while the chunk is still in the CPU cache
+    (measured faster than a mapping plus sendfile, which reads memory twice)."""
+    buffer = memoryview(bytearray(min(CHUNK_BYTES, total) or 1))
+    with open(path, "rb", buffering=0) as f:
+        done = 0
+        while done < total:
+            n = f.readinto(buffer[:min(CHUNK_BYTES, total - done)])
+            if not n:
                 raise errors.InvalidArgument(f"{target!r} shrank while it was being sent")
+            checksum.update(buffer[:n])
+            fs.send_raw(buffer[:n])
+            done += n
             if progress is not None:
-                progress(offset + n, total)
+                progress(done, total)
 
 
 def _error_class(name: str, default=errors.RemoteError):

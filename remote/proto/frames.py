@@ -38,7 +38,9 @@ _KERNEL_TIMEOUTS = (struct.calcsize("l") == 8 and hasattr(socket, "SO_RCVTIMEO")
 # kernel (docs/sessions.md, "Small calls"). Waking a sleeping thread costs more
 # than a small call itself; with one core, polling would only hold the CPU the
 # other end needs, so it is off there.
-SPIN_SECONDS = 100e-6 if (os.cpu_count() or 1) > 1 else 0.0
+SPIN_SECONDS = (float(os.environ.get("TETHER_POLL_US", "100")) * 1e-6
+                if (os.cpu_count() or 1) > 1 else 0.0)
+_yield = getattr(os, "sched_yield", lambda: None)
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 
 
@@ -238,6 +240,7 @@ class FrameSocket:
                 try:
                     return recv_into(view, 0, _DONTWAIT)
                 except BlockingIOError:
+                    _yield()  # a task waiting for this core (perhaps the peer) goes first
                     now = time.monotonic()
                     if not deadline:
                         deadline = now + self.spin
