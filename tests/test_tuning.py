@@ -61,6 +61,17 @@ def feeds(shape=(1, 3, 10, 10), seed=3):
     return {"x": np.random.default_rng(seed).standard_normal(shape).astype(np.float32)}
 
 
+def expected_best(entry):
+    """The fastest candidate by median, unless the default (measured first)
+    is within tuning.MIN_GAIN of it."""
+    fastest = min(entry["candidates"], key=lambda c: c["median_s"])
+    default = entry["candidates"][0]
+    assert default["tile"] == entry["default"]
+    if fastest["median_s"] < default["median_s"] * (1 - tuning.MIN_GAIN):
+        return fastest["tile"]
+    return default["tile"]
+
+
 def run_host(lib, tmp_path, inputs, name="net.so"):
     path = lib.export_library(str(tmp_path / name))
     module = minirt.load(path)
@@ -93,8 +104,7 @@ def test_tuning_on_a_board_caches_each_conv_shape_with_its_fastest_tile(tuned):
         for c in entry["candidates"]:
             assert "error" not in c, c
             assert len(c["samples_s"]) == 3 and c["median_s"] == pytest.approx(np.median(c["samples_s"]))
-        fastest = min(entry["candidates"], key=lambda c: c["median_s"])
-        assert entry["best"] == fastest["tile"]
+        assert entry["best"] == expected_best(entry)
         assert entry["default"] == [tile_for(HOST).mr, tile_for(HOST).nv]
         assert entry["device"]["address"] == address
     # The file on disk holds the same, under the normalised target.
@@ -278,7 +288,7 @@ def test_tuning_on_an_emulated_arm64_board(tmp_path):
             assert [tuple(c["tile"]) for c in entry["candidates"]] == \
                 [(t.mr, t.nv) for t in candidate_tiles(target, 12)]
             assert not [c for c in entry["candidates"] if "error" in c]
-            assert entry["best"] == min(entry["candidates"], key=lambda c: c["median_s"])["tile"]
+            assert entry["best"] == expected_best(entry)
             lib = crosscompile.build(model, target, schedules=cache)
             assert [t["tile"] for t in lib.metadata["gemm_tiles"]] == [entry["best"]]
             sess.upload(lib.so_bytes, target="tuned.so")
