@@ -18,6 +18,7 @@ from .link import link_shared
 from .gemm import tile_for
 from .passes import (eliminate_dead_code, fold_batchnorm, fold_channel_affine, fuse_elementwise,
                      fuse_residual_add, mark_split, pack_conv_weights, plan_memory)
+from .schedule import tile_chooser
 from .target import Target, resolve_target
 
 __version__ = "0.1.0"
@@ -62,17 +63,21 @@ class CompiledModule:
         return buffer.getvalue()
 
 
-def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = None) -> CompiledModule:
+def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = None,
+          schedules=None) -> CompiledModule:
     """Compile an ONNX model (path or onnx.ModelProto) for a target.
+
+    schedules picks each convolution's register tile by its shape: a
+    crosscompile.tuning.TuningCache or a mapping {ConvShape.key: (mr, nv)};
+    shapes it does not name get the target's default tile.
 
     >>> lib = build("model.onnx", target="rasp4b64")  # doctest: +SKIP
     >>> lib.export_library("net.so")                   # doctest: +SKIP
     """
     target = resolve_target(target)
-    imported = eliminate_dead_code(import_onnx(model, input_shapes))
-    folded = fold_channel_affine(fold_batchnorm(imported))
-    graph = fuse_residual_add(pack_conv_weights(fuse_elementwise(folded), tile_for(target).mr))
-    graph = mark_split(graph)
+    chosen: dict = {}
+    imported, folded, graph = lowered_graph(model, target, input_shapes,
+                                            tile_chooser(target, schedules, chosen))
     plan = plan_memory(graph)
     metadata = {
         "abi_version": codegen.ABI_VERSION,
@@ -84,6 +89,8 @@ def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = 
         "param_bytes": codegen.param_bytes(graph, plan),
         "ops": sorted({node.op_type for node in imported.nodes}),
         "steps": codegen.describe_steps(imported, graph, plan),
+        "gemm_tiles": [{"node": name, "shape": shape.key, "tile": [tile.mr, tile.nv],
+                        "tuned": tuned} for name, (shape, tile, tuned) in chosen.items()],
         "producer": PRODUCER,
     }
     machine = _target_machine(target)
@@ -102,9 +109,20 @@ def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = 
         "workspace_bytes": plan.workspace_bytes,
         "param_bytes": metadata["param_bytes"],
         "code_bytes": _code_bytes(obj),
+        "tuned_convs": sum(1 for _, _, tuned in chosen.values() if tuned),
+        "gemm_convs": len(chosen),
     }
     return CompiledModule(link_shared([o for _, o in objects], soname), metadata, target,
                           tuple(objects), summary)
+
+
+def lowered_graph(model, target: Target, input_shapes, tile_of):
+    """(imported, folded, lowered) graphs of a model: the graph passes of
+    build(), with tile_of(graph, node) picking each GEMM convolution's tile."""
+    imported = eliminate_dead_code(import_onnx(model, input_shapes))
+    folded = fold_channel_affine(fold_batchnorm(imported))
+    graph = fuse_residual_add(pack_conv_weights(fuse_elementwise(folded), tile_for(target).mr, tile_of))
+    return imported, folded, mark_split(graph)
 
 
 def _code_bytes(obj: bytes) -> int:

@@ -819,7 +819,7 @@ class Conv(Op):
         itself for a pointwise convolution, otherwise its im2col in scratch."""
         x, w = inputs[0].shape, attrs["weight_shape"]
         geometry = _resolve_window(x, tuple(w[2:]), attrs, what="convolution")
-        tile = tile_for(k.target)
+        tile = attrs.get("gemm_tile") or tile_for(k.target)
         if tile.mr != attrs["packed_mr"]:
             raise BuildError(f"Conv weights were packed for {attrs['packed_mr']} rows, the target's tile has {tile.mr}")
         group = attrs["group"]

@@ -193,10 +193,14 @@ def mark_split(graph: Graph) -> Graph:
     return replace(graph, nodes=nodes)
 
 
-def pack_conv_weights(graph: Graph, mr: int) -> Graph:
+def pack_conv_weights(graph: Graph, mr: int, tile_of=None) -> Graph:
     """Store each Conv's constant weight as pack_weights(W_g, mr) (the GEMM
     micro-kernel's layout) per group g, concatenated, and mark the node with
     attrs["packed_mr"].
+
+    tile_of(graph, node), when given, picks each Conv's register tile
+    (crosscompile.schedule): its rows replace mr and the node keeps the tile
+    in attrs["gemm_tile"] for the lowering.
 
     The packed constant is a new tensor, so a weight another node also
     reads stays as it was. Depthwise convolutions are marked
@@ -209,12 +213,16 @@ def pack_conv_weights(graph: Graph, mr: int) -> Graph:
         group = node.attrs.get("group", 1)
         if (node.op_type == "Conv" and len(node.inputs) >= 2 and node.inputs[1] in constants
                 and graph.tensors[node.inputs[1]].shape[0] // group >= MIN_GEMM_ROWS):
-            name = f"{node.inputs[1]}/packed{mr}"
+            tile = tile_of(graph, node) if tile_of is not None else None
+            rows = tile.mr if tile is not None else mr
+            name = f"{node.inputs[1]}/packed{rows}"
             if name not in constants:
                 constants[name] = np.concatenate(
-                    [pack_weights(w, mr) for w in np.split(constants[node.inputs[1]], group)])
+                    [pack_weights(w, rows) for w in np.split(constants[node.inputs[1]], group)])
                 tensors[name] = Tensor(name, constants[name].shape, "float32")
-            attrs = dict(node.attrs, packed_mr=mr, weight_shape=tuple(graph.tensors[node.inputs[1]].shape))
+            attrs = dict(node.attrs, packed_mr=rows, weight_shape=tuple(graph.tensors[node.inputs[1]].shape))
+            if tile is not None:
+                attrs["gemm_tile"] = tile
             node = Node(node.op_type, node.name, [node.inputs[0], name, *node.inputs[2:]],
                         list(node.outputs), attrs)
         elif node.op_type == "Conv" and _is_depthwise(graph, node):

@@ -345,7 +345,8 @@ def run_bench(args, tracker_address) -> int:
     _check_options(args)
     old = load_report(args.vs) if args.vs else None
     module = modelfile.prepare(args.model, args.target,
-                               modelfile.parse_input_shapes(args.input_shape))
+                               modelfile.parse_input_shapes(args.input_shape),
+                               tuned=not args.no_tuning)
     host, port = tracker_address
     tracker = TrackerClient(host, port, tls_ca=args.tls_ca)
     waiter = TrackerClient(host, port, tls_ca=args.tls_ca)
@@ -421,6 +422,9 @@ def add_arguments(p) -> None:
     p.add_argument("--cooldown-ms", type=float, default=0.0, help="pause between samples")
     p.add_argument("--input-shape", action="append", default=[], metavar="NAME=D0,D1,...",
                    help="fix an ONNX input's unknown dimensions")
+    p.add_argument("--no-tuning", action="store_true",
+                   help="compile with the default register tiles, not those `tether tune` "
+                        "cached for --target")
     p.add_argument("--json", metavar="FILE", help="write raw samples and run conditions here")
     p.add_argument("--csv", metavar="FILE", help="write one summary row per board here")
     p.add_argument("--vs", metavar="OLD.json", help="print ratios against an earlier --json")

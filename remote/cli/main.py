@@ -43,7 +43,10 @@ def cmd_compile(args):
             shapes[name] = tuple(int(d) for d in dims.split(","))
         except ValueError:
             raise SystemExit(f"--input-shape {spec!r} must look like name=1,3,224,224")
-    lib = crosscompile.build(args.model, target=args.target, input_shapes=shapes or None)
+    from crosscompile.tuning import TuningCache
+    schedules = None if args.no_tuning else TuningCache()
+    lib = crosscompile.build(args.model, target=args.target, input_shapes=shapes or None,
+                             schedules=schedules)
     out = args.output or os.path.splitext(os.path.basename(args.model))[0] + ".so"
     lib.export_library(out)
     meta = lib.metadata
@@ -58,12 +61,22 @@ def cmd_compile(args):
           f"{s['folded_into_conv']} BatchNorm/Mul/Add folded into Conv)")
     print(f"  workspace {s['workspace_bytes']} bytes; parameters {s['param_bytes']} bytes; "
           f"code {s['code_bytes']} bytes")
+    if s["gemm_convs"] and schedules is None:
+        print(f"  default register tiles for {s['gemm_convs']} GEMM convolutions (--no-tuning)")
+    elif s["gemm_convs"]:
+        print(f"  tuned register tiles for {s['tuned_convs']} of {s['gemm_convs']} GEMM "
+              f"convolutions (cache {schedules.path_for(lib.target)})")
     return 0
 
 
 def cmd_bench(args):
     from remote.cli.bench import run_bench
     return run_bench(args, _tracker_address(args.tracker))
+
+
+def cmd_tune(args):
+    from remote.cli.tune import run_tune
+    return run_tune(args, _tracker_address(args.tracker))
 
 
 def cmd_run(args):
@@ -125,9 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="output .so (default: MODEL.so)")
     p.add_argument("--input-shape", action="append", default=[], metavar="NAME=D0,D1,...",
                    help="fix an input's unknown dimensions")
+    p.add_argument("--no-tuning", action="store_true",
+                   help="use the default register tiles, not those `tether tune` cached")
     p.set_defaults(func=cmd_compile)
 
-    from remote.cli import bench, run
+    from remote.cli import bench, run, tune
     p = sub.add_parser(
         "bench", help="time a model on one or many boards of a key",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -138,6 +153,15 @@ def build_parser() -> argparse.ArgumentParser:
                "--vs run.json --plot latency.png")
     bench.add_arguments(p)
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser(
+        "tune", help="find each convolution's fastest register tile on a board and cache it",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+               "  tether tune model.onnx --target rasp4b64 --key rasp4b64\n"
+               "  tether tune model.onnx --target host --number 5 --repeat 3 --force")
+    tune.add_arguments(p)
+    p.set_defaults(func=cmd_tune)
 
     p = sub.add_parser(
         "run", help="run a model once on a board and print its outputs",

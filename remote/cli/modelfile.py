@@ -53,8 +53,10 @@ def parse_input_shapes(specs) -> Optional[Dict[str, Tuple[int, ...]]]:
     return shapes or None
 
 
-def prepare(model: str, target: str, input_shapes=None) -> ModuleFile:
-    """Compile ``model`` for ``target`` when it is ONNX; take a built module as it is."""
+def prepare(model: str, target: str, input_shapes=None, tuned: bool = True) -> ModuleFile:
+    """Compile ``model`` for ``target`` when it is ONNX (with the register
+    tiles `tether tune` cached for the target, unless not ``tuned``); take a
+    built module as it is."""
     if not os.path.isfile(model):
         raise FileNotFoundError(f"{model!r}: no such file; give an .onnx model or a module "
                                 f"built with `tether compile`")
@@ -65,9 +67,11 @@ def prepare(model: str, target: str, input_shapes=None) -> ModuleFile:
         raise ValueError(f"{model!r} is neither an .onnx model nor a module (.so, .tar); "
                          "rename it or build it with `tether compile`")
     import crosscompile
+    from crosscompile.tuning import TuningCache
 
     with stage(f"compiling {os.path.basename(model)} for {target}"):
-        lib = crosscompile.build(model, target=target, input_shapes=input_shapes)
+        lib = crosscompile.build(model, target=target, input_shapes=input_shapes,
+                                 schedules=TuningCache() if tuned else None)
     folder = tempfile.mkdtemp(prefix="tether-module-")
     out = os.path.join(folder, os.path.splitext(os.path.basename(model))[0] + ".so")
     lib.export_library(out)

@@ -1,0 +1,172 @@
+"""Schedules: which register tile each convolution's GEMM uses.
+
+By default every convolution of a target gets gemm.tile_for(target). A
+schedule table maps a convolution's shape (ConvShape.key) to a tile measured
+faster for it (crosscompile.tuning finds and caches those); build() looks
+every GEMM convolution up there and falls back to the default.
+
+Plain data and functions only: no files, clocks or boards here.
+
+Example:
+    >>> from crosscompile.target import resolve_target
+    >>> [(t.mr, t.nv) for t in candidate_tiles(resolve_target("rasp4b64"))]
+    [(8, 2), (16, 1), (10, 1), (14, 2), (9, 3), (6, 3), (6, 4), (4, 4)]
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+from .gemm import GemmTile, tile_for
+
+# Rows of one register tile at most: past this the broadcasts of A, not
+# the loads of B, bound the inner loop, and the tile's tail grows.
+MAX_ROWS = 16
+# Vectors of C columns per tile at most: rows of output pixels are short in
+# late layers (7 x 7), so wider tiles mostly run their tail.
+MAX_VECTORS = 4
+# Candidates measured per shape at most.
+MAX_CANDIDATES = 8
+
+
+@dataclass(frozen=True)
+class ConvShape:
+    """What identifies a convolution for tuning: its input and weight
+    shapes and window attributes (as the ONNX node gives them)."""
+
+    x: tuple
+    w: tuple
+    y: tuple
+    strides: tuple
+    pads: tuple
+    dilations: tuple
+    group: int
+    auto_pad: str = "NOTSET"
+
+    @property
+    def key(self) -> str:
+        """A stable text key, e.g. 'x1x64x56x56-w64x64x3x3-s1x1-p1x1x1x1-d1x1-g1'.
+
+        >>> ConvShape((1, 8, 5, 5), (4, 8, 3, 3), (1, 4, 5, 5), (1, 1), (1, 1, 1, 1), (1, 1), 1).key
+        'x1x8x5x5-w4x8x3x3-s1x1-p1x1x1x1-d1x1-g1'
+        """
+        def dims(values):
+            return "x".join(str(int(v)) for v in values)
+        text = (f"x{dims(self.x)}-w{dims(self.w)}-s{dims(self.strides)}-p{dims(self.pads)}"
+                f"-d{dims(self.dilations)}-g{self.group}")
+        return text if self.auto_pad == "NOTSET" else f"{text}-{self.auto_pad.lower()}"
+
+    @property
+    def gemm(self) -> tuple:
+        """(M, K, N) of one group's GEMM: output channels, reduction, output pixels."""
+        m = self.w[0] // self.group
+        k = 1
+        for d in self.w[1:]:
+            k *= d
+        n = 1
+        for d in self.y[2:]:
+            n *= d
+        return m, k, n
+
+    def to_dict(self) -> dict:
+        return {"x": list(self.x), "w": list(self.w), "y": list(self.y),
+                "strides": list(self.strides), "pads": list(self.pads),
+                "dilations": list(self.dilations), "group": self.group,
+                "auto_pad": self.auto_pad}
+
+    @staticmethod
+    def from_dict(data: dict) -> "ConvShape":
+        return ConvShape(tuple(data["x"]), tuple(data["w"]), tuple(data["y"]),
+                         tuple(data["strides"]), tuple(data["pads"]), tuple(data["dilations"]),
+                         int(data["group"]), data.get("auto_pad", "NOTSET"))
+
+
+def conv_shape(graph, node) -> ConvShape:
+    """The ConvShape of a Conv node of an imported graph."""
+    x = tuple(graph.tensors[node.inputs[0]].shape)
+    w = tuple(graph.tensors[node.inputs[1]].shape)
+    y = tuple(graph.tensors[node.outputs[0]].shape)
+    spatial = len(x) - 2
+    attrs = node.attrs
+    return ConvShape(x, w, y, tuple(attrs.get("strides") or (1,) * spatial),
+                     tuple(attrs.get("pads") or (0,) * (2 * spatial)),
+                     tuple(attrs.get("dilations") or (1,) * spatial),
+                     int(attrs.get("group", 1)), attrs.get("auto_pad", "NOTSET"))
+
+
+def fits(target, mr: int, nv: int) -> bool:
+    """mr x nv accumulators, nv loaded vectors of B and one broadcast of A
+    fit the target's vector register file."""
+    return mr >= 1 and nv >= 1 and mr * nv + nv + 1 <= target.vector_registers
+
+
+def candidate_tiles(target, m: Optional[int] = None) -> list:
+    """The register tiles worth measuring for a target, the default first.
+
+    Every tile that fits the register file is a candidate in principle;
+    this keeps, per number of vectors, the largest row count that fits and
+    one of about two thirds of it (rounded to even), the ones that use the
+    register file well. With m (output channels per group) given, tiles with
+    more rows than m are dropped: their rows would be padding.
+    """
+    lanes = max(1, target.vector_bits // 32)
+    default = tile_for(target)
+    out = [default]
+    for nv in range(1, MAX_VECTORS + 1):
+        largest = min(MAX_ROWS, (target.vector_registers - 1 - nv) // nv)
+        for mr in (largest, max(2, largest * 2 // 3 // 2 * 2)):
+            tile = GemmTile(lanes, mr, nv)
+            if mr >= 2 and fits(target, mr, nv) and tile not in out:
+                if m is None or mr <= max(m, default.mr):
+                    out.append(tile)
+    return out[:MAX_CANDIDATES]
+
+
+def tile_table(target, schedules) -> Mapping:
+    """The {shape key: tile} mapping of `schedules` for `target`.
+
+    schedules is None, a mapping of shape keys to GemmTile, (mr, nv) or a
+    cache entry holding "best", or an object with tiles_for(target)
+    (crosscompile.tuning.TuningCache).
+    """
+    if schedules is None:
+        return {}
+    if hasattr(schedules, "tiles_for"):
+        return schedules.tiles_for(target)
+    if not isinstance(schedules, Mapping):
+        raise TypeError("schedules must be a mapping of convolution shape keys to tiles or a "
+                        f"TuningCache, not {type(schedules).__name__}")
+    return schedules
+
+
+def as_tile(target, value) -> GemmTile:
+    """A GemmTile for the target from a GemmTile, (mr, nv) or a cache entry."""
+    lanes = max(1, target.vector_bits // 32)
+    if isinstance(value, Mapping):
+        value = value["best"]
+    if isinstance(value, GemmTile):
+        mr, nv = value.mr, value.nv
+    else:
+        mr, nv = (int(v) for v in value)
+    if not fits(target, mr, nv):
+        raise ValueError(f"tile {mr}x{nv} does not fit the {target.vector_registers} vector "
+                         f"registers of target {target.name!r} (needs mr*nv + nv + 1)")
+    return GemmTile(lanes, mr, nv)
+
+
+def tile_chooser(target, schedules, chosen: Optional[dict] = None):
+    """tile_of(graph, node) for passes.pack_conv_weights: the scheduled
+    tile of the node's shape, else the target's default. Each choice is
+    recorded in `chosen` (node name -> (ConvShape, tile, tuned))."""
+    table = tile_table(target, schedules)
+    default = tile_for(target)
+
+    def tile_of(graph, node) -> GemmTile:
+        shape = conv_shape(graph, node)
+        value = table.get(shape.key)
+        tile = as_tile(target, value) if value is not None else default
+        if chosen is not None:
+            chosen[node.name] = (shape, tile, value is not None)
+        return tile
+
+    return tile_of
