@@ -163,14 +163,20 @@ def tvm_session():
 
 
 @contextlib.contextmanager
-def tether_session(max_bytes: int):
+def tether_session(max_bytes: int, poll_us: "str | None" = None):
+    """A session on a fresh local server; ``poll_us`` sets TETHER_POLL_US on
+    both ends (docs/sessions.md, "Small calls")."""
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if poll_us is not None:
+        env["TETHER_POLL_US"] = poll_us
     server = Child("bench-server", python_argv(
         "remote.server", "--host", "127.0.0.1", "--port", "0",
         "--max-upload-bytes", str(max_bytes)), tempfile.mkdtemp(prefix="tether-bench-"), env)
     try:
         time.sleep(1.0)  # let the server's spare worker finish starting
         with rpc.connect("127.0.0.1", server.port, timeout=120) as sess:
+            if poll_us is not None:
+                sess._data.spin = float(poll_us) * 1e-6
             yield sess
     finally:
         server.stop()
@@ -210,6 +216,8 @@ def main() -> int:
         assert out.shape == (1, 1000)
         ours["inference"] = per_call(lambda: mod.run({"input": image}), 200, args.repeat)
         on_board = mod.benchmark(number=50, repeat=5).median
+    with tether_session(size, poll_us="0") as sess:
+        ours["small call, no polling"] = per_call(sess.ping, 2000, args.repeat)
 
     with tvm_session() as (tvm, remote):
         dev = remote.cpu(0)
@@ -237,9 +245,11 @@ def main() -> int:
     for key in ("upload", "download", "tensor in", "tensor out"):
         print(f"{key + ' (MiB/s)':<34}{ours[key]:>14.0f}{theirs[key]:>14.0f}"
               f"{ours[key] / theirs[key]:>8.1f}x{raw_mibs:>14.0f}")
+    theirs["small call, no polling"] = theirs["small call"]
     for key, label in (("small call", "small call round trip (us)"),
+                       ("small call, no polling", "  same, polling off (us)"),
                        ("inference", "1x3x224x224 -> 1000 round trip (us)")):
-        limit = f"{raw_rt * 1e6:>14.1f}" if key == "small call" else f"{'':>14}"
+        limit = f"{raw_rt * 1e6:>14.1f}" if key.startswith("small call") else f"{'':>14}"
         print(f"{label:<34}{ours[key] * 1e6:>14.1f}{theirs[key] * 1e6:>14.1f}"
               f"{theirs[key] / ours[key]:>8.1f}x{limit}")
     print(f"(inference: ours runs the compiled model, {on_board * 1e6:.0f} us of it on the "
