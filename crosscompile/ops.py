@@ -901,7 +901,7 @@ class _DirectPlan:
     """
     channels: int
     rows: int            # output channels (GEMM rows)
-    planes: tuple        # (rh, rw) phases in buffer order
+    planes: tuple        # (rh, rw) phases in buffer order, hq x wq each
     hq: int
     wq: int
     offsets: tuple       # per (c, kh, kw) tap, in the weights' K order
@@ -910,6 +910,9 @@ class _DirectPlan:
     cbuf_at: int         # where the virtual-grid output starts in scratch
     scratch_floats: int
     geometry: tuple
+
+
+GRID_COLUMNS_MULTIPLE = 4
 
 
 def _direct_plan(geometry, channels: int, m: int, attrs) -> "_DirectPlan | None":
@@ -921,6 +924,10 @@ def _direct_plan(geometry, channels: int, m: int, attrs) -> "_DirectPlan | None"
         return None
     hp, wp = h + ph + eh, wd + pw + ew
     hq, wq = -(-hp // sh), -(-wp // sw)
+    if sw == 1:
+        # Rows share their padding columns: a window running off the right
+        # end of a row reads the next row's left padding, zeros as well.
+        wq = wd + max(pw, ew)
     rows = sorted({kh * dh % sh for kh in range(kh_n)})
     cols = sorted({kw * dw % sw for kw in range(kw_n)})
     planes = tuple((rh, rw) for rh in rows for rw in cols)
@@ -928,10 +935,12 @@ def _direct_plan(geometry, channels: int, m: int, attrs) -> "_DirectPlan | None"
     offsets = tuple((c * len(planes) + planes.index((kh * dh % sh, kw * dw % sw))) * plane
                     + kh * dh // sh * wq + kw * dw // sw
                     for c in range(channels) for kh in range(kh_n) for kw in range(kw_n))
-    n_virtual = (oh_n - 1) * wq + ow_n
-    # The dropped columns cost FMAs: on a 7 x 7 output (wq 9) they cost
-    # more than the im2col copy saves; at 14 x 14 (wq 16) less.
-    if n_virtual > 1.2 * oh_n * ow_n:
+    # Whole vectors in the last panel: the extra columns are dropped like
+    # the rest of the grid's.
+    n_virtual = -(-((oh_n - 1) * wq + ow_n) // GRID_COLUMNS_MULTIPLE) * GRID_COLUMNS_MULTIPLE
+    # The dropped columns cost FMAs: on a 7 x 7 output (56 for 49) they cost
+    # more than the im2col copy saves; at 14 x 14 (wq 15) less.
+    if n_virtual > 1.1 * oh_n * ow_n:
         return None
     buffer_floats = max(channels * len(planes) * plane, max(offsets) + n_virtual)
     if buffer_floats >= 2 ** 31:
