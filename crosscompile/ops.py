@@ -1102,6 +1102,10 @@ class _Pool(Op):
         dims, kernel, strides, dilations, begin, end, out = \
             _resolve_window(x, attrs["kernel_shape"], attrs, bool(attrs["ceil_mode"]))
         is_max = self.op_type == "MaxPool"
+        if dims[0] == 1 and kernel[0] == 1:
+            self._lower_rows(k, x, dims[1:], kernel[1:], strides[1:], dilations[1:], begin[1:], end[1:],
+                             out[1:], is_max, bool(attrs["count_include_pad"]))
+            return
         bld = k.builder
         X, Y = k.inputs[0], k.outputs[0]
         in_strides, out_strides = _c_strides(dims), _c_strides(out)
@@ -1138,6 +1142,68 @@ class _Pool(Op):
                 result = bld.fdiv(result, count)
             k.store(k.activate(result), Y, k.index((nc, _prod(out)), *zip(opos, out_strides)))
 
+
+    @staticmethod
+    def _lower_rows(k, x, dims, kernel, strides, dilations, begin, end, out, is_max, include_pad):
+        """1-D and 2-D windows, one output row at a time: rows of the window
+        outside the input are masked by a select decided once per output
+        row, and the columns whose window lies inside the row run without
+        any check, so the loop vectorises; only the few columns at the
+        edges test each tap."""
+        (h, wd), (kh_n, kw_n), (sh, sw), (dh, dw), (ph, pw), (eh, ew), (oh_n, ow_n) = \
+            dims, kernel, strides, dilations, begin, end, out
+        bld = k.builder
+        X, Y = k.inputs[0], k.outputs[0]
+        lo = min(ow_n, max(_valid_range(kw * dw - pw, sw, wd, ow_n)[0] for kw in range(kw_n)))
+        hi = max(lo, min(_valid_range(kw * dw - pw, sw, wd, ow_n)[1] for kw in range(kw_n)))
+        empty = k.f32(-math.inf if is_max else 0.0)
+        one, zero = k.f32(1.0), k.f32(0.0)
+        nc_lo, nc_hi = k.part(x[0] * x[1])
+        with k.loop(nc_hi, start=nc_lo) as nc, k.loop(oh_n) as oh:
+            plane = k.index((nc, h * wd))
+            rows = []
+            for kh in range(kh_n):
+                ih = k.index((oh, sh), (kh * dh - ph, 1))
+                inside = k.in_range(ih, h)
+                counted = bld.icmp_signed("<", ih, k.i64(h + eh)) if include_pad else inside
+                rows.append((inside, counted, bld.select(inside, k.index((plane, 1), (ih, wd)), plane)))
+            out_row = k.index((nc, oh_n * ow_n), (oh, ow_n))
+            row_count = zero
+            if not is_max:
+                for _, counted, _ in rows:
+                    row_count = bld.fadd(row_count, bld.select(counted, one, zero))
+
+            def combine(acc, value):
+                return k.maximum(acc, value) if is_max else bld.fadd(acc, value)
+
+            if lo < hi:
+                with k.loop(hi, start=lo) as ow:
+                    acc = empty
+                    for inside, _, line in rows:
+                        for kw in range(kw_n):
+                            value = k.load(X, k.index((line, 1), (ow, sw), (kw * dw - pw, 1)))
+                            acc = combine(acc, bld.select(inside, value, empty))
+                    if not is_max:
+                        acc = bld.fdiv(acc, bld.fmul(row_count, k.f32(kw_n)))
+                    k.store(k.activate(acc), Y, bld.add(out_row, ow))
+            for first, last in ((0, lo), (hi, ow_n)):
+                if first >= last:
+                    continue
+                with k.loop(last, start=first) as ow:
+                    acc, count = empty, zero
+                    for inside, counted, line in rows:
+                        for kw in range(kw_n):
+                            iw = k.index((ow, sw), (kw * dw - pw, 1))
+                            ok = bld.and_(inside, k.in_range(iw, wd))
+                            value = k.load(X, bld.select(ok, bld.add(line, iw), line))
+                            acc = combine(acc, bld.select(ok, value, empty))
+                            if not is_max:
+                                if include_pad:
+                                    ok = bld.and_(counted, bld.icmp_signed("<", iw, k.i64(wd + ew)))
+                                count = bld.fadd(count, bld.select(ok, one, zero))
+                    if not is_max:
+                        acc = bld.fdiv(acc, count)
+                    k.store(k.activate(acc), Y, bld.add(out_row, ow))
 
     def parallel(self, attrs):
         return bool(attrs.get("split"))
