@@ -1,5 +1,5 @@
 """Register-blocked matrix multiply with explicit vector types: the core of
-Conv (through im2col) and of 1x1 convolutions.
+Conv (B read in place, or through im2col) and of 1x1 convolutions.
 
 C[M, N] = A[M, K] @ B[K, N] for a constant A packed at compile time and a
 row-major B read through a row stride. C and B stay row-major, so a

@@ -843,7 +843,9 @@ class Conv(Op):
     def _lower_gemm(self, k, inputs, outputs, attrs):
         """Convolution as C[M, N] = W[M, K] @ B[K, N] per image and group, with W
         packed at compile time (passes.pack_conv_weights) and B the input
-        itself for a pointwise convolution, otherwise its im2col in scratch."""
+        itself for a pointwise convolution, windows of a padded copy of it
+        where _direct_plan allows (most 2-D convolutions), otherwise its
+        im2col in scratch."""
         x, w = inputs[0].shape, attrs["weight_shape"]
         geometry = _resolve_window(x, tuple(w[2:]), attrs, what="convolution")
         tile = tile_for(k.target)
