@@ -1,5 +1,5 @@
 """Register-blocked matrix multiply with explicit vector types: the core of
-Conv (through im2col) and of 1x1 convolutions.
+Conv (B read in place, or through im2col) and of 1x1 convolutions.
 
 C[M, N] = A[M, K] @ B[K, N] for a constant A packed at compile time and a
 row-major B read through a row stride. C and B stay row-major, so a
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 from llvmlite import ir
 
-from .emit import F32, Kernel
+from .emit import F32, I32, Kernel
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def emit_gemm(k: Kernel, tile: GemmTile, m: int, kdim: int, n: int,
               a_packed: ir.Value, b_ptr: ir.Value, b_base, ldb: int,
               c_ptr: ir.Value, c_base, bias: "ir.Value | None", vector_epilogue: bool,
               residual: "ir.Value | None" = None, residual_at: int = 0,
-              b_panels: bool = False, pack=None) -> None:
+              b_panels: bool = False, pack=None, b_offsets: "ir.Value | None" = None) -> None:
     """C[c_base + i * n + j] = epilogue(bias[i] + sum_p A[i, p] * B[b_base + p * ldb + j]).
 
     a_packed is laid out by pack_weights(A, tile.mr). With vector_epilogue
@@ -104,6 +104,11 @@ def emit_gemm(k: Kernel, tile: GemmTile, m: int, kdim: int, n: int,
     the code filling panels [first, end) of B; it is called for chunks of
     about PACK_CHUNK_BYTES of the thread's own panels just before they are
     multiplied (only when threads split the columns, see splits_columns).
+
+    With b_offsets (an i32 pointer to kdim offsets), B[p, j] is instead
+    b_ptr[b_base + b_offsets[p] + j]: every row of B is a window of one
+    buffer (ldb unused), which lets a convolution read its input in place
+    of an im2col copy (see direct_taps).
     """
     full_m, tail_m = divmod(m, tile.mr)
     full_n, tail_n = divmod(n, tile.nr)
@@ -122,7 +127,7 @@ def emit_gemm(k: Kernel, tile: GemmTile, m: int, kdim: int, n: int,
     if pack is None:
         _emit_panels(k, tile, kdim, n, col_blocks, row_blocks, col_lo, col_hi, row_lo, row_hi,
                      a_packed, b_ptr, b_base, ldb, c_ptr, c_base, bias, vector_epilogue,
-                     residual, residual_at, b_panels)
+                     residual, residual_at, b_panels, b_offsets)
         return
     if not split_columns:
         raise ValueError("pack needs the columns split between threads")
@@ -134,7 +139,7 @@ def emit_gemm(k: Kernel, tile: GemmTile, m: int, kdim: int, n: int,
         pack(first, end)
         _emit_panels(k, tile, kdim, n, col_blocks, row_blocks, first, end, row_lo, row_hi,
                      a_packed, b_ptr, b_base, ldb, c_ptr, c_base, bias, vector_epilogue,
-                     residual, residual_at, b_panels)
+                     residual, residual_at, b_panels, b_offsets)
 
 
 def divide(k: Kernel, value: ir.Value, divisor: int) -> ir.Value:
@@ -158,7 +163,7 @@ def splits_columns(tile: GemmTile, m: int, n: int) -> bool:
 
 def _emit_panels(k, tile, kdim, n, col_blocks, row_blocks, col_lo, col_hi, row_lo, row_hi,
                  a_packed, b_ptr, b_base, ldb, c_ptr, c_base, bias, vector_epilogue,
-                 residual, residual_at, b_panels) -> None:
+                 residual, residual_at, b_panels, b_offsets=None) -> None:
     """Every register tile of column panels [col_lo, col_hi) and row blocks [row_lo, row_hi)."""
     b = k.builder
     for n_count, n_first, widths in col_blocks:
@@ -173,12 +178,12 @@ def _emit_panels(k, tile, kdim, n, col_blocks, row_blocks, col_lo, col_hi, row_l
                 b_ld = k.i64(sum(widths))
             else:
                 b_col = b.gep(b_ptr, [b.add(b_base, col0)])
-                b_ld = k.i64(ldb)
+                b_ld = k.i64(0 if b_offsets is not None else ldb)
             for m_count, m_first, rows in row_blocks:
                 if not m_count:
                     continue
                 fn = _tile_function(k, tile, rows, widths, bias is not None, vector_epilogue,
-                                    residual_at if residual is not None else None)
+                                    residual_at if residual is not None else None, b_offsets is not None)
                 m_lo = k.smax(row_lo, k.i64(m_first))
                 m_hi = k.smin(row_hi, k.i64(m_first + m_count))
                 with k.loop(m_hi, start=m_lo) as block:
@@ -189,7 +194,8 @@ def _emit_panels(k, tile, kdim, n, col_blocks, row_blocks, col_lo, col_hi, row_l
                     null = ir.Constant(F32.as_pointer(), None)
                     bias_row = b.gep(bias, [row0]) if bias is not None else null
                     res = b.gep(residual, [c_offset]) if residual is not None else null
-                    b.call(fn, [a, b_col, c, bias_row, res, k.i64(kdim), b_ld, k.i64(n)])
+                    offsets = b_offsets if b_offsets is not None else ir.Constant(I32.as_pointer(), None)
+                    b.call(fn, [a, b_col, c, bias_row, res, k.i64(kdim), b_ld, k.i64(n), offsets])
 
 
 def panel_offset(k: Kernel, tile: GemmTile, kdim: int, n: int, row: ir.Value, panel: ir.Value) -> ir.Value:
@@ -212,26 +218,28 @@ def _split(count: int, lanes: int) -> list[int]:
 
 
 def _tile_function(k: Kernel, tile: GemmTile, rows: int, widths: tuple, has_bias: bool,
-                   vector_epilogue: bool, residual_at: "int | None") -> ir.Function:
+                   vector_epilogue: bool, residual_at: "int | None", row_table: bool = False) -> ir.Function:
     """The micro-kernel for one register-tile shape, as a function shared by
     every convolution of the module with that shape and epilogue:
-    void(a, b, c, bias, residual, kdim, ldb, ldc). Sharing keeps code size and compile
-    time independent of the number of distinct layers."""
-    key = (tile.mr, rows, widths, has_bias, k.epilogue_key if vector_epilogue else None, residual_at)
+    void(a, b, c, bias, residual, kdim, ldb, ldc, b_offsets). Sharing keeps code size and compile
+    time independent of the number of distinct layers. With row_table, row p
+    of B starts at b_offsets[p] rather than p * ldb."""
+    key = (tile.mr, rows, widths, has_bias, k.epilogue_key if vector_epilogue else None, residual_at,
+           row_table)
     cache = k.module.__dict__.setdefault("tether_tiles", {})
     if key in cache:
         return cache[key]
     i64 = ir.IntType(64)
     t = Kernel(k.module, f"tile{len(cache)}_{rows}x{sum(widths)}", 5, 0,
-               k.epilogue if vector_epilogue else (), k.target, extra_args=(i64, i64, i64))
+               k.epilogue if vector_epilogue else (), k.target, extra_args=(i64, i64, i64, I32.as_pointer()))
     a_ptr, b_ptr, c_ptr, bias, res_ptr = t.inputs
-    kdim, ldb, ldc = t.extra
+    kdim, ldb, ldc, b_offsets = t.extra
     b = t.builder
     offsets = [sum(widths[:v]) for v in range(len(widths))]
     accs = [[t.variable(ir.Constant(ir.VectorType(F32, w), [0.0] * w)) for w in widths]
             for _ in range(rows)]
     with t.loop(kdim) as p:
-        brow = b.mul(p, ldb)
+        brow = b.sext(t.load(b_offsets, p), i64) if row_table else b.mul(p, ldb)
         bvecs = [b.load(_vector_ptr(t, b_ptr, b.add(brow, t.i64(off)), w), align=4)
                  for off, w in zip(offsets, widths)]
         a_row = b.mul(p, t.i64(tile.mr))

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import math
 
+from dataclasses import dataclass
+
 import numpy as np
+from llvmlite import ir
 
 from .emit import Kernel
 from .gemm import (divide, emit_depthwise, emit_dot_rows, emit_gemm, panel_offset, splits_columns, tile_for,
@@ -532,9 +535,30 @@ class Elementwise(Op):
         out_strides = _broadcast_strides(shape, shape)
         in_strides = [_broadcast_strides(s, shape)
                       for s in self.operand_shapes([t.shape for t in inputs], attrs)]
+        shape, (out_strides, *in_strides) = _merge_dims(shape, [out_strides, *in_strides])
         with k.nested_loops(shape) as idx:
             values = [k.load(ptr, k.index(*zip(idx, st))) for ptr, st in zip(k.inputs, in_strides)]
             k.store(k.activate(self.combine(k, values)), k.outputs[0], k.index(*zip(idx, out_strides)))
+
+
+def _merge_dims(shape, strides_list):
+    """Merge each dimension into the next where every operand steps through
+    both as one (same-shape or broadcast alike): a per-channel operand of
+    (1, C, 1, 1) against (1, C, H, W) leaves loops over C and H * W, and the
+    long inner loop vectorises where W alone (7 to 56) would barely.
+
+    >>> _merge_dims((1, 4, 2, 3), [[24, 6, 3, 1], [0, 1, 0, 0]])
+    ((4, 6), [[6, 1], [1, 0]])
+    """
+    dims = [(size, list(st)) for size, st in zip(shape, zip(*strides_list)) if size != 1] or [(1, [0] * len(strides_list))]
+    merged = [dims[0]]
+    for size, st in dims[1:]:
+        prev_size, prev = merged[-1]
+        if all(p == s * size for p, s in zip(prev, st)):
+            merged[-1] = (prev_size * size, st)
+        else:
+            merged.append((size, st))
+    return tuple(size for size, _ in merged), [list(col) for col in zip(*(st for _, st in merged))]
 
 
 def _fold(fn):
@@ -733,6 +757,9 @@ class Conv(Op):
         geometry = _resolve_window(x, tuple(w[2:]), attrs, what="convolution")
         if self._pointwise(geometry):
             return 0
+        direct = _direct_plan(geometry, x[1] // attrs["group"], w[0] // attrs["group"], attrs)
+        if direct is not None:
+            return 4 * direct.scratch_floats
         return 4 * _prod(w[1:]) * _prod(geometry[-1])  # one group's im2col
 
     def parallel(self, attrs):
@@ -816,7 +843,9 @@ class Conv(Op):
     def _lower_gemm(self, k, inputs, outputs, attrs):
         """Convolution as C[M, N] = W[M, K] @ B[K, N] per image and group, with W
         packed at compile time (passes.pack_conv_weights) and B the input
-        itself for a pointwise convolution, otherwise its im2col in scratch."""
+        itself for a pointwise convolution, windows of a padded copy of it
+        where _direct_plan allows (most 2-D convolutions), otherwise its
+        im2col in scratch."""
         x, w = inputs[0].shape, attrs["weight_shape"]
         geometry = _resolve_window(x, tuple(w[2:]), attrs, what="convolution")
         tile = attrs.get("gemm_tile") or tile_for(k.target)
@@ -836,35 +865,174 @@ class Conv(Op):
         # and __aeabi_memcpy4: symbols its loader does not promise. llvmlite
         # does not know this string attribute, hence the set's own add().
         set.add(k.function.attributes, '"no-builtins"')
+        pointwise = self._pointwise(geometry)
+        direct = None if pointwise else _direct_plan(geometry, cg, m, attrs)
         with k.loop(x[0]) as image, k.loop(group) as g:
             x_base = k.index((image, x[1] * volume_in), (g, cg * volume_in))
-            pointwise = self._pointwise(geometry)
-            pack = None
-            if pointwise:
-                b_ptr, b_base = k.inputs[0], x_base
-            elif splits_columns(tile, m, n):
-                # Each thread fills the panels it multiplies, a chunk at a
-                # time, just before using them: the chunk is still in L2
-                # then, where a whole-image im2col would have gone out to
-                # L3 or memory and back (7 MB for a 3x3 conv of 64 x 56 x 56).
-                b_ptr, b_base = k.scratch, k.i64(0)
-                def pack(p_lo, p_hi, x_base=x_base):
-                    ends = [bld.mul(p, k.i64(tile.nr)) for p in (p_lo, p_hi)]
-                    _im2col(k, tile, cg, geometry, x_base, (k.i64(0), k.i64(cg)),
-                            (ends[0], k.smin(ends[1], k.i64(n))))
-            else:
-                _im2col(k, tile, cg, geometry, x_base, k.part(cg), (k.i64(0), k.i64(n)))
-                k.barrier()  # every thread's GEMM reads all of im2col
-                b_ptr, b_base = k.scratch, k.i64(0)
+            y_base = k.index((image, w[0] * n), (g, m * n))
             a_ptr = bld.gep(k.inputs[1], [k.index((g, a_group))])
             bias = bld.gep(k.inputs[2], [k.index((g, m))]) if has_bias else None
-            emit_gemm(k, tile, m, kdim, n, a_ptr, b_ptr, b_base, n,
-                      k.outputs[0], k.index((image, w[0] * n), (g, m * n)), bias, epilogue,
-                      k.inputs[-1] if residual_at is not None else None, residual_at or 0,
-                      b_panels=not pointwise, pack=pack)
-            if not pointwise and pack is None:
-                k.barrier()  # before the next image or group overwrites im2col
+            if direct is not None:
+                _direct_conv(k, tile, direct, x_base, a_ptr, bias, epilogue, y_base)
+            else:
+                self._gemm_group(k, tile, geometry, m, kdim, n, cg, pointwise, x_base, y_base,
+                                 a_ptr, bias, epilogue, residual_at)
         k.activated = epilogue or not k.epilogue
+
+    @staticmethod
+    def _gemm_group(k, tile, geometry, m, kdim, n, cg, pointwise, x_base, y_base,
+                    a_ptr, bias, epilogue, residual_at):
+        """One image and group: B is the input itself (pointwise) or its im2col."""
+        bld = k.builder
+        pack = None
+        if pointwise:
+            b_ptr, b_base = k.inputs[0], x_base
+        elif splits_columns(tile, m, n):
+            # Each thread fills the panels it multiplies, a chunk at a
+            # time, just before using them: the chunk is still in L2
+            # then, where a whole-image im2col would have gone out to
+            # L3 or memory and back (7 MB for a 3x3 conv of 64 x 56 x 56).
+            b_ptr, b_base = k.scratch, k.i64(0)
+
+            def pack(p_lo, p_hi):
+                ends = [bld.mul(p, k.i64(tile.nr)) for p in (p_lo, p_hi)]
+                _im2col(k, tile, cg, geometry, x_base, (k.i64(0), k.i64(cg)),
+                        (ends[0], k.smin(ends[1], k.i64(n))))
+        else:
+            _im2col(k, tile, cg, geometry, x_base, k.part(cg), (k.i64(0), k.i64(n)))
+            k.barrier()  # every thread's GEMM reads all of im2col
+            b_ptr, b_base = k.scratch, k.i64(0)
+        emit_gemm(k, tile, m, kdim, n, a_ptr, b_ptr, b_base, n,
+                  k.outputs[0], y_base, bias, epilogue,
+                  k.inputs[-1] if residual_at is not None else None, residual_at or 0,
+                  b_panels=not pointwise, pack=pack)
+        if not pointwise and pack is None:
+            k.barrier()  # before the next image or group overwrites im2col
+
+
+@dataclass(frozen=True)
+class _DirectPlan:
+    """Geometry of a convolution read in place (_direct_conv).
+
+    The padded input is copied once into `planes` per channel, plane (rh,
+    rw) holding the padded positions (y * sh + rh, x * sw + rw): for stride
+    1 that is the padded image itself, for stride s its s x s phases. Then
+    every tap (c, kh, kw) reads, for output (oh, ow), the element at
+    offsets[tap] + oh * wq + ow of that buffer: B of the GEMM is a set of
+    windows of one buffer, with columns on a virtual grid of width wq
+    (the last wq - ow_n columns of each row are computed and dropped).
+    """
+    channels: int
+    rows: int            # output channels (GEMM rows)
+    planes: tuple        # (rh, rw) phases in buffer order, hq x wq each
+    hq: int
+    wq: int
+    offsets: tuple       # per (c, kh, kw) tap, in the weights' K order
+    n_virtual: int       # GEMM columns: (oh_n - 1) * wq + ow_n
+    buffer_floats: int   # the copied input plus the tail the last windows read
+    cbuf_at: int         # where the virtual-grid output starts in scratch
+    scratch_floats: int
+    geometry: tuple
+
+
+GRID_COLUMNS_MULTIPLE = 4
+
+
+def _direct_plan(geometry, channels: int, m: int, attrs) -> "_DirectPlan | None":
+    """How to run a 1-D/2-D convolution without im2col, or None where the
+    im2col GEMM serves (3-D, a fused residual, 1x1 kernels)."""
+    (dz, h, wd), (kz, kh_n, kw_n), (sz, sh, sw), (ddz, dh, dw), (pz, ph, pw), (ez, eh, ew), \
+        (oz, oh_n, ow_n) = geometry
+    if dz != 1 or kz != 1 or attrs.get("residual_at") is not None or kh_n * kw_n == 1:
+        return None
+    hp, wp = h + ph + eh, wd + pw + ew
+    hq, wq = -(-hp // sh), -(-wp // sw)
+    if sw == 1:
+        # Rows share their padding columns: a window running off the right
+        # end of a row reads the next row's left padding, zeros as well.
+        wq = wd + max(pw, ew)
+    rows = sorted({kh * dh % sh for kh in range(kh_n)})
+    cols = sorted({kw * dw % sw for kw in range(kw_n)})
+    planes = tuple((rh, rw) for rh in rows for rw in cols)
+    plane = hq * wq
+    offsets = tuple((c * len(planes) + planes.index((kh * dh % sh, kw * dw % sw))) * plane
+                    + kh * dh // sh * wq + kw * dw // sw
+                    for c in range(channels) for kh in range(kh_n) for kw in range(kw_n))
+    # Whole vectors in the last panel: the extra columns are dropped like
+    # the rest of the grid's.
+    n_virtual = -(-((oh_n - 1) * wq + ow_n) // GRID_COLUMNS_MULTIPLE) * GRID_COLUMNS_MULTIPLE
+    # The dropped columns cost FMAs: on a 7 x 7 output (56 for 49) they cost
+    # more than the im2col copy saves; at 14 x 14 (wq 15) less.
+    if n_virtual > 1.1 * oh_n * ow_n:
+        return None
+    buffer_floats = max(channels * len(planes) * plane, max(offsets) + n_virtual)
+    if buffer_floats >= 2 ** 31:
+        return None
+    cbuf_at = -(-buffer_floats // 16) * 16
+    return _DirectPlan(channels, m, planes, hq, wq, offsets, n_virtual, buffer_floats, cbuf_at,
+                       cbuf_at + m * n_virtual, geometry)
+
+
+def _direct_conv(k: Kernel, tile, plan: _DirectPlan, x_base, a_ptr, bias, epilogue: bool, y_base) -> None:
+    """One image and group of a convolution as a GEMM whose B rows are
+    windows of the (padded, phase-split) input: one copy of the input in
+    place of im2col's kh * kw, then one copy of the output from the virtual
+    grid. Threads split the copy's channels, the GEMM's panels and the
+    output's rows, with a barrier between the three."""
+    (_, h, wd), (_, kh_n, kw_n), (_, sh, sw), _, (_, ph, pw), _, (_, oh_n, ow_n) = plan.geometry
+    bld, X = k.builder, k.inputs[0]
+    buf = k.scratch
+    plane = plan.hq * plan.wq
+    n_planes = len(plan.planes)
+    c_lo, c_hi = k.part(plan.channels)
+    with k.loop(c_hi, start=c_lo) as c:
+        src_plane = k.index((x_base, 1), (c, h * wd))
+        for index, (rh, rw) in enumerate(plan.planes):
+            dst_plane = k.index((c, n_planes * plane), (index * plane, 1))
+            lo, hi = _valid_range(rw - pw, sw, wd, plan.wq)
+            with k.loop(plan.hq) as y:
+                iy = k.index((y, sh), (rh - ph, 1))
+                inside = k.in_range(iy, h)
+                line = bld.select(inside, k.index((src_plane, 1), (iy, wd), (rw - pw, 1)), src_plane)
+                dst = k.index((dst_plane, 1), (y, plan.wq))
+                for first, last, copy in ((0, lo, False), (lo, hi, True), (max(lo, hi), plan.wq, False)):
+                    if first >= last:
+                        continue
+                    with k.loop(last, start=first) as x:
+                        if copy:
+                            value = bld.select(inside, k.load(X, bld.select(inside, k.index((line, 1), (x, sw)),
+                                                                               src_plane)), k.f32(0.0))
+                        else:
+                            value = k.f32(0.0)
+                        k.store(value, buf, bld.add(dst, x))
+    tail_lo, tail_hi = k.part(plan.buffer_floats - plan.channels * n_planes * plane)
+    base = plan.channels * n_planes * plane
+    with k.loop(tail_hi, start=tail_lo) as i:
+        k.store(k.f32(0.0), buf, bld.add(i, k.i64(base)))
+    k.barrier()  # the GEMM's windows cross the channels other threads copied
+    table = _tap_table(k, plan.offsets)
+    cbuf = bld.gep(buf, [k.i64(plan.cbuf_at)])
+    rows = plan.rows
+    emit_gemm(k, tile, rows, len(plan.offsets), plan.n_virtual, a_ptr, buf, k.i64(0), 0,
+              cbuf, k.i64(0), bias, epilogue, b_offsets=table)
+    k.barrier()  # each thread copies out rows other threads computed
+    r_lo, r_hi = k.part(rows)
+    with k.loop(r_hi, start=r_lo) as r, k.loop(oh_n) as oh:
+        src = k.index((r, plan.n_virtual), (oh, plan.wq))
+        dst = k.index((y_base, 1), (r, oh_n * ow_n), (oh, ow_n))
+        with k.loop(ow_n) as ow:
+            k.store(k.load(cbuf, bld.add(src, ow)), k.outputs[0], bld.add(dst, ow))
+    k.barrier()  # before the next image or group overwrites the buffers
+
+
+def _tap_table(k: Kernel, offsets: tuple) -> ir.Value:
+    """The taps' offsets as a constant i32 array of the module."""
+    ty = ir.ArrayType(ir.IntType(32), len(offsets))
+    gv = ir.GlobalVariable(k.module, ty, name=k.module.get_unique_name("tether.taps"))
+    gv.global_constant = True
+    gv.linkage = "internal"
+    gv.initializer = ir.Constant(ty, list(offsets))
+    return k.builder.gep(gv, [k.i64(0), k.i64(0)])
 
 
 def _im2col(k: Kernel, tile, channels: int, geometry, x_base, chans, cols) -> None:
@@ -957,6 +1125,10 @@ class _Pool(Op):
         dims, kernel, strides, dilations, begin, end, out = \
             _resolve_window(x, attrs["kernel_shape"], attrs, bool(attrs["ceil_mode"]))
         is_max = self.op_type == "MaxPool"
+        if dims[0] == 1 and kernel[0] == 1:
+            self._lower_rows(k, x, dims[1:], kernel[1:], strides[1:], dilations[1:], begin[1:], end[1:],
+                             out[1:], is_max, bool(attrs["count_include_pad"]))
+            return
         bld = k.builder
         X, Y = k.inputs[0], k.outputs[0]
         in_strides, out_strides = _c_strides(dims), _c_strides(out)
@@ -993,6 +1165,68 @@ class _Pool(Op):
                 result = bld.fdiv(result, count)
             k.store(k.activate(result), Y, k.index((nc, _prod(out)), *zip(opos, out_strides)))
 
+
+    @staticmethod
+    def _lower_rows(k, x, dims, kernel, strides, dilations, begin, end, out, is_max, include_pad):
+        """1-D and 2-D windows, one output row at a time: rows of the window
+        outside the input are masked by a select decided once per output
+        row, and the columns whose window lies inside the row run without
+        any check, so the loop vectorises; only the few columns at the
+        edges test each tap."""
+        (h, wd), (kh_n, kw_n), (sh, sw), (dh, dw), (ph, pw), (eh, ew), (oh_n, ow_n) = \
+            dims, kernel, strides, dilations, begin, end, out
+        bld = k.builder
+        X, Y = k.inputs[0], k.outputs[0]
+        lo = min(ow_n, max(_valid_range(kw * dw - pw, sw, wd, ow_n)[0] for kw in range(kw_n)))
+        hi = max(lo, min(_valid_range(kw * dw - pw, sw, wd, ow_n)[1] for kw in range(kw_n)))
+        empty = k.f32(-math.inf if is_max else 0.0)
+        one, zero = k.f32(1.0), k.f32(0.0)
+        nc_lo, nc_hi = k.part(x[0] * x[1])
+        with k.loop(nc_hi, start=nc_lo) as nc, k.loop(oh_n) as oh:
+            plane = k.index((nc, h * wd))
+            rows = []
+            for kh in range(kh_n):
+                ih = k.index((oh, sh), (kh * dh - ph, 1))
+                inside = k.in_range(ih, h)
+                counted = bld.icmp_signed("<", ih, k.i64(h + eh)) if include_pad else inside
+                rows.append((inside, counted, bld.select(inside, k.index((plane, 1), (ih, wd)), plane)))
+            out_row = k.index((nc, oh_n * ow_n), (oh, ow_n))
+            row_count = zero
+            if not is_max:
+                for _, counted, _ in rows:
+                    row_count = bld.fadd(row_count, bld.select(counted, one, zero))
+
+            def combine(acc, value):
+                return k.maximum(acc, value) if is_max else bld.fadd(acc, value)
+
+            if lo < hi:
+                with k.loop(hi, start=lo) as ow:
+                    acc = empty
+                    for inside, _, line in rows:
+                        for kw in range(kw_n):
+                            value = k.load(X, k.index((line, 1), (ow, sw), (kw * dw - pw, 1)))
+                            acc = combine(acc, bld.select(inside, value, empty))
+                    if not is_max:
+                        acc = bld.fdiv(acc, bld.fmul(row_count, k.f32(kw_n)))
+                    k.store(k.activate(acc), Y, bld.add(out_row, ow))
+            for first, last in ((0, lo), (hi, ow_n)):
+                if first >= last:
+                    continue
+                with k.loop(last, start=first) as ow:
+                    acc, count = empty, zero
+                    for inside, counted, line in rows:
+                        for kw in range(kw_n):
+                            iw = k.index((ow, sw), (kw * dw - pw, 1))
+                            ok = bld.and_(inside, k.in_range(iw, wd))
+                            value = k.load(X, bld.select(ok, bld.add(line, iw), line))
+                            acc = combine(acc, bld.select(ok, value, empty))
+                            if not is_max:
+                                if include_pad:
+                                    ok = bld.and_(counted, bld.icmp_signed("<", iw, k.i64(wd + ew)))
+                                count = bld.fadd(count, bld.select(ok, one, zero))
+                    if not is_max:
+                        acc = bld.fdiv(acc, count)
+                    k.store(k.activate(acc), Y, bld.add(out_row, ow))
 
     def parallel(self, attrs):
         return bool(attrs.get("split"))

@@ -1,0 +1,39 @@
+"""MaxPool / AveragePool over 1-D and 2-D windows, lowered one output row
+at a time with unchecked interior columns and checked edge columns.
+Shapes give edge columns on both sides, windows wider than the padding,
+ceil_mode windows running past the end padding, dilation, strides 1 to 3,
+count_include_pad, and inputs large enough that threads split the channels;
+each is compared with onnxruntime for 1, 2 and 3 threads."""
+import numpy as np
+import pytest
+from onnx import helper
+
+import crosscompile
+import minirt
+from tests.onnx_models import make_model, reference
+from tests.test_crosscompile import rand
+
+CASES = [
+    ("MaxPool", (1, 64, 67, 71), {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}),
+    ("MaxPool", (1, 3, 24, 20), {"kernel_shape": [3, 3], "strides": [2, 2], "ceil_mode": 1}),
+    ("MaxPool", (2, 5, 17, 30), {"kernel_shape": [2, 5], "strides": [1, 3], "pads": [0, 2, 1, 1],
+                                 "dilations": [2, 1]}),
+    ("MaxPool", (1, 4, 50), {"kernel_shape": [4], "strides": [1], "pads": [2, 1]}),
+    ("AveragePool", (1, 40, 56, 57), {"kernel_shape": [3, 3], "strides": [1, 1], "pads": [1, 1, 1, 1]}),
+    ("AveragePool", (1, 6, 21, 22), {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1],
+                                     "count_include_pad": 1, "ceil_mode": 1}),
+    ("AveragePool", (1, 3, 13, 29), {"kernel_shape": [5, 7], "strides": [3, 2], "pads": [2, 3, 2, 3]}),
+]
+
+
+@pytest.mark.parametrize("op,x_shape,attrs", CASES)
+def test_pool_rows_match_onnxruntime_on_1_2_3_threads(tmp_path, op, x_shape, attrs):
+    model = make_model([helper.make_node(op, ["x"], ["y"], **attrs)], {"x": x_shape}, {"y": None}, {})
+    x = rand(*x_shape, seed=3)
+    want = reference(model, {"x": x})[0]
+    module = minirt.load(crosscompile.build(model, target="host").export_library(tmp_path / "m.so"))
+    for threads in (1, 2, 3):
+        module.set_threads(threads)
+        got = module.run({"x": x})[0]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    module.close()
