@@ -55,15 +55,21 @@ def median_seconds(fn, repeat: int) -> float:
     return statistics.median(samples)
 
 
-def interleaved_medians(fns: list, repeat: int) -> list:
-    """Median seconds of each callable over `repeat` rounds, each round
-    running every callable once in turn (after one warm-up round)."""
+def interleaved_medians(fns: list, repeat: int, block: int = 5, settle_s: float = 0.05) -> list:
+    """Median seconds of each callable over `repeat` timed runs, taken in
+    alternating blocks of `block` runs so that machine load hits every
+    callable alike. Each block starts with one untimed run after a pause of
+    `settle_s`: onnxruntime's pool threads spin for a while after a run, and
+    would otherwise take a core from whatever runs next (with 2 threads on 2
+    cores that halved our speed when runs alternated one by one)."""
     samples = [[] for _ in fns]
-    for round_ in range(repeat + 1):
+    while any(len(times) < repeat for times in samples):
         for fn, times in zip(fns, samples):
-            started = time.perf_counter()
+            time.sleep(settle_s)
             fn()
-            if round_:
+            for _ in range(min(block, repeat - len(times))):
+                started = time.perf_counter()
+                fn()
                 times.append(time.perf_counter() - started)
     return [statistics.median(times) for times in samples]
 
