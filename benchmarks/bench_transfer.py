@@ -51,6 +51,21 @@ def per_call(fn, calls: int, repeat: int) -> float:
     return median_time(many, repeat) / calls
 
 
+def alternating_per_call(fns: list, calls: int, rounds: int) -> list:
+    """Median seconds per call of each callable, timed in blocks of ``calls``
+    calls, the callables taking turns for ``rounds`` rounds."""
+    samples = [[] for _ in fns]
+    for fn in fns:
+        fn()  # warm up
+    for _ in range(rounds):
+        for fn, times in zip(fns, samples):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times.append((time.perf_counter() - start) / calls)
+    return [statistics.median(times) for times in samples]
+
+
 # ------------------------------------------------------------------ raw --
 def _sink(port_queue):
     listener = socket.socket()
@@ -209,16 +224,12 @@ def main() -> int:
                                                    args.repeat)
         remote_tensor = sess.upload_tensor("t", tensor)
         ours["tensor out"] = args.mib / median_time(remote_tensor.numpy, args.repeat)
-        ours["small call"] = per_call(sess.ping, 2000, args.repeat)
         sess.upload(so_path)
         mod = sess.load_module("image1000.so")
         (out,) = mod.run({"input": image})
         assert out.shape == (1, 1000)
         ours["inference"] = per_call(lambda: mod.run({"input": image}), 200, args.repeat)
         on_board = mod.benchmark(number=50, repeat=5).median
-    with tether_session(size, poll_us="0") as sess:
-        ours["small call, no polling"] = per_call(sess.ping, 2000, args.repeat)
-
     with tvm_session() as (tvm, remote):
         dev = remote.cpu(0)
         theirs["upload"] = args.mib / median_time(lambda: remote.upload(blob_path), args.repeat)
@@ -229,7 +240,6 @@ def main() -> int:
         remote_array = tvm.runtime.tensor(tensor, dev)
         theirs["tensor out"] = args.mib / median_time(remote_array.numpy, args.repeat)
         addone = remote.get_function("rpc.test.addone")
-        theirs["small call"] = per_call(lambda: addone(1), 2000, args.repeat)
         out_array = tvm.runtime.empty((1, 1000), "float32", dev)
 
         def tvm_inference():
@@ -238,6 +248,13 @@ def main() -> int:
             addone(1)
             return out_array.numpy()
         theirs["inference"] = per_call(tvm_inference, 200, args.repeat)
+
+        # Small calls: the three alternate in blocks, several rounds, so that
+        # the machine's load (which moves wake-up costs a lot) hits all alike.
+        with tether_session(size) as polling, tether_session(size, poll_us="0") as sleeping:
+            ours["small call"], ours["small call, no polling"], theirs["small call"] = \
+                alternating_per_call([polling.ping, sleeping.ping, lambda: addone(1)],
+                                     calls=500, rounds=4 * args.repeat)
 
     print(f"loopback, {args.mib} MiB files/tensors, median of {args.repeat}; "
           f"raw socket: {raw_mibs:.0f} MiB/s, {raw_rt * 1e6:.1f} us round trip")

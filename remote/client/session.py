@@ -237,7 +237,7 @@ class Session:
         def receive(fs, reply):
             total = reply.size
             checksum = Checksum()
-            out = open(path, "wb") if path is not None else None
+            out = _open_for_writing(path) if path is not None else None
             data = bytearray(total) if out is None else None
             buffer = memoryview(bytearray(CHUNK_BYTES)) if out is not None else None
             done = 0
@@ -400,6 +400,16 @@ def _send_file(fs: FrameSocket, path: str, total: int, checksum: Checksum,
             done += n
             if progress is not None:
                 progress(done, total)
+
+
+def _open_for_writing(path):
+    """Open ``path`` to be written from scratch. A regular file already
+    there is removed first rather than truncated: ext4 (auto_da_alloc)
+    writes a truncated-and-rewritten file's data out as it is closed, which
+    held downloads to a fraction of their speed."""
+    if os.path.isfile(path) and not os.path.islink(path):
+        os.remove(path)
+    return open(path, "wb")
 
 
 def _error_class(name: str, default=errors.RemoteError):
