@@ -194,6 +194,12 @@ def test_upload_download_listdir_remove_with_progress(server, tmp_path):
         local = str(tmp_path / "back.bin")
         assert sess.download("sub/blob.bin", local, progress=lambda d, t: got.append(d)) == local
         assert open(local, "rb").read() == data and got[-1] == len(data)
+        # A second upload or download of the same name replaces the file whole.
+        sess.upload(data[:1000], target="sub/blob.bin")
+        assert sess.listdir() == ["sub/blob.bin"] and sess.download("sub/blob.bin") == data[:1000]
+        sess.download("sub/blob.bin", local)
+        assert open(local, "rb").read() == data[:1000]
+        sess.upload(data, target="sub/blob.bin")
         sess.upload(b"", target="empty")
         assert sess.download("empty") == b""
         sess.remove("sub/blob.bin")
