@@ -233,6 +233,10 @@ def _tile_function(k: Kernel, tile: GemmTile, rows: int, widths: tuple, has_bias
     t = Kernel(k.module, f"tile{len(cache)}_{rows}x{sum(widths)}", 5, 0,
                k.epilogue if vector_epilogue else (), k.target, extra_args=(i64, i64, i64, I32.as_pointer()))
     a_ptr, b_ptr, c_ptr, bias, res_ptr = t.inputs
+    if residual_at is not None:
+        # C may be the residual's buffer: each element is read, then written.
+        for arg in (c_ptr, res_ptr):
+            arg.attributes.discard("noalias")
     kdim, ldb, ldc, b_offsets = t.extra
     b = t.builder
     offsets = [sum(widths[:v]) for v in range(len(widths))]

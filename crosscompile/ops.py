@@ -857,6 +857,10 @@ class Conv(Op):
         volume_in, n = _prod(geometry[0]), _prod(geometry[-1])
         residual_at = attrs.get("residual_at")
         has_bias = len(inputs) - (residual_at is not None) == 3
+        if residual_at is not None:
+            # The memory planner may give the output the residual's buffer.
+            for arg in (k.inputs[-1], k.outputs[0]):
+                arg.attributes.discard("noalias")
         epilogue = vector_epilogue(k)
         bld = k.builder
         a_group = -(-m // tile.mr) * tile.mr * kdim
@@ -940,10 +944,12 @@ GRID_COLUMNS_MULTIPLE = 4
 
 def _direct_plan(geometry, channels: int, m: int, attrs) -> "_DirectPlan | None":
     """How to run a 1-D/2-D convolution without im2col, or None where the
-    im2col GEMM serves (3-D, a fused residual, 1x1 kernels)."""
+    im2col GEMM serves (3-D, a fused residual, grids much wider than the
+    output, 1x1 kernels but for a strided one whose grid is its output:
+    that copies just the pixels it reads)."""
     (dz, h, wd), (kz, kh_n, kw_n), (sz, sh, sw), (ddz, dh, dw), (pz, ph, pw), (ez, eh, ew), \
         (oz, oh_n, ow_n) = geometry
-    if dz != 1 or kz != 1 or attrs.get("residual_at") is not None or kh_n * kw_n == 1:
+    if dz != 1 or kz != 1 or attrs.get("residual_at") is not None:
         return None
     hp, wp = h + ph + eh, wd + pw + ew
     hq, wq = -(-hp // sh), -(-wp // sw)
@@ -964,6 +970,10 @@ def _direct_plan(geometry, channels: int, m: int, attrs) -> "_DirectPlan | None"
     # The dropped columns cost FMAs: on a 7 x 7 output (56 for 49) they cost
     # more than the im2col copy saves; at 14 x 14 (wq 15) less.
     if n_virtual > 1.1 * oh_n * ow_n:
+        return None
+    if kh_n * kw_n == 1 and n_virtual != oh_n * ow_n:
+        # A 1x1 kernel reads each input once: im2col copies no more than
+        # this path, which then gains only where it writes C in place.
         return None
     buffer_floats = max(channels * len(planes) * plane, max(offsets) + n_virtual)
     if buffer_floats >= 2 ** 31:
@@ -1011,8 +1021,14 @@ def _direct_conv(k: Kernel, tile, plan: _DirectPlan, x_base, a_ptr, bias, epilog
         k.store(k.f32(0.0), buf, bld.add(i, k.i64(base)))
     k.barrier()  # the GEMM's windows cross the channels other threads copied
     table = _tap_table(k, plan.offsets)
-    cbuf = bld.gep(buf, [k.i64(plan.cbuf_at)])
     rows = plan.rows
+    if plan.n_virtual == oh_n * ow_n:
+        # The grid is the output (e.g. a strided 1x1 convolution): no copy.
+        emit_gemm(k, tile, rows, len(plan.offsets), plan.n_virtual, a_ptr, buf, k.i64(0), 0,
+                  k.outputs[0], y_base, bias, epilogue, b_offsets=table)
+        k.barrier()  # before the next image or group overwrites the buffer
+        return
+    cbuf = bld.gep(buf, [k.i64(plan.cbuf_at)])
     emit_gemm(k, tile, rows, len(plan.offsets), plan.n_virtual, a_ptr, buf, k.i64(0), 0,
               cbuf, k.i64(0), bias, epilogue, b_offsets=table)
     k.barrier()  # each thread copies out rows other threads computed

@@ -310,7 +310,9 @@ def plan_memory(graph: Graph, alignment: int = ALIGNMENT) -> MemoryPlan:
     buffer unless their output is a graph output that cannot take over that
     buffer (a model input, a constant, or a buffer already holding another
     output); then they are kept and lowered as a copy. A node's output never
-    shares memory with its inputs, which is what lets kernels use noalias.
+    shares memory with its inputs, which is what lets kernels use noalias,
+    except a Conv's fused residual (its last input) when this Conv is its
+    last reader: the output then takes over the residual's buffer.
     """
     output_index = {name: j for j, name in enumerate(graph.outputs)}
     inputs = set(graph.inputs)
@@ -335,6 +337,25 @@ def plan_memory(graph: Graph, alignment: int = ALIGNMENT) -> MemoryPlan:
             claimed[src] = output_index[out]
         parent[out] = src
         aliased.add(node.name)
+
+    # A Conv adding a residual that nothing reads afterwards writes its
+    # output over the residual (each element is read just before the same
+    # element is written): one tensor's worth less memory traffic.
+    last_read: dict[str, int] = {}
+    for pos, node in enumerate(graph.nodes):
+        for name in node.inputs:
+            last_read[root(name)] = pos
+    for pos, node in enumerate(graph.nodes):
+        if node.op_type != "Conv" or node.attrs.get("residual_at") is None:
+            continue
+        src, out = root(node.inputs[-1]), node.outputs[0]
+        if (src in inputs or src in graph.constants or src in output_index or src in claimed
+                or out in output_index or out in claimed or last_read.get(src) != pos
+                or any(root(t) == src for t in node.inputs[:-1])
+                or graph.tensors[src].nbytes != graph.tensors[out].nbytes):
+            continue
+        parent[out] = src
+        last_read[src] = last_read.get(out, pos)
 
     locations: dict[str, Location] = {}
     for i, name in enumerate(graph.inputs):

@@ -27,6 +27,8 @@ CASES = [
     ((2, 8, 20, 21), (12, 4, 3, 3), {"pads": [1, 1, 1, 1], "group": 2}),
     ((1, 3, 300), (5, 3, 7), {"pads": [3, 3], "strides": [2]}),          # 1-D
     ((1, 7, 33, 30), (9, 7, 4, 4), {"auto_pad": "SAME_UPPER"}),
+    ((1, 24, 32, 28), (40, 24, 1, 1), {"strides": [2, 2]}),             # strided 1x1: GEMM writes Y
+    ((2, 8, 16, 15), (12, 4, 1, 1), {"strides": [2, 2], "group": 2}),
 ]
 
 
@@ -68,3 +70,51 @@ def test_small_outputs_and_fused_residuals_keep_im2col():
     large = _resolve_window((1, 64, 56, 56), (3, 3), attrs)
     assert _direct_plan(large, 64, 64, attrs) is not None
     assert _direct_plan(large, 64, 64, dict(attrs, residual_at=1)) is None
+
+
+def test_strided_1x1_takes_the_direct_path_only_where_its_grid_is_the_output():
+    attrs = {"strides": [2, 2], "pads": None, "dilations": None, "auto_pad": "NOTSET"}
+    exact = _resolve_window((1, 256, 56, 56), (1, 1), attrs)      # 28 x 28 = 784 columns
+    assert _direct_plan(exact, 256, 512, attrs).n_virtual == 784
+    ragged = _resolve_window((1, 1024, 14, 14), (1, 1), attrs)    # 49 columns, grid of 52
+    assert _direct_plan(ragged, 1024, 2048, attrs) is None
+
+
+def test_residual_add_writes_over_its_last_reader_buffer(tmp_path):
+    """Bottleneck-like chain: each fused residual conv whose shortcut nothing
+    reads later takes over the shortcut's buffer; 1, 2 and 3 threads match
+    onnxruntime, as does a shortcut still read afterwards."""
+    from crosscompile.compiler import lowered_graph
+    from crosscompile.passes import plan_memory
+    from crosscompile.target import resolve_target
+
+    def w(cout, cin, k, seed):
+        return (rand(cout, cin, k, k, seed=seed) / np.sqrt(cin * k * k)).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["a0"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["a0"], ["t"])]
+    inits = {"w0": w(24, 5, 3, 1)}
+    # Blocks h = relu(conv(in)), out = conv(h) + in (then Relu): 1x1, 3x3, 1x1.
+    for i, (src, k, first) in enumerate([("t", 1, True), ("u1", 3, False), ("u2", 1, True)]):
+        pads = [k // 2] * 4
+        add = [f"c{i}", src] if first else [src, f"c{i}"]
+        nodes += [helper.make_node("Conv", [src, f"wa{i}"], [f"p{i}"], pads=pads),
+                  helper.make_node("Relu", [f"p{i}"], [f"h{i}"]),
+                  helper.make_node("Conv", [f"h{i}", f"wb{i}"], [f"c{i}"], pads=pads),
+                  helper.make_node("Add", add, [f"s{i}"]),
+                  helper.make_node("Relu", [f"s{i}"], [f"u{i + 1}"])]
+        inits.update({f"wa{i}": w(24, 24, k, 2 + i), f"wb{i}": w(24, 24, k, 5 + i)})
+    nodes.append(helper.make_node("Mul", ["s2", "u2"], ["y"]))   # u2 read after its Add
+    model = make_model(nodes, {"x": (2, 5, 11, 13)}, {"y": None}, inits)
+    _, _, graph = lowered_graph(model, resolve_target("host"), None, lambda g, n: None)
+    plan = plan_memory(graph)
+    fused = [n for n in graph.nodes if n.attrs.get("residual_at") is not None]
+    shared = [plan.locations[n.inputs[-1]] == plan.locations[n.outputs[0]] for n in fused]
+    assert shared == [True, True, False]
+    x = rand(2, 5, 11, 13, seed=5)
+    want = reference(model, {"x": x})[0]
+    module = minirt.load(crosscompile.build(model, target="host").export_library(tmp_path / "m.so"))
+    for threads in (1, 2, 3):
+        module.set_threads(threads)
+        for _ in range(3):
+            np.testing.assert_allclose(module.run({"x": x})[0], want, rtol=1e-4, atol=1e-5)
+    module.close()
