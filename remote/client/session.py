@@ -183,7 +183,7 @@ class Session:
 
     def ping(self, timeout: Optional[float] = None) -> None:
         """One empty round trip to the board (what a small call costs)."""
-        self._exchange("ping", timeout, lambda fs: fs.send_raw(_PING))
+        self._exchange("ping", timeout, _send_ping)
 
     # --------------------------------------------------------- transfers --
     def upload(self, path_or_bytes: Union[str, os.PathLike, bytes], target: Optional[str] = None,
@@ -432,6 +432,10 @@ class _ClosedData:
 
 
 _PING = frame_bytes(pb.DataFrame(op="ping"))
+
+
+def _send_ping(fs: FrameSocket) -> None:
+    fs.send_raw(_PING)
 
 
 class RemoteTensor:

@@ -203,7 +203,10 @@ class Worker:
                 threading.Thread(target=self._idle_watch, name="idle", daemon=True).start()
             while True:
                 header = fs.recv_header()
-                self.dispatch(fs, header)
+                if header.op == "ping":
+                    fs.send_raw(_OK)  # touches no state: no lock, no dispatch
+                else:
+                    self.dispatch(fs, header)
                 self.last_active = time.monotonic()
         except (PeerClosed, OSError):
             pass
