@@ -68,3 +68,16 @@ def test_frames_cross_a_socket_with_polling_reader():
     with pytest.raises(ConnectionError):
         reader.recv_header()
     b.close()
+
+
+def test_a_bad_poll_setting_is_named_with_what_to_do():
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "TETHER_POLL_US": "fast"}
+    out = subprocess.run([sys.executable, "-c", "import remote.proto.frames"], env=env,
+                         capture_output=True, text=True, timeout=60,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode != 0
+    assert "TETHER_POLL_US='fast' is not a number of microseconds" in out.stderr
+    assert "0 turns polling off" in out.stderr

@@ -38,8 +38,17 @@ _KERNEL_TIMEOUTS = (struct.calcsize("l") == 8 and hasattr(socket, "SO_RCVTIMEO")
 # kernel (docs/sessions.md, "Small calls"). Waking a sleeping thread costs more
 # than a small call itself; with one core, polling would only hold the CPU the
 # other end needs, so it is off there.
-SPIN_SECONDS = (float(os.environ.get("TETHER_POLL_US", "100")) * 1e-6
-                if (os.cpu_count() or 1) > 1 else 0.0)
+def _poll_seconds() -> float:
+    text = os.environ.get("TETHER_POLL_US", "100")
+    try:
+        micros = float(text)
+    except ValueError:
+        raise ValueError(f"TETHER_POLL_US={text!r} is not a number of microseconds; "
+                         "unset it, or give e.g. 100 (0 turns polling off)") from None
+    return max(micros, 0.0) * 1e-6 if (os.cpu_count() or 1) > 1 else 0.0
+
+
+SPIN_SECONDS = _poll_seconds()
 _yield = getattr(os, "sched_yield", lambda: None)
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 
@@ -57,8 +66,8 @@ class Checksum:
 
     It is a check against transfer and buffer-handling faults, not tampering
     (TLS covers that). numpy reduces a block at tens of GB/s where zlib's
-    CRC-32 manages 2-3: at 1 GB/s a CRC on both ends would take most of the
-    time of a transfer (docs/sessions.md). Pieces may have any size:
+    CRC-32 manages 2-3: at 1 GB/s a CRC would take nearly half of each
+    end's time (docs/sessions.md). Pieces may have any size:
 
         >>> a, b = Checksum(), Checksum()
         >>> a.update(b"x" * 3000001); b.update(b"x" * 5); b.update(b"x" * 2999996)
