@@ -1277,7 +1277,6 @@ class _GlobalPool(Op):
             result = bld.load(acc) if is_max else bld.fmul(bld.load(acc), k.f32(1.0 / size))
             k.store(k.activate(result), k.outputs[0], nc)
 
-
     def parallel(self, attrs):
         return bool(attrs.get("split"))
 
