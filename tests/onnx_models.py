@@ -92,6 +92,19 @@ def matmul_mlp(sizes=(20, 17, 3), batch: int = 2, seed: int = 0) -> onnx.ModelPr
                       inits, name="matmul_mlp")
 
 
+def conv_relu_model(x_shape, w_shape, attrs: dict) -> onnx.ModelProto:
+    """Conv (with bias) then Relu, random weights scaled by 1/sqrt(fan-in) as
+    in trained nets, so the sums stay O(1) and an absolute tolerance fits
+    whatever order the reduction takes."""
+    def rand(shape, seed):
+        return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], **attrs),
+             helper.make_node("Relu", ["c"], ["y"])]
+    weight = (rand(tuple(w_shape), 1) / np.sqrt(np.prod(w_shape[1:]))).astype(np.float32)
+    return make_model(nodes, {"x": x_shape}, {"y": None},
+                      {"w": weight, "b": rand((w_shape[0],), 2)})
+
+
 def sample_input(model: onnx.ModelProto, seed: int = 1) -> dict:
     """Random float32 inputs for every graph input of a model with static shapes."""
     rng = np.random.default_rng(seed)

@@ -8,7 +8,7 @@ from onnx import helper
 import crosscompile
 import minirt
 
-from tests.onnx_models import make_model
+from tests.onnx_models import conv_relu_model, make_model
 from tests.test_crosscompile import rand, run_host, single_op
 
 
@@ -53,13 +53,7 @@ def test_conv(tmp_path, x_shape, w_shape, attrs, bias):
     ((1, 3, 50), (3, 1, 3), {"group": 3, "pads": [1, 1]}),
 ])
 def test_conv_register_tiles_with_partial_tiles_and_fused_relu(tmp_path, x_shape, w_shape, attrs):
-    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], **attrs),
-             helper.make_node("Relu", ["c"], ["y"])]
-    # Weights scaled by 1/sqrt(fan-in) as in trained nets keep the sums O(1),
-    # so the absolute tolerance fits whatever order the reduction takes.
-    weight = (rand(*w_shape, seed=1) / np.sqrt(np.prod(w_shape[1:]))).astype(np.float32)
-    model = make_model(nodes, {"x": x_shape}, {"y": None}, {"w": weight, "b": rand(w_shape[0], seed=2)})
-    lib = run_host(model, tmp_path)
+    lib = run_host(conv_relu_model(x_shape, w_shape, attrs), tmp_path)
     assert lib.summary["fused_kernels"] == 1
 
 

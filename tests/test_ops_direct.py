@@ -12,7 +12,7 @@ from onnx import helper
 import crosscompile
 import minirt
 from crosscompile.ops import _direct_plan, _resolve_window
-from tests.onnx_models import make_model, reference
+from tests.onnx_models import conv_relu_model, make_model, reference
 from tests.test_crosscompile import rand
 
 CASES = [
@@ -32,16 +32,9 @@ CASES = [
 ]
 
 
-def _model(x_shape, w_shape, attrs):
-    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], **attrs),
-             helper.make_node("Relu", ["c"], ["y"])]
-    weight = (rand(*w_shape, seed=1) / np.sqrt(np.prod(w_shape[1:]))).astype(np.float32)
-    return make_model(nodes, {"x": x_shape}, {"y": None}, {"w": weight, "b": rand(w_shape[0], seed=2)})
-
-
 @pytest.mark.parametrize("x_shape,w_shape,attrs", CASES)
 def test_direct_conv_matches_onnxruntime_on_1_2_3_threads(tmp_path, x_shape, w_shape, attrs):
-    model = _model(x_shape, w_shape, attrs)
+    model = conv_relu_model(x_shape, w_shape, attrs)
     x = rand(*x_shape, seed=3)
     want = reference(model, {"x": x})[0]
     module = minirt.load(crosscompile.build(model, target="host").export_library(tmp_path / "m.so"))

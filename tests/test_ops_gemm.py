@@ -6,13 +6,12 @@ several chunks, and threads without a share; every result is compared with
 onnxruntime for 1, 2 and 3 threads."""
 import numpy as np
 import pytest
-from onnx import helper
 
 import crosscompile
 import minirt
 from crosscompile.gemm import PACK_CHUNK_BYTES, splits_columns, tile_for
 from crosscompile.target import resolve_target
-from tests.onnx_models import make_model, reference
+from tests.onnx_models import conv_relu_model, reference
 from tests.test_crosscompile import rand
 
 CASES = [
@@ -27,16 +26,9 @@ CASES = [
 ]
 
 
-def _model(x_shape, w_shape, attrs):
-    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], **attrs),
-             helper.make_node("Relu", ["c"], ["y"])]
-    weight = (rand(*w_shape, seed=1) / np.sqrt(np.prod(w_shape[1:]))).astype(np.float32)
-    return make_model(nodes, {"x": x_shape}, {"y": None}, {"w": weight, "b": rand(w_shape[0], seed=2)})
-
-
 @pytest.mark.parametrize("x_shape,w_shape,attrs", CASES)
 def test_packed_im2col_conv_matches_onnxruntime_on_1_2_3_threads(tmp_path, x_shape, w_shape, attrs):
-    model = _model(x_shape, w_shape, attrs)
+    model = conv_relu_model(x_shape, w_shape, attrs)
     x = rand(*x_shape, seed=3)
     want = reference(model, {"x": x})[0]
     module = minirt.load(crosscompile.build(model, target="host").export_library(tmp_path / "m.so"))
@@ -54,7 +46,7 @@ def test_cases_cover_both_packing_paths_and_several_chunks():
     tile = tile_for(resolve_target("host"))
     columns, rows = [], []
     for x_shape, w_shape, attrs in CASES:
-        model = _model(x_shape, w_shape, attrs)
+        model = conv_relu_model(x_shape, w_shape, attrs)
         n = int(np.prod(reference(model, {"x": rand(*x_shape)})[0].shape[2:]))
         m = w_shape[0] // attrs.get("group", 1)
         kdim = int(np.prod(w_shape[1:]))
