@@ -68,7 +68,8 @@ def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = 
     """Compile an ONNX model (path or onnx.ModelProto) for a target.
 
     schedules picks each convolution's register tile by its shape: a
-    crosscompile.tuning.TuningCache or a mapping {ConvShape.key: (mr, nv)};
+    crosscompile.tuning.TuningCache or a mapping {ConvShape.key: (mr, nv)} ((mr, nv, pixels) for
+    a transposed tile, see gemm.emit_channel_gemm);
     shapes it does not name get the target's default tile.
 
     >>> lib = build("model.onnx", target="rasp4b64")  # doctest: +SKIP
@@ -89,7 +90,7 @@ def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = 
         "param_bytes": codegen.param_bytes(graph, plan),
         "ops": sorted({node.op_type for node in imported.nodes}),
         "steps": codegen.describe_steps(imported, graph, plan),
-        "gemm_tiles": [{"node": name, "shape": shape.key, "tile": [tile.mr, tile.nv],
+        "gemm_tiles": [{"node": name, "shape": shape.key, "tile": tile.spec,
                         "tuned": tuned} for name, (shape, tile, tuned) in chosen.items()],
         "producer": PRODUCER,
     }

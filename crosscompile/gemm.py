@@ -31,10 +31,23 @@ class GemmTile:
     lanes: int  # float32 lanes in one vector register
     mr: int     # rows of C (output channels) per register tile
     nv: int     # vectors of C columns (output pixels) per register tile
+    # With pixels, the tile is transposed (emit_channel_gemm): nv vectors of
+    # output channels (mr = nv * lanes of them) by `pixels` output pixels.
+    pixels: int = 0
 
     @property
     def nr(self) -> int:
-        return self.lanes * self.nv
+        return self.pixels or self.lanes * self.nv
+
+    @property
+    def spec(self) -> list:
+        """[mr, nv], or [mr, nv, pixels] for a transposed tile: how
+        schedules, tuning caches and module metadata name a tile."""
+        return [self.mr, self.nv, self.pixels] if self.pixels else [self.mr, self.nv]
+
+    @property
+    def label(self) -> str:
+        return "x".join(str(v) for v in self.spec)
 
 
 def tile_for(target) -> GemmTile:
@@ -240,6 +253,12 @@ def _tile_function(k: Kernel, tile: GemmTile, rows: int, widths: tuple, has_bias
     kdim, ldb, ldc, b_offsets = t.extra
     b = t.builder
     offsets = [sum(widths[:v]) for v in range(len(widths))]
+    if residual_at is not None:
+        # The residual is read only after the K loop, from rows far apart that
+        # the hardware prefetchers do not follow: ask for its lines now.
+        for r in range(rows):
+            for off in range(0, sum(widths), max(1, tile.lanes)):
+                prefetch(t, b.gep(res_ptr, [b.add(b.mul(t.i64(r), ldc), t.i64(off))]))
     accs = [[t.variable(ir.Constant(ir.VectorType(F32, w), [0.0] * w)) for w in widths]
             for _ in range(rows)]
     with t.loop(kdim) as p:
@@ -407,3 +426,127 @@ def emit_depthwise(k: Kernel, lanes: int, channels: int, geometry, X: ir.Value, 
                     if vector_epilogue:
                         acc = k.activate(acc)
                     k.store(acc, Y, b.add(out_row, ow))
+
+
+def channel_tile(tile: GemmTile) -> GemmTile:
+    """The transposed tile with tile's register budget: nv vectors of
+    output channels by mr output pixels.
+
+    >>> channel_tile(GemmTile(16, 6, 4))
+    GemmTile(lanes=16, mr=64, nv=4, pixels=6)
+    """
+    return GemmTile(tile.lanes, tile.lanes * tile.nv, tile.nv, tile.mr)
+
+
+def emit_channel_gemm(k: Kernel, tile: GemmTile, m: int, kdim: int, n: int,
+                      a_packed: ir.Value, x_ptr: ir.Value, taps: ir.Value, bases: ir.Value,
+                      c_ptr: ir.Value, c_base, bias: "ir.Value | None", vector_epilogue: bool,
+                      residual: "ir.Value | None" = None, residual_at: int = 0) -> None:
+    """C[c_base + i * n + j] = epilogue(bias[i] + sum_p A[i, p] * x_ptr[bases[j] + taps[p]])
+    with the register tile transposed against emit_gemm's: a tile holds
+    tile.nv vectors of output channels (rows of C) for tile.pixels output
+    pixels (columns), and per p it loads nv vectors of A (packed by
+    pack_weights(A, tile.mr)) and broadcasts one input value per pixel.
+
+    Every pixel costs the same FMAs whatever n is, so a small output
+    wastes nothing: emit_gemm's vectors of pixels run partly empty when a
+    row of the output is 7 or 14 wide. Each finished value is stored on
+    its own (C is channel-major), which the long reductions of 3x3
+    convolutions amortise. Threads split the pixel tiles.
+    """
+    b = k.builder
+    groups, tail_m = -(-m // tile.mr), m % tile.mr
+    full_n, tail_n = divmod(n, tile.pixels)
+    lo, hi = k.part(full_n + bool(tail_n))
+    null = ir.Constant(F32.as_pointer(), None)
+    for g_count, g_first, rows in ((groups - bool(tail_m), 0, tile.mr), (bool(tail_m), groups - 1, tail_m)):
+        if not g_count:
+            continue
+        widths = tuple(_split(rows, tile.lanes))
+        with k.loop(g_first + g_count, start=g_first) as g:
+            row0 = b.mul(g, k.i64(tile.mr))
+            a = b.gep(a_packed, [b.mul(g, k.i64(kdim * tile.mr))])
+            bias_row = b.gep(bias, [row0]) if bias is not None else null
+            for t_count, t_first, pixels in ((full_n, 0, tile.pixels), (bool(tail_n), full_n, tail_n)):
+                if not t_count:
+                    continue
+                fn = _channel_tile_function(k, tile, pixels, widths, bias is not None, vector_epilogue,
+                                            residual_at if residual is not None else None)
+                with k.loop(k.smin(hi, k.i64(t_first + t_count)), start=k.smax(lo, k.i64(t_first))) as t:
+                    col0 = b.mul(t, k.i64(tile.pixels))
+                    c_offset = b.add(c_base, b.add(b.mul(row0, k.i64(n)), col0))
+                    res = b.gep(residual, [c_offset]) if residual is not None else null
+                    b.call(fn, [a, x_ptr, b.gep(c_ptr, [c_offset]), bias_row, res, k.i64(kdim), k.i64(n),
+                                taps, b.gep(bases, [col0])])
+
+
+def _channel_tile_function(k: Kernel, tile: GemmTile, pixels: int, widths: tuple, has_bias: bool,
+                           vector_epilogue: bool, residual_at: "int | None") -> ir.Function:
+    """void(a, x, c, bias, residual, kdim, ldc, taps, bases): one transposed
+    register tile (see emit_channel_gemm), shared like _tile_function's."""
+    key = ("channels", tile.mr, pixels, widths, has_bias, k.epilogue_key if vector_epilogue else None,
+           residual_at)
+    cache = k.module.__dict__.setdefault("tether_tiles", {})
+    if key in cache:
+        return cache[key]
+    i64 = ir.IntType(64)
+    t = Kernel(k.module, f"ctile{len(cache)}_{sum(widths)}x{pixels}", 5, 0,
+               k.epilogue if vector_epilogue else (), k.target,
+               extra_args=(i64, i64, I32.as_pointer(), I32.as_pointer()))
+    a_ptr, x_ptr, c_ptr, bias, res_ptr = t.inputs
+    if residual_at is not None:
+        for arg in (c_ptr, res_ptr):
+            arg.attributes.discard("noalias")
+    kdim, ldc, taps, bases = t.extra
+    b = t.builder
+    offsets = [sum(widths[:v]) for v in range(len(widths))]
+    if residual_at is not None:  # read after the K loop, one line per channel
+        for row in range(sum(widths)):
+            prefetch(t, b.gep(res_ptr, [b.mul(t.i64(row), ldc)]))
+    sources = [b.gep(x_ptr, [b.sext(t.load(bases, t.i64(j)), i64)]) for j in range(pixels)]
+    accs = [[t.variable(ir.Constant(ir.VectorType(F32, w), [0.0] * w)) for w in widths]
+            for _ in range(pixels)]
+    with t.loop(kdim) as p:
+        tap = b.sext(t.load(taps, p), i64)
+        a_row = b.mul(p, t.i64(tile.mr))
+        avecs = [b.load(_vector_ptr(t, a_ptr, b.add(a_row, t.i64(off)), w), align=4)
+                 for off, w in zip(offsets, widths)]
+        for j in range(pixels):
+            x = b.load(b.gep(sources[j], [tap]))
+            for v, w in enumerate(widths):
+                b.store(_fmuladd(t, _splat(t, x, w), avecs[v], b.load(accs[j][v])), accs[j][v])
+    i32 = ir.IntType(32)
+    for v, (off, w) in enumerate(zip(offsets, widths)):
+        start = b.load(_vector_ptr(t, bias, t.i64(off), w), align=4) if has_bias else None
+        for j in range(pixels):
+            value = b.load(accs[j][v])
+            if start is not None:
+                value = b.fadd(value, start)
+            res = None
+            if residual_at is not None:
+                res = ir.Constant(ir.VectorType(F32, w), ir.Undefined)
+                for lane in range(w):
+                    at = b.add(b.mul(t.i64(off + lane), ldc), t.i64(j))
+                    res = b.insert_element(res, t.load(res_ptr, at), ir.Constant(i32, lane))
+            with t.vector_constants(w):
+                for pos, fn in enumerate(t.epilogue):
+                    if pos == residual_at:
+                        value = b.fadd(value, res)
+                    value = fn(t, value)
+            if residual_at is not None and residual_at >= len(t.epilogue):
+                value = b.fadd(value, res)
+            for lane in range(w):
+                at = b.add(b.mul(t.i64(off + lane), ldc), t.i64(j))
+                t.store(b.extract_element(value, ir.Constant(i32, lane)), c_ptr, at)
+    t.finish()
+    cache[key] = t.function
+    return t.function
+
+
+def prefetch(k: Kernel, ptr: ir.Value, write: int = 0) -> None:
+    """llvm.prefetch of the cache line holding *ptr (a no-op where the target has no prefetch)."""
+    i8p = ir.IntType(8).as_pointer()
+    fn = k.module.globals.get("llvm.prefetch.p0i8") or ir.Function(
+        k.module, ir.FunctionType(ir.VoidType(), [i8p, I32, I32, I32]), name="llvm.prefetch.p0i8")
+    k.builder.call(fn, [k.builder.bitcast(ptr, i8p), ir.Constant(I32, write), ir.Constant(I32, 3),
+                        ir.Constant(I32, 1)])

@@ -13,8 +13,8 @@ import numpy as np
 from llvmlite import ir
 
 from .emit import Kernel
-from .gemm import (divide, emit_depthwise, emit_dot_rows, emit_gemm, panel_offset, splits_columns, tile_for,
-                   vector_epilogue)
+from .gemm import (divide, emit_channel_gemm, emit_depthwise, emit_dot_rows, emit_gemm, panel_offset,
+                   splits_columns, tile_for, vector_epilogue)
 from .errors import BuildError, ShapeError
 from .ir import Tensor
 
@@ -757,7 +757,8 @@ class Conv(Op):
         geometry = _resolve_window(x, tuple(w[2:]), attrs, what="convolution")
         if self._pointwise(geometry):
             return 0
-        direct = _direct_plan(geometry, x[1] // attrs["group"], w[0] // attrs["group"], attrs)
+        pixels = getattr(attrs.get("gemm_tile"), "pixels", 0)
+        direct = _direct_plan(geometry, x[1] // attrs["group"], w[0] // attrs["group"], attrs, any_grid=bool(pixels))
         if direct is not None:
             return 4 * direct.scratch_floats
         return 4 * _prod(w[1:]) * _prod(geometry[-1])  # one group's im2col
@@ -870,13 +871,30 @@ class Conv(Op):
         # does not know this string attribute, hence the set's own add().
         set.add(k.function.attributes, '"no-builtins"')
         pointwise = self._pointwise(geometry)
-        direct = None if pointwise else _direct_plan(geometry, cg, m, attrs)
+        direct = None if pointwise else _direct_plan(geometry, cg, m, attrs, any_grid=bool(tile.pixels))
+        if tile.pixels:
+            if pointwise:
+                taps = _i32_table(k, tuple(c * volume_in for c in range(cg)))
+                bases = _i32_table(k, tuple(range(n)))
+            else:
+                taps = _i32_table(k, direct.offsets)
+                bases = _i32_table(k, direct.pixel_bases)
         with k.loop(x[0]) as image, k.loop(group) as g:
             x_base = k.index((image, x[1] * volume_in), (g, cg * volume_in))
             y_base = k.index((image, w[0] * n), (g, m * n))
             a_ptr = bld.gep(k.inputs[1], [k.index((g, a_group))])
             bias = bld.gep(k.inputs[2], [k.index((g, m))]) if has_bias else None
-            if direct is not None:
+            if tile.pixels:
+                if pointwise:
+                    source = bld.gep(k.inputs[0], [x_base])
+                else:
+                    _copy_padded(k, direct, x_base)
+                    source = k.scratch
+                residual = k.inputs[-1] if residual_at is not None else None
+                emit_channel_gemm(k, tile, m, kdim, n, a_ptr, source, taps, bases, k.outputs[0], y_base,
+                                  bias, epilogue, residual, residual_at or 0)
+                k.barrier()  # before the next image or group overwrites the copy
+            elif direct is not None:
                 _direct_conv(k, tile, direct, x_base, a_ptr, bias, epilogue, y_base)
             else:
                 self._gemm_group(k, tile, geometry, m, kdim, n, cg, pointwise, x_base, y_base,
@@ -938,18 +956,26 @@ class _DirectPlan:
     scratch_floats: int
     geometry: tuple
 
+    @property
+    def pixel_bases(self) -> tuple:
+        """Where each output pixel's windows start: oh * wq + ow."""
+        (oh_n, ow_n) = self.geometry[-1][1:]
+        return tuple(oh * self.wq + ow for oh in range(oh_n) for ow in range(ow_n))
+
 
 GRID_COLUMNS_MULTIPLE = 4
 
 
-def _direct_plan(geometry, channels: int, m: int, attrs) -> "_DirectPlan | None":
+def _direct_plan(geometry, channels: int, m: int, attrs, any_grid: bool = False) -> "_DirectPlan | None":
     """How to run a 1-D/2-D convolution without im2col, or None where the
     im2col GEMM serves (3-D, a fused residual, grids much wider than the
     output, 1x1 kernels but for a strided one whose grid is its output:
-    that copies just the pixels it reads)."""
+    that copies just the pixels it reads). With any_grid (for
+    emit_channel_gemm, which reads each output pixel's window itself and
+    writes the output in place) only 3-D is refused."""
     (dz, h, wd), (kz, kh_n, kw_n), (sz, sh, sw), (ddz, dh, dw), (pz, ph, pw), (ez, eh, ew), \
         (oz, oh_n, ow_n) = geometry
-    if dz != 1 or kz != 1 or attrs.get("residual_at") is not None:
+    if dz != 1 or kz != 1 or (attrs.get("residual_at") is not None and not any_grid):
         return None
     hp, wp = h + ph + eh, wd + pw + ew
     hq, wq = -(-hp // sh), -(-wp // sw)
@@ -969,9 +995,9 @@ def _direct_plan(geometry, channels: int, m: int, attrs) -> "_DirectPlan | None"
     n_virtual = -(-((oh_n - 1) * wq + ow_n) // GRID_COLUMNS_MULTIPLE) * GRID_COLUMNS_MULTIPLE
     # The dropped columns cost FMAs: on a 7 x 7 output (56 for 49) they cost
     # more than the im2col copy saves; at 14 x 14 (wq 15) less.
-    if n_virtual > 1.1 * oh_n * ow_n:
+    if n_virtual > 1.1 * oh_n * ow_n and not any_grid:
         return None
-    if kh_n * kw_n == 1 and n_virtual != oh_n * ow_n:
+    if kh_n * kw_n == 1 and n_virtual != oh_n * ow_n and not any_grid:
         # A 1x1 kernel reads each input once: im2col copies no more than
         # this path, which then gains only where it writes C in place.
         return None
@@ -979,8 +1005,9 @@ def _direct_plan(geometry, channels: int, m: int, attrs) -> "_DirectPlan | None"
     if buffer_floats >= 2 ** 31:
         return None
     cbuf_at = -(-buffer_floats // 16) * 16
+    scratch = buffer_floats if any_grid else cbuf_at + m * n_virtual
     return _DirectPlan(channels, m, planes, hq, wq, offsets, n_virtual, buffer_floats, cbuf_at,
-                       cbuf_at + m * n_virtual, geometry)
+                       scratch, geometry)
 
 
 def _direct_conv(k: Kernel, tile, plan: _DirectPlan, x_base, a_ptr, bias, epilogue: bool, y_base) -> None:
@@ -989,7 +1016,35 @@ def _direct_conv(k: Kernel, tile, plan: _DirectPlan, x_base, a_ptr, bias, epilog
     place of im2col's kh * kw, then one copy of the output from the virtual
     grid. Threads split the copy's channels, the GEMM's panels and the
     output's rows, with a barrier between the three."""
-    (_, h, wd), (_, kh_n, kw_n), (_, sh, sw), _, (_, ph, pw), _, (_, oh_n, ow_n) = plan.geometry
+    _copy_padded(k, plan, x_base)
+    bld, buf = k.builder, k.scratch
+    oh_n, ow_n = plan.geometry[-1][1:]
+    table = _i32_table(k, plan.offsets)
+    rows = plan.rows
+    if plan.n_virtual == oh_n * ow_n:
+        # The grid is the output (e.g. a strided 1x1 convolution): no copy.
+        emit_gemm(k, tile, rows, len(plan.offsets), plan.n_virtual, a_ptr, buf, k.i64(0), 0,
+                  k.outputs[0], y_base, bias, epilogue, b_offsets=table)
+        k.barrier()  # before the next image or group overwrites the buffer
+        return
+    cbuf = bld.gep(buf, [k.i64(plan.cbuf_at)])
+    emit_gemm(k, tile, rows, len(plan.offsets), plan.n_virtual, a_ptr, buf, k.i64(0), 0,
+              cbuf, k.i64(0), bias, epilogue, b_offsets=table)
+    k.barrier()  # each thread copies out rows other threads computed
+    r_lo, r_hi = k.part(rows)
+    with k.loop(r_hi, start=r_lo) as r, k.loop(oh_n) as oh:
+        src = k.index((r, plan.n_virtual), (oh, plan.wq))
+        dst = k.index((y_base, 1), (r, oh_n * ow_n), (oh, ow_n))
+        with k.loop(ow_n) as ow:
+            k.store(k.load(cbuf, bld.add(src, ow)), k.outputs[0], bld.add(dst, ow))
+    k.barrier()  # before the next image or group overwrites the buffers
+
+
+def _copy_padded(k: Kernel, plan: _DirectPlan, x_base) -> None:
+    """Copy one image and group of the input into scratch as the plan's
+    padded (phase-split) planes, zero tail included; threads split the
+    channels and meet at a barrier after."""
+    (_, h, wd), _, (_, sh, sw), _, (_, ph, pw), _, _ = plan.geometry
     bld, X = k.builder, k.inputs[0]
     buf = k.scratch
     plane = plan.hq * plan.wq
@@ -1020,29 +1075,10 @@ def _direct_conv(k: Kernel, tile, plan: _DirectPlan, x_base, a_ptr, bias, epilog
     with k.loop(tail_hi, start=tail_lo) as i:
         k.store(k.f32(0.0), buf, bld.add(i, k.i64(base)))
     k.barrier()  # the GEMM's windows cross the channels other threads copied
-    table = _tap_table(k, plan.offsets)
-    rows = plan.rows
-    if plan.n_virtual == oh_n * ow_n:
-        # The grid is the output (e.g. a strided 1x1 convolution): no copy.
-        emit_gemm(k, tile, rows, len(plan.offsets), plan.n_virtual, a_ptr, buf, k.i64(0), 0,
-                  k.outputs[0], y_base, bias, epilogue, b_offsets=table)
-        k.barrier()  # before the next image or group overwrites the buffer
-        return
-    cbuf = bld.gep(buf, [k.i64(plan.cbuf_at)])
-    emit_gemm(k, tile, rows, len(plan.offsets), plan.n_virtual, a_ptr, buf, k.i64(0), 0,
-              cbuf, k.i64(0), bias, epilogue, b_offsets=table)
-    k.barrier()  # each thread copies out rows other threads computed
-    r_lo, r_hi = k.part(rows)
-    with k.loop(r_hi, start=r_lo) as r, k.loop(oh_n) as oh:
-        src = k.index((r, plan.n_virtual), (oh, plan.wq))
-        dst = k.index((y_base, 1), (r, oh_n * ow_n), (oh, ow_n))
-        with k.loop(ow_n) as ow:
-            k.store(k.load(cbuf, bld.add(src, ow)), k.outputs[0], bld.add(dst, ow))
-    k.barrier()  # before the next image or group overwrites the buffers
 
 
-def _tap_table(k: Kernel, offsets: tuple) -> ir.Value:
-    """The taps' offsets as a constant i32 array of the module."""
+def _i32_table(k: Kernel, offsets: tuple) -> ir.Value:
+    """Offsets (taps, pixel bases) as a constant i32 array of the module."""
     ty = ir.ArrayType(ir.IntType(32), len(offsets))
     gv = ir.GlobalVariable(k.module, ty, name=k.module.get_unique_name("tether.taps"))
     gv.global_constant = True

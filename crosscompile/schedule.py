@@ -1,9 +1,10 @@
 """Schedules: which register tile each convolution's GEMM uses.
 
-By default every convolution of a target gets gemm.tile_for(target). A
-schedule table maps a convolution's shape (ConvShape.key) to a tile measured
-faster for it (crosscompile.tuning finds and caches those); build() looks
-every GEMM convolution up there and falls back to the default.
+By default a convolution gets default_tile(target, shape): gemm.tile_for's
+tile, transposed for convolutions that read windows. A schedule table maps
+a convolution's shape (ConvShape.key) to a tile measured faster for it
+(crosscompile.tuning finds and caches those); build() looks every GEMM
+convolution up there and falls back to the default.
 
 Plain data and functions only: no files, clocks or boards here.
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from .gemm import GemmTile, tile_for
+from .gemm import GemmTile, channel_tile, tile_for
 
 # Rows of one register tile at most: past this the broadcasts of A, not
 # the loads of B, bound the inner loop, and the tile's tail grows.
@@ -96,29 +97,63 @@ def conv_shape(graph, node) -> ConvShape:
 
 def fits(target, mr: int, nv: int) -> bool:
     """mr x nv accumulators, nv loaded vectors of B and one broadcast of A
-    fit the target's vector register file."""
+    fit the target's vector register file (for a transposed tile, mr is its
+    pixels: the same count of accumulators, loads and broadcast)."""
     return mr >= 1 and nv >= 1 and mr * nv + nv + 1 <= target.vector_registers
 
 
-def candidate_tiles(target, m: Optional[int] = None) -> list:
+def reads_windows(shape: ConvShape) -> bool:
+    """Whether a convolution reads a window of more than one pixel per
+    output (3x3, 7x7, ...): 1-D or 2-D, kernel larger than 1x1."""
+    area = 1
+    for d in shape.w[2:]:
+        area *= d
+    return area > 1 and len(shape.x) <= 4
+
+
+def default_tile(target, shape: ConvShape) -> GemmTile:
+    """The tile a convolution gets unless a schedule names another.
+
+    Convolutions reading windows take the transposed tile (vectors of output
+    channels by pixels, gemm.emit_channel_gemm): they read a padded copy
+    of their input whose rows are wider than the output's, and vectors of
+    output pixels would spend a share of their FMAs on those padding
+    columns (1/8 at 14 x 14, 2/9 at 7 x 7). 1x1 convolutions read the
+    input in place with no padding and keep tile_for's tile, which stores
+    whole vectors.
+    """
+    tile = tile_for(target)
+    return channel_tile(tile) if reads_windows(shape) else tile
+
+
+def candidate_tiles(target, m: Optional[int] = None, shape: Optional[ConvShape] = None) -> list:
     """The register tiles worth measuring for a target, the default first.
 
     Every tile that fits the register file is a candidate in principle;
     this keeps, per number of vectors, the largest row count that fits and
     one of about two thirds of it (rounded to even), the ones that use the
     register file well. With m (output channels per group) given, tiles with
-    more rows than m are dropped: their rows would be padding.
+    more rows than m are dropped: their rows would be padding. With shape
+    given, its default_tile comes first, and a convolution reading windows
+    also gets the transposed form of the largest tiles.
     """
     lanes = max(1, target.vector_bits // 32)
-    default = tile_for(target)
+    plain = tile_for(target)
+    default = default_tile(target, shape) if shape is not None else plain
     out = [default]
+    rows_tiles = [plain]
     for nv in range(1, MAX_VECTORS + 1):
         largest = min(MAX_ROWS, (target.vector_registers - 1 - nv) // nv)
         for mr in (largest, max(2, largest * 2 // 3 // 2 * 2)):
             tile = GemmTile(lanes, mr, nv)
-            if mr >= 2 and fits(target, mr, nv) and tile not in out:
-                if m is None or mr <= max(m, default.mr):
-                    out.append(tile)
+            if mr >= 2 and fits(target, mr, nv) and tile not in rows_tiles:
+                if m is None or mr <= max(m, plain.mr):
+                    rows_tiles.append(tile)
+    if shape is not None and reads_windows(shape):
+        # Transposed: nv vectors of channels; more than m would be padding.
+        wide = sorted((t for t in rows_tiles[1:] if t.nv >= 2), key=lambda t: -t.mr * t.nv)
+        out += [channel_tile(t) for t in wide if m is None or t.nv * lanes <= max(m, default.mr)][:2]
+    out += [t for t in rows_tiles if t not in out]
     return out[:MAX_CANDIDATES]
 
 
@@ -140,18 +175,21 @@ def tile_table(target, schedules) -> Mapping:
 
 
 def as_tile(target, value) -> GemmTile:
-    """A GemmTile for the target from a GemmTile, (mr, nv) or a cache entry."""
+    """A GemmTile for the target from a GemmTile, its spec ((mr, nv) or
+    (mr, nv, pixels)) or a cache entry."""
     lanes = max(1, target.vector_bits // 32)
     if isinstance(value, Mapping):
         value = value["best"]
-    if isinstance(value, GemmTile):
-        mr, nv = value.mr, value.nv
-    else:
-        mr, nv = (int(v) for v in value)
-    if not fits(target, mr, nv):
-        raise ValueError(f"tile {mr}x{nv} does not fit the {target.vector_registers} vector "
+    spec = value.spec if isinstance(value, GemmTile) else [int(v) for v in value]
+    if len(spec) not in (2, 3):
+        raise ValueError(f"tile {spec} should be [mr, nv] or [mr, nv, pixels]")
+    mr, nv, pixels = (spec + [0])[:3]
+    if pixels and mr != nv * lanes:
+        raise ValueError(f"transposed tile {spec} should have mr = nv x {lanes} lanes = {nv * lanes}")
+    if not fits(target, pixels or mr, nv):
+        raise ValueError(f"tile {spec} does not fit the {target.vector_registers} vector "
                          f"registers of target {target.name!r} (needs mr*nv + nv + 1)")
-    return GemmTile(lanes, mr, nv)
+    return GemmTile(lanes, mr, nv, pixels)
 
 
 def tile_chooser(target, schedules, chosen: Optional[dict] = None):
@@ -159,12 +197,11 @@ def tile_chooser(target, schedules, chosen: Optional[dict] = None):
     tile of the node's shape, else the target's default. Each choice is
     recorded in `chosen` (node name -> (ConvShape, tile, tuned))."""
     table = tile_table(target, schedules)
-    default = tile_for(target)
 
     def tile_of(graph, node) -> GemmTile:
         shape = conv_shape(graph, node)
         value = table.get(shape.key)
-        tile = as_tile(target, value) if value is not None else default
+        tile = as_tile(target, value) if value is not None else default_tile(target, shape)
         if chosen is not None:
             chosen[node.name] = (shape, tile, value is not None)
         return tile

@@ -97,7 +97,8 @@ class TuningCache:
         return self._loaded[path]
 
     def tiles_for(self, target: "str | Target") -> dict:
-        """{shape key: (mr, nv)} of the target's tuned convolutions."""
+        """{shape key: tile spec} of the target's tuned convolutions: (mr, nv)
+        or (mr, nv, pixels)."""
         return {key: tuple(entry["best"]) for key, entry in self.entries(target).items()}
 
     def get(self, target, key: str) -> Optional[dict]:
@@ -133,10 +134,10 @@ class TuningCache:
                                    f"{data.get('target')}, not {target_key(target)}; {fix}")
         for key, entry in data["entries"].items():
             best = entry.get("best") if isinstance(entry, dict) else None
-            if not (isinstance(best, list) and len(best) == 2
+            if not (isinstance(best, list) and len(best) in (2, 3)
                     and all(isinstance(v, int) and v > 0 for v in best)):
                 raise TuningCacheError(f"tuning cache {path}: entry {key!r} has no valid "
-                                       f"'best' tile [mr, nv]; {fix}")
+                                       f"'best' tile [mr, nv] or [mr, nv, pixels]; {fix}")
         return data["entries"]
 
 
@@ -364,13 +365,13 @@ def tune_shape(shape: ConvShape, target: Target, runner, number: int, repeat: in
     inputs = {"x": np.random.default_rng(1).standard_normal(shape.x).astype(np.float32)}
     candidates, handles, reference = [], [], None
     try:
-        for tile in candidate_tiles(target, shape.gemm[0]):
-            label = f"{tile.mr}x{tile.nv}"
+        for tile in candidate_tiles(target, shape.gemm[0], shape):
+            label = tile.label
             if progress is not None:
                 progress(f"  building and loading tile {label}")
             lib = build(model, target, schedules={shape.key: tile})
             used = [t["tile"] for t in lib.metadata["gemm_tiles"]]
-            if used != [[tile.mr, tile.nv]]:
+            if used != [tile.spec]:
                 raise BuildError(f"internal error: the module for {shape.key} used tiles {used}, "
                                  f"not {label}")
             # A fresh file name per module: a loaded library must never be
@@ -378,7 +379,7 @@ def tune_shape(shape: ConvShape, target: Target, runner, number: int, repeat: in
             name = f"tune-{os.getpid()}-{next(_module_numbers)}-{label}.so"
             handle, output = runner.load(lib.so_bytes, name, inputs)
             handles.append(handle)
-            record = {"tile": [tile.mr, tile.nv], "samples_s": []}
+            record = {"tile": tile.spec, "samples_s": []}
             if reference is None:
                 reference = output
             else:

@@ -1,17 +1,24 @@
 """Convolutions that read their input in place (ops._direct_plan): the
 padded input copied once (split into stride phases for strides above 1),
-GEMM rows of B as windows of that copy, the output copied out of a grid
-wider than the output rows. Shapes give unequal and one-sided padding,
-rows sharing their padding columns, dilation, strides 2 and 3, 1-D,
-groups, batches, partial panels and row blocks; each is compared with
-onnxruntime for 1, 2 and 3 threads."""
+then either GEMM rows of B as windows of that copy with the output copied
+out of a grid wider than the output rows (a tile of rows), or per output
+pixel one broadcast from each window into vectors of output channels
+(the transposed tile, gemm.emit_channel_gemm, the default for kernels
+larger than 1x1). Shapes give unequal and one-sided padding, rows sharing
+their padding columns, dilation, strides 2 and 3, 1-D, groups, batches,
+partial panels, row blocks and channel vectors; each is compared with
+onnxruntime for 1, 2 and 3 threads under both tiles."""
 import numpy as np
 import pytest
 from onnx import helper
 
 import crosscompile
 import minirt
+from crosscompile.gemm import tile_for
 from crosscompile.ops import _direct_plan, _resolve_window
+from crosscompile.schedule import default_tile
+from crosscompile.target import resolve_target
+from crosscompile.tuning import conv_shapes
 from tests.onnx_models import conv_relu_model, make_model, reference
 from tests.test_crosscompile import rand
 
@@ -32,12 +39,22 @@ CASES = [
 ]
 
 
+HOST = resolve_target("host")
+
+
+@pytest.mark.parametrize("tile", ["default", "rows"])
 @pytest.mark.parametrize("x_shape,w_shape,attrs", CASES)
-def test_direct_conv_matches_onnxruntime_on_1_2_3_threads(tmp_path, x_shape, w_shape, attrs):
+def test_direct_conv_matches_onnxruntime_on_1_2_3_threads(tmp_path, x_shape, w_shape, attrs, tile):
     model = conv_relu_model(x_shape, w_shape, attrs)
     x = rand(*x_shape, seed=3)
     want = reference(model, {"x": x})[0]
-    module = minirt.load(crosscompile.build(model, target="host").export_library(tmp_path / "m.so"))
+    (shape,) = conv_shapes(model)
+    schedules = {shape.key: tile_for(HOST).spec} if tile == "rows" else None
+    lib = crosscompile.build(model, target="host", schedules=schedules)
+    want_tile = tile_for(HOST) if tile == "rows" else default_tile(HOST, shape)
+    assert [t["tile"] for t in lib.metadata["gemm_tiles"]] == [want_tile.spec]
+    assert bool(want_tile.pixels) == (tile == "default" and np.prod(w_shape[2:]) > 1)
+    module = minirt.load(lib.export_library(tmp_path / "m.so"))
     for threads in (1, 2, 3):
         module.set_threads(threads)
         for _ in range(3):  # a race between copying in, multiplying and copying out would show
@@ -63,6 +80,18 @@ def test_small_outputs_and_fused_residuals_keep_im2col():
     large = _resolve_window((1, 64, 56, 56), (3, 3), attrs)
     assert _direct_plan(large, 64, 64, attrs) is not None
     assert _direct_plan(large, 64, 64, dict(attrs, residual_at=1)) is None
+
+
+def test_transposed_tiles_read_any_grid_in_place():
+    """The transposed tile writes each output pixel itself: small outputs
+    and fused residuals read the input in place too, with no output grid
+    in scratch."""
+    attrs = {"strides": None, "pads": [1, 1, 1, 1], "dilations": None, "auto_pad": "NOTSET",
+             "residual_at": 1}
+    small = _resolve_window((1, 512, 7, 7), (3, 3), attrs)
+    plan = _direct_plan(small, 512, 512, attrs, any_grid=True)
+    assert plan is not None and plan.scratch_floats == plan.buffer_floats
+    assert plan.pixel_bases == tuple(oh * plan.wq + ow for oh in range(7) for ow in range(7))
 
 
 def test_strided_1x1_takes_the_direct_path_only_where_its_grid_is_the_output():

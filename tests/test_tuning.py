@@ -17,7 +17,7 @@ import crosscompile
 import minirt
 from crosscompile import tuning
 from crosscompile.gemm import tile_for
-from crosscompile.schedule import ConvShape, candidate_tiles
+from crosscompile.schedule import ConvShape, candidate_tiles, default_tile
 from crosscompile.target import resolve_target
 from remote import rpc
 from tests.onnx_models import reference
@@ -98,14 +98,17 @@ def test_tuning_on_a_board_caches_each_conv_shape_with_its_fastest_tile(tuned):
     assert [s.shape.key for s in result.shapes] == SHAPES and not any(s.cached for s in result.shapes)
     for key, entry in entries.items():
         m = entry["gemm"][0]
-        measured = [tuple(c["tile"]) for c in entry["candidates"]]
-        assert measured == [(t.mr, t.nv) for t in candidate_tiles(HOST, m)]
+        measured = [c["tile"] for c in entry["candidates"]]
+        shape = ConvShape.from_dict(entry["shape"])
+        assert measured == [t.spec for t in candidate_tiles(HOST, m, shape)]
         assert len(measured) >= 4
         for c in entry["candidates"]:
             assert "error" not in c, c
             assert len(c["samples_s"]) == 3 and c["median_s"] == pytest.approx(np.median(c["samples_s"]))
         assert entry["best"] == expected_best(entry)
-        assert entry["default"] == [tile_for(HOST).mr, tile_for(HOST).nv]
+        assert entry["default"] == default_tile(HOST, shape).spec
+        # 3x3 convolutions default to the transposed tile, 1x1 to tile_for's.
+        assert len(entry["default"]) == (3 if shape.w[2:] == (3, 3) else 2)
         assert entry["device"]["address"] == address
     # The file on disk holds the same, under the normalised target.
     with open(result.cache_path) as f:
@@ -144,10 +147,10 @@ def test_a_forced_tile_changes_the_module_and_stays_correct(tmp_path):
     default = tile_for(HOST)
     forced = next(t for t in candidate_tiles(HOST) if t.mr != default.mr)
     for key in SHAPES:
-        cache.put(HOST, key, {"best": [forced.mr, forced.nv]})
+        cache.put(HOST, key, {"best": forced.spec})
     lib = crosscompile.build(conv_net(), "host", schedules=cache)
     plain = crosscompile.build(conv_net(), "host")
-    assert {tuple(t["tile"]) for t in lib.metadata["gemm_tiles"]} == {(forced.mr, forced.nv)}
+    assert {tuple(t["tile"]) for t in lib.metadata["gemm_tiles"]} == {tuple(forced.spec)}
     assert lib.so_bytes != plain.so_bytes
     inputs = feeds()
     np.testing.assert_allclose(run_host(lib, tmp_path, inputs)[0], reference(conv_net(), inputs)[0],
@@ -169,14 +172,14 @@ def test_every_candidate_tile_computes_the_same_convolution(shape, tmp_path):
     inputs = feeds(shape.x)
     want = reference(model, inputs)[0]
     assert want.shape == shape.y
-    tiles = candidate_tiles(HOST)
-    assert len(tiles) >= 4
+    tiles = candidate_tiles(HOST, shape.gemm[0], shape)
+    assert len(tiles) >= 4 and sum(1 for t in tiles if t.pixels) == 3
     for tile in tiles:
-        lib = crosscompile.build(model, "host", schedules={shape.key: (tile.mr, tile.nv)})
-        assert [t["tile"] for t in lib.metadata["gemm_tiles"]] == [[tile.mr, tile.nv]]
-        got = run_host(lib, tmp_path, inputs, f"{tile.mr}x{tile.nv}.so")[0]
+        lib = crosscompile.build(model, "host", schedules={shape.key: tile.spec})
+        assert [t["tile"] for t in lib.metadata["gemm_tiles"]] == [tile.spec]
+        got = run_host(lib, tmp_path, inputs, f"{tile.label}.so")[0]
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4,
-                                   err_msg=f"tile {tile.mr}x{tile.nv}")
+                                   err_msg=f"tile {tile.label}")
 
 
 def test_a_corrupt_cache_file_names_itself_and_says_to_delete_it(tmp_path):
@@ -285,8 +288,8 @@ def test_tuning_on_an_emulated_arm64_board(tmp_path):
             entry = cache.get(target, shape.key)
             assert [s.shape.key for s in result.shapes] == [shape.key]
             assert entry["device"]["machine"] == "aarch64"
-            assert [tuple(c["tile"]) for c in entry["candidates"]] == \
-                [(t.mr, t.nv) for t in candidate_tiles(target, 12)]
+            assert [c["tile"] for c in entry["candidates"]] == \
+                [t.spec for t in candidate_tiles(target, 12, shape)]
             assert not [c for c in entry["candidates"] if "error" in c]
             assert entry["best"] == expected_best(entry)
             lib = crosscompile.build(model, target, schedules=cache)

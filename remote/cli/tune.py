@@ -51,7 +51,8 @@ def run_tune(args, tracker_address) -> int:
         print(json.dumps(result.as_dict(), indent=2))
     else:
         print(f"target {result.target.name} ({result.target.triple}, {result.target.cpu}): "
-              f"{len(result.shapes)} convolution shape(s); register tile MRxNV, medians per run")
+              f"{len(result.shapes)} convolution shape(s); register tile MRxNV (MRxNVxPIXELS: transposed), "
+              "medians per run")
         print(display.text_table(HEADERS, result_rows(result)))
         print(f"cache: {result.cache_path}")
     return 0
