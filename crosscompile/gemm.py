@@ -81,7 +81,7 @@ def _vector_ptr(k: Kernel, ptr: ir.Value, offset: ir.Value, lanes: int) -> ir.Va
     return k.builder.bitcast(k.builder.gep(ptr, [offset]), ir.VectorType(F32, lanes).as_pointer())
 
 
-def _splat(k: Kernel, value: ir.Value, lanes: int) -> ir.Value:
+def splat(k: Kernel, value: ir.Value, lanes: int) -> ir.Value:
     b = k.builder
     vty = ir.VectorType(F32, lanes)
     one = b.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
@@ -269,13 +269,13 @@ def _tile_function(k: Kernel, tile: GemmTile, rows: int, widths: tuple, has_bias
         for r in range(rows):
             a = t.load(a_ptr, b.add(a_row, t.i64(r)))
             for v, w in enumerate(widths):
-                b.store(_fmuladd(t, _splat(t, a, w), bvecs[v], b.load(accs[r][v])), accs[r][v])
+                b.store(_fmuladd(t, splat(t, a, w), bvecs[v], b.load(accs[r][v])), accs[r][v])
     for r in range(rows):
         start = t.load(bias, t.i64(r)) if has_bias else None
         for v, w in enumerate(widths):
             value = b.load(accs[r][v])
             if start is not None:
-                value = b.fadd(value, _splat(t, start, w))
+                value = b.fadd(value, splat(t, start, w))
             out = b.add(b.mul(t.i64(r), ldc), t.i64(offsets[v]))
             with t.vector_constants(w):
                 for pos, fn in enumerate(t.epilogue):
@@ -354,6 +354,38 @@ def _horizontal_sum(k: Kernel, vec: ir.Value, lanes: int) -> ir.Value:
     return b.extract_element(vec, ir.Constant(i32, 0))
 
 
+def row_pieces(lo: int, hi: int, lanes: int, stride: int) -> tuple:
+    """([(first, width)], end): vectors of decreasing width (lanes, lanes / 2,
+    ... down to 4) covering output columns [lo, end) of a row, end <= hi;
+    the caller finishes [end, hi) one column at a time. Rows are short (7
+    to 56 columns) next to a 16-lane register, where a loop vectorised by
+    LLVM at full width would run only its scalar remainder. Strides above
+    2 get no vectors (see load_strided)."""
+    pieces, at, width = [], lo, lanes
+    while width >= 4 and stride <= 2:
+        while hi - at >= width:
+            pieces.append((at, width))
+            at += width
+        width //= 2
+    return pieces, at
+
+
+def load_strided(k: Kernel, ptr: ir.Value, offset: ir.Value, width: int, stride: int,
+                 spare: int = 0) -> ir.Value:
+    """A vector of ptr[offset + i * stride] for i < width: one contiguous
+    load of stride * width - (stride - 1) values keeping every stride-th.
+    With spare >= stride - 1 more values readable after the last one it
+    loads stride * width values instead: a whole number of registers,
+    where the odd length costs a chain of partial loads."""
+    b = k.builder
+    if stride == 1:
+        return b.load(_vector_ptr(k, ptr, offset, width), align=4)
+    count = width * stride - (0 if spare >= stride - 1 else stride - 1)
+    wide = b.load(_vector_ptr(k, ptr, offset, count), align=4)
+    picks = ir.Constant(ir.VectorType(ir.IntType(32), width), list(range(0, width * stride, stride)))
+    return b.shuffle_vector(wide, wide, picks)
+
+
 def emit_depthwise(k: Kernel, lanes: int, channels: int, geometry, X: ir.Value, Y: ir.Value,
                    bias: "ir.Value | None", vector_epilogue: bool) -> None:
     """Depthwise 2-D convolution (one filter per channel), direct: per output
@@ -370,17 +402,7 @@ def emit_depthwise(k: Kernel, lanes: int, channels: int, geometry, X: ir.Value, 
     lo = max(-(-(pw - kw * dw) // sw) if pw > kw * dw else 0 for kw in range(kw_n))
     hi = min((wd - 1 - kw * dw + pw) // sw + 1 for kw in range(kw_n))
     hi = max(lo, min(hi, ow_n))
-    # Vectors of decreasing width cover the interior: rows are short (7 to
-    # 56 columns) next to a 16-lane register. A strided window loads
-    # sw x width contiguous values and keeps every sw-th.
-    pieces, at = [], lo
-    width = lanes
-    while width >= 4 and sw <= 2:
-        while hi - at >= width:
-            pieces.append((at, width))
-            at += width
-        width //= 2
-    vec_end = at
+    pieces, vec_end = row_pieces(lo, hi, lanes, sw)
     c_lo, c_hi = k.part(channels)
     with k.loop(c_hi, start=c_lo) as c:
         taps = [[k.load(W, k.index((c, kh_n * kw_n), (kh * kw_n + kw, 1))) for kw in range(kw_n)]
@@ -397,17 +419,11 @@ def emit_depthwise(k: Kernel, lanes: int, channels: int, geometry, X: ir.Value, 
             zero_taps = [[b.select(inside, w, k.f32(0.0)) for w in row_taps]
                          for (inside, _), row_taps in zip(rows, taps)]
             for first, width in pieces:
-                acc = _splat(k, start, width)
+                acc = splat(k, start, width)
                 for (inside, line), row_taps in zip(rows, zero_taps):
                     for kw, weight in enumerate(row_taps):
-                        src = b.add(line, k.i64(first * sw + kw * dw - pw))
-                        if sw == 1:
-                            x = b.load(_vector_ptr(k, X, src, width), align=4)
-                        else:
-                            wide = b.load(_vector_ptr(k, X, src, width * sw - (sw - 1)), align=4)
-                            picks = ir.Constant(ir.VectorType(ir.IntType(32), width), list(range(0, width * sw, sw)))
-                            x = b.shuffle_vector(wide, wide, picks)
-                        acc = _fmuladd(k, x, _splat(k, weight, width), acc)
+                        x = load_strided(k, X, b.add(line, k.i64(first * sw + kw * dw - pw)), width, sw)
+                        acc = _fmuladd(k, x, splat(k, weight, width), acc)
                 if vector_epilogue:
                     with k.vector_constants(width):
                         acc = k.activate(acc)
@@ -514,7 +530,7 @@ def _channel_tile_function(k: Kernel, tile: GemmTile, pixels: int, widths: tuple
         for j in range(pixels):
             x = b.load(b.gep(sources[j], [tap]))
             for v, w in enumerate(widths):
-                b.store(_fmuladd(t, _splat(t, x, w), avecs[v], b.load(accs[j][v])), accs[j][v])
+                b.store(_fmuladd(t, splat(t, x, w), avecs[v], b.load(accs[j][v])), accs[j][v])
     i32 = ir.IntType(32)
     for v, (off, w) in enumerate(zip(offsets, widths)):
         start = b.load(_vector_ptr(t, bias, t.i64(off), w), align=4) if has_bias else None

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 from llvmlite import ir
 
-from .emit import Kernel
-from .gemm import (divide, emit_channel_gemm, emit_depthwise, emit_dot_rows, emit_gemm, panel_offset,
-                   splits_columns, tile_for, vector_epilogue)
+from .emit import F32, Kernel
+from .gemm import (divide, emit_channel_gemm, emit_depthwise, emit_dot_rows, emit_gemm, load_strided,
+                   panel_offset, row_pieces, splat, splits_columns, tile_for, vector_epilogue)
 from .errors import BuildError, ShapeError
 from .ir import Tensor
 
@@ -1177,6 +1177,10 @@ class _Pool(Op):
         dims, kernel, strides, dilations, begin, end, out = \
             _resolve_window(x, attrs["kernel_shape"], attrs, bool(attrs["ceil_mode"]))
         is_max = self.op_type == "MaxPool"
+        if tuple(kernel) == tuple(dims) and not any(begin) and not any(end) and set(dilations) == {1}:
+            # One window over the whole input (ResNet's 7x7 average): a global pool.
+            global_pool(k, x[0] * x[1], _prod(dims), is_max)
+            return
         if dims[0] == 1 and kernel[0] == 1:
             self._lower_rows(k, x, dims[1:], kernel[1:], strides[1:], dilations[1:], begin[1:], end[1:],
                              out[1:], is_max, bool(attrs["count_include_pad"]))
@@ -1233,6 +1237,9 @@ class _Pool(Op):
         hi = max(lo, min(_valid_range(kw * dw - pw, sw, wd, ow_n)[1] for kw in range(kw_n)))
         empty = k.f32(-math.inf if is_max else 0.0)
         one, zero = k.f32(1.0), k.f32(0.0)
+        # Explicit vectors for the interior columns, where every fused op has a vector form.
+        lanes = max(1, k.target.vector_bits // 32) if k.target is not None else 1
+        vectors = vector_epilogue(k) or not k.epilogue
         nc_lo, nc_hi = k.part(x[0] * x[1])
         with k.loop(nc_hi, start=nc_lo) as nc, k.loop(oh_n) as oh:
             plane = k.index((nc, h * wd))
@@ -1251,16 +1258,42 @@ class _Pool(Op):
             def combine(acc, value):
                 return k.maximum(acc, value) if is_max else bld.fadd(acc, value)
 
-            if lo < hi:
-                with k.loop(hi, start=lo) as ow:
+            divisor = bld.fmul(row_count, k.f32(kw_n))  # of every interior column's sum
+
+            def interior(first, last):  # a loop LLVM vectorises at full width
+                with k.loop(last, start=first) as ow:
                     acc = empty
                     for inside, _, line in rows:
                         for kw in range(kw_n):
                             value = k.load(X, k.index((line, 1), (ow, sw), (kw * dw - pw, 1)))
                             acc = combine(acc, bld.select(inside, value, empty))
                     if not is_max:
-                        acc = bld.fdiv(acc, bld.fmul(row_count, k.f32(kw_n)))
+                        acc = bld.fdiv(acc, divisor)
                     k.store(k.activate(acc), Y, bld.add(out_row, ow))
+
+            # Rows of a vector's width or more go to LLVM's loop (measured
+            # faster there); shorter ones (13 columns next to 16 lanes), which
+            # that loop would run as scalars, to narrower explicit vectors.
+            short = vectors and hi - lo < lanes
+            if not short and lo < hi:
+                interior(lo, hi)
+            pieces, vec_end = row_pieces(lo, hi, lanes, sw) if short else ([], hi)
+            for first, width in pieces:
+                with k.vector_constants(width):
+                    acc = k.f32(-math.inf if is_max else 0.0)
+                    for inside, _, line in rows:
+                        for kw in range(kw_n):
+                            start = first * sw + kw * dw - pw
+                            value = load_strided(k, X, k.index((line, 1), (start, 1)), width, sw,
+                                                 spare=wd - (start + (width - 1) * sw + 1))
+                            acc = combine(acc, bld.select(inside, value, k.f32(-math.inf if is_max else 0.0)))
+                    if not is_max:
+                        acc = bld.fdiv(acc, splat(k, divisor, width))
+                    acc = k.activate(acc)
+                    bld.store(acc, bld.bitcast(bld.gep(Y, [bld.add(out_row, k.i64(first))]),
+                                               ir.VectorType(F32, width).as_pointer()), align=4)
+            if vec_end < hi:
+                interior(vec_end, hi)
             for first, last in ((0, lo), (hi, ow_n)):
                 if first >= last:
                     continue
@@ -1292,6 +1325,48 @@ class AveragePool(_Pool):
     op_type = "AveragePool"
 
 
+def global_pool(k: Kernel, planes: int, size: int, is_max: bool) -> None:
+    """Y[p] = max or mean of X[p, :size] for each of `planes` planes.
+    Each plane is reduced in vector accumulators (two, to overlap the adds'
+    latency), then across their lanes: a scalar sum is one long chain of
+    dependent adds, which LLVM may not reorder into vectors itself."""
+    bld = k.builder
+    lanes = max(1, k.target.vector_bits // 32) if k.target is not None else 1
+    step = 2 * lanes if lanes > 1 and size >= 2 * lanes else 0
+    lo, hi = k.part(planes)
+
+    def combine(a, b):
+        return k.maximum(a, b) if is_max else bld.fadd(a, b)
+
+    with k.loop(hi, start=lo) as p:
+        base = k.index((p, size))
+        acc = k.variable(k.f32(-math.inf if is_max else 0.0))
+        if step:
+            with k.vector_constants(lanes):
+                start = k.f32(-math.inf if is_max else 0.0)
+            accs = [k.variable(start) for _ in range(2)]
+            with k.loop(size // step) as i:
+                at = bld.add(base, bld.mul(i, k.i64(step)))
+                for u, slot in enumerate(accs):
+                    value = load_strided(k, k.inputs[0], bld.add(at, k.i64(u * lanes)), lanes, 1)
+                    with k.vector_constants(lanes):
+                        bld.store(combine(bld.load(slot), value), slot)
+            with k.vector_constants(lanes):
+                vec = combine(bld.load(accs[0]), bld.load(accs[1]))
+            while vec.type.count > 1:
+                half = vec.type.count // 2
+                picks = [ir.Constant(ir.VectorType(ir.IntType(32), half), list(range(o, o + half)))
+                         for o in (0, half)]
+                halves = [bld.shuffle_vector(vec, vec, pick) for pick in picks]
+                with k.vector_constants(half):
+                    vec = combine(*halves)
+            bld.store(bld.extract_element(vec, ir.Constant(ir.IntType(32), 0)), acc)
+        with k.loop(size, start=size // step * step if step else 0) as i:
+            bld.store(combine(bld.load(acc), k.load(k.inputs[0], bld.add(base, i))), acc)
+        result = bld.load(acc) if is_max else bld.fmul(bld.load(acc), k.f32(1.0 / size))
+        k.store(k.activate(result), k.outputs[0], p)
+
+
 class _GlobalPool(Op):
     def infer(self, inputs, attrs):
         x = inputs[0]
@@ -1301,17 +1376,7 @@ class _GlobalPool(Op):
 
     def lower(self, k, inputs, outputs, attrs):
         x = inputs[0].shape
-        size = _prod(x[2:])
-        is_max = self.op_type == "GlobalMaxPool"
-        bld = k.builder
-        lo, hi = k.part(x[0] * x[1])
-        with k.loop(hi, start=lo) as nc:
-            acc = k.variable(k.f32(-math.inf if is_max else 0.0))
-            with k.loop(size) as i:
-                v = k.load(k.inputs[0], k.index((nc, size), (i, 1)))
-                bld.store(k.maximum(bld.load(acc), v) if is_max else bld.fadd(bld.load(acc), v), acc)
-            result = bld.load(acc) if is_max else bld.fmul(bld.load(acc), k.f32(1.0 / size))
-            k.store(k.activate(result), k.outputs[0], nc)
+        global_pool(k, x[0] * x[1], _prod(x[2:]), self.op_type == "GlobalMaxPool")
 
     def parallel(self, attrs):
         return bool(attrs.get("split"))

@@ -157,9 +157,16 @@ def test_average_pool(tmp_path, x_shape, attrs, count_include_pad):
 
 
 @pytest.mark.parametrize("op_type", ["GlobalAveragePool", "GlobalMaxPool"])
-@pytest.mark.parametrize("shape", [(2, 3, 7, 5), (1, 4, 1, 1), (1, 3, 17)])
+@pytest.mark.parametrize("shape", [(2, 3, 7, 5), (1, 4, 1, 1), (1, 3, 17), (1, 5, 13, 13), (1, 2, 8, 8)])
 def test_global_pool(tmp_path, op_type, shape):
     run_host(single_op(op_type, {"x": shape}), tmp_path)
+
+
+@pytest.mark.parametrize("op_type", ["AveragePool", "MaxPool"])
+@pytest.mark.parametrize("shape", [(1, 6, 7, 7), (2, 3, 5, 9)])
+def test_pool_whose_window_is_the_whole_input(tmp_path, op_type, shape):
+    # Runs as a global pool (ResNet-50's 7x7 AveragePool).
+    run_host(single_op(op_type, {"x": shape}, kernel_shape=list(shape[2:])), tmp_path)
 
 
 @pytest.mark.parametrize("size", [1, 3, 5])

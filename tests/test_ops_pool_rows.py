@@ -23,6 +23,13 @@ CASES = [
     ("AveragePool", (1, 6, 21, 22), {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1],
                                      "count_include_pad": 1, "ceil_mode": 1}),
     ("AveragePool", (1, 3, 13, 29), {"kernel_shape": [5, 7], "strides": [3, 2], "pads": [2, 3, 2, 3]}),
+    # Rows shorter than a vector: explicit vectors of 8 and 4 then scalars;
+    # 25 columns make the last window end at the row's end.
+    ("MaxPool", (1, 9, 27, 27), {"kernel_shape": [3, 3], "strides": [2, 2]}),
+    ("MaxPool", (1, 5, 25, 25), {"kernel_shape": [3, 3], "strides": [2, 2]}),
+    ("AveragePool", (1, 7, 9, 9), {"kernel_shape": [3, 3], "strides": [1, 1], "pads": [1, 1, 1, 1]}),
+    ("AveragePool", (1, 6, 13, 13), {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1],
+                                     "count_include_pad": 1}),
 ]
 
 
