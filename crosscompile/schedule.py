@@ -102,6 +102,12 @@ def fits(target, mr: int, nv: int) -> bool:
     return mr >= 1 and nv >= 1 and mr * nv + nv + 1 <= target.vector_registers
 
 
+# Reduction depth from which the transposed tile is the default: each of
+# its outputs is stored on its own, about one store per 16 FMAs of a
+# 16-lane tile per k, which a shallow GEMM (a 3-channel stem) does not pay back.
+CHANNEL_TILE_MIN_DEPTH = 128
+
+
 def reads_windows(shape: ConvShape) -> bool:
     """Whether a convolution reads a window of more than one pixel per
     output (3x3, 7x7, ...): 1-D or 2-D, kernel larger than 1x1."""
@@ -118,12 +124,14 @@ def default_tile(target, shape: ConvShape) -> GemmTile:
     channels by pixels, gemm.emit_channel_gemm): they read a padded copy
     of their input whose rows are wider than the output's, and vectors of
     output pixels would spend a share of their FMAs on those padding
-    columns (1/8 at 14 x 14, 2/9 at 7 x 7). 1x1 convolutions read the
-    input in place with no padding and keep tile_for's tile, which stores
-    whole vectors.
+    columns (1/8 at 14 x 14, 2/9 at 7 x 7) and copy the output out of that
+    grid. 1x1 convolutions read the input in place with no padding and
+    keep tile_for's tile, which stores whole vectors, as do shallow
+    reductions (depth under CHANNEL_TILE_MIN_DEPTH).
     """
     tile = tile_for(target)
-    return channel_tile(tile) if reads_windows(shape) else tile
+    deep = shape.gemm[1] >= CHANNEL_TILE_MIN_DEPTH
+    return channel_tile(tile) if reads_windows(shape) and deep else tile
 
 
 def candidate_tiles(target, m: Optional[int] = None, shape: Optional[ConvShape] = None) -> list:

@@ -14,7 +14,7 @@ from onnx import helper
 
 import crosscompile
 import minirt
-from crosscompile.gemm import tile_for
+from crosscompile.gemm import channel_tile, tile_for
 from crosscompile.ops import _direct_plan, _resolve_window
 from crosscompile.schedule import default_tile
 from crosscompile.target import resolve_target
@@ -42,18 +42,16 @@ CASES = [
 HOST = resolve_target("host")
 
 
-@pytest.mark.parametrize("tile", ["default", "rows"])
+@pytest.mark.parametrize("tile", ["channels", "rows"])
 @pytest.mark.parametrize("x_shape,w_shape,attrs", CASES)
 def test_direct_conv_matches_onnxruntime_on_1_2_3_threads(tmp_path, x_shape, w_shape, attrs, tile):
     model = conv_relu_model(x_shape, w_shape, attrs)
     x = rand(*x_shape, seed=3)
     want = reference(model, {"x": x})[0]
     (shape,) = conv_shapes(model)
-    schedules = {shape.key: tile_for(HOST).spec} if tile == "rows" else None
-    lib = crosscompile.build(model, target="host", schedules=schedules)
-    want_tile = tile_for(HOST) if tile == "rows" else default_tile(HOST, shape)
-    assert [t["tile"] for t in lib.metadata["gemm_tiles"]] == [want_tile.spec]
-    assert bool(want_tile.pixels) == (tile == "default" and np.prod(w_shape[2:]) > 1)
+    forced = channel_tile(tile_for(HOST)) if tile == "channels" else tile_for(HOST)
+    lib = crosscompile.build(model, target="host", schedules={shape.key: forced.spec})
+    assert [t["tile"] for t in lib.metadata["gemm_tiles"]] == [forced.spec]
     module = minirt.load(lib.export_library(tmp_path / "m.so"))
     for threads in (1, 2, 3):
         module.set_threads(threads)
@@ -80,6 +78,20 @@ def test_small_outputs_and_fused_residuals_keep_im2col():
     large = _resolve_window((1, 64, 56, 56), (3, 3), attrs)
     assert _direct_plan(large, 64, 64, attrs) is not None
     assert _direct_plan(large, 64, 64, dict(attrs, residual_at=1)) is None
+
+
+@pytest.mark.parametrize("x_shape,w_shape,pads,transposed", [
+    ((1, 256, 14, 14), (256, 256, 3, 3), 1, True),    # deep, 3x3: padding columns would cost 1/8
+    ((1, 64, 56, 56), (64, 64, 3, 3), 1, True),
+    ((1, 3, 224, 224), (64, 3, 3, 3), 0, False),      # a 27-deep stem: one store per 27 FMAs
+    ((1, 256, 14, 14), (256, 256, 1, 1), 0, False),   # 1x1: no padding columns
+])
+def test_default_tile_is_transposed_for_deep_window_convolutions(x_shape, w_shape, pads, transposed):
+    model = conv_relu_model(x_shape, w_shape, {"pads": [pads] * 4})
+    (shape,) = conv_shapes(model)
+    tile = default_tile(HOST, shape)
+    assert bool(tile.pixels) == transposed
+    assert tile == (channel_tile(tile_for(HOST)) if transposed else tile_for(HOST))
 
 
 def test_transposed_tiles_read_any_grid_in_place():
