@@ -9,12 +9,14 @@ output pixel and K the (input channel, kernel tap) reduction.
 The micro-kernel holds a tile of `mr` rows x `nv` vectors of C in registers
 for the whole K reduction: per k it loads nv vectors of B and broadcasts mr
 scalars of A, so each loaded value feeds several FMAs. The tile size comes
-from the Target's vector width and register count (see tile_for).
+from the Target's vector width and register count (see tile_for). The
+transposed tile of emit_channel_gemm holds vectors of rows (output
+channels) instead, and broadcasts one input value per output pixel.
 
 Example:
     >>> from crosscompile.target import resolve_target
     >>> tile_for(resolve_target("rasp4b64"))
-    GemmTile(lanes=4, mr=8, nv=2)
+    GemmTile(lanes=4, mr=8, nv=2, pixels=0)
 """
 from __future__ import annotations
 

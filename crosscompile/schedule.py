@@ -10,8 +10,8 @@ Plain data and functions only: no files, clocks or boards here.
 
 Example:
     >>> from crosscompile.target import resolve_target
-    >>> [(t.mr, t.nv) for t in candidate_tiles(resolve_target("rasp4b64"))]
-    [(8, 2), (16, 1), (10, 1), (14, 2), (9, 3), (6, 3), (6, 4), (4, 4)]
+    >>> [t.label for t in candidate_tiles(resolve_target("rasp4b64"))]
+    ['8x2', '16x1', '10x1', '14x2', '9x3', '6x3', '6x4', '4x4']
 """
 from __future__ import annotations
 
@@ -149,18 +149,20 @@ def candidate_tiles(target, m: Optional[int] = None, shape: Optional[ConvShape] 
     plain = tile_for(target)
     default = default_tile(target, shape) if shape is not None else plain
     out = [default]
-    rows_tiles = [plain]
+    fitting = [plain]
     for nv in range(1, MAX_VECTORS + 1):
         largest = min(MAX_ROWS, (target.vector_registers - 1 - nv) // nv)
         for mr in (largest, max(2, largest * 2 // 3 // 2 * 2)):
             tile = GemmTile(lanes, mr, nv)
-            if mr >= 2 and fits(target, mr, nv) and tile not in rows_tiles:
-                if m is None or mr <= max(m, plain.mr):
-                    rows_tiles.append(tile)
+            if mr >= 2 and fits(target, mr, nv) and tile not in fitting:
+                fitting.append(tile)
+    rows_tiles = [t for t in fitting if m is None or t.mr <= max(m, plain.mr)]
     if shape is not None and reads_windows(shape):
-        # Transposed: nv vectors of channels; more than m would be padding.
-        wide = sorted((t for t in rows_tiles[1:] if t.nv >= 2), key=lambda t: -t.mr * t.nv)
-        out += [channel_tile(t) for t in wide if m is None or t.nv * lanes <= max(m, default.mr)][:2]
+        # Transposed (their rows become pixels): nv vectors of channels,
+        # no more than m needs; the largest register tiles first.
+        pool = [plain] + sorted(fitting[1:], key=lambda t: -t.mr * t.nv)
+        channel = [channel_tile(t) for t in pool if m is None or t.nv <= -(-m // lanes)]
+        out += [t for t in channel if t not in out][:2]
     out += [t for t in rows_tiles if t not in out]
     return out[:MAX_CANDIDATES]
 

@@ -174,7 +174,7 @@ def test_every_candidate_tile_computes_the_same_convolution(shape, tmp_path):
     want = reference(model, inputs)[0]
     assert want.shape == shape.y
     tiles = candidate_tiles(HOST, shape.gemm[0], shape)
-    assert len(tiles) >= 4 and sum(1 for t in tiles if t.pixels) == 3
+    assert len(tiles) >= 4 and sum(1 for t in tiles if t.pixels) >= 2
     for tile in tiles:
         lib = crosscompile.build(model, "host", schedules={shape.key: tile.spec})
         assert [t["tile"] for t in lib.metadata["gemm_tiles"]] == [tile.spec]
