@@ -536,12 +536,17 @@ def _channel_tile_function(k: Kernel, tile: GemmTile, pixels: int, widths: tuple
     i32 = ir.IntType(32)
     for v, (off, w) in enumerate(zip(offsets, widths)):
         start = b.load(_vector_ptr(t, bias, t.i64(off), w), align=4) if has_bias else None
+        finished = []
+        transposable = w >= 2 and w & (w - 1) == 0 and pixels > 1
+        residuals = None
+        if residual_at is not None and transposable:
+            residuals = _load_transposed(t, res_ptr, ldc, off, w, pixels)
         for j in range(pixels):
             value = b.load(accs[j][v])
             if start is not None:
                 value = b.fadd(value, start)
-            res = None
-            if residual_at is not None:
+            res = residuals[j] if residuals is not None else None
+            if residual_at is not None and residuals is None:
                 res = ir.Constant(ir.VectorType(F32, w), ir.Undefined)
                 for lane in range(w):
                     at = b.add(b.mul(t.i64(off + lane), ldc), t.i64(j))
@@ -553,12 +558,90 @@ def _channel_tile_function(k: Kernel, tile: GemmTile, pixels: int, widths: tuple
                     value = fn(t, value)
             if residual_at is not None and residual_at >= len(t.epilogue):
                 value = b.fadd(value, res)
+            finished.append(value)
+        if transposable:
+            _store_transposed(t, finished, c_ptr, ldc, off)
+            continue
+        for j, value in enumerate(finished):
             for lane in range(w):
                 at = b.add(b.mul(t.i64(off + lane), ldc), t.i64(j))
                 t.store(b.extract_element(value, ir.Constant(i32, lane)), c_ptr, at)
     t.finish()
     cache[key] = t.function
     return t.function
+
+
+# Moving a tile between vectors of rows (lanes = rows of C, one vector per
+# column) and C's row-major layout. With the vectors padded by undefined
+# ones to a power of two n, log2(n) rounds of interleaving pairs (the
+# perfect shuffle) transpose them: after them, their concatenation holds
+# each row's n values in a run, so a row's columns are one vector load or
+# store (one per vector they span) in place of one per value. Loading runs
+# the rounds backwards (de-interleaving).
+
+def _shuffle_mask(values) -> ir.Constant:
+    return ir.Constant(ir.VectorType(ir.IntType(32), len(values)), values)
+
+
+def _row_runs(w: int, count: int):
+    """(lane, column, vector, at, width): where each piece of each row's run
+    of `count` columns lies among the transposed vectors of w lanes."""
+    n = 1
+    while n < count:
+        n *= 2
+    for lane in range(w):
+        j = 0
+        while j < count:
+            q, at = divmod(lane * n + j, w)
+            width = min(count - j, w - at)
+            yield lane, j, q, at, width
+            j += width
+
+
+def _store_transposed(k: Kernel, columns: list, c_ptr: ir.Value, ldc: ir.Value, row0: int) -> None:
+    """C[(row0 + l) * ldc + j] = columns[j][l] for every lane l (see above)."""
+    b = k.builder
+    w, count = columns[0].type.count, len(columns)
+    vty = ir.VectorType(F32, w)
+    n = 1
+    while n < count:
+        n *= 2
+    vecs = list(columns) + [ir.Constant(vty, ir.Undefined)] * (n - count)
+    low = _shuffle_mask([x for lane in range(w // 2) for x in (lane, lane + w)])
+    high = _shuffle_mask([x for lane in range(w // 2, w) for x in (lane, lane + w)])
+    for _ in range(n.bit_length() - 1):
+        vecs = [b.shuffle_vector(vecs[i], vecs[i + n // 2], half) for i in range(n // 2) for half in (low, high)]
+    for lane, j, q, at, width in _row_runs(w, count):
+        piece = b.shuffle_vector(vecs[q], ir.Constant(vty, ir.Undefined), _shuffle_mask(list(range(at, at + width))))
+        dest = b.gep(c_ptr, [b.add(b.mul(k.i64(row0 + lane), ldc), k.i64(j))])
+        b.store(piece, b.bitcast(dest, ir.VectorType(F32, width).as_pointer()), align=4)
+
+
+def _load_transposed(k: Kernel, ptr: ir.Value, ldc: ir.Value, row0: int, w: int, count: int) -> list:
+    """[vector of ptr[(row0 + l) * ldc + j] over lanes l for j < count]: the
+    inverse of _store_transposed."""
+    b = k.builder
+    vty = ir.VectorType(F32, w)
+    n = 1
+    while n < count:
+        n *= 2
+    vecs = [ir.Constant(vty, ir.Undefined)] * n
+    for lane, j, q, at, width in _row_runs(w, count):
+        src = b.gep(ptr, [b.add(b.mul(k.i64(row0 + lane), ldc), k.i64(j))])
+        piece = b.load(b.bitcast(src, ir.VectorType(F32, width).as_pointer()), align=4)
+        # Widen the piece to w lanes, then blend it in at lanes [at, at + width).
+        wide = b.shuffle_vector(piece, ir.Constant(piece.type, ir.Undefined),
+                                _shuffle_mask([min(i, width - 1) for i in range(w)]) if width < w else
+                                _shuffle_mask(list(range(w))))
+        picks = [w + i - at if at <= i < at + width else i for i in range(w)]
+        vecs[q] = b.shuffle_vector(vecs[q], wide, _shuffle_mask(picks))
+    evens = _shuffle_mask(list(range(0, 2 * w, 2)))
+    odds = _shuffle_mask(list(range(1, 2 * w, 2)))
+    for _ in range(n.bit_length() - 1):
+        firsts = [b.shuffle_vector(vecs[2 * i], vecs[2 * i + 1], evens) for i in range(n // 2)]
+        seconds = [b.shuffle_vector(vecs[2 * i], vecs[2 * i + 1], odds) for i in range(n // 2)]
+        vecs = firsts + seconds
+    return vecs[:count]
 
 
 def prefetch(k: Kernel, ptr: ir.Value, write: int = 0) -> None:

@@ -102,10 +102,14 @@ def fits(target, mr: int, nv: int) -> bool:
     return mr >= 1 and nv >= 1 and mr * nv + nv + 1 <= target.vector_registers
 
 
-# Reduction depth from which the transposed tile is the default: each of
-# its outputs is stored on its own, about one store per 16 FMAs of a
-# 16-lane tile per k, which a shallow GEMM (a 3-channel stem) does not pay back.
-CHANNEL_TILE_MIN_DEPTH = 128
+# Reduction depths (K) from which the transposed tile is the default, for
+# convolutions reading windows and for 1x1 ones. Its tiles are moved to and
+# from the channel-major output by in-register transposes, a cost per
+# output that a deep reduction amortises: measured on AVX-512 against the
+# tile of rows, windows gained from K = 27 (a 3-channel stem) up, 1x1
+# convolutions from K = 512 (ResNet-50's 1024 -> 256) and lost below.
+WINDOW_CHANNEL_DEPTH = 16
+POINTWISE_CHANNEL_DEPTH = 512
 
 
 def reads_windows(shape: ConvShape) -> bool:
@@ -117,21 +121,35 @@ def reads_windows(shape: ConvShape) -> bool:
     return area > 1 and len(shape.x) <= 4
 
 
-def default_tile(target, shape: ConvShape) -> GemmTile:
+def default_tile(target, shape: ConvShape, residual: bool = False) -> GemmTile:
     """The tile a convolution gets unless a schedule names another.
 
-    Convolutions reading windows take the transposed tile (vectors of output
-    channels by pixels, gemm.emit_channel_gemm): they read a padded copy
-    of their input whose rows are wider than the output's, and vectors of
-    output pixels would spend a share of their FMAs on those padding
-    columns (1/8 at 14 x 14, 2/9 at 7 x 7) and copy the output out of that
-    grid. 1x1 convolutions read the input in place with no padding and
-    keep tile_for's tile, which stores whole vectors, as do shallow
-    reductions (depth under CHANNEL_TILE_MIN_DEPTH).
+    Deep enough convolutions (see WINDOW_CHANNEL_DEPTH) take the transposed
+    tile (vectors of output channels by pixels, gemm.emit_channel_gemm).
+    For those reading windows the tile of rows would read a padded copy of
+    the input whose rows are wider than the output's, spending a share of
+    its FMAs on the padding columns (1/8 at 14 x 14, 2/9 at 7 x 7), and
+    copy the output out of that grid; 1x1 convolutions read the input in
+    place either way, and gain from the transposed tile's whole vectors
+    of channels only when deep. A convolution whose output is added to
+    another tensor (residual, fused into its epilogue) keeps the tile of
+    rows, which reads that tensor a vector at a time.
     """
     tile = tile_for(target)
-    deep = shape.gemm[1] >= CHANNEL_TILE_MIN_DEPTH
-    return channel_tile(tile) if reads_windows(shape) and deep else tile
+    depth = shape.gemm[1]
+    threshold = WINDOW_CHANNEL_DEPTH if reads_windows(shape) else POINTWISE_CHANNEL_DEPTH
+    return channel_tile(tile) if depth >= threshold and not residual else tile
+
+
+def adds_residual(graph, node) -> bool:
+    """Whether a Conv's output goes only to an Add (or two-input Sum) of two
+    tensors of its shape: what passes.fuse_residual_add fuses."""
+    out = node.outputs[0]
+    readers = [n for n in graph.nodes if out in n.inputs]
+    if len(readers) != 1 or readers[0].op_type not in ("Add", "Sum") or len(readers[0].inputs) != 2:
+        return False
+    shape = graph.tensors[out].shape
+    return all(graph.tensors[t].shape == shape for t in readers[0].inputs)
 
 
 def candidate_tiles(target, m: Optional[int] = None, shape: Optional[ConvShape] = None) -> list:
@@ -211,7 +229,8 @@ def tile_chooser(target, schedules, chosen: Optional[dict] = None):
     def tile_of(graph, node) -> GemmTile:
         shape = conv_shape(graph, node)
         value = table.get(shape.key)
-        tile = as_tile(target, value) if value is not None else default_tile(target, shape)
+        tile = as_tile(target, value) if value is not None else \
+            default_tile(target, shape, adds_residual(graph, node))
         if chosen is not None:
             chosen[node.name] = (shape, tile, value is not None)
         return tile

@@ -81,17 +81,19 @@ def test_small_outputs_and_fused_residuals_keep_im2col():
 
 
 @pytest.mark.parametrize("x_shape,w_shape,pads,transposed", [
-    ((1, 256, 14, 14), (256, 256, 3, 3), 1, True),    # deep, 3x3: padding columns would cost 1/8
-    ((1, 64, 56, 56), (64, 64, 3, 3), 1, True),
-    ((1, 3, 224, 224), (64, 3, 3, 3), 0, False),      # a 27-deep stem: one store per 27 FMAs
-    ((1, 256, 14, 14), (256, 256, 1, 1), 0, False),   # 1x1: no padding columns
+    ((1, 256, 14, 14), (256, 256, 3, 3), 1, True),    # 3x3: padding columns would cost 1/8
+    ((1, 3, 224, 224), (64, 3, 3, 3), 0, True),       # a 27-deep stem
+    ((1, 1, 30, 30), (8, 1, 3, 3), 1, False),         # 9 deep
+    ((1, 1024, 14, 14), (256, 1024, 1, 1), 0, True),  # 1x1, 1024 deep
+    ((1, 256, 14, 14), (256, 256, 1, 1), 0, False),   # 1x1, 256 deep
 ])
-def test_default_tile_is_transposed_for_deep_window_convolutions(x_shape, w_shape, pads, transposed):
+def test_default_tile_is_transposed_for_deep_convolutions(x_shape, w_shape, pads, transposed):
     model = conv_relu_model(x_shape, w_shape, {"pads": [pads] * 4})
     (shape,) = conv_shapes(model)
     tile = default_tile(HOST, shape)
-    assert bool(tile.pixels) == transposed
     assert tile == (channel_tile(tile_for(HOST)) if transposed else tile_for(HOST))
+    # A convolution whose output a residual Add takes keeps the tile of rows.
+    assert default_tile(HOST, shape, residual=True) == tile_for(HOST)
 
 
 def test_transposed_tiles_read_any_grid_in_place():

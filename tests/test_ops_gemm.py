@@ -11,9 +11,11 @@ import crosscompile
 import minirt
 from crosscompile.gemm import PACK_CHUNK_BYTES, splits_columns, tile_for
 from crosscompile.target import resolve_target
+from crosscompile.tuning import conv_shapes
 from tests.onnx_models import conv_relu_model, reference
 from tests.test_crosscompile import rand
 
+HOST = resolve_target("host")
 CASES = [
     # (input, weight, attrs): many columns, so the threads pack their own panels
     ((1, 17, 37, 41), (20, 17, 3, 3), {"pads": [1, 1, 1, 1]}),
@@ -31,7 +33,11 @@ def test_packed_im2col_conv_matches_onnxruntime_on_1_2_3_threads(tmp_path, x_sha
     model = conv_relu_model(x_shape, w_shape, attrs)
     x = rand(*x_shape, seed=3)
     want = reference(model, {"x": x})[0]
-    module = minirt.load(crosscompile.build(model, target="host").export_library(tmp_path / "m.so"))
+    # The register tile of rows: convolutions reading windows default to the
+    # transposed tile, which reads them in place (tests/test_ops_direct.py).
+    (shape,) = conv_shapes(model)
+    lib = crosscompile.build(model, target="host", schedules={shape.key: tile_for(HOST).spec})
+    module = minirt.load(lib.export_library(tmp_path / "m.so"))
     for threads in (1, 2, 3):
         module.set_threads(threads)
         for _ in range(3):  # a race between packing and multiplying would show as differing runs
@@ -43,7 +49,7 @@ def test_packed_im2col_conv_matches_onnxruntime_on_1_2_3_threads(tmp_path, x_sha
 def test_cases_cover_both_packing_paths_and_several_chunks():
     """The shapes above reach what they are meant to on this host's tile:
     per-thread packing over more than one chunk, and the whole-im2col path."""
-    tile = tile_for(resolve_target("host"))
+    tile = tile_for(HOST)
     columns, rows = [], []
     for x_shape, w_shape, attrs in CASES:
         model = conv_relu_model(x_shape, w_shape, attrs)

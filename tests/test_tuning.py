@@ -108,9 +108,8 @@ def test_tuning_on_a_board_caches_each_conv_shape_with_its_fastest_tile(tuned):
         assert entry["best"] == expected_best(entry)
         assert entry["default"] == default_tile(HOST, shape).spec
         assert entry["device"]["address"] == address
-    # The 144-deep 3x3 convolution defaults to the transposed tile; the
-    # 27-deep one and the 1x1 to tile_for's.
-    assert [len(entries[key]["default"]) for key in SHAPES] == [2, 3, 2]
+    # The 3x3 convolutions default to the transposed tile, the 16-deep 1x1 to tile_for's.
+    assert [len(entries[key]["default"]) for key in SHAPES] == [3, 3, 2]
     # The file on disk holds the same, under the normalised target.
     with open(result.cache_path) as f:
         data = json.load(f)
