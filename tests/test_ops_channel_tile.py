@@ -19,9 +19,10 @@ from tests.test_crosscompile import rand
 
 HOST = resolve_target("host")
 LANES = tile_for(HOST).lanes
-# 6 pixels x 4 vectors (the default), 14 x 2, 9 x 3, 1 vector x 16 pixels.
+# 6 pixels x 4 vectors (the default), 14 x 2, 9 x 3, 1 vector x 16 and
+# x 24 pixels (more pixels than lanes: a row's run spans two vectors).
 TILES = [channel_tile(tile_for(HOST))] + [GemmTile(LANES, LANES * nv, nv, pixels)
-                                          for pixels, nv in ((14, 2), (9, 3), (16, 1))]
+                                          for pixels, nv in ((14, 2), (9, 3), (16, 1), (24, 1))]
 
 
 def residual_model(x_shape, cout, kernel, group=1, residual=True):
