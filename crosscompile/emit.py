@@ -310,10 +310,13 @@ def barrier_function(module: ir.Module, target) -> ir.Function:
     state[0] counts arrived threads, state[1] is the generation, and the
     pointer-sized field at byte 8, when not NULL, is the C library's
     `long syscall(long, ...)`. The last thread to arrive resets the count
-    and bumps the generation; the others spin on the generation with the
+    and moves the generation on; the others spin on the generation with the
     CPU's spin-wait hint, then sleep on it with futex (through that syscall
     pointer): on a busy board a spinning thread would take the core from
-    the thread everybody waits for.
+    the thread everybody waits for. A thread about to sleep first sets the
+    generation's top bit (SLEEPING), and the last thread makes the wake-up
+    system call only when it finds that bit: most barriers of a run end
+    within the spin, and the call would cost microseconds each time.
     """
     existing = module.globals.get("tether.barrier")
     if existing is not None:
@@ -333,22 +336,28 @@ def barrier_function(module: ir.Module, target) -> ir.Function:
     count_ptr = state
     gen_ptr = b.gep(state, [ir.Constant(I32, 1)])
     futex = _futex(b, module, target, state)
-    generation = b.load_atomic(gen_ptr, "acquire", 4)
+    number = ir.Constant(I32, GENERATION_MASK)
+    generation = b.and_(b.load_atomic(gen_ptr, "acquire", 4), number)
     arrived = b.atomic_rmw("add", count_ptr, ir.Constant(I32, 1), "acq_rel")
     last = fn.append_basic_block("last")
     wait = fn.append_basic_block("wait")
     b.cbranch(b.icmp_signed("==", arrived, b.sub(threads, ir.Constant(I32, 1))), last, wait)
     b.position_at_end(last)
     b.store_atomic(ir.Constant(I32, 0), count_ptr, "monotonic", 4)
-    b.atomic_rmw("add", gen_ptr, ir.Constant(I32, 1), "release")
+    # Only this thread moves the generation on; the others may only set
+    # SLEEPING, which the exchange clears and reports.
+    following = b.and_(b.add(generation, ir.Constant(I32, 1)), number)
+    before = b.atomic_rmw("xchg", gen_ptr, following, "acq_rel")
     if futex is not None:
-        futex(gen_ptr, FUTEX_WAKE_PRIVATE, ir.Constant(I32, 0x7FFFFFFF))
+        sleepers = b.icmp_unsigned("!=", b.and_(before, ir.Constant(I32, SLEEPING)), ir.Constant(I32, 0))
+        with b.if_then(sleepers):
+            futex(gen_ptr, FUTEX_WAKE_PRIVATE, ir.Constant(I32, 0x7FFFFFFF))
     b.branch(done)
     b.position_at_end(wait)
     spins = b.phi(I32)
     spins.add_incoming(ir.Constant(I32, 0), arrive)
     _spin_hint(b, module, target)
-    now = b.load_atomic(gen_ptr, "acquire", 4)
+    now = b.and_(b.load_atomic(gen_ptr, "acquire", 4), number)
     again = fn.append_basic_block("again")
     b.cbranch(b.icmp_signed("==", now, generation), again, done)
     b.position_at_end(again)
@@ -358,7 +367,12 @@ def barrier_function(module: ir.Module, target) -> ir.Function:
         sleep = fn.append_basic_block("sleep")
         b.cbranch(b.icmp_signed(">", next_spin, ir.Constant(I32, SPINS_BEFORE_SLEEP)), sleep, wait)
         b.position_at_end(sleep)
-        futex(gen_ptr, FUTEX_WAIT_PRIVATE, generation)  # returns at once if it changed
+        flagged = b.or_(generation, ir.Constant(I32, SLEEPING))
+        seen = b.atomic_rmw("or", gen_ptr, ir.Constant(I32, SLEEPING), "acq_rel")
+        asleep = fn.append_basic_block("asleep")
+        b.cbranch(b.icmp_signed("==", b.and_(seen, number), generation), asleep, done)
+        b.position_at_end(asleep)
+        futex(gen_ptr, FUTEX_WAIT_PRIVATE, flagged)  # returns at once if it changed
         spins.add_incoming(ir.Constant(I32, 0), b.block)
         b.branch(wait)
     else:
@@ -368,6 +382,9 @@ def barrier_function(module: ir.Module, target) -> ir.Function:
     return fn
 
 
+# The generation's top bit: a waiter is (about to be) asleep on the futex.
+SLEEPING = -0x80000000
+GENERATION_MASK = 0x7FFFFFFF
 SPINS_BEFORE_SLEEP = 2000
 FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE = 128, 129
 # Linux system call numbers of futex.
