@@ -228,9 +228,13 @@ def tile_chooser(target, schedules, chosen: Optional[dict] = None):
 
     def tile_of(graph, node) -> GemmTile:
         shape = conv_shape(graph, node)
+        default = default_tile(target, shape, adds_residual(graph, node))
         value = table.get(shape.key)
-        tile = as_tile(target, value) if value is not None else \
-            default_tile(target, shape, adds_residual(graph, node))
+        if isinstance(value, Mapping) and value.get("default") not in (None, default.spec):
+            # Tuned against another default (an older compiler, or this
+            # convolution without the residual Add it has here): not comparable.
+            value = None
+        tile = as_tile(target, value) if value is not None else default
         if chosen is not None:
             chosen[node.name] = (shape, tile, value is not None)
         return tile

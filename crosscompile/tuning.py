@@ -97,9 +97,12 @@ class TuningCache:
         return self._loaded[path]
 
     def tiles_for(self, target: "str | Target") -> dict:
-        """{shape key: tile spec} of the target's tuned convolutions: (mr, nv)
-        or (mr, nv, pixels)."""
-        return {key: tuple(entry["best"]) for key, entry in self.entries(target).items()}
+        """{shape key: {"best": tile spec, "default": tile spec}} of the
+        target's tuned convolutions (a spec is [mr, nv] or [mr, nv, pixels]).
+        The default is the one measured against: an entry whose default is
+        no longer the compiler's (see schedule.tile_chooser) is stale."""
+        return {key: {"best": list(entry["best"]), "default": entry.get("default")}
+                for key, entry in self.entries(target).items()}
 
     def get(self, target, key: str) -> Optional[dict]:
         return self.entries(target).get(key)

@@ -157,6 +157,21 @@ def test_a_forced_tile_changes_the_module_and_stays_correct(tmp_path):
                                rtol=1e-4, atol=1e-4)
 
 
+def test_entries_tuned_against_another_default_are_ignored(tmp_path):
+    """A cache written when the compiler's default tile for a shape was
+    another one measured its candidates against that: the build keeps
+    today's default rather than a choice that was never compared with it."""
+    cache = tuning.TuningCache(tmp_path / "cache")
+    rows = tile_for(HOST)
+    for key in SHAPES:
+        cache.put(HOST, key, {"best": rows.spec, "default": [rows.mr + 2, rows.nv]})
+    lib = crosscompile.build(conv_net(), "host", schedules=cache)
+    plain = crosscompile.build(conv_net(), "host")
+    assert [t["tile"] for t in lib.metadata["gemm_tiles"]] == [t["tile"] for t in plain.metadata["gemm_tiles"]]
+    assert not any(t["tuned"] for t in lib.metadata["gemm_tiles"])
+    assert any(len(t["tile"]) == 3 for t in lib.metadata["gemm_tiles"])  # not the entries' rows tile
+
+
 ODD_SHAPES = [
     # 13 output channels (a partial row block), 4x5 = 20 output pixels (a
     # partial column panel), asymmetric padding, stride 2.
