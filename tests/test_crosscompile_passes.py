@@ -90,6 +90,61 @@ def test_memory_plan_reuses_workspace_along_a_chain():
     assert offsets == {0, one}
 
 
+def dense_block(batch=1, layers=3, seed=0):
+    """DenseNet-like: each layer's Conv reads the running Concat and adds
+    its output to the next one; a Concat along axis 2 and one whose input
+    another Concat already takes stay copies. Output: Relu of the last."""
+    rng = np.random.default_rng(seed)
+    nodes = [helper.make_node("Relu", ["x"], ["c0"])]
+    inits = {}
+    channels = 4
+    for i in range(layers):
+        inits[f"w{i}"] = (rng.standard_normal((3, channels, 3, 3)) / 6).astype(np.float32)
+        nodes += [helper.make_node("Conv", [f"c{i}", f"w{i}"], [f"n{i}"], pads=[1, 1, 1, 1]),
+                  helper.make_node("Relu", [f"n{i}"], [f"r{i}"]),
+                  helper.make_node("Concat", [f"c{i}", f"r{i}"], [f"c{i + 1}"], axis=1)]
+        channels += 3
+    nodes += [helper.make_node("Concat", [f"r{layers - 1}", "x2"], ["h"], axis=2),   # rows: not contiguous
+              helper.make_node("Concat", [f"r{layers - 2}", f"r{layers - 1}"], ["again"], axis=1),
+              helper.make_node("Mul", [f"c{layers}", f"c{layers}"], ["sq"]),
+              helper.make_node("Relu", ["sq"], ["y"])]
+    inputs = {"x": (batch, 4, 6, 7), "x2": (batch, 3, 2, 7)}
+    return make_model(nodes, inputs, {"y": None, "h": None, "again": None}, inits)
+
+
+def test_concats_are_computed_in_place_when_their_inputs_are_slices(tmp_path):
+    model = dense_block()
+    lib = crosscompile.build(model, target="host")
+    ops = [step["op"] for step in lib.metadata["steps"]]
+    # The three growing Concats need no step; the axis-2 one and the one
+    # reading a tensor the block's Concat already holds are copies.
+    assert ops.count("Concat") == 2
+    feeds = {"x": rand(1, 4, 6, 7, seed=1), "x2": rand(1, 3, 2, 7, seed=2)}
+    module = minirt.load(lib.export_library(tmp_path / "m.so"))
+    want = reference(model, feeds)
+    for threads in (1, 2, 3):
+        module.set_threads(threads)
+        for got, expected in zip(module.run(feeds), want):
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_concat_slices_share_one_buffer_and_batches_keep_the_copy():
+    imported = import_onnx(dense_block())
+    plan = plan_memory(imported)
+    base = plan.locations["c3"].index
+    # c3 = [c2, r2] = [[c1, r1], r2] = [[[c0, r0], r1], r2]: one buffer, each
+    # tensor at the bytes of the channels before it (6 x 7 floats each).
+    at = {t: plan.locations[t].index - base for t in ("c0", "r0", "c1", "r1", "c2", "r2")}
+    plane = 4 * 6 * 7
+    assert at == {"c0": 0, "r0": 4 * plane, "c1": 0, "r1": 7 * plane, "c2": 0, "r2": 10 * plane}
+    in_place = {n.outputs[0] for n in imported.nodes if n.name in plan.aliased_nodes}
+    assert in_place == {"c1", "c2", "c3"}
+    # With two images a Concat's input is two blocks of its output: copied.
+    batched_graph = import_onnx(dense_block(batch=2))
+    batched = plan_memory(batched_graph)
+    assert not any(n.op_type == "Concat" and n.name in batched.aliased_nodes for n in batched_graph.nodes)
+
+
 def test_dead_code_removal_drops_unused_branches():
     graph = conv_bn_relu_graph()
     graph.outputs[:] = ["c"]
