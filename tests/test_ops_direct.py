@@ -14,7 +14,7 @@ from onnx import helper
 
 import crosscompile
 import minirt
-from crosscompile.gemm import channel_tile, tile_for
+from crosscompile.gemm import GemmTile, channel_tile, tile_for
 from crosscompile.ops import _direct_plan, _resolve_window
 from crosscompile.schedule import default_tile
 from crosscompile.target import resolve_target
@@ -80,20 +80,23 @@ def test_small_outputs_and_fused_residuals_keep_im2col():
     assert _direct_plan(large, 64, 64, dict(attrs, residual_at=1)) is None
 
 
-@pytest.mark.parametrize("x_shape,w_shape,pads,transposed", [
-    ((1, 256, 14, 14), (256, 256, 3, 3), 1, True),    # 3x3: padding columns would cost 1/8
-    ((1, 3, 224, 224), (64, 3, 3, 3), 0, True),       # a 27-deep stem
-    ((1, 1, 30, 30), (8, 1, 3, 3), 1, False),         # 9 deep
-    ((1, 1024, 14, 14), (256, 1024, 1, 1), 0, True),  # 1x1, 1024 deep
-    ((1, 256, 14, 14), (256, 256, 1, 1), 0, False),   # 1x1, 256 deep
+@pytest.mark.parametrize("x_shape,w_shape,pads,kind", [
+    ((1, 256, 14, 14), (256, 256, 3, 3), 1, "channels"),  # 3x3: padding columns would cost 1/8
+    ((1, 3, 224, 224), (64, 3, 3, 3), 0, "square"),        # a 27-deep stem
+    ((1, 16, 55, 55), (64, 16, 3, 3), 1, "square"),        # 144 deep
+    ((1, 1, 30, 30), (8, 1, 3, 3), 1, "rows"),             # 9 deep
+    ((1, 1024, 14, 14), (256, 1024, 1, 1), 0, "channels"),  # 1x1, 1024 deep
+    ((1, 256, 14, 14), (256, 256, 1, 1), 0, "rows"),       # 1x1, 256 deep
 ])
-def test_default_tile_is_transposed_for_deep_convolutions(x_shape, w_shape, pads, transposed):
+def test_default_tile_follows_kernel_and_depth(x_shape, w_shape, pads, kind):
     model = conv_relu_model(x_shape, w_shape, {"pads": [pads] * 4})
     (shape,) = conv_shapes(model)
-    tile = default_tile(HOST, shape)
-    assert tile == (channel_tile(tile_for(HOST)) if transposed else tile_for(HOST))
+    rows = tile_for(HOST)
+    want = {"rows": rows, "channels": channel_tile(rows),
+            "square": GemmTile(rows.lanes, rows.lanes, 1, rows.lanes)}[kind]
+    assert default_tile(HOST, shape) == want
     # A convolution whose output a residual Add takes keeps the tile of rows.
-    assert default_tile(HOST, shape, residual=True) == tile_for(HOST)
+    assert default_tile(HOST, shape, residual=True) == rows
 
 
 def test_transposed_tiles_read_any_grid_in_place():
