@@ -305,12 +305,20 @@ class _ThreadPool:
     """size - 1 worker threads plus the caller, all entering
     tether_run_parallel together. ctypes releases the GIL for the call, so
     they run in parallel inside the module, which synchronises them with its
-    own barrier on a shared int32[2] state."""
+    own barrier on a shared int32[2] state.
+
+    The caller does not wait for the workers to return: by the time its own
+    call returns, every thread has passed the barrier after the last op
+    they shared (the rest run on the caller's thread), so the outputs are
+    complete, and a worker has nothing left to do but return. Waiting would
+    put the caller to sleep and cost a wake-up per run (tens of
+    microseconds on a virtual machine). All threads return the same status;
+    a worker's exception is raised by the next run()."""
 
     def __init__(self, size: int):
         self.size = size
         self._jobs = [queue.Queue() for _ in range(size - 1)]
-        self._done: queue.Queue = queue.Queue()
+        self._errors: list = []
         self._workers = [threading.Thread(target=self._work, args=(i + 1,), daemon=True,
                                           name=f"minirt-worker-{i + 1}") for i in range(size - 1)]
         for worker in self._workers:
@@ -322,22 +330,19 @@ class _ThreadPool:
             job = jobs.get()
             if job is None:
                 return
-            fn, args, state = job
+            fn, args, state = job  # the tuple keeps the run's buffers alive
             try:
-                self._done.put(fn(*args, thread, self.size, ctypes.addressof(state)))
-            except BaseException as exc:  # reported by run(); the worker stays alive
-                self._done.put(exc)
+                fn(*args, thread, self.size, ctypes.addressof(state))
+            except BaseException as exc:  # raised by the next run(); the worker stays alive
+                self._errors.append(exc)
 
     def run(self, fn, args) -> int:
+        if self._errors:
+            raise self._errors.pop(0)
         state = _SyncState(0, 0, _LIBC_SYSCALL)
         for jobs in self._jobs:
             jobs.put((fn, args, state))
-        status = fn(*args, 0, self.size, ctypes.addressof(state))
-        results = [self._done.get() for _ in self._jobs]
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        return status or next((r for r in results if r), 0)
+        return fn(*args, 0, self.size, ctypes.addressof(state))
 
     def close(self) -> None:
         for jobs in self._jobs:
