@@ -12,7 +12,7 @@ import crosscompile
 import minirt
 from remote import errors, rpc
 from tests import session_modules
-from tests.onnx_models import make_model, mlp
+from tests.onnx_models import make_model
 from tests.test_crosscompile import rand
 
 
