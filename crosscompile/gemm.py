@@ -241,17 +241,12 @@ def _tile_function(k: Kernel, tile: GemmTile, rows: int, widths: tuple, has_bias
     of B starts at b_offsets[p] rather than p * ldb."""
     key = (tile.mr, rows, widths, has_bias, k.epilogue_key if vector_epilogue else None, residual_at,
            row_table)
-    cache = k.module.__dict__.setdefault("tether_tiles", {})
-    if key in cache:
-        return cache[key]
     i64 = ir.IntType(64)
-    t = Kernel(k.module, f"tile{len(cache)}_{rows}x{sum(widths)}", 5, 0,
-               k.epilogue if vector_epilogue else (), k.target, extra_args=(i64, i64, i64, I32.as_pointer()))
+    t = _new_tile_kernel(k, key, f"tile{{}}_{rows}x{sum(widths)}", vector_epilogue, residual_at,
+                         (i64, i64, i64, I32.as_pointer()))
+    if not isinstance(t, Kernel):
+        return t
     a_ptr, b_ptr, c_ptr, bias, res_ptr = t.inputs
-    if residual_at is not None:
-        # C may be the residual's buffer: each element is read, then written.
-        for arg in (c_ptr, res_ptr):
-            arg.attributes.discard("noalias")
     kdim, ldb, ldc, b_offsets = t.extra
     b = t.builder
     offsets = [sum(widths[:v]) for v in range(len(widths))]
@@ -288,8 +283,26 @@ def _tile_function(k: Kernel, tile: GemmTile, rows: int, widths: tuple, has_bias
                 value = b.fadd(value, b.load(_vector_ptr(t, res_ptr, out, w), align=4))
             b.store(value, _vector_ptr(t, c_ptr, out, w), align=4)
     t.finish()
-    cache[key] = t.function
+    k.module.__dict__["tether_tiles"][key] = t.function
     return t.function
+
+
+def _new_tile_kernel(k: Kernel, key: tuple, name: str, vector_epilogue: bool, residual_at,
+                     extra_args: tuple) -> "Kernel | ir.Function":
+    """The module's function for a micro-kernel `key` if it has one, else a
+    new Kernel `void(a, b, c, bias, residual, *extra_args)` to emit it into
+    (name formatted with the module's tile count). The caller finishes it and
+    records it under key."""
+    cache = k.module.__dict__.setdefault("tether_tiles", {})
+    if key in cache:
+        return cache[key]
+    t = Kernel(k.module, name.format(len(cache)), 5, 0, k.epilogue if vector_epilogue else (), k.target,
+               extra_args=extra_args)
+    if residual_at is not None:
+        # C may be the residual's buffer: each element is read, then written.
+        for arg in (t.inputs[2], t.inputs[4]):
+            arg.attributes.discard("noalias")
+    return t
 
 
 def vector_epilogue(k: Kernel) -> bool:
@@ -504,17 +517,12 @@ def _channel_tile_function(k: Kernel, tile: GemmTile, pixels: int, widths: tuple
     register tile (see emit_channel_gemm), shared like _tile_function's."""
     key = ("channels", tile.mr, pixels, widths, has_bias, k.epilogue_key if vector_epilogue else None,
            residual_at)
-    cache = k.module.__dict__.setdefault("tether_tiles", {})
-    if key in cache:
-        return cache[key]
     i64 = ir.IntType(64)
-    t = Kernel(k.module, f"ctile{len(cache)}_{sum(widths)}x{pixels}", 5, 0,
-               k.epilogue if vector_epilogue else (), k.target,
-               extra_args=(i64, i64, I32.as_pointer(), I32.as_pointer()))
+    t = _new_tile_kernel(k, key, f"ctile{{}}_{sum(widths)}x{pixels}", vector_epilogue, residual_at,
+                         (i64, i64, I32.as_pointer(), I32.as_pointer()))
+    if not isinstance(t, Kernel):
+        return t
     a_ptr, x_ptr, c_ptr, bias, res_ptr = t.inputs
-    if residual_at is not None:
-        for arg in (c_ptr, res_ptr):
-            arg.attributes.discard("noalias")
     kdim, ldc, taps, bases = t.extra
     b = t.builder
     offsets = [sum(widths[:v]) for v in range(len(widths))]
@@ -567,7 +575,7 @@ def _channel_tile_function(k: Kernel, tile: GemmTile, pixels: int, widths: tuple
                 at = b.add(b.mul(t.i64(off + lane), ldc), t.i64(j))
                 t.store(b.extract_element(value, ir.Constant(i32, lane)), c_ptr, at)
     t.finish()
-    cache[key] = t.function
+    k.module.__dict__["tether_tiles"][key] = t.function
     return t.function
 
 
