@@ -872,6 +872,9 @@ class Conv(Op):
         set.add(k.function.attributes, '"no-builtins"')
         pointwise = self._pointwise(geometry)
         direct = None if pointwise else _direct_plan(geometry, cg, m, attrs, any_grid=bool(tile.pixels))
+        if tile.pixels and not pointwise and direct is None:
+            raise BuildError(f"Conv with input {x} and weight {w}: the transposed tile {tile.label} reads "
+                             "1-D and 2-D windows in place only; schedule a tile of rows [mr, nv] for it")
         if tile.pixels:
             if pointwise:
                 taps = _i32_table(k, tuple(c * volume_in for c in range(cg)))

@@ -67,3 +67,14 @@ def test_channel_tiles_match_onnxruntime_on_1_2_3_threads(tmp_path, x_shape, cou
         for _ in range(2):
             np.testing.assert_allclose(module.run(feeds)[0], want, rtol=1e-4, atol=1e-5)
     module.close()
+
+
+def test_a_transposed_tile_scheduled_for_a_3d_convolution_is_refused_with_the_fix():
+    from crosscompile import BuildError
+    from tests.onnx_models import conv_relu_model
+    model = conv_relu_model((1, 4, 5, 6, 7), (8, 4, 3, 3, 3), {"pads": [1] * 6})
+    (shape,) = conv_shapes(model)
+    with pytest.raises(BuildError, match=r"transposed tile 16x1x16 .* schedule a tile of rows"):
+        crosscompile.build(model, target="host", schedules={shape.key: [16, 1, 16]})
+    # The default tile for it (rows) builds.
+    assert crosscompile.build(model, target="host").metadata["gemm_tiles"][0]["tile"] == tile_for(HOST).spec
