@@ -349,7 +349,7 @@ def emit_dot_rows(k: Kernel, lanes: int, m: int, kdim: int, n: int,
                     vec = b.load(accs[r][0])
                     for u in range(1, unroll):
                         vec = b.fadd(vec, b.load(accs[r][u]))
-                    total = k.variable(_horizontal_sum(k, vec, lanes))
+                    total = k.variable(horizontal_reduce(k, vec))
                     w_row = b.mul(b.add(j0, k.i64(r)), k.i64(kdim))
                     with k.loop(kdim, start=full_p) as p:
                         prod = b.fmul(k.load(a_ptr, b.add(a_row, p)), k.load(bt_ptr, b.add(w_row, p)))
@@ -357,15 +357,19 @@ def emit_dot_rows(k: Kernel, lanes: int, m: int, kdim: int, n: int,
                     k.store(b.load(total), c_ptr, b.add(b.mul(i, k.i64(n)), b.add(j0, k.i64(r))))
 
 
-def _horizontal_sum(k: Kernel, vec: ir.Value, lanes: int) -> ir.Value:
-    """Pairwise sum of a vector's lanes by halving shuffles."""
+def horizontal_reduce(k: Kernel, vec: ir.Value, combine=None) -> ir.Value:
+    """One value from a vector's lanes, combined pairwise by halving
+    shuffles (combine(a, b) of two vectors; fadd by default)."""
     b = k.builder
+    combine = combine or b.fadd
     i32 = ir.IntType(32)
+    lanes = vec.type.count
     while lanes > 1:
         half = lanes // 2
         lo = b.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(i32, half), list(range(half))))
         hi = b.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(i32, half), list(range(half, lanes))))
-        vec, lanes = b.fadd(lo, hi), half
+        with k.vector_constants(half):
+            vec, lanes = combine(lo, hi), half
     return b.extract_element(vec, ir.Constant(i32, 0))
 
 

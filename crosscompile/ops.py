@@ -13,8 +13,8 @@ import numpy as np
 from llvmlite import ir
 
 from .emit import F32, Kernel
-from .gemm import (divide, emit_channel_gemm, emit_depthwise, emit_dot_rows, emit_gemm, load_strided,
-                   panel_offset, row_pieces, splat, splits_columns, tile_for, vector_epilogue)
+from .gemm import (divide, emit_channel_gemm, emit_depthwise, emit_dot_rows, emit_gemm, horizontal_reduce,
+                   load_strided, panel_offset, row_pieces, splat, splits_columns, tile_for, vector_epilogue)
 from .errors import BuildError, ShapeError
 from .ir import Tensor
 
@@ -1356,14 +1356,7 @@ def global_pool(k: Kernel, planes: int, size: int, is_max: bool) -> None:
                         bld.store(combine(bld.load(slot), value), slot)
             with k.vector_constants(lanes):
                 vec = combine(bld.load(accs[0]), bld.load(accs[1]))
-            while vec.type.count > 1:
-                half = vec.type.count // 2
-                picks = [ir.Constant(ir.VectorType(ir.IntType(32), half), list(range(o, o + half)))
-                         for o in (0, half)]
-                halves = [bld.shuffle_vector(vec, vec, pick) for pick in picks]
-                with k.vector_constants(half):
-                    vec = combine(*halves)
-            bld.store(bld.extract_element(vec, ir.Constant(ir.IntType(32), 0)), acc)
+            bld.store(horizontal_reduce(k, vec, combine), acc)
         with k.loop(size, start=size // step * step if step else 0) as i:
             bld.store(combine(bld.load(acc), k.load(k.inputs[0], bld.add(base, i))), acc)
         result = bld.load(acc) if is_max else bld.fmul(bld.load(acc), k.f32(1.0 / size))
