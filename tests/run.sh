@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Set up this machine for the test suite and run it: the README's test command.
 #   bash tests/run.sh [pytest args...]
-# As root it installs the Debian packages the emulated-ARM tests need; as
-# another user those tests skip with a message naming what to install.
+# It makes (or reuses) the project's virtual environment .venv with the test
+# extras (deploy_recipes/venv.sh) and runs pytest from it. As root it also
+# installs the Debian packages the emulated-ARM and SSH tests need; as another
+# user those tests skip with a message naming what to install.
+# The whole emulated model zoo is left out unless --full-zoo is given:
+#   bash tests/run.sh --full-zoo tests/test_zoo_emulated.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,5 +25,5 @@ if [ ${#missing[@]} -gt 0 ]; then
   fi
 fi
 
-python3 -m pip install -q --disable-pip-version-check -e '.[test]'
-exec python3 -m pytest "$@"
+bash deploy_recipes/venv.sh test
+exec .venv/bin/python -m pytest "$@"

@@ -19,6 +19,11 @@ at once (see zoo_runs). Runs get generous timeouts; the marks let one
 architecture be picked alone:
 
     pytest -m bookworm_arm64 tests/test_zoo_emulated.py
+
+The default run keeps one representative model (REPRESENTATIVE) per
+architecture; the others are marked full_zoo and run with --full-zoo:
+
+    bash tests/run.sh --full-zoo tests/test_zoo_emulated.py
 """
 import os
 import time
@@ -34,6 +39,10 @@ from tests.onnx_models import ZOO, assert_zoo_matches, reference, zoo_input, zoo
 
 RELEASE = "bookworm"
 ARCHES = ["arm64", "armhf"]
+# Convolutions of several widths, 1x1 and 5x5 windows, LRN, max and average
+# pools and concats in about 20 s per board: the most of the zoo's op kinds in
+# the least emulated time.
+REPRESENTATIVE = "inception_v1"
 # Seconds a run may take on an emulated board; far above what was measured
 # (the slowest, VGG-19, takes a few minutes) so that a slow CI machine does
 # not fail, while a hung module still ends the test.
@@ -123,8 +132,12 @@ def _arch_param(arch):
                         marks=[pytest.mark.emulated, getattr(pytest.mark, f"{RELEASE}_{arch}")])
 
 
+def _model_param(name):
+    return pytest.param(name, id=name, marks=[] if name == REPRESENTATIVE else [pytest.mark.full_zoo])
+
+
 @pytest.mark.parametrize("arch", [_arch_param(a) for a in ARCHES])
-@pytest.mark.parametrize("name", ZOO)
+@pytest.mark.parametrize("name", [_model_param(n) for n in ZOO])
 def test_zoo_model_matches_onnxruntime_on_emulated_board(zoo_runs, name, arch):
     model = zoo_model(name)
     feeds = zoo_input(model)
