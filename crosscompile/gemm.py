@@ -55,7 +55,7 @@ class GemmTile:
 def tile_for(target) -> GemmTile:
     """The register tile for a target: mr * nv accumulators plus nv loaded
     vectors and one broadcast must fit the vector register file."""
-    lanes = max(1, target.vector_bits // 32)
+    lanes = target.lanes
     registers = target.vector_registers
     if registers >= 32:
         # AVX-512: 6 x 4 vectors measured a few per cent faster on ResNet-50

@@ -154,7 +154,7 @@ class Gemm(Op):
         kdim = a_rows if attrs["transA"] else a_cols
         m, n = outputs[0].shape
         if attrs["transB"] and not attrs["transA"] and k.target is not None:
-            emit_dot_rows(k, max(1, k.target.vector_bits // 32), m, kdim, n,
+            emit_dot_rows(k, k.target.lanes, m, kdim, n,
                           k.inputs[0], k.inputs[1], k.outputs[0])
         else:
             _matmul(k, m, kdim, n, a_strides, b_strides)
@@ -778,7 +778,7 @@ class Conv(Op):
         if attrs.get("depthwise") and k.target is not None:
             geometry = _resolve_window(inputs[0].shape, tuple(inputs[1].shape[2:]), attrs, what="convolution")
             epilogue = vector_epilogue(k)
-            lanes = max(1, k.target.vector_bits // 32)
+            lanes = k.target.lanes
             with k.loop(inputs[0].shape[0]) as image:
                 c_n = inputs[0].shape[1]
                 volume_in, volume_out = _prod(geometry[0]), _prod(geometry[-1])
@@ -1241,7 +1241,7 @@ class _Pool(Op):
         empty = k.f32(-math.inf if is_max else 0.0)
         one, zero = k.f32(1.0), k.f32(0.0)
         # Explicit vectors for the interior columns, where every fused op has a vector form.
-        lanes = max(1, k.target.vector_bits // 32) if k.target is not None else 1
+        lanes = k.target.lanes if k.target is not None else 1
         vectors = vector_epilogue(k) or not k.epilogue
         nc_lo, nc_hi = k.part(x[0] * x[1])
         with k.loop(nc_hi, start=nc_lo) as nc, k.loop(oh_n) as oh:
@@ -1334,7 +1334,7 @@ def global_pool(k: Kernel, planes: int, size: int, is_max: bool) -> None:
     latency), then across their lanes: a scalar sum is one long chain of
     dependent adds, which LLVM may not reorder into vectors itself."""
     bld = k.builder
-    lanes = max(1, k.target.vector_bits // 32) if k.target is not None else 1
+    lanes = k.target.lanes if k.target is not None else 1
     step = 2 * lanes if lanes > 1 and size >= 2 * lanes else 0
     lo, hi = k.part(planes)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
+from .errors import BuildError
 from .gemm import GemmTile, channel_tile, tile_for
 
 # Rows of one register tile at most: past this the broadcasts of A, not
@@ -102,6 +103,18 @@ def fits(target, mr: int, nv: int) -> bool:
     return mr >= 1 and nv >= 1 and mr * nv + nv + 1 <= target.vector_registers
 
 
+def most_rows(target, nv: int) -> int:
+    """The most rows of nv vectors (or pixels of a transposed tile of nv
+    vectors of channels) that fit the target's registers, the bound fits
+    checks.
+
+    >>> from crosscompile.target import resolve_target
+    >>> most_rows(resolve_target("rasp4b64"), 2)
+    14
+    """
+    return (target.vector_registers - 1 - nv) // nv
+
+
 # Reduction depths (K) from which the transposed tile is the default, for
 # convolutions reading windows and for 1x1 ones. Its tiles are moved to and
 # from the channel-major output by in-register transposes, a cost per
@@ -178,13 +191,13 @@ def candidate_tiles(target, m: Optional[int] = None, shape: Optional[ConvShape] 
     given, its default_tile comes first, and a convolution reading windows
     also gets the transposed form of the largest tiles.
     """
-    lanes = max(1, target.vector_bits // 32)
+    lanes = target.lanes
     plain = tile_for(target)
     default = default_tile(target, shape) if shape is not None else plain
     out = [default]
     fitting = [plain]
     for nv in range(1, MAX_VECTORS + 1):
-        largest = min(MAX_ROWS, (target.vector_registers - 1 - nv) // nv)
+        largest = min(MAX_ROWS, most_rows(target, nv))
         for mr in (largest, max(2, largest * 2 // 3 // 2 * 2)):
             tile = GemmTile(lanes, mr, nv)
             if mr >= 2 and fits(target, mr, nv) and tile not in fitting:
@@ -220,17 +233,17 @@ def tile_table(target, schedules) -> Mapping:
 def as_tile(target, value) -> GemmTile:
     """A GemmTile for the target from a GemmTile, its spec ((mr, nv) or
     (mr, nv, pixels)) or a cache entry."""
-    lanes = max(1, target.vector_bits // 32)
+    lanes = target.lanes
     if isinstance(value, Mapping):
         value = value["best"]
     spec = value.spec if isinstance(value, GemmTile) else [int(v) for v in value]
     if len(spec) not in (2, 3):
-        raise ValueError(f"tile {spec} should be [mr, nv] or [mr, nv, pixels]")
+        raise BuildError(f"tile {spec} should be [mr, nv] or [mr, nv, pixels]")
     mr, nv, pixels = (spec + [0])[:3]
     if pixels and mr != nv * lanes:
-        raise ValueError(f"transposed tile {spec} should have mr = nv x {lanes} lanes = {nv * lanes}")
+        raise BuildError(f"transposed tile {spec} should have mr = nv x {lanes} lanes = {nv * lanes}")
     if not fits(target, pixels or mr, nv):
-        raise ValueError(f"tile {spec} does not fit the {target.vector_registers} vector "
+        raise BuildError(f"tile {spec} does not fit the {target.vector_registers} vector "
                          f"registers of target {target.name!r} (needs mr*nv + nv + 1)")
     return GemmTile(lanes, mr, nv, pixels)
 
@@ -249,7 +262,13 @@ def tile_chooser(target, schedules, chosen: Optional[dict] = None):
             # Tuned against another default (an older compiler, or this
             # convolution without the residual Add it has here): not comparable.
             value = None
-        tile = as_tile(target, value) if value is not None else default
+        try:
+            tile = as_tile(target, value) if value is not None else default
+        except BuildError as exc:
+            # A table written for a wider machine (more lanes or registers)
+            # fails here: name the convolution and a tile that builds.
+            raise BuildError(f"Conv {node.name!r} ({shape.key}): {exc}; schedule a tile for "
+                             f"target {target.name!r}, e.g. its default {default.spec}") from None
         if chosen is not None:
             chosen[node.name] = (shape, tile, value is not None)
         return tile

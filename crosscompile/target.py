@@ -60,6 +60,15 @@ class Target:
         return Target(spec, triple, cpu, features, _vector_bits(triple, features))
 
     @property
+    def lanes(self) -> int:
+        """float32 lanes in one vector register.
+
+        >>> Target.parse("x86_64-linux-gnu/skylake-avx512/+avx512f").lanes
+        16
+        """
+        return max(1, self.vector_bits // 32)
+
+    @property
     def vector_registers(self) -> int:
         """SIMD registers kernels may keep live: 32 on AArch64 and with
         AVX-512, 16 on 32-bit ARM NEON and with SSE/AVX."""

@@ -21,6 +21,7 @@ from crosscompile.target import resolve_target
 from crosscompile.tuning import conv_shapes
 from tests.onnx_models import conv_relu_model, make_model, reference
 from tests.test_crosscompile import rand
+from tests.test_ops_channel_tile import AVX512
 
 CASES = [
     ((1, 17, 37, 41), (20, 17, 3, 3), {"pads": [1, 1, 1, 1]}),
@@ -88,15 +89,19 @@ def test_small_outputs_and_fused_residuals_keep_im2col():
     ((1, 1024, 14, 14), (256, 1024, 1, 1), 0, "channels"),  # 1x1, 1024 deep
     ((1, 256, 14, 14), (256, 256, 1, 1), 0, "rows"),       # 1x1, 256 deep
 ])
-def test_default_tile_follows_kernel_and_depth(x_shape, w_shape, pads, kind):
+@pytest.mark.parametrize("target", ["host", "x86_64-unknown-linux-gnu/haswell/+avx,+avx2,+fma", AVX512,
+                                    "rasp4b64", "rasp4b"])
+def test_default_tile_follows_kernel_and_depth(x_shape, w_shape, pads, kind, target):
+    target = resolve_target(target)
     model = conv_relu_model(x_shape, w_shape, {"pads": [pads] * 4})
     (shape,) = conv_shapes(model)
-    rows = tile_for(HOST)
-    want = {"rows": rows, "channels": channel_tile(rows),
-            "square": GemmTile(rows.lanes, rows.lanes, 1, rows.lanes)}[kind]
-    assert default_tile(HOST, shape) == want
+    rows = tile_for(target)
+    # default_tile takes the square tile on targets of 8 lanes or more only.
+    square = GemmTile(rows.lanes, rows.lanes, 1, rows.lanes) if rows.lanes >= 8 else channel_tile(rows)
+    want = {"rows": rows, "channels": channel_tile(rows), "square": square}[kind]
+    assert default_tile(target, shape) == want
     # A convolution whose output a residual Add takes keeps the tile of rows.
-    assert default_tile(HOST, shape, residual=True) == rows
+    assert default_tile(target, shape, residual=True) == rows
 
 
 def test_transposed_tiles_read_any_grid_in_place():
