@@ -5,10 +5,12 @@ import csv
 import hashlib
 import json
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -20,6 +22,8 @@ from remote.cli.localfarm import LocalFarm
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
 STATS = ("mean", "median", "p90", "p99", "std", "min", "max")
+# Only a hang takes this long: every wait below ends as soon as its state is seen.
+HANG_S = 600.0
 
 
 @pytest.fixture(scope="module")
@@ -28,18 +32,11 @@ def farm2():
         yield running
 
 
-def tether(farm, *args, timeout=120):
+def tether(farm, *args, timeout=HANG_S):
     host, port = farm.tracker
     return subprocess.run([sys.executable, "-m", "remote.cli", *args, "--tracker",
                            f"{host}:{port}"], env=ENV, cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout)
-
-
-def start_tether(farm, *args):
-    host, port = farm.tracker
-    return subprocess.Popen([sys.executable, "-m", "remote.cli", *args, "--tracker",
-                             f"{host}:{port}"], env=ENV, cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
 
 
 def device_states(farm):
@@ -48,8 +45,8 @@ def device_states(farm):
     return {d["device_id"]: (d["state"], d["holder"]) for d in json.loads(done.stdout)["devices"]}
 
 
-def wait_all_free(farm, within=15.0):
-    deadline = time.monotonic() + within
+def wait_all_free(farm):
+    deadline = time.monotonic() + HANG_S
     while True:
         states = device_states(farm)
         if all(state == "free" for state, _ in states.values()):
@@ -208,14 +205,14 @@ def test_errors_are_one_line_and_debug_shows_the_traceback(farm2, onnx_path):
     host, port = farm2.tracker
     debug = subprocess.run([sys.executable, "-m", "remote.cli", "--debug", "bench", onnx_path,
                             "--key", "no-such-board", "--tracker", f"{host}:{port}"],
-                           env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
+                           env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     assert debug.returncode == 1 and "Traceback" in debug.stderr and "NoSuchKey" in debug.stderr
 
 
 @pytest.mark.parametrize("command", ["bench", "run", "status", "compile", "demo"])
 def test_every_command_help_has_an_example(command):
     done = subprocess.run([sys.executable, "-m", "remote.cli", command, "--help"], env=ENV,
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+                          cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0
     assert re.search(r"examples?:\s+tether " + command, done.stdout), done.stdout
 
@@ -273,36 +270,100 @@ def test_run_random_prints_top_k_like_onnxruntime(farm2, onnx_path):
     assert re.search(r"latency: [\d.e+-]+ ms on the board, [\d.e+-]+ ms round trip", done.stdout)
 
 
-def read_stderr_until(proc, pattern, within=60.0):
-    """Lines of the command's stderr up to the first that matches ``pattern``."""
-    seen = []
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            break
-        seen.append(line)
-        if re.search(pattern, line):
-            return seen
-    proc.kill()
-    raise AssertionError(f"never saw {pattern!r}; stderr so far: {''.join(seen)}")
+class Command:
+    """A `tether` command running in the background; its stderr is read line by line
+    so that the test can act on what the command reports."""
+
+    def __init__(self, farm, *args):
+        host, port = farm.tracker
+        self.proc = subprocess.Popen([sys.executable, "-m", "remote.cli", *args, "--tracker",
+                                      f"{host}:{port}"], env=ENV, cwd=ROOT,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.seen = []
+        self._lines = queue.Queue()
+        threading.Thread(target=self._read, name="stderr", daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self._lines.put(line)
+        self._lines.put(None)  # the command closed its stderr: it is ending
+
+    def _next_line(self):
+        try:
+            return self._lines.get(timeout=HANG_S)
+        except queue.Empty:
+            self.proc.kill()
+            raise AssertionError(f"the command hung; stderr so far: {''.join(self.seen)}")
+
+    def wait_for(self, pattern):
+        """Read stderr up to the first line that matches ``pattern``; returns that line."""
+        while True:
+            line = self._next_line()
+            if line is None:
+                raise AssertionError(f"never saw {pattern!r}; stderr: {''.join(self.seen)}")
+            self.seen.append(line)
+            if re.search(pattern, line):
+                return line
+
+    def interrupt(self):
+        """Ctrl-C; returns the exit code and the whole of stderr."""
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            code = self.proc.wait(HANG_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"still running after Ctrl-C; stderr: {''.join(self.seen)}")
+        while True:
+            line = self._next_line()
+            if line is None:
+                return code, "".join(self.seen)
+            self.seen.append(line)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
 
 
-def interrupt(proc, seen):
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
-    return proc.returncode, "".join(seen) + err
+def worker_processes(server):
+    """The processes a device server has started: one worker per session, plus the
+    one it keeps started ahead for the next session."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # not a process, or it ended while being looked at
+        if parent == server.proc.pid:
+            pids.append(int(entry))
+    return pids
 
 
 def test_ctrl_c_during_upload_returns_the_board(farm2, tmp_path):
-    # Big enough that the upload lasts a while even on loopback (a sparse file:
-    # nothing is written here, but every byte is checksummed and sent).
+    # A sparse file: nothing is written here. Far more than the socket buffers
+    # between here and the board hold, so the sender really waits on the board.
     big = tmp_path / "big.so"
     with open(big, "wb") as f:
-        f.truncate(768 << 20)
-    proc = start_tether(farm2, "bench", str(big), "--key", "host")
-    seen = read_stderr_until(proc, r"upload big\.so \[.*\] [\d.]+/768\.0 MiB$")
-    code, err = interrupt(proc, seen)
+        f.truncate(64 << 20)
+    # Each idle server has one worker process started ahead, which the next
+    # session gets. Frozen, it takes the session and reads nothing: the upload
+    # begins but cannot finish, on a fast machine as on a loaded one.
+    frozen = [pid for server in farm2.servers for pid in worker_processes(server)]
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    command = Command(farm2, "bench", str(big), "--key", "host", "--timeout", str(HANG_S))
+    try:
+        command.wait_for(r"upload big\.so \[\.+\] 0\.0/64\.0 MiB$")   # the upload has begun
+        logs = "".join(server.log_text() for server in farm2.servers)
+        (worker,) = re.findall(rf"opened by \S+:{command.proc.pid} \(worker pid (\d+)\)", logs)
+        assert int(worker) in frozen, "the session must have the frozen worker"
+        code, err = command.interrupt()
+    finally:
+        command.stop()
+        alive = {pid for server in farm2.servers for pid in worker_processes(server)}
+        for pid in alive.intersection(frozen):  # the leased board's worker is gone
+            os.kill(pid, signal.SIGCONT)
     assert code == 130, err
     assert "interrupted: closed the sessions and returned 1 board(s)" in err
     assert not re.search(r"upload big\.so .* in [\d.]+ s", err)  # stopped part way
@@ -311,13 +372,17 @@ def test_ctrl_c_during_upload_returns_the_board(farm2, tmp_path):
 
 
 def test_ctrl_c_during_benchmark_returns_every_board(farm2, onnx_path):
-    proc = start_tether(farm2, "bench", onnx_path, "--key", "host", "--devices", "2",
-                        "--repeat", "30", "--min-repeat-ms", "1000")
-    seen = read_stderr_until(proc, r"benchmarking: 30 samples")
-    seen += read_stderr_until(proc, r"benchmarking: 30 samples")
-    held = device_states(farm2)
-    assert all(state == "in_use" for state, _ in held.values()), held
-    code, err = interrupt(proc, seen)
+    # An hour of samples on each board: nothing but Ctrl-C ends them while the test runs.
+    command = Command(farm2, "bench", onnx_path, "--key", "host", "--devices", "2",
+                      "--repeat", "3600", "--min-repeat-ms", "1000", "--timeout", str(HANG_S))
+    try:
+        command.wait_for(r"benchmarking: 3600 samples")
+        command.wait_for(r"benchmarking: 3600 samples")
+        held = device_states(farm2)
+        assert all(state == "in_use" for state, _ in held.values()), held
+        code, err = command.interrupt()
+    finally:
+        command.stop()
     assert code == 130, err
     assert "interrupted: closed the sessions and returned 2 board(s)" in err
     assert "Traceback" not in err

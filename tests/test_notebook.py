@@ -54,6 +54,13 @@ def rows_by_first(table):
     return {row[0]: row[1:] for row in table["rows"]}
 
 
+# Only a hang takes this long: every wait below ends as soon as its state is seen.
+HANG_S = 300.0
+# CPU time (in clock ticks, 10 ms each on Linux) an idle worker process never
+# spends, but one timing a module soon does.
+BUSY_TICKS = 20
+
+
 @pytest.fixture
 def tracker(farm):
     client = rpc.connect_tracker(*farm.tracker)
@@ -61,19 +68,76 @@ def tracker(farm):
     client.close()
 
 
-def wait_free(tracker, within=15.0):
-    deadline = time.monotonic() + within
+def wait_until(condition, what, timeout=HANG_S):
+    deadline = time.monotonic() + timeout
     while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not seen within {timeout:g} s")
+        time.sleep(0.05)
+
+
+def wait_free(tracker):
+    """The summary once every board is free and nobody waits."""
+    def free():
         data = tracker.summary()
         if all(d["state"] == "free" for d in data["devices"]) and not data["waiting"]:
             return data
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the board is still held: {data['devices']} {data['waiting']}")
-        time.sleep(0.1)
+        return None
+    return wait_until(free, "every board free and the queue empty")
+
+
+class CtrlC(threading.Thread):
+    """Presses Ctrl-C on this process (SIGINT, as Jupyter's interrupt does) once
+    ``ready()`` holds, so that the main thread is interrupted in the state the
+    test names rather than at a moment picked by a clock. Use it as
+    ``with CtrlC(ready, what), pytest.raises(KeyboardInterrupt): ...``."""
+
+    def __init__(self, ready, what):
+        super().__init__(name="ctrl-c", daemon=True)
+        self.ready, self.what = ready, what
+        self.error = None
+        self.done = threading.Event()  # the block ended: press nothing any more
+
+    def run(self):
+        try:
+            wait_until(lambda: self.done.is_set() or self.ready(), self.what)
+        except BaseException as exc:  # noqa: BLE001 - raised in the test by __exit__
+            self.error = exc
+        if not self.done.is_set():
+            # Pressed even when the state never came, so that the test ends, not hangs.
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.done.set()
+        self.join()
+        if self.error is not None and exc_type is None:
+            raise self.error
+
+
+def worker_pid(farm, sess):
+    """The board process that runs this session's modules, as its server logged it."""
+    match = re.search(rf"session {re.escape(sess.session_id[:8])} opened by .* "
+                      r"\(worker pid (\d+)\)", farm.servers[0].log_text())
+    assert match, farm.servers[0].log_text()
+    return int(match.group(1))
+
+
+def cpu_ticks(pid):
+    """User plus system CPU time the process has used, in clock ticks."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime and stime, fields 14 and 15
 
 
 def test_html_and_text_views(tracker, mlp_module):
-    with tracker.request("host", timeout=30) as sess:
+    with tracker.request("host", timeout=HANG_S, call_timeout=HANG_S) as sess:
         sess.upload(mlp_module[1])
         mod = sess.load_module("mlp.so")
         res = mod.benchmark(number=2, repeat=3)
@@ -122,23 +186,15 @@ def test_html_escapes_what_devices_report():
     assert table["rows"] == [["<script>x</script>"]] and "<script>" not in html
 
 
-def interrupt_in(seconds):
-    timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
-    return timer
-
-
 def test_ctrl_c_while_waiting_for_a_board_leaves_no_request_behind(tracker):
-    holder = tracker.request("host", timeout=30)
+    holder = tracker.request("host", timeout=HANG_S, client="holder")
     try:
-        timer = interrupt_in(1.0)
-        with pytest.raises(KeyboardInterrupt):
-            tracker.request("host", timeout=60)
-        timer.join()
-        deadline = time.monotonic() + 10
-        while tracker.summary()["waiting"] and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert tracker.summary()["waiting"] == []
+        queued = CtrlC(lambda: [w["client"] for w in tracker.summary()["waiting"]] == ["second"],
+                       "the second request in the tracker's queue")
+        with queued, pytest.raises(KeyboardInterrupt):
+            tracker.request("host", timeout=HANG_S, client="second")
+        wait_until(lambda: tracker.summary()["waiting"] == [],
+                   "the interrupted request leaving the queue")
     finally:
         holder.close()
     # Had the interrupted request stayed queued, the board would now go to it.
@@ -150,30 +206,34 @@ def test_ctrl_c_during_an_upload_closes_the_session(tracker, tmp_path):
     big = tmp_path / "big.bin"
     with open(big, "wb") as f:
         f.truncate(16 << 20)
-    sess = tracker.request("host", timeout=30)
+    # The upload's first chunk waits for the session's worker process to read it;
+    # on a loaded machine that process may still be starting.
+    sess = tracker.request("host", timeout=HANG_S, call_timeout=HANG_S)
     calls = []
 
     def press_ctrl_c(done, total):
         calls.append(done)
-        if len(calls) == 1:
+        if done > 0 and len(calls) == 2:  # pressed from inside the upload, a chunk in
             os.kill(os.getpid(), signal.SIGINT)
 
     with pytest.raises(KeyboardInterrupt):
         sess.upload(str(big), progress=press_ctrl_c)
-    assert calls[-1] < 16 << 20          # stopped part way
+    assert len(calls) == 2 and 0 < calls[-1] < 16 << 20    # stopped part way
     assert sess.closed
     wait_free(tracker)
 
 
-def test_ctrl_c_during_a_benchmark_closes_the_session(tracker, mlp_module):
-    sess = tracker.request("host", timeout=30)
+def test_ctrl_c_during_a_benchmark_closes_the_session(farm, tracker, mlp_module):
+    sess = tracker.request("host", timeout=HANG_S, call_timeout=HANG_S)
     sess.upload(mlp_module[1])
     mod = sess.load_module("mlp.so")
-    timer = interrupt_in(1.0)
-    start = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        mod.benchmark(repeat=30, min_repeat_ms=1000)   # half a minute unless interrupted
-    timer.join()
-    assert time.monotonic() - start < 25
+    board = worker_pid(farm, sess)
+    idle = cpu_ticks(board)
+    # Ctrl-C once the board is timing the module (its worker spending CPU), not
+    # at a fixed moment that a loaded machine may not have reached yet.
+    timing = CtrlC(lambda: cpu_ticks(board) > idle + BUSY_TICKS, "the board timing the module")
+    with timing, pytest.raises(KeyboardInterrupt):
+        # An hour of samples: nothing but Ctrl-C ends it while the test runs.
+        mod.benchmark(repeat=3600, min_repeat_ms=1000)
     assert sess.closed
     wait_free(tracker)

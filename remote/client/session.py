@@ -20,6 +20,8 @@ from remote.proto.frames import (CHUNK_BYTES, Checksum, FrameSocket, frame_bytes
 
 
 Progress = Callable[[int, int], None]
+# The least time a board gets to end a session before the client returns the lease itself.
+CLOSE_TIMEOUT_S = 30.0
 
 
 def _call(what: str, method, request, timeout: Optional[float]):
@@ -191,7 +193,8 @@ class Session:
         """Send a file (or bytes) to the session workspace; returns its name there.
 
         The data streams in chunks with a checksum checked on the board;
-        ``progress(sent_bytes, total_bytes)`` is called after every chunk.
+        ``progress(sent_bytes, total_bytes)`` is called with 0 once the transfer
+        has begun, then after every chunk.
 
         >>> sess.upload("net.so", progress=lambda done, total: None)   # doctest: +SKIP
         'net.so'
@@ -212,6 +215,10 @@ class Session:
 
         def send(fs):
             fs.send_prefix(pb.DataFrame(op="upload", name=target, size=total), total)
+            # A bar shows at once, not only after the first chunk: on a slow link
+            # or a busy board that chunk alone can take a while.
+            if progress is not None:
+                progress(0, total)
             if data is not None:
                 checksum = send_array_chunks(fs, np.frombuffer(data, np.uint8), progress)
             else:
@@ -340,7 +347,8 @@ class Session:
         self._closed = True
         confirmed = False
         try:
-            self._stub.CloseSession(pb.SessionRef(session_id=self.session_id), timeout=30.0)
+            self._stub.CloseSession(pb.SessionRef(session_id=self.session_id),
+                                    timeout=self._close_timeout())
             confirmed = True
         except grpc.RpcError:
             pass  # the device is gone or already ended the session
@@ -353,6 +361,13 @@ class Session:
             # the next client while this session is still being torn down.
             if not confirmed and self._on_close is not None:
                 self._on_close()
+
+    def _close_timeout(self) -> Optional[float]:
+        """How long the board may take to end the session: as long as any call may,
+        and never under half a minute. Giving up sooner returns the lease from here
+        while a slow board (emulated, or loaded) is still tearing the session down,
+        and the next client it goes to would find it busy."""
+        return None if self.timeout is None else max(CLOSE_TIMEOUT_S, self.timeout)
 
     def __enter__(self) -> "Session":
         return self

@@ -109,12 +109,18 @@ class TrackerClient:
     def request(self, key: str, priority: int = 0, timeout: Optional[float] = None,
                 session_timeout: float = 0.0, wait_for_key: bool = False,
                 filters: Optional[Dict[str, str]] = None,
-                client: Optional[str] = None) -> Session:
+                client: Optional[str] = None,
+                call_timeout: Optional[float] = 30.0) -> Session:
         """Lease a device of ``key`` and open a session on it.
 
         Blocks until a device is free (``timeout`` seconds at most; ``None``
         waits without limit) and raises ``RequestTimeout`` past it. A key no
         device serves raises ``NoSuchKey`` at once unless ``wait_for_key``.
+        ``call_timeout`` is how long any one call in the session (opening it
+        included) may take on the board; give slow boards more.
+
+        >>> with tracker.request("qemu-arm64", call_timeout=300) as sess:   # doctest: +SKIP
+        ...     sess.upload("net.so")
         """
         client = client or default_client_name()
         lease = self.lease(key, priority=priority, timeout=timeout, wait_for_key=wait_for_key,
@@ -127,7 +133,8 @@ class TrackerClient:
                 pass  # the device server releases it too, and the tracker expires it
 
         return Session(lease.address, lease_token=lease.token, session_timeout=session_timeout,
-                       client=client, on_close=give_back, tls_ca=self.tls_ca)
+                       client=client, timeout=call_timeout, on_close=give_back,
+                       tls_ca=self.tls_ca)
 
     def summary(self) -> dict:
         """Devices, per-key counts and waiting requests, as plain data (JSON-ready).
