@@ -127,7 +127,10 @@ class TrackerService:
                                             request.client or context.peer(), self._clock(),
                                             dict(request.filters)))
             self._dispatch_locked()
-        context.add_callback(waiter.event.set)  # the client went away: stop waiting
+        # The client went away: stop waiting. add_callback returns False when the
+        # call has already ended, and then the callback would never run.
+        if not context.add_callback(waiter.event.set):
+            waiter.event.set()
         timeout = request.timeout_s if request.timeout_s > 0 else None
         waiter.event.wait(timeout)
         with self._lock:
