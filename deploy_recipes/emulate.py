@@ -25,12 +25,13 @@ import re
 import select
 import shlex
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 
-from deploy_recipes.devicecode import copy_device_files
+from deploy_recipes.devicecode import PROJECT_ROOT, copy_device_files
 from remote.errors import TetherError
 
 RELEASES = ("bullseye", "bookworm", "trixie")
@@ -53,6 +54,18 @@ GUEST_FIXES = {
 # Where the fix libraries (and a copy of their source) live inside the root filesystem.
 FIX_DIR = "/usr/local/lib/tether"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
+# Debian mirrors now and then serve a half-synced index ("Packages.gz was
+# corrupt") or stop answering for a while; a later attempt usually gets through.
+# debootstrap cannot resume, so each attempt starts from an empty folder.
+MIRROR_ATTEMPTS = 3
+MIRROR_RETRY_DELAY_S = 15.0  # times the attempt number
+# What debootstrap prints when the mirror, not this machine, is at fault, most
+# telling first (wget timeouts end as "Failed getting release file" or "Couldn't
+# download").
+MIRROR_FAILURES = ("was corrupt", "Failed getting release", "Couldn't download",
+                   "Error executing gpgv to check Release signature", "Invalid Release file")
+# wget's own defaults wait 15 minutes for a silent mirror and try 20 times.
+WGET_SETTINGS = "timeout = 60\ntries = 2\n"
 STARTUP_TIMEOUT_S = 180.0
 # Where the device-side code lives inside the root filesystem.
 CODE_DIR = "/opt/tether"
@@ -78,6 +91,16 @@ Progress = Optional[Callable[[str], None]]
 
 class EmulationError(TetherError):
     """The emulated board cannot be built or started; the message says what to do."""
+
+
+class MirrorError(EmulationError):
+    """The Debian mirror served a broken index or did not answer, attempt after attempt."""
+
+
+class _CommandFailed(EmulationError):
+    def __init__(self, message: str, output: str):
+        super().__init__(message)
+        self.output = output
 
 
 def cache_dir() -> str:
@@ -136,12 +159,13 @@ def debian_mirror() -> str:
     return DEFAULT_MIRROR
 
 
-def _run(argv: Sequence[str], what: str, cwd: Optional[str] = None):
-    proc = subprocess.run(list(argv), cwd=cwd, stdout=subprocess.PIPE,
+def _run(argv: Sequence[str], what: str, cwd: Optional[str] = None,
+         env: Optional[Dict[str, str]] = None):
+    proc = subprocess.run(list(argv), cwd=cwd, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, universal_newlines=True)
     if proc.returncode != 0:
         tail = "\n".join(proc.stdout.splitlines()[-15:])
-        raise EmulationError(f"{what} failed (exit {proc.returncode}):\n{tail}")
+        raise _CommandFailed(f"{what} failed (exit {proc.returncode}):\n{tail}", proc.stdout)
     return proc.stdout
 
 
@@ -171,8 +195,12 @@ def guest_python(root: str) -> str:
 
 
 def build_rootfs(release: str, arch: str, progress: Progress = None,
-                 mirror: Optional[str] = None) -> str:
+                 mirror: Optional[str] = None, attempts: int = MIRROR_ATTEMPTS,
+                 retry_delay_s: float = MIRROR_RETRY_DELAY_S) -> str:
     """Build (once) and return the root filesystem for ``release``/``arch``.
+
+    A download the mirror spoils is tried ``attempts`` times in all, waiting
+    ``retry_delay_s`` times the attempt number in between; then MirrorError.
 
     >>> build_rootfs("bookworm", "arm64")          # doctest: +SKIP
     '/home/me/.cache/tether/rootfs/bookworm-arm64'
@@ -191,16 +219,8 @@ def build_rootfs(release: str, arch: str, progress: Progress = None,
     with open(root + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not _current(marker):
-            work = tempfile.mkdtemp(prefix=f".{release}-{arch}-", dir=os.path.dirname(root))
-            os.chmod(work, 0o755)
-            try:
-                _build_into(work, release, spec, progress, mirror or debian_mirror())
-                if os.path.isdir(root):
-                    shutil.rmtree(root)
-                os.rename(work, root)
-            except BaseException:
-                shutil.rmtree(work, ignore_errors=True)
-                raise
+            _build_with_retries(root, release, spec, progress, mirror or debian_mirror(),
+                                attempts, retry_delay_s)
         if not _fixes_current(root, release, arch):
             _install_fixes(root, release, spec, progress)
     return root
@@ -287,6 +307,57 @@ def _install_fixes(root: str, release: str, arch: Arch, progress: Progress):
         os.unlink(preload)
 
 
+def _build_with_retries(root: str, release: str, arch: Arch, progress: Progress, mirror: str,
+                        attempts: int, retry_delay_s: float):
+    """Build in a fresh hidden folder next to ``root`` and move it there once complete."""
+    say = progress or (lambda _msg: None)
+    for attempt in range(1, attempts + 1):
+        work = tempfile.mkdtemp(prefix=f".{release}-{arch.debian}-", dir=os.path.dirname(root))
+        os.chmod(work, 0o755)
+        try:
+            _build_into(work, release, arch, progress, mirror)
+        except _CommandFailed as exc:
+            shutil.rmtree(work, ignore_errors=True)
+            spoiled = [line.strip() for line in exc.output.splitlines()
+                       if any(sign in line for sign in MIRROR_FAILURES)]
+            if not spoiled:
+                raise
+            if attempt == attempts:
+                said = "\n".join(dict.fromkeys(spoiled))
+                raise MirrorError(
+                    f"could not download Debian {release} {arch.debian} from the mirror {mirror} "
+                    f"({attempts} attempts): it served a broken index or did not answer. "
+                    f"debootstrap said:\n{said}\nTry again later, or choose another mirror: "
+                    f"TETHER_DEBIAN_MIRROR=http://ftp.de.debian.org/debian (any of "
+                    f"https://www.debian.org/mirror/list)") from None
+            wait_s = retry_delay_s * attempt
+            worst = next(line for sign in MIRROR_FAILURES for line in spoiled if sign in line)
+            say(f"the mirror {mirror} failed ({worst}); trying again in {wait_s:g} s "
+                f"({attempt + 1} of {attempts})")
+            time.sleep(wait_s)
+            continue
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+        if os.path.isdir(root):
+            shutil.rmtree(root)
+        os.rename(work, root)
+        return
+
+
+def _wget_settings(path: str) -> str:
+    """A wgetrc with the user's own settings (proxies, certificates) plus WGET_SETTINGS."""
+    own = os.environ.get("WGETRC") or os.path.join(os.path.expanduser("~"), ".wgetrc")
+    try:
+        with open(own, encoding="utf-8", errors="replace") as f:
+            text = f.read().rstrip("\n") + "\n"
+    except OSError:
+        text = ""
+    with open(path, "w") as f:
+        f.write(text + WGET_SETTINGS)  # later lines win
+    return path
+
+
 def _build_into(work: str, release: str, arch: Arch, progress: Progress, mirror: str):
     say = progress or (lambda _msg: None)
     say(f"downloading Debian {release} {arch.debian} packages from {mirror}")
@@ -296,7 +367,11 @@ def _build_into(work: str, release: str, arch: Arch, progress: Progress, mirror:
         argv.insert(0, "fakeroot")
     env_path = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
     argv[argv.index("debootstrap")] = shutil.which("debootstrap", path=env_path) or "debootstrap"
-    _run(argv, f"debootstrap of {release} {arch.debian}")
+    wgetrc = _wget_settings(work + ".wgetrc")
+    try:
+        _run(argv, f"debootstrap of {release} {arch.debian}", env={**os.environ, "WGETRC": wgetrc})
+    finally:
+        os.unlink(wgetrc)
     # The second stage would run maintainer scripts under emulation (minutes);
     # unpacking is all a Python runtime needs.
     debs = sorted(glob.glob(os.path.join(work, "var", "cache", "apt", "archives", "*.deb")))
@@ -352,6 +427,7 @@ class EmulatedBoard:
         self.root: Optional[str] = None
         self.log_path: Optional[str] = None
         self._log = None
+        self._log_dir: Optional[str] = None  # made by start(), removed by stop()
 
     def prepare(self) -> List[str]:
         """Build the root filesystem if needed, refresh the device code; the python argv."""
@@ -380,33 +456,66 @@ class EmulatedBoard:
     def start(self, tracker: Optional[str] = None, key: Optional[str] = None,
               host: str = "127.0.0.1", port: int = 0, extra: Sequence[str] = (),
               log_path: Optional[str] = None, timeout: float = STARTUP_TIMEOUT_S) -> int:
-        """Start the server; returns its port once it listens."""
+        """Start the server; returns its port once it listens.
+
+        Without ``log_path`` the log goes to a temporary folder that ``stop()``
+        removes, unless the server failed: then the error names the log, kept.
+        """
         args = ["-m", "remote.server", "--host", host, "--port", str(port)]
         if tracker:
             args += ["--tracker", tracker, "--key", key or f"qemu-{self.arch}"]
         argv = self.command(args + list(extra))
-        self.log_path = log_path or os.path.join(
-            tempfile.mkdtemp(prefix="tether-emulate-"), "server.log")
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self._log,
-                                     env=self.environment(), cwd=self.code_dir,
-                                     start_new_session=True)
-        self.port = self._read_port(timeout)
+        if log_path is None:
+            self._log_dir = tempfile.mkdtemp(prefix="tether-emulate-")
+            log_path = os.path.join(self._log_dir, "server.log")
+        self.log_path = log_path
+        try:
+            self._log = open(self.log_path, "wb")
+            self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self._log,
+                                         env=self.environment(), cwd=self.code_dir,
+                                         start_new_session=True)
+            self.port = self._read_port(timeout)
+        except BaseException as exc:
+            self.stop(keep_log=isinstance(exc, EmulationError))
+            raise
         return self.port
 
     def _read_port(self, timeout: float) -> int:
+        """The port of the server's "listening on HOST:PORT" line; fails as soon as it exits."""
         deadline = time.monotonic() + timeout
-        line = b""
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            ready, _, _ = select.select([self.proc.stdout], [], [], 0.5)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise EmulationError(
+                    f"the emulated {self.release} {self.arch} server is running but did not "
+                    f"start listening within {timeout:g} s (is the machine overloaded?); its "
+                    f"log {self.log_path} ends:\n{self.log_tail()}")
+            ready, _, _ = select.select([self.proc.stdout], [], [], min(left, 0.5))
             if ready:
                 line = self.proc.stdout.readline()
+                if b"listening on" in line:
+                    return int(line.split(b"listening on", 1)[1].split()[0].rsplit(b":", 1)[1])
+                if not line:  # end of output: the server is exiting
+                    break
+            elif self.proc.poll() is not None:
                 break
-        if b"listening on" not in line:
-            self.stop()
-            raise EmulationError(f"emulated {self.release} {self.arch} server did not start "
-                                 f"within {timeout:g} s:\n{self.log_tail()}")
-        return int(line.split(b"listening on", 1)[1].split()[0].rsplit(b":", 1)[1])
+        try:
+            ended = f"exited with code {self.proc.wait(10)}"
+        except subprocess.TimeoutExpired:
+            ended = "closed its output"
+        raise EmulationError(
+            f"the emulated {self.release} {self.arch} server {ended} before it was "
+            f"listening; its log {self.log_path} ends:\n{self.log_tail()}\n{self._advice()}")
+
+    def _advice(self) -> str:
+        tail = self.log_tail()
+        if "ImportError" in tail or "ModuleNotFoundError" in tail:
+            return (f"A module failed to import on the board. Files under {self.code_dir} are "
+                    f"tether's device-side files, copied from {PROJECT_ROOT}; the rest is "
+                    f"Debian {self.release}'s in {self.root}. If the failing file is under "
+                    f"{self.code_dir}, this tether install is broken: reinstall or upgrade "
+                    f"tether. Otherwise delete {self.root} so that it is built again.")
+        return "Fix what the log names, then start the board again."
 
     def log_tail(self, lines: int = 20) -> str:
         if not self.log_path:
@@ -419,21 +528,27 @@ class EmulatedBoard:
     def wait(self) -> int:
         return self.proc.wait()
 
-    def stop(self):
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc.stdout:
-            self.proc.stdout.close()
+    def stop(self, keep_log: bool = False):
+        """Stop the server and whatever it started; remove the log folder ``start()`` made
+        unless ``keep_log``."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.terminate()  # the server stops its module workers itself
+                try:
+                    self.proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    # Its workers (each a qemu of its own) share its process group, whose
+                    # id stays reserved until the server is reaped: kill them all with it.
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                    self.proc.wait()
+            if self.proc.stdout:
+                self.proc.stdout.close()
         if self._log:
             self._log.close()
             self._log = None
+        if self._log_dir and not keep_log:
+            shutil.rmtree(self._log_dir, ignore_errors=True)
+            self._log_dir = None
 
     def __enter__(self) -> "EmulatedBoard":
         return self
@@ -443,8 +558,8 @@ class EmulatedBoard:
 
 
 def run_emulated_board(args) -> int:
-    """``tether emulate``: build if needed, then serve until SIGINT/SIGTERM."""
-    import signal
+    """``tether emulate``: build if needed, then serve until Ctrl-C (or SIGTERM, which
+    the command line turns into KeyboardInterrupt too)."""
     import sys
 
     def say(msg):
@@ -457,21 +572,22 @@ def run_emulated_board(args) -> int:
         raise ValueError("--tracker HOST:PORT is needed (or set TETHER_TRACKER)")
     board = EmulatedBoard(args.release, args.arch, progress=say)
     key = args.key or f"qemu-{args.arch}"
-    stop = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.append(True))
     port = board.start(args.tracker, key, host=args.host, port=args.port)
-    print(f"emulated {args.release} {args.arch} board listening on {args.host}:{port} "
-          f"(registered with {args.tracker} as {key}; log {board.log_path})", flush=True)
+    exited = False
     try:
-        while not stop and board.proc.poll() is None:
-            time.sleep(0.2)
+        print(f"emulated {args.release} {args.arch} board listening on {args.host}:{port} "
+              f"(registered with {args.tracker} as {key}; log {board.log_path})", flush=True)
+        code = board.wait()
+        exited = True
+    except KeyboardInterrupt:
+        return 0
     finally:
-        code = board.proc.poll()
-        board.stop()
-    if code is not None and not stop:
-        raise EmulationError(f"the emulated server exited with {code}:\n{board.log_tail()}")
-    return 0
+        # A second Ctrl-C must not cut the cleanup short and leave qemu running.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        board.stop(keep_log=exited)
+    raise EmulationError(f"the emulated server exited with {code}; its log {board.log_path} "
+                         f"ends:\n{board.log_tail()}")
 
 
 def qemu_version(arch: str) -> tuple:

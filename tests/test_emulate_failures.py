@@ -1,0 +1,106 @@
+"""Emulated boards that cannot come up say why, at once: a server that exits while
+starting, and a Debian mirror that serves a broken index."""
+import glob
+import http.server
+import os
+import threading
+
+import pytest
+
+from deploy_recipes import emulate
+from tests.cli_processes import skip_without_emulation_tools
+
+
+@pytest.mark.emulated
+@pytest.mark.bookworm_arm64
+def test_a_server_that_exits_while_starting_is_reported_at_once_with_its_log():
+    skip_without_emulation_tools("arm64", "bookworm")
+    emulate.build_rootfs("bookworm", "arm64")
+    board = emulate.EmulatedBoard("bookworm", "arm64")
+    with pytest.raises(emulate.EmulationError) as failure:
+        board.start(extra=["--no-such-option"])
+    message = str(failure.value)
+    # Not the startup timeout: the exit was noticed.
+    assert "exited with code 2 before it was listening" in message
+    assert "unrecognized arguments: --no-such-option" in message
+    # The log is kept for the reader of the error, and named there.
+    assert board.log_path in message and os.path.isfile(board.log_path)
+    os.unlink(board.log_path)
+    os.rmdir(os.path.dirname(board.log_path))
+
+
+def _signed_index(release):
+    """A Release index signed by Debian, from this host's apt lists or a root filesystem
+    built before; None when there is none."""
+    pattern = f"var/lib/apt/lists/*_debian_dists_{release}_InRelease"
+    found = sorted(glob.glob("/" + pattern) + glob.glob(os.path.join(
+        emulate.cache_dir(), "rootfs", f"{release}-*", pattern)))
+    return found[0] if found else None
+
+
+class BrokenMirror(http.server.ThreadingHTTPServer):
+    """A Debian mirror on 127.0.0.1 serving ``index`` as dists/RELEASE/InRelease and
+    garbage for every other file; counts the index requests."""
+
+    def __init__(self, index: bytes):
+        self.index = index
+        self.index_requests = 0
+        super().__init__(("127.0.0.1", 0), _BrokenMirrorHandler)
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.server_address[1]}/debian"
+
+
+class _BrokenMirrorHandler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        if self.path.endswith("/InRelease"):
+            self.server.index_requests += 1
+            body = self.server.index
+        else:
+            body = b"not what the index promised\n"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("index", ["empty", "signed, with corrupt Packages"])
+def test_a_broken_mirror_is_retried_then_named_with_the_way_to_choose_another(
+        index, tmp_path, monkeypatch):
+    missing = [pkg for pkg in emulate.missing_tools("arm64", "bookworm")
+               if pkg in ("debootstrap", "fakeroot")]
+    if missing:
+        pytest.skip(f"building root filesystems needs: apt-get install {' '.join(missing)}")
+    if index == "empty":
+        served = b""
+    else:
+        signed = _signed_index("bookworm")
+        if signed is None:
+            pytest.skip("no Debian-signed bookworm InRelease on this host (apt lists or a "
+                        "built root filesystem) to serve next to corrupt Packages files")
+        with open(signed, "rb") as f:
+            served = f.read()
+    mirror = BrokenMirror(served)
+    thread = threading.Thread(target=mirror.serve_forever, daemon=True)
+    thread.start()
+    monkeypatch.setenv("TETHER_CACHE", str(tmp_path))
+    monkeypatch.setenv("TETHER_DEBIAN_MIRROR", mirror.url)
+    said = []
+    try:
+        with pytest.raises(emulate.MirrorError) as failure:
+            emulate.build_rootfs("bookworm", "arm64", progress=said.append, retry_delay_s=0.05)
+    finally:
+        mirror.shutdown()
+        mirror.server_close()
+    message = str(failure.value)
+    assert mirror.url in message and "TETHER_DEBIAN_MIRROR" in message
+    if index != "empty":
+        assert "was corrupt" in message
+    assert mirror.index_requests == emulate.MIRROR_ATTEMPTS > 1
+    assert sum("trying again" in line for line in said) == emulate.MIRROR_ATTEMPTS - 1
+    # Every attempt's partial download is gone; only the build lock remains.
+    assert os.listdir(tmp_path / "rootfs") == ["bookworm-arm64.lock"]
