@@ -8,7 +8,9 @@ installed, and prints the latency measured on the device.
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
+import sys
 import tempfile
 import time
 
@@ -56,13 +58,29 @@ def _progress_bar(label):
 
 
 def run_demo(key: str = "local", runs: int = 20) -> int:
-    import onnx
-
-    import crosscompile
-    from remote import rpc
     from remote.cli.localfarm import LocalFarm
 
     workdir = tempfile.mkdtemp(prefix="tether-demo-")
+    try:
+        model_path, so_path = _compile(workdir)
+        farm = LocalFarm(keys=[key])
+        try:
+            with farm:
+                _run_on_the_board(farm, key, model_path, so_path, runs)
+        except Exception:
+            print(f"the local farm's logs are kept in {farm.log_dir}", file=sys.stderr)
+            raise
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print("\ndemo finished: the farm is stopped.")
+    return 0
+
+
+def _compile(workdir):
+    import onnx
+
+    import crosscompile
+
     model_path = os.path.join(workdir, "mlp.onnx")
     onnx.save(demo_model(), model_path)
     print(f"1. model: {model_path} (MLP {'-'.join(map(str, DEMO_LAYERS))}, softmax output)")
@@ -74,44 +92,50 @@ def run_demo(key: str = "local", runs: int = 20) -> int:
     target = lib.metadata["target"]
     print(f"2. compiled for {target['name']} ({target['triple']}, cpu {target['cpu']}) in "
           f"{time.perf_counter() - start:.2f} s -> {so_path} ({os.path.getsize(so_path)} bytes)")
+    return model_path, so_path
+
+
+def _run_on_the_board(farm, key, model_path, so_path, runs):
+    from remote import rpc
 
     x = np.random.default_rng(0).standard_normal((1, 1, 28, 28)).astype(np.float32)
-    with LocalFarm(keys=[key]) as farm:
-        host, port = farm.tracker
-        print(f"3. local farm: tracker on {host}:{port}, one device server with key {key!r}")
-        tracker = rpc.connect_tracker(host, port)
-        print("\n" + tracker.text_summary() + "\n")
-        with tracker.request(key, timeout=30) as sess:
-            info = sess.device_info()
-            print(f"4. leased a {info['machine']} board ({info['cpu_model']}, {info['cores']} "
-                  f"cores, {info['os']})")
-            sess.upload(so_path, progress=_progress_bar("upload mlp.so"))
-            mod = sess.load_module("mlp.so")
-            print(f"   loaded on the device in {mod.load_s * 1e3:.2f} ms")
-            (probs,) = mod.run({"input": x})
-            top = np.argsort(probs[0])[::-1][:3]
-            print("5. output: top-3 classes " +
-                  ", ".join(f"{c} ({probs[0][c]:.3f})" for c in top))
-            _compare_with_onnxruntime(model_path, x, probs)
-            round_trip_ms = []
-            for _ in range(runs):
-                t0 = time.perf_counter()
-                mod.run({"input": x})
-                round_trip_ms.append((time.perf_counter() - t0) * 1e3)
-            res = mod.benchmark(number=100, repeat=runs)  # the timing loop runs on the board
-            print(f"6. latency on the device over {runs} repeats of 100 runs: median "
-                  f"{res.median * 1e3:.4f} ms, p99 {res.p99 * 1e3:.4f} ms; one inference "
-                  f"round trip from here: median {statistics.median(round_trip_ms):.3f} ms")
-        print("\n" + tracker.text_summary())
-        tracker.close()
-    print("\ndemo finished: the farm is stopped.")
-    return 0
+    host, port = farm.tracker
+    print(f"3. local farm: tracker on {host}:{port}, one device server with key {key!r}")
+    tracker = rpc.connect_tracker(host, port)
+    print("\n" + tracker.text_summary() + "\n")
+    with tracker.request(key, timeout=30) as sess:
+        info = sess.device_info()
+        print(f"4. leased a {info['machine']} board ({info['cpu_model']}, {info['cores']} "
+              f"cores, {info['os']})")
+        sess.upload(so_path, progress=_progress_bar("upload mlp.so"))
+        mod = sess.load_module("mlp.so")
+        print(f"   loaded on the device in {mod.load_s * 1e3:.2f} ms")
+        (probs,) = mod.run({"input": x})
+        top = np.argsort(probs[0])[::-1][:3]
+        print("5. output: top-3 classes " +
+              ", ".join(f"{c} ({probs[0][c]:.3f})" for c in top))
+        _compare_with_onnxruntime(model_path, x, probs)
+        round_trip_ms = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            mod.run({"input": x})
+            round_trip_ms.append((time.perf_counter() - t0) * 1e3)
+        res = mod.benchmark(number=100, repeat=runs)  # the timing loop runs on the board
+        print(f"6. latency on the device over {runs} repeats of 100 runs: median "
+              f"{res.median * 1e3:.4f} ms, p99 {res.p99 * 1e3:.4f} ms; one inference "
+              f"round trip from here: median {statistics.median(round_trip_ms):.3f} ms")
+    print("\n" + tracker.text_summary())
+    tracker.close()
 
 
 def _compare_with_onnxruntime(model_path, x, probs):
     try:
         import onnxruntime as ort
-    except ImportError:
+    except ImportError as exc:
+        # onnxruntime's extension module turns a Ctrl-C during its import into an
+        # ImportError caused by the KeyboardInterrupt: that is no missing package.
+        if isinstance(exc.__cause__ or exc.__context__, KeyboardInterrupt):
+            raise KeyboardInterrupt from None
         print("   (onnxruntime not installed: skipped the reference check)")
         return
     ref = ort.InferenceSession(model_path, providers=["CPUExecutionProvider"]).run(

@@ -2,11 +2,16 @@
 
     >>> with LocalFarm(keys=["local"]) as farm:              # doctest: +SKIP
     ...     sess = rpc.connect_tracker(*farm.tracker).request("local")
+
+The children's logs live in a temporary folder (``farm.log_dir``) that stopping
+the farm removes, unless the ``with`` block ends with an error: then the folder
+is kept for the person reading that error.
 """
 from __future__ import annotations
 
 import os
 import select
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -46,7 +51,8 @@ class Child:
                 break
         if b"listening on" not in line:
             self.stop()
-            raise ProcessStartError(f"{self.name} did not start: {self.log_tail()}")
+            raise ProcessStartError(f"{self.name} did not start (log {self.log_path}): "
+                                    f"{self.log_tail()}")
         return int(line.split(b"listening on", 1)[1].split()[0].rsplit(b":", 1)[1])
 
     def log_text(self) -> str:
@@ -153,18 +159,22 @@ class LocalFarm:
         raise ProcessStartError(f"{count} device(s) of key {key!r} did not register within "
                                 f"{timeout:g} s; server logs in {self.log_dir}")
 
-    def stop(self):
+    def stop(self, keep_logs: bool = False):
+        """Stop every child; remove the log folder unless ``keep_logs``."""
         for child in self.servers:
             child.stop()
         if self.tracker_proc is not None:
             self.tracker_proc.stop()
+        if not keep_logs:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
     def __enter__(self) -> "LocalFarm":
         try:
             return self.start()
-        except BaseException:
-            self.stop()
+        except BaseException as exc:
+            self.stop(keep_logs=isinstance(exc, Exception))
             raise
 
-    def __exit__(self, *exc):
-        self.stop()
+    def __exit__(self, exc_type, exc, tb):
+        # Ctrl-C (KeyboardInterrupt) is no failure to investigate: nothing is kept.
+        self.stop(keep_logs=exc_type is not None and issubclass(exc_type, Exception))

@@ -2,6 +2,7 @@
 or a module file that was built before (``tether compile``)."""
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
 import shutil
@@ -73,6 +74,13 @@ def prepare(model: str, target: str, input_shapes=None, tuned: bool = True) -> M
         lib = crosscompile.build(model, target=target, input_shapes=input_shapes,
                                  schedules=TuningCache() if tuned else None)
     folder = tempfile.mkdtemp(prefix="tether-module-")
+    # The command removes the folder with ModuleFile.cleanup() when it is done; this
+    # covers a command that fails or is interrupted before it gets there.
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
     out = os.path.join(folder, os.path.splitext(os.path.basename(model))[0] + ".so")
-    lib.export_library(out)
-    return ModuleFile(out, model, "onnx", sha256(model), sha256(out), os.path.getsize(out))
+    try:
+        lib.export_library(out)
+        return ModuleFile(out, model, "onnx", sha256(model), sha256(out), os.path.getsize(out))
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
