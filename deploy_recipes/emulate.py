@@ -58,6 +58,8 @@ DEFAULT_MIRROR = "http://deb.debian.org/debian"
 # corrupt") or stop answering for a while; a later attempt usually gets through.
 # debootstrap cannot resume, so each attempt starts from an empty folder.
 MIRROR_ATTEMPTS = 3
+# Names a Debian mirror also serves releases under (see _build_suites).
+SUITE_ALIASES = ("stable", "oldstable", "oldoldstable", "testing")
 MIRROR_RETRY_DELAY_S = 15.0  # times the attempt number
 # What debootstrap prints when the mirror, not this machine, is at fault, most
 # telling first (wget timeouts end as "Failed getting release file" or "Couldn't
@@ -66,7 +68,9 @@ MIRROR_FAILURES = ("was corrupt", "Failed getting release", "Couldn't download",
                    "Error executing gpgv to check Release signature", "Invalid Release file")
 # wget's own defaults wait 15 minutes for a silent mirror and try 20 times.
 WGET_SETTINGS = "timeout = 60\ntries = 2\n"
-STARTUP_TIMEOUT_S = 180.0
+# Only a hang ends the wait: a server that exits while starting is noticed at
+# once, and a loaded machine may take minutes to start one under emulation.
+STARTUP_TIMEOUT_S = 600.0
 # Where the device-side code lives inside the root filesystem.
 CODE_DIR = "/opt/tether"
 
@@ -312,14 +316,11 @@ def _build_with_retries(root: str, release: str, arch: Arch, progress: Progress,
     """Build in a fresh hidden folder next to ``root`` and move it there once complete."""
     say = progress or (lambda _msg: None)
     for attempt in range(1, attempts + 1):
-        work = tempfile.mkdtemp(prefix=f".{release}-{arch.debian}-", dir=os.path.dirname(root))
-        os.chmod(work, 0o755)
         try:
-            _build_into(work, release, arch, progress, mirror)
+            _build_suites(root, release, arch, progress, mirror)
+            return
         except _CommandFailed as exc:
-            shutil.rmtree(work, ignore_errors=True)
-            spoiled = [line.strip() for line in exc.output.splitlines()
-                       if any(sign in line for sign in MIRROR_FAILURES)]
+            spoiled = _mirror_failures(exc.output)
             if not spoiled:
                 raise
             if attempt == attempts:
@@ -327,22 +328,77 @@ def _build_with_retries(root: str, release: str, arch: Arch, progress: Progress,
                 raise MirrorError(
                     f"could not download Debian {release} {arch.debian} from the mirror {mirror} "
                     f"({attempts} attempts): it served a broken index or did not answer. "
-                    f"debootstrap said:\n{said}\nTry again later, or choose another mirror: "
-                    f"TETHER_DEBIAN_MIRROR=http://ftp.de.debian.org/debian (any of "
-                    f"https://www.debian.org/mirror/list)") from None
+                    f"debootstrap said:\n{said}\nTry again later, or choose another Debian "
+                    f"mirror: TETHER_DEBIAN_MIRROR=http://MIRROR/debian") from None
             wait_s = retry_delay_s * attempt
             worst = next(line for sign in MIRROR_FAILURES for line in spoiled if sign in line)
             say(f"the mirror {mirror} failed ({worst}); trying again in {wait_s:g} s "
                 f"({attempt + 1} of {attempts})")
             time.sleep(wait_s)
-            continue
-        except BaseException:
-            shutil.rmtree(work, ignore_errors=True)
-            raise
-        if os.path.isdir(root):
-            shutil.rmtree(root)
-        os.rename(work, root)
+
+
+def _mirror_failures(output: str) -> List[str]:
+    return [line.strip() for line in output.splitlines()
+            if any(sign in line for sign in MIRROR_FAILURES)]
+
+
+def _build_suites(root: str, release: str, arch: Arch, progress: Progress, mirror: str):
+    """Build ``release`` from the mirror, or from a suite alias of it on the mirror.
+
+    A mirror can hold a release's index files out of step with the Release file
+    that lists their checksums (seen for trixie armhf: "Packages.gz was corrupt"
+    on every try) while its alias ("stable" for trixie) is consistent, signed
+    by Debian as well. Aliases are tried only after the release's own name
+    failed that way.
+    """
+    say = progress or (lambda _msg: None)
+    try:
+        _build_suite(root, release, release, arch, progress, mirror)
         return
+    except _CommandFailed as exc:
+        if not any("was corrupt" in line for line in _mirror_failures(exc.output)):
+            raise
+        aliases = _suite_aliases(mirror, release)
+        if not aliases:
+            raise
+        first_failure = exc
+    for alias in aliases:
+        say(f"the mirror's {release} index does not match its Release file; trying its "
+            f"{alias!r} suite (codename {release})")
+        try:
+            _build_suite(root, alias, release, arch, progress, mirror)
+            return
+        except _CommandFailed:
+            continue
+    raise first_failure
+
+
+def _suite_aliases(mirror: str, release: str) -> List[str]:
+    """The mirror's suite names (stable, oldstable, ...) whose codename is ``release``."""
+    import urllib.request
+    found = []
+    for alias in SUITE_ALIASES:
+        try:
+            with urllib.request.urlopen(f"{mirror}/dists/{alias}/Release", timeout=30) as reply:
+                head = reply.read(4096).decode("utf-8", "replace")
+        except (OSError, ValueError):
+            continue
+        if re.search(rf"^Codename:\s*{re.escape(release)}\s*$", head, re.MULTILINE):
+            found.append(alias)
+    return found
+
+
+def _build_suite(root: str, suite: str, release: str, arch: Arch, progress: Progress, mirror: str):
+    work = tempfile.mkdtemp(prefix=f".{release}-{arch.debian}-", dir=os.path.dirname(root))
+    os.chmod(work, 0o755)
+    try:
+        _build_into(work, suite, release, arch, progress, mirror)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    if os.path.isdir(root):
+        shutil.rmtree(root)
+    os.rename(work, root)
 
 
 def _wget_settings(path: str) -> str:
@@ -358,11 +414,12 @@ def _wget_settings(path: str) -> str:
     return path
 
 
-def _build_into(work: str, release: str, arch: Arch, progress: Progress, mirror: str):
+def _build_into(work: str, suite: str, release: str, arch: Arch, progress: Progress, mirror: str):
     say = progress or (lambda _msg: None)
-    say(f"downloading Debian {release} {arch.debian} packages from {mirror}")
+    named = release if suite == release else f"{release} ({suite})"
+    say(f"downloading Debian {named} {arch.debian} packages from {mirror}")
     argv = ["debootstrap", "--foreign", f"--arch={arch.debian}", "--variant=minbase",
-            f"--include={','.join(PACKAGES + EXTRA_PACKAGES.get(release, ()))}", release, work, mirror]
+            f"--include={','.join(PACKAGES + EXTRA_PACKAGES.get(release, ()))}", suite, work, mirror]
     if os.getuid() != 0:
         argv.insert(0, "fakeroot")
     env_path = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
@@ -382,8 +439,8 @@ def _build_into(work: str, release: str, arch: Arch, progress: Progress, mirror:
     _link_blas(work, arch)
     python = guest_python(work)
     with open(os.path.join(work, ".tether-rootfs.json"), "w") as f:
-        json.dump({"format": ROOTFS_FORMAT, "release": release, "arch": arch.debian, "python": python,
-                   "mirror": mirror, "built": time.time()}, f)
+        json.dump({"format": ROOTFS_FORMAT, "release": release, "suite": suite, "arch": arch.debian,
+                   "python": python, "mirror": mirror, "built": time.time()}, f)
     say(f"root filesystem ready ({python})")
 
 

@@ -9,6 +9,7 @@ Shared by tests/test_emulate.py and tests/test_zoo_emulated.py:
 """
 import contextlib
 import os
+import time
 
 import pytest
 
@@ -24,6 +25,20 @@ def skip_without_tools():
     missing = sorted({pkg for arch in emulate.ARCHES for pkg in emulate.missing_tools(arch)})
     if missing:
         pytest.skip(f"emulated ARM boards need Debian packages: apt-get install {' '.join(missing)}")
+
+
+HANG_S = 600.0
+
+
+def _wait_registered(farm, board, key):
+    deadline = time.monotonic() + HANG_S
+    with farm.client() as client:
+        while not any(k["key"] == key and k["total"] for k in client.summary()["keys"]):
+            if board.proc.poll() is not None:
+                raise AssertionError(f"the emulated board {key} exited with code {board.proc.returncode} "
+                                     f"before registering; its log ends:\n{board.log_tail()}")
+            assert time.monotonic() < deadline, f"the emulated board {key} did not register (hung?)"
+            time.sleep(0.1)
 
 
 def local_farm():
@@ -42,10 +57,12 @@ def running_board(farm, release: str, arch: str, key: str, extra=()):
     """
     b = emulate.EmulatedBoard(release, arch)
     b.key = key
+    # Limits that only catch a hang: an emulated board on a loaded machine can
+    # take minutes to start, and one that dies is noticed at once.
     b.start(tracker=f"127.0.0.1:{farm.tracker[1]}", key=key, extra=extra,
-            log_path=os.path.join(farm.log_dir, f"{key}.log"))
+            log_path=os.path.join(farm.log_dir, f"{key}.log"), timeout=HANG_S)
     try:
-        farm.wait_for_devices(key, 1, timeout=120)
+        _wait_registered(farm, b, key)
         yield b
     finally:
         b.stop()
