@@ -5,7 +5,7 @@
 For each model (default: SqueezeNet and ResNet-50 of the onnx package's
 light zoo, random parameters, one 1x3x224x224 image), every GEMM
 convolution shape is tuned on a host board of a local farm (a real tracker
-and device server; `crosscompile.tuning.tune` through a Session), then the
+and device server; `remote.client.tuning.tune` through a Session), then the
 whole model is timed three ways in this process: built with the default
 tiles, built with the tuned ones, and onnxruntime, on each of --threads.
 The three run in turn, one call each per turn, so that load from other work
@@ -28,8 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import crosscompile  # noqa: E402
 import minirt  # noqa: E402
-from crosscompile import tuning  # noqa: E402
+from crosscompile.tuning import TuningCache  # noqa: E402
 from remote import rpc  # noqa: E402
+from remote.client import tuning  # noqa: E402
 from remote.cli.localfarm import LocalFarm  # noqa: E402
 from tests.onnx_models import zoo_input, zoo_model  # noqa: E402
 
@@ -78,7 +79,7 @@ def main() -> int:
     thread_counts = [int(t) for t in args.threads.split(",")]
 
     cache_dir = args.cache or tempfile.mkdtemp(prefix="tether-bench-tuning-")
-    cache = tuning.TuningCache(cache_dir)
+    cache = TuningCache(cache_dir)
     env = {**os.environ, "PYTHONPATH": ROOT}
     folder = tempfile.mkdtemp(prefix="tether-bench-tuning-")
     results = []

@@ -3,8 +3,8 @@
 By default a convolution gets default_tile(target, shape): gemm.tile_for's
 tile, transposed for convolutions that read windows. A schedule table maps
 a convolution's shape (ConvShape.key) to a tile measured faster for it
-(crosscompile.tuning finds and caches those); build() looks every GEMM
-convolution up there and falls back to the default.
+(`tether tune` measures them, crosscompile.tuning caches them); build()
+looks every GEMM convolution up there and falls back to the default.
 
 Plain data and functions only: no files, clocks or boards here.
 

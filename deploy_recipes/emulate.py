@@ -32,6 +32,7 @@ import time
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 
 from deploy_recipes.devicecode import PROJECT_ROOT, copy_device_files
+from remote.defaults import cache_dir
 from remote.errors import TetherError
 
 RELEASES = ("bullseye", "bookworm", "trixie")
@@ -105,12 +106,6 @@ class _CommandFailed(EmulationError):
     def __init__(self, message: str, output: str):
         super().__init__(message)
         self.output = output
-
-
-def cache_dir() -> str:
-    """``$TETHER_CACHE`` or ``~/.cache/tether``."""
-    return os.environ.get("TETHER_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "tether")
 
 
 def rootfs_path(release: str, arch: str) -> str:

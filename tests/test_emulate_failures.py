@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from deploy_recipes import emulate
+from remote.defaults import cache_dir
 from tests.cli_processes import skip_without_emulation_tools
 
 
@@ -34,7 +35,7 @@ def _signed_index(release):
     built before; None when there is none."""
     pattern = f"var/lib/apt/lists/*_debian_dists_{release}_InRelease"
     found = sorted(glob.glob("/" + pattern) + glob.glob(os.path.join(
-        emulate.cache_dir(), "rootfs", f"{release}-*", pattern)))
+        cache_dir(), "rootfs", f"{release}-*", pattern)))
     return found[0] if found else None
 
 

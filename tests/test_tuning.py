@@ -20,6 +20,7 @@ from crosscompile.gemm import tile_for
 from crosscompile.schedule import ConvShape, candidate_tiles, default_tile
 from crosscompile.target import resolve_target
 from remote import rpc
+from remote.client.tuning import tune
 from tests.onnx_models import reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,7 +87,7 @@ def tuned(farm, tmp_path_factory):
     """conv_net tuned on the farm's host board into a fresh cache: (result, cache)."""
     cache = tuning.TuningCache(tmp_path_factory.mktemp("tuning"))
     with rpc.connect_tracker(*farm.tracker).request("host", timeout=60) as sess:
-        result = tuning.tune(conv_net(), "host", sess, cache=cache, number=3, repeat=3)
+        result = tune(conv_net(), "host", sess, cache=cache, number=3, repeat=3)
         address = sess.address
     return result, cache, address
 
@@ -121,7 +122,7 @@ def test_tuned_shapes_are_skipped_unless_forced(tuned, farm):
     _, cache, _ = tuned
     before = {k: e["measured"] for k, e in cache.entries(HOST).items()}
     fresh = tuning.TuningCache(cache.directory)  # reads the file again
-    again = tuning.tune(conv_net(), "host", None, cache=fresh, number=1, repeat=1)
+    again = tune(conv_net(), "host", None, cache=fresh, number=1, repeat=1)
     assert all(s.cached for s in again.shapes)
     assert {k: e["measured"] for k, e in fresh.entries(HOST).items()} == before
     assert [s.best for s in again.shapes] == [tuple(cache.entries(HOST)[k]["best"]) for k in SHAPES]
@@ -278,7 +279,7 @@ def test_tether_tune_command_against_a_farm(farm, tmp_path):
 
 def test_tune_for_a_board_target_needs_a_board(tmp_path):
     with pytest.raises(crosscompile.BuildError, match="needs a session on a board"):
-        tuning.tune(conv_net(), "rasp4b64", None, cache=tuning.TuningCache(tmp_path))
+        tune(conv_net(), "rasp4b64", None, cache=tuning.TuningCache(tmp_path))
 
 
 @pytest.mark.emulated
@@ -298,7 +299,7 @@ def test_tuning_on_an_emulated_arm64_board(tmp_path):
     cache = tuning.TuningCache(tmp_path)
     with local_farm() as farm, running_board(farm, "bookworm", "arm64", "tune-arm64"):
         with rpc.connect_tracker(*farm.tracker).request("tune-arm64", timeout=120) as sess:
-            result = tuning.tune(model, target, sess, cache=cache, number=2, repeat=2,
+            result = tune(model, target, sess, cache=cache, number=2, repeat=2,
                                  timeout=120)
             entry = cache.get(target, shape.key)
             assert [s.shape.key for s in result.shapes] == [shape.key]

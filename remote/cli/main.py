@@ -46,8 +46,8 @@ def cmd_compile(args):
             shapes[name] = tuple(int(d) for d in dims.split(","))
         except ValueError:
             raise SystemExit(f"--input-shape {spec!r} must look like name=1,3,224,224")
-    from crosscompile.tuning import TuningCache
-    schedules = None if args.no_tuning else TuningCache()
+    from remote.client.tuning import default_cache
+    schedules = None if args.no_tuning else default_cache()
     lib = crosscompile.build(args.model, target=args.target, input_shapes=shapes or None,
                              schedules=schedules)
     out = args.output or os.path.splitext(os.path.basename(args.model))[0] + ".so"

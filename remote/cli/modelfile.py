@@ -68,11 +68,11 @@ def prepare(model: str, target: str, input_shapes=None, tuned: bool = True) -> M
         raise ValueError(f"{model!r} is neither an .onnx model nor a module (.so, .tar); "
                          "rename it or build it with `tether compile`")
     import crosscompile
-    from crosscompile.tuning import TuningCache
+    from remote.client.tuning import default_cache
 
     with stage(f"compiling {os.path.basename(model)} for {target}"):
         lib = crosscompile.build(model, target=target, input_shapes=input_shapes,
-                                 schedules=TuningCache() if tuned else None)
+                                 schedules=default_cache() if tuned else None)
     folder = tempfile.mkdtemp(prefix="tether-module-")
     # The command removes the folder with ModuleFile.cleanup() when it is done; this
     # covers a command that fails or is interrupted before it gets there.

@@ -28,7 +28,7 @@ def result_rows(result) -> list:
 
 
 def run_tune(args, tracker_address) -> int:
-    from crosscompile import tuning
+    from remote.client import tuning
 
     if args.number < 1 or args.repeat < 1:
         raise ValueError(f"--number ({args.number}) and --repeat ({args.repeat}) must be at "
