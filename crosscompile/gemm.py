@@ -123,7 +123,7 @@ def emit_gemm(k: Kernel, tile: GemmTile, m: int, kdim: int, n: int,
     With b_offsets (an i32 pointer to kdim offsets), B[p, j] is instead
     b_ptr[b_base + b_offsets[p] + j]: every row of B is a window of one
     buffer (ldb unused), which lets a convolution read its input in place
-    of an im2col copy (see direct_taps).
+    of an im2col copy (see _direct_plan).
     """
     full_m, tail_m = divmod(m, tile.mr)
     full_n, tail_n = divmod(n, tile.nr)

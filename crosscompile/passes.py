@@ -273,11 +273,6 @@ def fuse_residual_add(graph: Graph) -> Graph:
     return eliminate_dead_code(replace(graph, nodes=nodes))
 
 
-def optimize(graph: Graph) -> Graph:
-    """The standard pipeline: dead code, BatchNorm and affine folding, fusion."""
-    return fuse_elementwise(fold_channel_affine(fold_batchnorm(eliminate_dead_code(graph))))
-
-
 @dataclass(frozen=True)
 class Location:
     """Where a tensor's data lives at run time.

@@ -640,14 +640,3 @@ def run_emulated_board(args) -> int:
         board.stop(keep_log=exited)
     raise EmulationError(f"the emulated server exited with {code}; its log {board.log_path} "
                          f"ends:\n{board.log_tail()}")
-
-
-def qemu_version(arch: str) -> tuple:
-    """(major, minor) of the host's qemu user-mode emulator for ``arch``; (0, 0) if absent."""
-    try:
-        out = subprocess.run([ARCHES[arch].qemu, "--version"], stdout=subprocess.PIPE,
-                             universal_newlines=True).stdout
-    except OSError:
-        return (0, 0)
-    found = re.search(r"version (\d+)\.(\d+)", out)
-    return (int(found.group(1)), int(found.group(2))) if found else (0, 0)

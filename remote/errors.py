@@ -3,7 +3,7 @@
 Device-side and host-side code share it: a server aborts an RPC with
 ``abort(context, SomeError("..."))``; the status code and the class name travel
 to the client (trailing metadata ``tether-error``), where
-``raise_from_rpc`` turns them back into the same class.
+``from_rpc_error`` turns them back into the same class.
 """
 from __future__ import annotations
 

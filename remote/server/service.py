@@ -133,10 +133,6 @@ class DeviceService:
         for session_id in list(self._sessions):
             self._end(session_id, "server stopping")
 
-    @property
-    def busy(self) -> bool:
-        return bool(self._sessions)
-
     # ---------------------------------------------------------- sessions --
     def _session(self, session_id: str) -> Session:
         session = self._sessions.get(session_id)

@@ -253,9 +253,6 @@ class Worker:
                 "(server option --max-upload-bytes)")
 
     # -------------------------------------------------------------- files --
-    def op_ping(self, fs, header):
-        fs.send_raw(_OK)
-
     def op_upload(self, fs, header):
         name = header.name
         partial = None

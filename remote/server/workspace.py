@@ -52,9 +52,6 @@ class Workspace:
         full = self.existing(name)
         os.remove(full)
 
-    def size(self, name: str) -> int:
-        return os.path.getsize(self.path(name))
-
     def listdir(self):
         names = []
         for folder, _, files in os.walk(self.root):
