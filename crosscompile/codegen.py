@@ -47,8 +47,8 @@ def generate(graph: Graph, plan: MemoryPlan, metadata: dict,
     _define_abi_version(module)
     _define_metadata(module, json.dumps(metadata, separators=(",", ":")))
     params: dict = {}
-    _define_run(module, graph, plan, kernels, params, target, parallel=False)
-    _define_run(module, graph, plan, kernels, params, target, parallel=True)
+    _emit_run(module, graph, plan, kernels, params, target, parallel=False)
+    _emit_run(module, graph, plan, kernels, params, target, parallel=True)
     _emit_run(module, graph, plan, kernels, params, target, parallel=False, profiled=True)
     return module
 
@@ -163,12 +163,6 @@ def render(module: ir.Module) -> str:
         if line.startswith('@"param.'):
             lines[pos] = line.replace(" = external constant ", " = external hidden constant ", 1)
     return "\n".join(lines)
-
-
-def _define_run(module: ir.Module, graph: Graph, plan: MemoryPlan, kernels, params: dict,
-                target, parallel: bool) -> None:
-    """tether_run, or with parallel tether_run_parallel (see _emit_run)."""
-    _emit_run(module, graph, plan, kernels, params, target, parallel)
 
 
 def _emit_run(module: ir.Module, graph: Graph, plan: MemoryPlan, kernels, params: dict,

@@ -11,6 +11,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+import crosscompile
+import minirt
+
 OPSET = 13
 # IR version 8 (onnx 1.10) is read by every onnxruntime release the tests meet;
 # onnx.helper would otherwise stamp its newest IR, which older runtimes refuse.
@@ -34,6 +37,17 @@ def make_model(nodes, inputs, outputs, initializers=(), opset: int = OPSET,
     if all(shape is not None for shape in dict(outputs).values()):
         onnx.checker.check_model(model)  # it insists on declared output shapes
     return model
+
+
+def single_op(op_type, inputs, initializers=(), opset=13, **attrs):
+    """A one-node model: runtime inputs {name: shape}, initializers {name: array}."""
+    names = list(dict(inputs)) + list(dict(initializers))
+    node = helper.make_node(op_type, names, ["y"], name=f"the_{op_type.lower()}", **attrs)
+    return make_model([node], inputs, {"y": None}, initializers, opset=opset)
+
+
+def rand(*shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
 def _layer(rng, fan_in: int, fan_out: int):
@@ -96,13 +110,11 @@ def conv_relu_model(x_shape, w_shape, attrs: dict) -> onnx.ModelProto:
     """Conv (with bias) then Relu, random weights scaled by 1/sqrt(fan-in) as
     in trained nets, so the sums stay O(1) and an absolute tolerance fits
     whatever order the reduction takes."""
-    def rand(shape, seed):
-        return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
     nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], **attrs),
              helper.make_node("Relu", ["c"], ["y"])]
-    weight = (rand(tuple(w_shape), 1) / np.sqrt(np.prod(w_shape[1:]))).astype(np.float32)
+    weight = (rand(*w_shape, seed=1) / np.sqrt(np.prod(w_shape[1:]))).astype(np.float32)
     return make_model(nodes, {"x": x_shape}, {"y": None},
-                      {"w": weight, "b": rand((w_shape[0],), 2)})
+                      {"w": weight, "b": rand(w_shape[0], seed=2)})
 
 
 def sample_input(model: onnx.ModelProto, seed: int = 1) -> dict:
@@ -124,6 +136,24 @@ def reference(model: onnx.ModelProto, feeds: dict) -> list:
 
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return session.run(None, feeds)
+
+
+# Small models sum few terms: float32 results stay this close to onnxruntime's.
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def run_host(model, tmp_path, feeds=None, **build_args):
+    """Compile for the host, load with minirt, run, and compare to onnxruntime."""
+    feeds = feeds or sample_input(model)
+    lib = crosscompile.build(model, target="host", **build_args)
+    module = minirt.load(lib.export_library(tmp_path / "m.so"))
+    got = module.run(feeds)
+    want = reference(model, feeds)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
+    return lib
 
 
 # Zoo tolerance: rtol 1e-4 plus atol 1e-5 x the largest reference value. The

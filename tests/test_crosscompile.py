@@ -1,6 +1,5 @@
 """crosscompile: real compiles, checked against onnxruntime."""
 import json
-import os
 import shutil
 import subprocess
 
@@ -11,48 +10,13 @@ from elftools.elf.elffile import ELFFile
 from onnx import TensorProto, helper
 
 import crosscompile
-import minirt
 from crosscompile import BuildError, Target, UnsupportedOpError
 from crosscompile.frontend import import_onnx
 from crosscompile.passes import eliminate_dead_code, plan_memory
 from crosscompile.target import normalize_triple
-from tests.onnx_models import make_model, matmul_mlp, mlp, reference, sample_input
-
-RTOL, ATOL = 1e-5, 1e-6
-ALLOWED_UNDEFINED = {"memcpy", "memset", "memmove"}
-CROSS_TARGETS = {  # preset -> (EI_CLASS, e_machine, hard-float)
-    "rasp3b": ("ELFCLASS32", "EM_ARM", True),
-    "rasp4b": ("ELFCLASS32", "EM_ARM", True),
-    "rasp4b64": ("ELFCLASS64", "EM_AARCH64", None),
-    "rasp5": ("ELFCLASS64", "EM_AARCH64", None),
-    "android-arm64": ("ELFCLASS64", "EM_AARCH64", None),
-    "android-armv7": ("ELFCLASS32", "EM_ARM", False),
-}
-
-
-def run_host(model, tmp_path, feeds=None, **build_args):
-    """Compile for the host, load with minirt, run, and compare to onnxruntime."""
-    feeds = feeds or sample_input(model)
-    lib = crosscompile.build(model, target="host", **build_args)
-    module = minirt.load(lib.export_library(tmp_path / "m.so"))
-    got = module.run(feeds)
-    want = reference(model, feeds)
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        assert g.shape == w.shape
-        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
-    return lib
-
-
-def single_op(op_type, inputs, initializers=(), opset=13, **attrs):
-    """A one-node model: runtime inputs {name: shape}, initializers {name: array}."""
-    names = list(dict(inputs)) + list(dict(initializers))
-    node = helper.make_node(op_type, names, ["y"], name=f"the_{op_type.lower()}", **attrs)
-    return make_model([node], inputs, {"y": None}, initializers, opset=opset)
-
-
-def rand(*shape, seed=0):
-    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+from tests.cross_targets import ALLOWED_UNDEFINED, CROSS_TARGETS, DRIVER_C, EMULATED, emulated_tools
+from tests.onnx_models import (ATOL, RTOL, make_model, matmul_mlp, mlp, rand, reference, run_host,
+                               sample_input, single_op)
 
 
 # -- ops ----------------------------------------------------------------------
@@ -329,53 +293,9 @@ def test_cross_targets_produce_self_contained_elf(tmp_path, preset):
 
 # -- really running on emulated boards -------------------------------------------------------
 
-DRIVER_C = r"""
-#include <dlfcn.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-
-/* driver MODULE.so WORKSPACE_BYTES IN.bin N_IN OUT.bin N_OUT */
-int main(int argc, char **argv) {
-    if (argc != 7) { fprintf(stderr, "usage\n"); return 2; }
-    void *lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
-    if (!lib) { fprintf(stderr, "dlopen: %s\n", dlerror()); return 3; }
-    int32_t (*abi)(void) = (int32_t (*)(void))dlsym(lib, "tether_abi_version");
-    const char *(*meta)(void) = (const char *(*)(void))dlsym(lib, "tether_metadata");
-    int32_t (*run)(void *const *, void *const *, void *) =
-        (int32_t (*)(void *const *, void *const *, void *))dlsym(lib, "tether_run");
-    if (!abi || !meta || !run) { fprintf(stderr, "missing symbol\n"); return 4; }
-    size_t ws = strtoul(argv[2], NULL, 10), n_in = strtoul(argv[4], NULL, 10), n_out = strtoul(argv[6], NULL, 10);
-    void *workspace = aligned_alloc(64, ws ? ws : 64);
-    float *in = malloc(n_in * sizeof(float)), *out = malloc(n_out * sizeof(float));
-    FILE *f = fopen(argv[3], "rb");
-    if (!f || fread(in, sizeof(float), n_in, f) != n_in) { fprintf(stderr, "read\n"); return 5; }
-    fclose(f);
-    void *ins[1] = {in}, *outs[1] = {out};
-    int32_t status = run(ins, outs, workspace);
-    if (status != 0) { fprintf(stderr, "tether_run: %d\n", status); return 6; }
-    f = fopen(argv[5], "wb");
-    fwrite(out, sizeof(float), n_out, f);
-    fclose(f);
-    printf("%d\n%s\n", abi(), meta());
-    return 0;
-}
-"""
-
-EMULATED = {  # preset -> (qemu, cross gcc, sysroot)
-    "rasp4b64": ("qemu-aarch64", "aarch64-linux-gnu-gcc", "/usr/aarch64-linux-gnu"),
-    "rasp5": ("qemu-aarch64", "aarch64-linux-gnu-gcc", "/usr/aarch64-linux-gnu"),
-    "rasp4b": ("qemu-arm", "arm-linux-gnueabihf-gcc", "/usr/arm-linux-gnueabihf"),
-    "rasp3b": ("qemu-arm", "arm-linux-gnueabihf-gcc", "/usr/arm-linux-gnueabihf"),
-}
-
-
 @pytest.mark.parametrize("preset", sorted(EMULATED))
 def test_runs_under_qemu_user(tmp_path, preset):
-    qemu, gcc, sysroot = EMULATED[preset]
-    if not (shutil.which(qemu) and shutil.which(gcc) and os.path.isdir(sysroot)):
-        pytest.skip(f"needs {qemu}, {gcc} and {sysroot}: "
-                    "apt-get install qemu-user gcc-aarch64-linux-gnu gcc-arm-linux-gnueabihf")
+    qemu, gcc, sysroot = emulated_tools(preset)
     model = mlp(batch=2)
     feeds = sample_input(model)
     lib = crosscompile.build(model, target=preset)

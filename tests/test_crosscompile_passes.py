@@ -17,8 +17,8 @@ from crosscompile.frontend import import_onnx
 from crosscompile.ir import Graph, Node, Tensor
 from crosscompile.passes import (eliminate_dead_code, fold_batchnorm, fuse_elementwise,
                                  pack_conv_weights, plan_memory)
-from tests.onnx_models import make_model, reference, zoo_input, zoo_model
-from tests.test_crosscompile import ALLOWED_UNDEFINED, CROSS_TARGETS, rand, single_op
+from tests.cross_targets import ALLOWED_UNDEFINED, CROSS_TARGETS
+from tests.onnx_models import make_model, rand, reference, single_op, zoo_input, zoo_model
 
 
 def t(name, *shape):

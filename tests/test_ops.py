@@ -8,8 +8,7 @@ from onnx import helper
 import crosscompile
 import minirt
 
-from tests.onnx_models import conv_relu_model, make_model
-from tests.test_crosscompile import rand, run_host, single_op
+from tests.onnx_models import conv_relu_model, make_model, rand, run_host, single_op
 
 
 def conv_model(x_shape, w_shape, bias=True, opset=13, **attrs):

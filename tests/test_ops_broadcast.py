@@ -7,8 +7,7 @@ from onnx import helper
 
 import crosscompile
 import minirt
-from tests.onnx_models import make_model, reference
-from tests.test_crosscompile import rand
+from tests.onnx_models import make_model, rand, reference
 
 CASES = [
     ("Mul", (1, 37, 9, 11), (37, 1, 1)),       # per channel: loops over C and H * W

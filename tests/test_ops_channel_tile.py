@@ -22,8 +22,7 @@ from crosscompile.gemm import GemmTile, channel_tile, tile_for
 from crosscompile.schedule import default_tile, fits, most_rows
 from crosscompile.target import resolve_target
 from crosscompile.tuning import conv_shapes
-from tests.onnx_models import make_model, reference
-from tests.test_crosscompile import rand
+from tests.onnx_models import make_model, rand, reference
 
 HOST = resolve_target("host")
 # Targets compiled for but not run: name -> (target, ELF machine). The

@@ -19,8 +19,7 @@ from crosscompile.ops import _direct_plan, _resolve_window
 from crosscompile.schedule import default_tile
 from crosscompile.target import resolve_target
 from crosscompile.tuning import conv_shapes
-from tests.onnx_models import conv_relu_model, make_model, reference
-from tests.test_crosscompile import rand
+from tests.onnx_models import conv_relu_model, make_model, rand, reference
 from tests.test_ops_channel_tile import AVX512
 
 CASES = [

@@ -12,8 +12,7 @@ import minirt
 from crosscompile.gemm import PACK_CHUNK_BYTES, splits_columns, tile_for
 from crosscompile.target import resolve_target
 from crosscompile.tuning import conv_shapes
-from tests.onnx_models import conv_relu_model, reference
-from tests.test_crosscompile import rand
+from tests.onnx_models import conv_relu_model, rand, reference
 
 HOST = resolve_target("host")
 CASES = [

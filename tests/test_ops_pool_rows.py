@@ -10,8 +10,7 @@ from onnx import helper
 
 import crosscompile
 import minirt
-from tests.onnx_models import make_model, reference
-from tests.test_crosscompile import rand
+from tests.onnx_models import make_model, rand, reference
 
 CASES = [
     ("MaxPool", (1, 64, 67, 71), {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}),

@@ -8,8 +8,7 @@ from onnx import helper
 import crosscompile
 import minirt
 from crosscompile.passes import MIN_SPLIT_ELEMENTS
-from tests.onnx_models import make_model, reference
-from tests.test_crosscompile import rand
+from tests.onnx_models import make_model, rand, reference
 
 
 def _pool_model(op_type, x_shape, **attrs):

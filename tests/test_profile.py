@@ -12,8 +12,7 @@ import crosscompile
 import minirt
 from remote import errors, rpc
 from tests import session_modules
-from tests.onnx_models import make_model
-from tests.test_crosscompile import rand
+from tests.onnx_models import make_model, rand
 
 
 def residual_cnn():

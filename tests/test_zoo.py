@@ -4,8 +4,6 @@ emulated boards, against onnxruntime on the same input.
 The tolerance (tests.onnx_models.ZOO_RTOL / ZOO_ATOL_SCALE) is explained there.
 tests/test_zoo_emulated.py runs every model on emulated boards through a tracker.
 """
-import os
-import shutil
 import subprocess
 import time
 
@@ -14,9 +12,9 @@ import pytest
 
 import crosscompile
 import minirt
+from tests.cross_targets import DRIVER_C, emulated_tools
 from tests.onnx_models import (ZOO, assert_zoo_close, assert_zoo_matches, reference, zoo_input,
                                zoo_model)
-from tests.test_crosscompile import DRIVER_C, EMULATED
 
 
 @pytest.mark.parametrize("name", ZOO)
@@ -34,10 +32,7 @@ def test_zoo_model_matches_onnxruntime_on_host(tmp_path, name):
 
 @pytest.mark.parametrize("preset", ["rasp4b64", "rasp3b"])
 def test_squeezenet_runs_on_emulated_boards(tmp_path, preset):
-    qemu, gcc, sysroot = EMULATED[preset]
-    if not (shutil.which(qemu) and shutil.which(gcc) and os.path.isdir(sysroot)):
-        pytest.skip(f"needs {qemu}, {gcc} and {sysroot}: "
-                    "apt-get install qemu-user gcc-aarch64-linux-gnu gcc-arm-linux-gnueabihf")
+    qemu, gcc, sysroot = emulated_tools(preset)
     model = zoo_model("squeezenet", logits=False)
     feeds = zoo_input(model)
     (x,) = feeds.values()
