@@ -30,10 +30,11 @@ def cmd_server(args):
 
 
 def cmd_status(args):
-    from remote.client.tracker import TrackerClient, format_summary
+    from remote.client import display
+    from remote.client.tracker import TrackerClient
     with TrackerClient(*_tracker_address(args.tracker), tls_ca=args.tls_ca) as client:
         data = client.summary()
-    print(json.dumps(data, indent=2) if args.json else format_summary(data))
+    print(json.dumps(data, indent=2) if args.json else display.summary_text(data))
     return 0
 
 

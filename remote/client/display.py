@@ -172,6 +172,41 @@ def _since(unix_time: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(unix_time))
 
 
+def _capabilities(d: dict) -> str:
+    parts = [d["triple"] or "?", d["cpu_model"] or "?", f"{d['cores']} cores"]
+    if d["memory_bytes"]:
+        parts.append(f"{d['memory_bytes'] / 2**30:.1f} GiB")
+    if d["os"]:
+        parts.append(d["os"])
+    parts += [f"{k}={v}" for k, v in sorted(d["attributes"].items())]
+    return ", ".join(parts)
+
+
+def summary_text(data: dict) -> str:
+    """``TrackerClient.summary()`` as text tables (what ``tether status`` prints)."""
+    out = [f"tracker {data['tracker']}", ""]
+    if data["keys"]:
+        out.append(text_table(("KEY", "TOTAL", "FREE", "PENDING"),
+                              [(k["key"], k["total"], k["free"], k["pending"])
+                               for k in data["keys"]]))
+    else:
+        out.append("no devices registered")
+    if data["devices"]:
+        out += ["", text_table(
+            ("DEVICE", "KEY", "ADDRESS", "STATE", "HOLDER", "SINCE", "CAPABILITIES"),
+            [(d["device_id"], d["key"], d["address"], d["state"], d["holder"] or "-",
+              f"{_since(d['held_since'])} ({d['held_s']:.0f}s)" if d["holder"] else "-",
+              _capabilities(d)) for d in data["devices"]])]
+    if data["waiting"]:
+        out += ["", "queue, in the order it will be served:", text_table(
+            ("#", "KEY", "PRIORITY", "CLIENT", "WAITED"),
+            [(i + 1, w["key"], w["priority"], w["client"], f"{w['waited_s']:.1f}s")
+             for i, w in enumerate(data["waiting"])])]
+    else:
+        out += ["", "queue: empty"]
+    return "\n".join(out)
+
+
 def _device_cells(d: dict) -> Tuple[str, ...]:
     held = f"{_since(d['held_since'])} ({d['held_s']:.0f}s)" if d.get("holder") else "-"
     return (d["device_id"], d["key"], d["address"], d["state"], d.get("holder") or "-", held,
@@ -202,8 +237,7 @@ class PoolSummary(dict):
     """
 
     def __str__(self) -> str:
-        from remote.client.tracker import format_summary
-        return format_summary(self)
+        return summary_text(self)
 
     def _repr_html_(self) -> str:
         return summary_html(self)

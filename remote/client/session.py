@@ -12,6 +12,7 @@ import grpc
 import numpy as np
 
 from remote import errors, tls
+from remote.client import display
 from remote.address import split_address
 from remote.proto import make_stub, pb
 from remote.proto.frames import (CHUNK_BYTES, Checksum, FrameSocket, frame_bytes,
@@ -29,6 +30,22 @@ def _call(what: str, method, request, timeout: Optional[float]):
         return method(request, timeout=timeout)
     except grpc.RpcError as exc:
         raise errors.from_rpc_error(exc, what) from None
+
+
+def device_info_dict(info: pb.DeviceInfo) -> dict:
+    """A board's DeviceInfo as plain data: triple, CPU, cores, memory, OS, versions.
+
+    >>> device_info_dict(pb.DeviceInfo(triple="aarch64-unknown-linux-gnu", cores=4))["cores"]
+    4
+    """
+    return {
+        "triple": info.triple, "machine": info.machine, "cpu_model": info.cpu_model,
+        "cpu_features": list(info.cpu_features), "cores": info.cores,
+        "memory_bytes": info.memory_bytes, "os": info.os,
+        "python": info.python_version, "numpy": info.numpy_version,
+        "grpcio": info.grpcio_version, "protobuf": info.protobuf_version,
+        "attributes": dict(info.attributes), "server_version": info.server_version,
+    }
 
 
 class Session:
@@ -97,15 +114,7 @@ class Session:
     # ------------------------------------------------------------- state --
     def device_info(self) -> dict:
         """What the board reported: triple, CPU, cores, memory, OS, versions."""
-        info = self._info
-        return {
-            "triple": info.triple, "machine": info.machine, "cpu_model": info.cpu_model,
-            "cpu_features": list(info.cpu_features), "cores": info.cores,
-            "memory_bytes": info.memory_bytes, "os": info.os,
-            "python": info.python_version, "numpy": info.numpy_version,
-            "grpcio": info.grpcio_version, "protobuf": info.protobuf_version,
-            "attributes": dict(info.attributes), "server_version": info.server_version,
-        }
+        return device_info_dict(self._info)
 
     def _rpc(self, method, request, timeout=None):
         if self._closed:
@@ -384,11 +393,9 @@ class Session:
         return f"<Session {self.address} {self._info.triple} {state}>"
 
     def __str__(self) -> str:
-        from remote.client import display
         return display.session_text(self)
 
     def _repr_html_(self) -> str:
-        from remote.client import display
         return display.session_html(self)
 
 
@@ -504,11 +511,9 @@ class BenchmarkResult:
             "p99", "load_s", "peak_rss_bytes")}
 
     def __str__(self) -> str:
-        from remote.client import display
         return display.benchmark_text(self)
 
     def _repr_html_(self) -> str:
-        from remote.client import display
         return display.benchmark_html(self)
 
     def __repr__(self) -> str:
@@ -538,11 +543,9 @@ class ProfileResult:
         return {"number": self.number, "rows": [dict(r) for r in self.rows]}
 
     def __str__(self) -> str:
-        from remote.client import display
         return display.profile_text(self)
 
     def _repr_html_(self) -> str:
-        from remote.client import display
         return display.profile_html(self)
 
     def __repr__(self) -> str:
@@ -659,9 +662,7 @@ class RemoteModule:
         return f"<RemoteModule {self.module_id} on {self.session.address}>"
 
     def __str__(self) -> str:
-        from remote.client import display
         return display.module_text(self)
 
     def _repr_html_(self) -> str:
-        from remote.client import display
         return display.module_html(self)

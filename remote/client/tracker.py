@@ -11,7 +11,8 @@ from typing import Dict, Optional
 import grpc
 
 from remote import errors, tls
-from remote.client.session import Session
+from remote.client import display
+from remote.client.session import Session, device_info_dict
 from remote.proto import make_stub, pb
 
 
@@ -143,33 +144,26 @@ class TrackerClient:
         ``held_since`` (Unix time) and its capabilities; each waiting request
         its key, priority, client and seconds waited, in the order they will be served.
         """
-        from remote.client.display import PoolSummary
         reply = self._call(self._stub.Summary, pb.Empty(), self.timeout)
         now = time.time()
         devices = []
         for d in reply.devices:
-            info = d.info
             devices.append({
                 "device_id": d.device_id, "key": d.key, "address": d.address, "state": d.state,
                 "holder": d.holder, "held_s": d.held_s,
                 "held_since": now - d.held_s if d.holder else None,
                 "last_seen_s": d.last_seen_s,
-                "triple": info.triple, "machine": info.machine, "cpu_model": info.cpu_model,
-                "cpu_features": list(info.cpu_features), "cores": info.cores,
-                "memory_bytes": info.memory_bytes, "os": info.os,
-                "python": info.python_version, "numpy": info.numpy_version,
-                "server_version": info.server_version,
-                "attributes": dict(info.attributes),
+                **device_info_dict(d.info),
             })
         keys = [{"key": k.key, "total": k.total, "free": k.free, "pending": k.pending}
                 for k in reply.keys]
         waiting = [{"key": w.key, "priority": w.priority, "client": w.client,
                     "waited_s": w.waited_s} for w in reply.waiting]
-        return PoolSummary(tracker=self.address, devices=devices, keys=keys, waiting=waiting)
+        return display.PoolSummary(tracker=self.address, devices=devices, keys=keys, waiting=waiting)
 
     def text_summary(self) -> str:
         """The pool as a table a person reads (what ``tether status`` prints)."""
-        return format_summary(self.summary())
+        return display.summary_text(self.summary())
 
     def close(self):
         self._channel.close()
@@ -178,7 +172,6 @@ class TrackerClient:
         return f"<TrackerClient {self.address}>"
 
     def _repr_html_(self) -> str:
-        from remote.client import display
         try:
             return display.summary_html(self.summary())
         except errors.TetherError as exc:
@@ -190,47 +183,3 @@ class TrackerClient:
     def __exit__(self, *exc):
         self.close()
 
-
-def _table(headers, rows) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
-    lines = ["  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip()
-             for r in [headers, *rows]]
-    return "\n".join(lines)
-
-
-def _since(unix_time: float) -> str:
-    return time.strftime("%H:%M:%S", time.localtime(unix_time))
-
-
-def _capabilities(d: dict) -> str:
-    parts = [d["triple"] or "?", d["cpu_model"] or "?", f"{d['cores']} cores"]
-    if d["memory_bytes"]:
-        parts.append(f"{d['memory_bytes'] / 2**30:.1f} GiB")
-    if d["os"]:
-        parts.append(d["os"])
-    parts += [f"{k}={v}" for k, v in sorted(d["attributes"].items())]
-    return ", ".join(parts)
-
-
-def format_summary(data: dict) -> str:
-    """Render ``TrackerClient.summary()`` data as text tables."""
-    out = [f"tracker {data['tracker']}", ""]
-    if data["keys"]:
-        out.append(_table(("KEY", "TOTAL", "FREE", "PENDING"),
-                          [(k["key"], k["total"], k["free"], k["pending"]) for k in data["keys"]]))
-    else:
-        out.append("no devices registered")
-    if data["devices"]:
-        out += ["", _table(
-            ("DEVICE", "KEY", "ADDRESS", "STATE", "HOLDER", "SINCE", "CAPABILITIES"),
-            [(d["device_id"], d["key"], d["address"], d["state"], d["holder"] or "-",
-              f"{_since(d['held_since'])} ({d['held_s']:.0f}s)" if d["holder"] else "-",
-              _capabilities(d)) for d in data["devices"]])]
-    if data["waiting"]:
-        out += ["", "queue, in the order it will be served:", _table(
-            ("#", "KEY", "PRIORITY", "CLIENT", "WAITED"),
-            [(i + 1, w["key"], w["priority"], w["client"], f"{w['waited_s']:.1f}s")
-             for i, w in enumerate(data["waiting"])])]
-    else:
-        out += ["", "queue: empty"]
-    return "\n".join(out)
