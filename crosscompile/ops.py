@@ -13,10 +13,11 @@ import numpy as np
 from llvmlite import ir
 
 from .emit import F32, Kernel
-from .gemm import (divide, emit_channel_gemm, emit_depthwise, emit_dot_rows, emit_gemm, horizontal_reduce,
-                   load_strided, panel_offset, row_pieces, splat, splits_columns, tile_for, vector_epilogue)
+from .gemm import (divide, emit_channel_gemm, emit_depthwise, emit_dot_rows, emit_gemm, panel_offset, splits_columns,
+                   tile_for)
 from .errors import BuildError, ShapeError
 from .ir import Tensor
+from .vectors import horizontal_reduce, load_strided, row_pieces, splat, vector_epilogue
 
 Shape = tuple
 
