@@ -13,19 +13,24 @@ import tempfile
 
 from .errors import LinkError
 
+# The compiler's one environment variable: the ld.lld to link with. Named
+# here, not with the farm's variables in remote.defaults, since the compiler
+# imports nothing of the farm.
+LINKER_ENV = "TETHER_LD"
+
 
 def find_linker() -> list[str]:
     """The ld.lld command: $TETHER_LD, else ld.lld on PATH, else the copy
     shipped in the `ziglang` PyPI package."""
-    if os.environ.get("TETHER_LD"):
-        return [os.environ["TETHER_LD"]]
+    if os.environ.get(LINKER_ENV):
+        return [os.environ[LINKER_ENV]]
     on_path = shutil.which("ld.lld")
     if on_path:
         return [on_path]
     try:
         import ziglang  # noqa: F401  (only to learn whether it is installed)
     except ImportError:
-        raise LinkError("no linker found: set TETHER_LD to an ld.lld binary, install LLD "
+        raise LinkError(f"no linker found: set {LINKER_ENV} to an ld.lld binary, install LLD "
                         "(apt-get install lld) or `pip install ziglang`") from None
     return [sys.executable, "-m", "ziglang", "ld.lld"]
 
@@ -45,7 +50,8 @@ def link_shared(objects: "list[bytes]", soname: str, linker: "list[str] | None" 
         try:
             proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
         except FileNotFoundError:
-            raise LinkError(f"linker {command[0]!r} not found; set TETHER_LD to an ld.lld binary") from None
+            raise LinkError(f"linker {command[0]!r} not found; set {LINKER_ENV} to an ld.lld "
+                            "binary") from None
         except subprocess.TimeoutExpired:
             raise LinkError(f"linker {' '.join(command)} timed out after 300 s") from None
         if proc.returncode != 0:

@@ -23,6 +23,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 
 from deploy_recipes.devicecode import PROJECT_ROOT, device_files
 from remote.address import split_address
+from remote.defaults import SERVER_PORT, TRACKER_ENV, TRACKER_PORT
 from remote.errors import TetherError
 
 MIN_PYTHON = (3, 9)
@@ -328,7 +329,7 @@ class BootstrapReport(NamedTuple):
 
 
 def _probe(board: Board, python: str, tracker: str) -> Dict:
-    host, port = split_address(tracker, 9190)
+    host, port = split_address(tracker, TRACKER_PORT)
     status, out, err = board.run(f"{shlex.quote(python)} - {shlex.quote(host)} {port}",
                                  stdin=PROBE, timeout=60)
     if status == 127 or "not found" in err and not out:
@@ -374,7 +375,7 @@ def bootstrap(board: str, tracker: str, key: Optional[str] = None, *,
               identity: Optional[str] = None, password: Optional[str] = None,
               known_hosts: Optional[str] = None, accept_new_host_key: bool = False,
               service: str = "auto", install_deps: bool = False, python: str = "python3",
-              remote_dir: str = "~/.tether", port: int = 9090, advertise: Optional[str] = None,
+              remote_dir: str = "~/.tether", port: int = SERVER_PORT, advertise: Optional[str] = None,
               tracker_from_here: Optional[str] = None, timeout: float = 60.0,
               progress: Progress = None) -> BootstrapReport:
     """Install (or upgrade) and start the device server on ``board``; wait for the tracker."""
@@ -472,7 +473,7 @@ def _server_log(conn: Board, layout: Layout) -> str:
 def _wait_for_tracker(tracker: str, key: str, board_host: str, port: int, timeout: float,
                       server_log: Callable[[], str]) -> Dict:
     from remote.client.tracker import TrackerClient
-    host, tport = split_address(tracker, 9190)
+    host, tport = split_address(tracker, TRACKER_PORT)
     try:
         board_ips = {info[4][0] for info in socket.getaddrinfo(board_host, None)}
     except OSError:
@@ -536,7 +537,7 @@ def run_bootstrap(args) -> int:
               f"Python packages installed with --install-deps were left in place")
         return 0
     if not args.tracker:
-        raise ValueError("--tracker HOST:PORT is needed (or set TETHER_TRACKER)")
+        raise ValueError(f"--tracker HOST:PORT is needed (or set {TRACKER_ENV})")
     report = bootstrap(args.board, args.tracker, args.key, accept_new_host_key=args.accept_new_host_key,
                        service=args.service, install_deps=args.install_deps, port=args.port,
                        advertise=args.advertise, timeout=args.timeout, **common)

@@ -3,14 +3,16 @@ from __future__ import annotations
 
 import os
 
+from remote.defaults import SERVER_PORT, SSH_PASSWORD_ENV, TRACKER_ENV
+
 
 def add_emulate_arguments(p):
     p.add_argument("--arch", choices=("arm64", "armhf"), default="arm64",
                    help="arm64 (Pi 4/5 64-bit OS) or armhf (32-bit Raspberry Pi OS)")
     p.add_argument("--release", choices=("bullseye", "bookworm", "trixie"), default="bookworm",
                    help="Debian release whose python3, numpy, grpcio and protobuf the board runs")
-    p.add_argument("--tracker", default=os.environ.get("TETHER_TRACKER"),
-                   help="tracker HOST:PORT to register with (default $TETHER_TRACKER)")
+    p.add_argument("--tracker", default=os.environ.get(TRACKER_ENV),
+                   help=f"tracker HOST:PORT to register with (default ${TRACKER_ENV})")
     p.add_argument("--key", help="device key to register under (default qemu-ARCH)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=0, help="port to listen on (0: any free one)")
@@ -20,12 +22,12 @@ def add_emulate_arguments(p):
 
 def add_bootstrap_arguments(p):
     p.add_argument("board", metavar="USER@HOST[:PORT]", help="SSH login on the board")
-    p.add_argument("--tracker", default=os.environ.get("TETHER_TRACKER"),
-                   help="tracker HOST:PORT as the board reaches it (default $TETHER_TRACKER)")
+    p.add_argument("--tracker", default=os.environ.get(TRACKER_ENV),
+                   help=f"tracker HOST:PORT as the board reaches it (default ${TRACKER_ENV})")
     p.add_argument("--key", help="device key (default: the suggested target preset)")
     p.add_argument("--identity", "-i", help="private key file for SSH")
-    p.add_argument("--password", default=os.environ.get("TETHER_SSH_PASSWORD"),
-                   help="SSH password (default $TETHER_SSH_PASSWORD); keys are preferred")
+    p.add_argument("--password", default=os.environ.get(SSH_PASSWORD_ENV),
+                   help=f"SSH password (default ${SSH_PASSWORD_ENV}); keys are preferred")
     p.add_argument("--known-hosts", help="known_hosts file (default ~/.ssh/known_hosts)")
     p.add_argument("--accept-new-host-key", action="store_true",
                    help="on first contact, trust and record the board's host key")
@@ -36,7 +38,7 @@ def add_bootstrap_arguments(p):
     p.add_argument("--uninstall", action="store_true", help="stop the server and remove it")
     p.add_argument("--python", default="python3", help="Python on the board (default python3)")
     p.add_argument("--remote-dir", default="~/.tether", help="where the server lives on the board")
-    p.add_argument("--port", type=int, default=9090, help="port the server listens on")
+    p.add_argument("--port", type=int, default=SERVER_PORT, help="port the server listens on")
     p.add_argument("--advertise", help="HOST[:PORT] clients should dial (default: found)")
     p.add_argument("--timeout", type=float, default=60.0,
                    help="seconds to wait for the board to appear at the tracker")

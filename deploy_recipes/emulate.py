@@ -32,7 +32,7 @@ import time
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 
 from deploy_recipes.devicecode import PROJECT_ROOT, copy_device_files
-from remote.defaults import cache_dir
+from remote.defaults import DEBIAN_MIRROR_ENV, FARM_SECRET_ENV, TRACKER_ENV, cache_dir
 from remote.errors import TetherError
 
 RELEASES = ("bullseye", "bookworm", "trixie")
@@ -139,8 +139,8 @@ def missing_tools(arch: str = "arm64", release: Optional[str] = None) -> List[st
 
 def debian_mirror() -> str:
     """The Debian mirror apt uses here (``$TETHER_DEBIAN_MIRROR`` overrides it)."""
-    if os.environ.get("TETHER_DEBIAN_MIRROR"):
-        return os.environ["TETHER_DEBIAN_MIRROR"]
+    if os.environ.get(DEBIAN_MIRROR_ENV):
+        return os.environ[DEBIAN_MIRROR_ENV]
     texts = []
     for path in ["/etc/apt/sources.list", *sorted(glob.glob("/etc/apt/sources.list.d/*.list")),
                  *sorted(glob.glob("/etc/apt/sources.list.d/*.sources"))]:
@@ -324,7 +324,7 @@ def _build_with_retries(root: str, release: str, arch: Arch, progress: Progress,
                     f"could not download Debian {release} {arch.debian} from the mirror {mirror} "
                     f"({attempts} attempts): it served a broken index or did not answer. "
                     f"debootstrap said:\n{said}\nTry again later, or choose another Debian "
-                    f"mirror: TETHER_DEBIAN_MIRROR=http://MIRROR/debian") from None
+                    f"mirror: {DEBIAN_MIRROR_ENV}=http://MIRROR/debian") from None
             wait_s = retry_delay_s * attempt
             worst = next(line for sign in MIRROR_FAILURES for line in spoiled if sign in line)
             say(f"the mirror {mirror} failed ({worst}); trying again in {wait_s:g} s "
@@ -500,9 +500,8 @@ class EmulatedBoard:
     def environment(self) -> Dict[str, str]:
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
                "PYTHONPATH": self.code_dir, "PYTHONUNBUFFERED": "1"}
-        for name in ("TETHER_FARM_SECRET",):
-            if name in os.environ:
-                env[name] = os.environ[name]
+        if FARM_SECRET_ENV in os.environ:
+            env[FARM_SECRET_ENV] = os.environ[FARM_SECRET_ENV]
         return env
 
     def start(self, tracker: Optional[str] = None, key: Optional[str] = None,
@@ -621,7 +620,7 @@ def run_emulated_board(args) -> int:
         print(build_rootfs(args.release, args.arch, say))
         return 0
     if not args.tracker:
-        raise ValueError("--tracker HOST:PORT is needed (or set TETHER_TRACKER)")
+        raise ValueError(f"--tracker HOST:PORT is needed (or set {TRACKER_ENV})")
     board = EmulatedBoard(args.release, args.arch, progress=say)
     key = args.key or f"qemu-{args.arch}"
     port = board.start(args.tracker, key, host=args.host, port=args.port)

@@ -1,14 +1,31 @@
-"""Defaults the host falls back on when nothing is given, named once.
+"""Default ports and the environment variables Tether reads, named once.
 
-    >>> cache_dir()                                     # doctest: +SKIP
-    '/home/pi/.cache/tether'
+Boards import it as well as hosts (the device server, the protocol layer and
+TLS read the shared names), so it stays standard library only and is one of
+the files shipped to a board.
+
+    >>> TRACKER_PORT, SERVER_PORT
+    (9190, 9090)
 """
 from __future__ import annotations
 
 import os
 
-# The host's caches: emulated boards' root filesystems, tuned register tiles.
-CACHE_ENV = "TETHER_CACHE"
+TRACKER_PORT = 9190  # the tracker's gRPC port
+SERVER_PORT = 9090   # a device server's gRPC port
+
+# Read on boards and hosts alike.
+TRACKER_ENV = "TETHER_TRACKER"          # HOST:PORT of the tracker
+FARM_SECRET_ENV = "TETHER_FARM_SECRET"  # the secret a tracker requires
+TLS_CA_ENV = "TETHER_TLS_CA"            # PEM certificate a client trusts
+TLS_CERT_ENV = "TETHER_TLS_CERT"        # PEM certificate a server presents
+TLS_KEY_ENV = "TETHER_TLS_KEY"          # its private key
+POLL_US_ENV = "TETHER_POLL_US"          # microseconds a frame reader polls before it sleeps
+
+# Read on the host only.
+CACHE_ENV = "TETHER_CACHE"              # emulated boards' root filesystems, tuned tiles
+DEBIAN_MIRROR_ENV = "TETHER_DEBIAN_MIRROR"
+SSH_PASSWORD_ENV = "TETHER_SSH_PASSWORD"
 
 
 def cache_dir() -> str:

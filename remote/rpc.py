@@ -14,11 +14,12 @@ from typing import Optional
 from remote.client import RemoteModule, Session, TrackerClient
 from remote.client.tracker import default_client_name
 from remote.address import split_address
+from remote.defaults import SERVER_PORT, TRACKER_ENV, TRACKER_PORT
 
 __all__ = ["connect", "connect_tracker", "Session", "RemoteModule", "TrackerClient"]
 
 
-def connect(host: str, port: int = 9090, session_timeout: float = 0.0,
+def connect(host: str, port: int = SERVER_PORT, session_timeout: float = 0.0,
             timeout: Optional[float] = 30.0, tls_ca: Optional[str] = None) -> Session:
     """Open a session on a device server that is not behind a tracker.
 
@@ -38,9 +39,9 @@ def connect_tracker(host: Optional[str] = None, port: Optional[int] = None,
     certificate to trust for TLS) to ``$TETHER_TLS_CA``.
     """
     if host is None:
-        env = os.environ.get("TETHER_TRACKER")
+        env = os.environ.get(TRACKER_ENV)
         if not env:
-            raise ValueError("no tracker address: pass host and port or set TETHER_TRACKER=host:port")
-        host, port = split_address(env, 9190)
-    return TrackerClient(host, 9190 if port is None else port, farm_secret=farm_secret,
+            raise ValueError(f"no tracker address: pass host and port or set {TRACKER_ENV}=host:port")
+        host, port = split_address(env, TRACKER_PORT)
+    return TrackerClient(host, TRACKER_PORT if port is None else port, farm_secret=farm_secret,
                          tls_ca=tls_ca)

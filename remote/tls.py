@@ -15,9 +15,8 @@ from typing import Optional
 
 import grpc
 
+from remote.defaults import TLS_CA_ENV
 from remote.proto import CHANNEL_OPTIONS
-
-CA_ENV, CERT_ENV, KEY_ENV = "TETHER_TLS_CA", "TETHER_TLS_CERT", "TETHER_TLS_KEY"
 
 
 def _read(path: str, what: str) -> bytes:
@@ -30,7 +29,7 @@ def _read(path: str, what: str) -> bytes:
 
 def default_ca(ca: Optional[str] = None) -> str:
     """``ca`` if given, else ``$TETHER_TLS_CA``, else "" (plaintext)."""
-    return os.environ.get(CA_ENV, "") if ca is None else ca
+    return os.environ.get(TLS_CA_ENV, "") if ca is None else ca
 
 
 def open_channel(address: str, ca: Optional[str] = None, options=None) -> grpc.Channel:

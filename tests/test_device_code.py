@@ -25,6 +25,7 @@ SHIPPED = [
     "minirt/timing.py",
     "remote/__init__.py",
     "remote/address.py",
+    "remote/defaults.py",
     "remote/errors.py",
     "remote/lifecycle.py",
     "remote/proto/__init__.py",

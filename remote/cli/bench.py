@@ -25,6 +25,7 @@ from remote.cli.progress import ByteBar, say
 from remote.client import display
 from remote.client.session import Session
 from remote.client.tracker import Lease, TrackerClient, default_client_name
+from remote.defaults import TRACKER_ENV
 
 SCHEMA = "tether.bench/1"
 # Statistics compared against an earlier run, in the order they are shown.
@@ -402,7 +403,7 @@ def add_farm_arguments(p, timeout_help: str) -> None:
     p.add_argument("--wait", type=float, default=300.0,
                    help="seconds to wait for a free board (default 300)")
     p.add_argument("--timeout", type=float, default=60.0, help=timeout_help)
-    p.add_argument("--tracker", help="HOST:PORT (default $TETHER_TRACKER)")
+    p.add_argument("--tracker", help=f"HOST:PORT (default ${TRACKER_ENV})")
     p.add_argument("--tls-ca", default=None,
                    help="PEM certificate to trust when the farm serves TLS")
 

@@ -11,12 +11,13 @@ import threading
 import traceback
 
 from remote.address import split_address
+from remote.defaults import TLS_CA_ENV, TRACKER_ENV, TRACKER_PORT
 
-DEFAULT_TRACKER = "127.0.0.1:9190"
+DEFAULT_TRACKER = f"127.0.0.1:{TRACKER_PORT}"
 
 
 def _tracker_address(value):
-    return split_address(value or os.environ.get("TETHER_TRACKER") or DEFAULT_TRACKER, 9190)
+    return split_address(value or os.environ.get(TRACKER_ENV) or DEFAULT_TRACKER, TRACKER_PORT)
 
 
 def cmd_tracker(args):
@@ -127,10 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", help="show the tracker's devices and queue",
                        epilog="example: tether status --tracker farm.local:9190 --json")
-    p.add_argument("--tracker", help=f"HOST:PORT (default $TETHER_TRACKER or {DEFAULT_TRACKER})")
+    p.add_argument("--tracker", help=f"HOST:PORT (default ${TRACKER_ENV} or {DEFAULT_TRACKER})")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
     p.add_argument("--tls-ca", default=None,
-                   help="PEM certificate to trust when the tracker serves TLS (default $TETHER_TLS_CA)")
+                   help=f"PEM certificate to trust when the tracker serves TLS (default ${TLS_CA_ENV})")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("compile", help="cross-compile an ONNX model to a module .so",

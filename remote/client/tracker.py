@@ -12,6 +12,7 @@ import grpc
 
 from remote import errors, tls
 from remote.client import display
+from remote.defaults import FARM_SECRET_ENV, TLS_CA_ENV
 from remote.client.session import Session, device_info_dict
 from remote.proto import make_stub, pb
 
@@ -46,7 +47,7 @@ class TrackerClient:
                  timeout: Optional[float] = 10.0, tls_ca: Optional[str] = None):
         self.address = f"{host}:{port}"
         self.timeout = timeout
-        self.farm_secret = (os.environ.get("TETHER_FARM_SECRET", "")
+        self.farm_secret = (os.environ.get(FARM_SECRET_ENV, "")
                             if farm_secret is None else farm_secret)
         self.tls_ca = tls.default_ca(tls_ca)
         self._channel = tls.open_channel(self.address, self.tls_ca)
@@ -59,7 +60,7 @@ class TrackerClient:
             error = errors.from_rpc_error(exc, f"tracker {self.address}")
         if isinstance(error, errors.ConnectionFailed):
             # A TLS/plaintext mismatch shows up only as a dropped connection.
-            hint = ("if the tracker serves TLS, pass tls_ca= (--tls-ca) or set TETHER_TLS_CA"
+            hint = (f"if the tracker serves TLS, pass tls_ca= (--tls-ca) or set {TLS_CA_ENV}"
                     if not self.tls_ca else
                     f"is the tracker serving TLS with a certificate {self.tls_ca!r} trusts?")
             error = type(error)(f"{error}; {hint}")

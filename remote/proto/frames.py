@@ -4,7 +4,8 @@ A frame is ``<u32 header length><u64 body length>``, a ``DataFrame`` message,
 then the body as raw bytes. Bulk data never goes through protobuf: a tensor or
 a file chunk is written from, and read into, its final buffer.
 
-    >>> from remote.proto import pb
+    >>> from remote.defaults import POLL_US_ENV
+from remote.proto import pb
     >>> a, b = socket.socketpair()                         # doctest: +SKIP
     >>> FrameSocket(a).send(pb.DataFrame(op="ping"))       # doctest: +SKIP
     >>> FrameSocket(b).recv_header().op                    # doctest: +SKIP
@@ -19,6 +20,7 @@ import struct
 import sys
 import time
 
+from remote.defaults import POLL_US_ENV
 from remote.proto import pb
 
 PREFIX = struct.Struct("<IQ")
@@ -39,11 +41,11 @@ _KERNEL_TIMEOUTS = (struct.calcsize("l") == 8 and hasattr(socket, "SO_RCVTIMEO")
 # than a small call itself; with one core, polling would only hold the CPU the
 # other end needs, so it is off there.
 def _poll_seconds() -> float:
-    text = os.environ.get("TETHER_POLL_US", "100")
+    text = os.environ.get(POLL_US_ENV, "100")
     try:
         micros = float(text)
     except ValueError:
-        raise ValueError(f"TETHER_POLL_US={text!r} is not a number of microseconds; "
+        raise ValueError(f"{POLL_US_ENV}={text!r} is not a number of microseconds; "
                          "unset it, or give e.g. 100 (0 turns polling off)") from None
     return max(micros, 0.0) * 1e-6 if (os.cpu_count() or 1) > 1 else 0.0
 

@@ -10,6 +10,8 @@ from typing import Dict, Optional
 import grpc
 
 from remote import tls
+from remote.defaults import (FARM_SECRET_ENV, SERVER_PORT, TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV,
+                             TRACKER_ENV, TRACKER_PORT)
 from remote.lifecycle import start_logging, wait_for_stop_signal
 from remote.proto import CHANNEL_OPTIONS, add_servicer
 from remote.address import split_address
@@ -36,7 +38,7 @@ class RunningServer:
         self.grpc_server.stop(grace)
 
 
-def serve(host: str = "0.0.0.0", port: int = 9090, tracker: Optional[str] = None,
+def serve(host: str = "0.0.0.0", port: int = SERVER_PORT, tracker: Optional[str] = None,
           key: Optional[str] = None, advertise: Optional[str] = None,
           farm_secret: str = "", attributes: Optional[Dict[str, str]] = None,
           max_sessions: int = 1, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
@@ -63,7 +65,7 @@ def serve(host: str = "0.0.0.0", port: int = 9090, tracker: Optional[str] = None
     link = None
     if tracker is not None:
         if advertise is None:
-            t_host, t_port = split_address(tracker, 9190)
+            t_host, t_port = split_address(tracker, TRACKER_PORT)
             local = host if host not in ("0.0.0.0", "::", "") else local_address_towards(t_host, t_port)
             advertise = f"{local}:{bound}"
         elif ":" not in advertise:
@@ -90,24 +92,25 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
         description="Run a Tether device server on this board.",
         epilog="example: python -m remote.server --tracker farm.local:9190 --key rasp4b64")
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
-    parser.add_argument("--port", type=int, default=9090, help="port to listen on; 0 picks a free one")
-    parser.add_argument("--tracker", default=os.environ.get("TETHER_TRACKER"),
-                        help="tracker HOST:PORT to register with (default $TETHER_TRACKER)")
+    parser.add_argument("--port", type=int, default=SERVER_PORT,
+                        help="port to listen on; 0 picks a free one")
+    parser.add_argument("--tracker", default=os.environ.get(TRACKER_ENV),
+                        help=f"tracker HOST:PORT to register with (default ${TRACKER_ENV})")
     parser.add_argument("--key", help="device key to register under, e.g. rasp4b64")
     parser.add_argument("--advertise", help="HOST[:PORT] clients should dial (default: found)")
-    parser.add_argument("--farm-secret", default=os.environ.get("TETHER_FARM_SECRET", ""),
-                        help="secret the tracker requires (default $TETHER_FARM_SECRET)")
+    parser.add_argument("--farm-secret", default=os.environ.get(FARM_SECRET_ENV, ""),
+                        help=f"secret the tracker requires (default ${FARM_SECRET_ENV})")
     parser.add_argument("--attr", action="append", type=_attribute, default=[],
                         metavar="NAME=VALUE", help="free-form attribute, e.g. board=rpi4")
     parser.add_argument("--max-sessions", type=int, default=1)
     parser.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
                         help="seconds after which a silent session is closed")
-    parser.add_argument("--tls-cert", default=os.environ.get(tls.CERT_ENV, ""),
-                        help="PEM certificate: serve clients over TLS (default $TETHER_TLS_CERT)")
-    parser.add_argument("--tls-key", default=os.environ.get(tls.KEY_ENV, ""),
-                        help="PEM private key of --tls-cert (default $TETHER_TLS_KEY)")
-    parser.add_argument("--tls-ca", default=os.environ.get(tls.CA_ENV, ""),
-                        help="PEM certificate to trust for a TLS tracker (default $TETHER_TLS_CA)")
+    parser.add_argument("--tls-cert", default=os.environ.get(TLS_CERT_ENV, ""),
+                        help=f"PEM certificate: serve clients over TLS (default ${TLS_CERT_ENV})")
+    parser.add_argument("--tls-key", default=os.environ.get(TLS_KEY_ENV, ""),
+                        help=f"PEM private key of --tls-cert (default ${TLS_KEY_ENV})")
+    parser.add_argument("--tls-ca", default=os.environ.get(TLS_CA_ENV, ""),
+                        help=f"PEM certificate to trust for a TLS tracker (default ${TLS_CA_ENV})")
     parser.add_argument("--max-upload-bytes", type=int, default=DEFAULT_MAX_UPLOAD_BYTES,
                         help="largest file or tensor a client may send")
     parser.add_argument("--session-queue", type=float, default=0.0, metavar="SECONDS",
@@ -125,7 +128,7 @@ def run(args) -> int:
     """Serve until SIGINT/SIGTERM with the options parsed by ``build_parser``."""
     start_logging()
     if args.key and not args.tracker:
-        raise SystemExit("--key needs --tracker HOST:PORT (or set TETHER_TRACKER)")
+        raise SystemExit(f"--key needs --tracker HOST:PORT (or set {TRACKER_ENV})")
     tracker = args.tracker if args.key else None
     server = serve(args.host, args.port, tracker=tracker, key=args.key if tracker else None,
                    advertise=args.advertise, farm_secret=args.farm_secret,

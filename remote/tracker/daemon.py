@@ -5,7 +5,7 @@ import argparse
 import os
 from typing import Optional
 
-from remote import tls
+from remote.defaults import FARM_SECRET_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TRACKER_PORT
 from remote.lifecycle import start_logging, wait_for_stop_signal
 from remote.tracker.service import EVICTION_WINDOW_S, UNUSED_LEASE_S, serve
 
@@ -15,19 +15,20 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
         prog="python -m remote.tracker", description="Run a Tether tracker.",
         epilog="example: python -m remote.tracker --host 0.0.0.0 --port 9190")
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
-    parser.add_argument("--port", type=int, default=9190, help="port to listen on (default 9190)")
-    parser.add_argument("--farm-secret", default=os.environ.get("TETHER_FARM_SECRET", ""),
-                        help="secret servers and clients must present (default $TETHER_FARM_SECRET)")
+    parser.add_argument("--port", type=int, default=TRACKER_PORT,
+                        help=f"port to listen on (default {TRACKER_PORT})")
+    parser.add_argument("--farm-secret", default=os.environ.get(FARM_SECRET_ENV, ""),
+                        help=f"secret servers and clients must present (default ${FARM_SECRET_ENV})")
     parser.add_argument("--eviction-window", type=float, default=EVICTION_WINDOW_S,
                         help="seconds without a heartbeat before a device is dropped "
                              f"(default {EVICTION_WINDOW_S:g})")
     parser.add_argument("--unused-lease-timeout", type=float, default=UNUSED_LEASE_S,
                         help="seconds a granted lease may go unredeemed before the device "
                              f"returns to the pool (default {UNUSED_LEASE_S:g})")
-    parser.add_argument("--tls-cert", default=os.environ.get(tls.CERT_ENV, ""),
-                        help="PEM certificate: serve over TLS (default $TETHER_TLS_CERT)")
-    parser.add_argument("--tls-key", default=os.environ.get(tls.KEY_ENV, ""),
-                        help="PEM private key of --tls-cert (default $TETHER_TLS_KEY)")
+    parser.add_argument("--tls-cert", default=os.environ.get(TLS_CERT_ENV, ""),
+                        help=f"PEM certificate: serve over TLS (default ${TLS_CERT_ENV})")
+    parser.add_argument("--tls-key", default=os.environ.get(TLS_KEY_ENV, ""),
+                        help=f"PEM private key of --tls-cert (default ${TLS_KEY_ENV})")
     return parser
 
 

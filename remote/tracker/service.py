@@ -19,6 +19,7 @@ from typing import Dict, Optional
 import grpc
 
 from remote import errors, tls
+from remote.defaults import FARM_SECRET_ENV, TRACKER_PORT
 from remote.errors import AuthenticationError, NoSuchKey, RequestTimeout, abort
 from remote.proto import CHANNEL_OPTIONS, add_servicer, pb
 from remote.tracker.scheduler import LeaseRefused, Request, Scheduler
@@ -68,7 +69,7 @@ class TrackerService:
     def _check_secret(self, context, given: str):
         if self._farm_secret and not hmac.compare_digest(given.encode(), self._farm_secret.encode()):
             abort(context, AuthenticationError(
-                "wrong or missing farm secret; pass --farm-secret or set TETHER_FARM_SECRET"))
+                f"wrong or missing farm secret; pass --farm-secret or set {FARM_SECRET_ENV}"))
 
     def _dispatch_locked(self):
         for request, lease in self._scheduler.assign(self._clock()):
@@ -191,7 +192,7 @@ class TrackerService:
         return reply
 
 
-def serve(host: str = "0.0.0.0", port: int = 9190, farm_secret: Optional[str] = None,
+def serve(host: str = "0.0.0.0", port: int = TRACKER_PORT, farm_secret: Optional[str] = None,
           eviction_window_s: float = EVICTION_WINDOW_S, unused_lease_s: float = UNUSED_LEASE_S,
           tls_cert: str = "", tls_key: str = "", max_workers: int = MAX_WORKERS):
     """Start a tracker; returns (grpc server, service, bound port).
@@ -202,7 +203,7 @@ def serve(host: str = "0.0.0.0", port: int = 9190, farm_secret: Optional[str] = 
     >>> server, service, port = serve("127.0.0.1", 0)   # doctest: +SKIP
     """
     if farm_secret is None:
-        farm_secret = os.environ.get("TETHER_FARM_SECRET", "")
+        farm_secret = os.environ.get(FARM_SECRET_ENV, "")
     service = TrackerService(farm_secret=farm_secret, eviction_window_s=eviction_window_s,
                              unused_lease_s=unused_lease_s)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
