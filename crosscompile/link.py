@@ -14,8 +14,8 @@ import tempfile
 from .errors import LinkError
 
 # The compiler's one environment variable: the ld.lld to link with. Named
-# here, not with the farm's variables in remote.defaults, since the compiler
-# imports nothing of the farm.
+# here rather than with the device farm's variables, since the compiler
+# imports nothing outside itself.
 LINKER_ENV = "TETHER_LD"
 
 
