@@ -26,8 +26,7 @@ import numpy as np
 from llvmlite import ir
 
 from .emit import F32, I32, Kernel
-from .vectors import (_fmuladd, _load_transposed, _store_transposed, _vector_ptr, horizontal_reduce, load_strided,
-                      row_pieces, splat)
+from .vectors import _fmuladd, _load_transposed, _store_transposed, _vector_ptr, horizontal_reduce, splat
 
 
 @dataclass(frozen=True)
@@ -103,7 +102,7 @@ def emit_gemm(k: Kernel, tile: GemmTile, m: int, kdim: int, n: int,
     With b_offsets (an i32 pointer to kdim offsets), B[p, j] is instead
     b_ptr[b_base + b_offsets[p] + j]: every row of B is a window of one
     buffer (ldb unused), which lets a convolution read its input in place
-    of an im2col copy (see _direct_plan).
+    of an im2col copy (see conv._direct_plan).
     """
     full_m, tail_m = divmod(m, tile.mr)
     full_n, tail_n = divmod(n, tile.nr)
@@ -329,64 +328,6 @@ def emit_dot_rows(k: Kernel, lanes: int, m: int, kdim: int, n: int,
                         prod = b.fmul(k.load(a_ptr, b.add(a_row, p)), k.load(bt_ptr, b.add(w_row, p)))
                         b.store(b.fadd(b.load(total), prod), total)
                     k.store(b.load(total), c_ptr, b.add(b.mul(i, k.i64(n)), b.add(j0, k.i64(r))))
-
-
-def emit_depthwise(k: Kernel, lanes: int, channels: int, geometry, X: ir.Value, Y: ir.Value,
-                   bias: "ir.Value | None", vector_epilogue: bool) -> None:
-    """Depthwise 2-D convolution (one filter per channel), direct: per output
-    row, a vector of output columns accumulates all kh x kw taps in a
-    register from contiguous input loads (strides 1 and 2). Rows whose
-    window crosses the top or bottom padding use zero weights for those
-    taps; columns whose window crosses the left or right padding take a
-    scalar path with bounds checks. Channels are split between threads.
-    """
-    (_, h, wd), (_, kh_n, kw_n), (_, sh, sw), (_, dh, dw), (_, ph, pw), _, (_, oh_n, ow_n) = geometry
-    b = k.builder
-    W = k.inputs[1]
-    # Columns where every tap is inside the row: the vector path.
-    lo = max(-(-(pw - kw * dw) // sw) if pw > kw * dw else 0 for kw in range(kw_n))
-    hi = min((wd - 1 - kw * dw + pw) // sw + 1 for kw in range(kw_n))
-    hi = max(lo, min(hi, ow_n))
-    pieces, vec_end = row_pieces(lo, hi, lanes, sw)
-    c_lo, c_hi = k.part(channels)
-    with k.loop(c_hi, start=c_lo) as c:
-        taps = [[k.load(W, k.index((c, kh_n * kw_n), (kh * kw_n + kw, 1))) for kw in range(kw_n)]
-                for kh in range(kh_n)]
-        start = k.load(bias, c) if bias is not None else k.f32(0.0)
-        plane = k.index((c, h * wd))
-        with k.loop(oh_n) as oh:
-            rows = []
-            for kh in range(kh_n):
-                ih = k.index((oh, sh), (kh * dh - ph, 1))
-                inside = k.in_range(ih, h)
-                rows.append((inside, b.select(inside, k.index((plane, 1), (ih, wd)), plane)))
-            out_row = k.index((c, oh_n * ow_n), (oh, ow_n))
-            zero_taps = [[b.select(inside, w, k.f32(0.0)) for w in row_taps]
-                         for (inside, _), row_taps in zip(rows, taps)]
-            for first, width in pieces:
-                acc = splat(k, start, width)
-                for (inside, line), row_taps in zip(rows, zero_taps):
-                    for kw, weight in enumerate(row_taps):
-                        x = load_strided(k, X, b.add(line, k.i64(first * sw + kw * dw - pw)), width, sw)
-                        acc = _fmuladd(k, x, splat(k, weight, width), acc)
-                if vector_epilogue:
-                    with k.vector_constants(width):
-                        acc = k.activate(acc)
-                b.store(acc, _vector_ptr(k, Y, b.add(out_row, k.i64(first)), width), align=4)
-            for first, last in ((0, lo), (vec_end, ow_n)):
-                if first >= last:
-                    continue
-                with k.loop(last, start=first) as ow:
-                    acc = start
-                    for (inside, line), row_taps in zip(rows, taps):
-                        for kw, weight in enumerate(row_taps):
-                            iw = k.index((ow, sw), (kw * dw - pw, 1))
-                            ok = b.and_(inside, k.in_range(iw, wd))
-                            value = k.load(X, b.select(ok, b.add(line, iw), line))
-                            acc = b.fadd(acc, b.fmul(b.select(ok, value, k.f32(0.0)), weight))
-                    if vector_epilogue:
-                        acc = k.activate(acc)
-                    k.store(acc, Y, b.add(out_row, ow))
 
 
 def channel_tile(tile: GemmTile) -> GemmTile:

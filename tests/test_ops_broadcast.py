@@ -1,5 +1,5 @@
 """Element-wise ops whose loops merge dimensions the operands step through
-alike (ops._merge_dims): per-channel, per-row, per-column and mixed
+alike (elementwise._merge_dims): per-channel, per-row, per-column and mixed
 broadcasts, with and without a fused Relu, against onnxruntime."""
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""Convolutions that read their input in place (ops._direct_plan): the
+"""Convolutions that read their input in place (conv._direct_plan): the
 padded input copied once (split into stride phases for strides above 1),
 then either GEMM rows of B as windows of that copy with the output copied
 out of a grid wider than the output rows (a tile of rows), or per output
@@ -14,11 +14,12 @@ from onnx import helper
 
 import crosscompile
 import minirt
+from crosscompile.conv import _direct_plan
 from crosscompile.gemm import GemmTile, channel_tile, tile_for
-from crosscompile.ops import _direct_plan, _resolve_window
 from crosscompile.schedule import default_tile
 from crosscompile.target import resolve_target
 from crosscompile.tuning import conv_shapes
+from crosscompile.window import _resolve_window
 from tests.onnx_models import conv_relu_model, make_model, rand, reference
 from tests.test_ops_channel_tile import AVX512
 

@@ -1,0 +1,517 @@
+"""Conv: the op and the ways it runs.
+
+With weights packed at compile time (passes.pack_conv_weights) a
+convolution is a GEMM per image and group (gemm.py) whose B is the input
+itself (pointwise), windows of a padded copy of it (_direct_plan) or its
+im2col. A depthwise convolution has a direct kernel of its own
+(emit_depthwise); any other runs as a direct loop nest.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llvmlite import ir
+
+from .emit import Kernel
+from .errors import BuildError, ShapeError
+from .gemm import divide, emit_channel_gemm, emit_gemm, panel_offset, splits_columns, tile_for
+from .op_base import Op, _prod
+from .vectors import _fmuladd, _vector_ptr, load_strided, row_pieces, splat, vector_epilogue
+from .window import _resolve_window, _valid_range, _window_attributes
+
+
+class Conv(Op):
+    """2-D (and 1-D) convolution, NCHW, with groups, dilation and padding.
+
+    Lowered as a direct loop nest whose innermost loop runs along one output
+    row with the weight held in a register: contiguous for stride 1, so LLVM
+    vectorises it. Padding never becomes a branch in that loop: the valid
+    range of output columns for each kernel column is computed here. A 1x1
+    stride-1 convolution runs over the whole plane as one row (a GEMM).
+    Bias and fused activations are applied to each finished row.
+    """
+
+    op_type = "Conv"
+
+    def attributes(self, raw, constants, opset):
+        attrs = _window_attributes(raw)
+        attrs["group"] = int(raw.get("group", 1))
+        return attrs
+
+    def infer(self, inputs, attrs):
+        if len(inputs) not in (2, 3):
+            raise ShapeError(f"Conv takes X, W and an optional B, got {len(inputs)} inputs")
+        x, w = inputs[0], inputs[1]
+        if len(x) != len(w) or len(x) < 3:
+            raise ShapeError(f"Conv input {x} and weight {w} ranks do not match")
+        group = attrs["group"]
+        if group < 1 or x[1] % group or w[0] % group or x[1] // group != w[1]:
+            raise ShapeError(f"Conv with group={group}: input channels {x[1]} and weight {w} do not fit")
+        kernel = attrs["kernel_shape"] or tuple(w[2:])
+        if tuple(kernel) != tuple(w[2:]):
+            raise ShapeError(f"kernel_shape {kernel} differs from the weight's {tuple(w[2:])}")
+        if len(inputs) == 3 and tuple(inputs[2]) != (w[0],):
+            raise ShapeError(f"Conv bias of shape {inputs[2]} should be ({w[0]},)")
+        *_, out = _resolve_window(x, kernel, attrs, what="convolution")
+        out = out[5 - len(x):]
+        return [(x[0], w[0], *out)]
+
+    def scratch_bytes(self, inputs, outputs, attrs):
+        if "packed_mr" not in attrs:
+            return 0
+        x, w = inputs[0].shape, attrs["weight_shape"]
+        geometry = _resolve_window(x, tuple(w[2:]), attrs, what="convolution")
+        if self._pointwise(geometry):
+            return 0
+        pixels = getattr(attrs.get("gemm_tile"), "pixels", 0)
+        direct = _direct_plan(geometry, x[1] // attrs["group"], w[0] // attrs["group"], attrs, any_grid=bool(pixels))
+        if direct is not None:
+            return 4 * direct.scratch_floats
+        return 4 * _prod(w[1:]) * _prod(geometry[-1])  # one group's im2col
+
+    def parallel(self, attrs):
+        return "packed_mr" in attrs or bool(attrs.get("depthwise"))
+
+    @staticmethod
+    def _pointwise(geometry) -> bool:
+        _, kernel, strides, _, begin, end, _ = geometry
+        return set(kernel + strides) == {1} and set(begin + end) == {0}
+
+    def lower(self, k, inputs, outputs, attrs):
+        if "packed_mr" in attrs:
+            self._lower_gemm(k, inputs, outputs, attrs)
+            return
+        if attrs.get("depthwise") and k.target is not None:
+            geometry = _resolve_window(inputs[0].shape, tuple(inputs[1].shape[2:]), attrs, what="convolution")
+            epilogue = vector_epilogue(k)
+            lanes = k.target.lanes
+            with k.loop(inputs[0].shape[0]) as image:
+                c_n = inputs[0].shape[1]
+                volume_in, volume_out = _prod(geometry[0]), _prod(geometry[-1])
+                x = k.builder.gep(k.inputs[0], [k.index((image, c_n * volume_in))])
+                y = k.builder.gep(k.outputs[0], [k.index((image, c_n * volume_out))])
+                emit_depthwise(k, lanes, c_n, geometry, x, y, k.inputs[2] if len(inputs) == 3 else None, epilogue)
+            k.activated = epilogue or not k.epilogue
+            return
+        x, w = inputs[0].shape, inputs[1].shape
+        (dz, h, wd), (kz, kh_n, kw_n), (sz, sh, sw), (ddz, dh, dw), (pz, ph, pw), _, (oz, oh_n, ow_n) = \
+            _resolve_window(x, tuple(w[2:]), attrs, what="convolution")
+        if (kz, kh_n, kw_n, sz, sh, sw, pz, ph, pw) == (1, 1, 1, 1, 1, 1, 0, 0, 0):
+            # pointwise: the whole volume is one row
+            dz, h, wd, oz, oh_n, ow_n = 1, 1, dz * h * wd, 1, 1, dz * h * wd
+        n_n, c_n, m_n, group = x[0], x[1], w[0], attrs["group"]
+        mg, cg = m_n // group, c_n // group
+        # Output channels in blocks: each input value loaded feeds `block` rows.
+        block = next(b for b in (4, 2, 1) if mg % b == 0)
+        volume_in, volume_out, taps = dz * h * wd, oz * oh_n * ow_n, kz * kh_n * kw_n
+        bld = k.builder
+        X, W, Y = k.inputs[0], k.inputs[1], k.outputs[0]
+        bias = k.inputs[2] if len(inputs) == 3 else None
+        with k.loop(n_n) as n, k.loop(group) as g, k.loop(mg // block) as mb:
+            oc = k.index((g, mg), (mb, block))
+            starts = [k.load(bias, bld.add(oc, k.i64(b))) if bias is not None else k.f32(0.0)
+                      for b in range(block)]
+            with k.loop(oz) as od, k.loop(oh_n) as oh:
+                row = k.index((n, m_n * volume_out), (oc, volume_out), (od, oh_n * ow_n), (oh, ow_n))
+                rows = [bld.add(row, k.i64(b * volume_out)) for b in range(block)]
+                with k.loop(ow_n) as ow:
+                    for r, start in zip(rows, starts):
+                        k.store(start, Y, bld.add(r, ow))
+                with k.loop(cg) as c:
+                    plane = k.index((n, c_n * volume_in), (g, cg * volume_in), (c, volume_in))
+                    wbase = k.index((oc, cg * taps), (c, taps))
+                    with k.loop(kz) as kd:
+                        iz = k.index((od, sz), (kd, ddz), (-pz, 1))
+                        with bld.if_then(k.in_range(iz, dz)), k.loop(kh_n) as kh:
+                            ih = k.index((oh, sh), (kh, dh), (-ph, 1))
+                            with bld.if_then(k.in_range(ih, h)):
+                                line = k.index((plane, 1), (iz, h * wd), (ih, wd))
+                                for kw in range(kw_n):
+                                    offset = kw * dw - pw
+                                    lo, hi = _valid_range(offset, sw, wd, ow_n)
+                                    if lo >= hi:
+                                        continue
+                                    tap = k.index((wbase, 1), (kd, kh_n * kw_n), (kh, kw_n), (kw, 1))
+                                    weights = [k.load(W, bld.add(tap, k.i64(b * cg * taps)))
+                                               for b in range(block)]
+                                    with k.loop(hi, start=lo) as ow:
+                                        src = k.load(X, k.index((line, 1), (ow, sw), (offset, 1)))
+                                        for r, weight in zip(rows, weights):
+                                            o = bld.add(r, ow)
+                                            k.store(bld.fadd(k.load(Y, o), bld.fmul(weight, src)), Y, o)
+                if k.epilogue:
+                    with k.loop(ow_n) as ow:
+                        for r in rows:
+                            o = bld.add(r, ow)
+                            k.store(k.activate(k.load(Y, o)), Y, o)
+        k.activated = True
+
+
+    def _lower_gemm(self, k, inputs, outputs, attrs):
+        """Convolution as C[M, N] = W[M, K] @ B[K, N] per image and group, with W
+        packed at compile time (passes.pack_conv_weights) and B the input
+        itself for a pointwise convolution, windows of a padded copy of it
+        where _direct_plan allows (most 2-D convolutions), otherwise its
+        im2col in scratch."""
+        x, w = inputs[0].shape, attrs["weight_shape"]
+        geometry = _resolve_window(x, tuple(w[2:]), attrs, what="convolution")
+        tile = attrs.get("gemm_tile") or tile_for(k.target)
+        if tile.mr != attrs["packed_mr"]:
+            raise BuildError(f"Conv weights were packed for {attrs['packed_mr']} rows, the target's tile has {tile.mr}")
+        group = attrs["group"]
+        m, kdim = w[0] // group, _prod(w[1:])
+        cg = x[1] // group
+        volume_in, n = _prod(geometry[0]), _prod(geometry[-1])
+        residual_at = attrs.get("residual_at")
+        has_bias = len(inputs) - (residual_at is not None) == 3
+        if residual_at is not None:
+            # The memory planner may give the output the residual's buffer.
+            for arg in (k.inputs[-1], k.outputs[0]):
+                arg.attributes.discard("noalias")
+        epilogue = vector_epilogue(k)
+        bld = k.builder
+        a_group = -(-m // tile.mr) * tile.mr * kdim
+        # The panel copies' zero fills and row copies would otherwise become
+        # memset/memcpy calls, which 32-bit Android names __aeabi_memclr4
+        # and __aeabi_memcpy4: symbols its loader does not promise. llvmlite
+        # does not know this string attribute, hence the set's own add().
+        set.add(k.function.attributes, '"no-builtins"')
+        pointwise = self._pointwise(geometry)
+        direct = None if pointwise else _direct_plan(geometry, cg, m, attrs, any_grid=bool(tile.pixels))
+        if tile.pixels and not pointwise and direct is None:
+            raise BuildError(f"Conv with input {x} and weight {w}: the transposed tile {tile.label} reads "
+                             "1-D and 2-D windows in place only; schedule a tile of rows [mr, nv] for it")
+        if tile.pixels:
+            if pointwise:
+                taps = _i32_table(k, tuple(c * volume_in for c in range(cg)))
+                bases = _i32_table(k, tuple(range(n)))
+            else:
+                taps = _i32_table(k, direct.offsets)
+                bases = _i32_table(k, direct.pixel_bases)
+        with k.loop(x[0]) as image, k.loop(group) as g:
+            x_base = k.index((image, x[1] * volume_in), (g, cg * volume_in))
+            y_base = k.index((image, w[0] * n), (g, m * n))
+            a_ptr = bld.gep(k.inputs[1], [k.index((g, a_group))])
+            bias = bld.gep(k.inputs[2], [k.index((g, m))]) if has_bias else None
+            if tile.pixels:
+                if pointwise:
+                    source = bld.gep(k.inputs[0], [x_base])
+                else:
+                    _copy_padded(k, direct, x_base)
+                    source = k.scratch
+                residual = k.inputs[-1] if residual_at is not None else None
+                emit_channel_gemm(k, tile, m, kdim, n, a_ptr, source, taps, bases, k.outputs[0], y_base,
+                                  bias, epilogue, residual, residual_at or 0)
+                k.barrier()  # before the next image or group overwrites the copy
+            elif direct is not None:
+                _direct_conv(k, tile, direct, x_base, a_ptr, bias, epilogue, y_base)
+            else:
+                self._gemm_group(k, tile, geometry, m, kdim, n, cg, pointwise, x_base, y_base,
+                                 a_ptr, bias, epilogue, residual_at)
+        k.activated = epilogue or not k.epilogue
+
+    @staticmethod
+    def _gemm_group(k, tile, geometry, m, kdim, n, cg, pointwise, x_base, y_base,
+                    a_ptr, bias, epilogue, residual_at):
+        """One image and group: B is the input itself (pointwise) or its im2col."""
+        bld = k.builder
+        pack = None
+        if pointwise:
+            b_ptr, b_base = k.inputs[0], x_base
+        elif splits_columns(tile, m, n):
+            # Each thread fills the panels it multiplies, a chunk at a
+            # time, just before using them: the chunk is still in L2
+            # then, where a whole-image im2col would have gone out to
+            # L3 or memory and back (7 MB for a 3x3 conv of 64 x 56 x 56).
+            b_ptr, b_base = k.scratch, k.i64(0)
+
+            def pack(p_lo, p_hi):
+                ends = [bld.mul(p, k.i64(tile.nr)) for p in (p_lo, p_hi)]
+                _im2col(k, tile, cg, geometry, x_base, (k.i64(0), k.i64(cg)),
+                        (ends[0], k.smin(ends[1], k.i64(n))))
+        else:
+            _im2col(k, tile, cg, geometry, x_base, k.part(cg), (k.i64(0), k.i64(n)))
+            k.barrier()  # every thread's GEMM reads all of im2col
+            b_ptr, b_base = k.scratch, k.i64(0)
+        emit_gemm(k, tile, m, kdim, n, a_ptr, b_ptr, b_base, n,
+                  k.outputs[0], y_base, bias, epilogue,
+                  k.inputs[-1] if residual_at is not None else None, residual_at or 0,
+                  b_panels=not pointwise, pack=pack)
+        if not pointwise and pack is None:
+            k.barrier()  # before the next image or group overwrites im2col
+
+
+@dataclass(frozen=True)
+class _DirectPlan:
+    """Geometry of a convolution read in place (_direct_conv).
+
+    The padded input is copied once into `planes` per channel, plane (rh,
+    rw) holding the padded positions (y * sh + rh, x * sw + rw): for stride
+    1 that is the padded image itself, for stride s its s x s phases. Then
+    every tap (c, kh, kw) reads, for output (oh, ow), the element at
+    offsets[tap] + oh * wq + ow of that buffer: B of the GEMM is a set of
+    windows of one buffer, with columns on a virtual grid of width wq
+    (the last wq - ow_n columns of each row are computed and dropped).
+    """
+    channels: int
+    rows: int            # output channels (GEMM rows)
+    planes: tuple        # (rh, rw) phases in buffer order, hq x wq each
+    hq: int
+    wq: int
+    offsets: tuple       # per (c, kh, kw) tap, in the weights' K order
+    n_virtual: int       # GEMM columns: (oh_n - 1) * wq + ow_n
+    buffer_floats: int   # the copied input plus the tail the last windows read
+    cbuf_at: int         # where the virtual-grid output starts in scratch
+    scratch_floats: int
+    geometry: tuple
+
+    @property
+    def pixel_bases(self) -> tuple:
+        """Where each output pixel's windows start: oh * wq + ow."""
+        (oh_n, ow_n) = self.geometry[-1][1:]
+        return tuple(oh * self.wq + ow for oh in range(oh_n) for ow in range(ow_n))
+
+
+GRID_COLUMNS_MULTIPLE = 4
+
+
+def _direct_plan(geometry, channels: int, m: int, attrs, any_grid: bool = False) -> "_DirectPlan | None":
+    """How to run a 1-D/2-D convolution without im2col, or None where the
+    im2col GEMM serves (3-D, a fused residual, grids much wider than the
+    output, 1x1 kernels but for a strided one whose grid is its output:
+    that copies just the pixels it reads). With any_grid (for
+    emit_channel_gemm, which reads each output pixel's window itself and
+    writes the output in place) only 3-D is refused."""
+    (dz, h, wd), (kz, kh_n, kw_n), (sz, sh, sw), (ddz, dh, dw), (pz, ph, pw), (ez, eh, ew), \
+        (oz, oh_n, ow_n) = geometry
+    if dz != 1 or kz != 1 or (attrs.get("residual_at") is not None and not any_grid):
+        return None
+    hp, wp = h + ph + eh, wd + pw + ew
+    hq, wq = -(-hp // sh), -(-wp // sw)
+    if sw == 1:
+        # Rows share their padding columns: a window running off the right
+        # end of a row reads the next row's left padding, zeros as well.
+        wq = wd + max(pw, ew)
+    rows = sorted({kh * dh % sh for kh in range(kh_n)})
+    cols = sorted({kw * dw % sw for kw in range(kw_n)})
+    planes = tuple((rh, rw) for rh in rows for rw in cols)
+    plane = hq * wq
+    offsets = tuple((c * len(planes) + planes.index((kh * dh % sh, kw * dw % sw))) * plane
+                    + kh * dh // sh * wq + kw * dw // sw
+                    for c in range(channels) for kh in range(kh_n) for kw in range(kw_n))
+    # Whole vectors in the last panel: the extra columns are dropped like
+    # the rest of the grid's.
+    n_virtual = -(-((oh_n - 1) * wq + ow_n) // GRID_COLUMNS_MULTIPLE) * GRID_COLUMNS_MULTIPLE
+    # The dropped columns cost FMAs: on a 7 x 7 output (56 for 49) they cost
+    # more than the im2col copy saves; at 14 x 14 (wq 15) less.
+    if n_virtual > 1.1 * oh_n * ow_n and not any_grid:
+        return None
+    if kh_n * kw_n == 1 and n_virtual != oh_n * ow_n and not any_grid:
+        # A 1x1 kernel reads each input once: im2col copies no more than
+        # this path, which then gains only where it writes C in place.
+        return None
+    buffer_floats = max(channels * len(planes) * plane, max(offsets) + n_virtual)
+    if buffer_floats >= 2 ** 31:
+        return None
+    cbuf_at = -(-buffer_floats // 16) * 16
+    scratch = buffer_floats if any_grid else cbuf_at + m * n_virtual
+    return _DirectPlan(channels, m, planes, hq, wq, offsets, n_virtual, buffer_floats, cbuf_at,
+                       scratch, geometry)
+
+
+def _direct_conv(k: Kernel, tile, plan: _DirectPlan, x_base, a_ptr, bias, epilogue: bool, y_base) -> None:
+    """One image and group of a convolution as a GEMM whose B rows are
+    windows of the (padded, phase-split) input: one copy of the input in
+    place of im2col's kh * kw, then one copy of the output from the virtual
+    grid. Threads split the copy's channels, the GEMM's panels and the
+    output's rows, with a barrier between the three."""
+    _copy_padded(k, plan, x_base)
+    bld, buf = k.builder, k.scratch
+    oh_n, ow_n = plan.geometry[-1][1:]
+    table = _i32_table(k, plan.offsets)
+    rows = plan.rows
+    if plan.n_virtual == oh_n * ow_n:
+        # The grid is the output (e.g. a strided 1x1 convolution): no copy.
+        emit_gemm(k, tile, rows, len(plan.offsets), plan.n_virtual, a_ptr, buf, k.i64(0), 0,
+                  k.outputs[0], y_base, bias, epilogue, b_offsets=table)
+        k.barrier()  # before the next image or group overwrites the buffer
+        return
+    cbuf = bld.gep(buf, [k.i64(plan.cbuf_at)])
+    emit_gemm(k, tile, rows, len(plan.offsets), plan.n_virtual, a_ptr, buf, k.i64(0), 0,
+              cbuf, k.i64(0), bias, epilogue, b_offsets=table)
+    k.barrier()  # each thread copies out rows other threads computed
+    r_lo, r_hi = k.part(rows)
+    with k.loop(r_hi, start=r_lo) as r, k.loop(oh_n) as oh:
+        src = k.index((r, plan.n_virtual), (oh, plan.wq))
+        dst = k.index((y_base, 1), (r, oh_n * ow_n), (oh, ow_n))
+        with k.loop(ow_n) as ow:
+            k.store(k.load(cbuf, bld.add(src, ow)), k.outputs[0], bld.add(dst, ow))
+    k.barrier()  # before the next image or group overwrites the buffers
+
+
+def _copy_padded(k: Kernel, plan: _DirectPlan, x_base) -> None:
+    """Copy one image and group of the input into scratch as the plan's
+    padded (phase-split) planes, zero tail included; threads split the
+    channels and meet at a barrier after."""
+    (_, h, wd), _, (_, sh, sw), _, (_, ph, pw), _, _ = plan.geometry
+    bld, X = k.builder, k.inputs[0]
+    buf = k.scratch
+    plane = plan.hq * plan.wq
+    n_planes = len(plan.planes)
+    c_lo, c_hi = k.part(plan.channels)
+    with k.loop(c_hi, start=c_lo) as c:
+        src_plane = k.index((x_base, 1), (c, h * wd))
+        for index, (rh, rw) in enumerate(plan.planes):
+            dst_plane = k.index((c, n_planes * plane), (index * plane, 1))
+            lo, hi = _valid_range(rw - pw, sw, wd, plan.wq)
+            with k.loop(plan.hq) as y:
+                iy = k.index((y, sh), (rh - ph, 1))
+                inside = k.in_range(iy, h)
+                line = bld.select(inside, k.index((src_plane, 1), (iy, wd), (rw - pw, 1)), src_plane)
+                dst = k.index((dst_plane, 1), (y, plan.wq))
+                for first, last, copy in ((0, lo, False), (lo, hi, True), (max(lo, hi), plan.wq, False)):
+                    if first >= last:
+                        continue
+                    with k.loop(last, start=first) as x:
+                        if copy:
+                            value = bld.select(inside, k.load(X, bld.select(inside, k.index((line, 1), (x, sw)),
+                                                                               src_plane)), k.f32(0.0))
+                        else:
+                            value = k.f32(0.0)
+                        k.store(value, buf, bld.add(dst, x))
+    tail_lo, tail_hi = k.part(plan.buffer_floats - plan.channels * n_planes * plane)
+    base = plan.channels * n_planes * plane
+    with k.loop(tail_hi, start=tail_lo) as i:
+        k.store(k.f32(0.0), buf, bld.add(i, k.i64(base)))
+    k.barrier()  # the GEMM's windows cross the channels other threads copied
+
+
+def _i32_table(k: Kernel, offsets: tuple) -> ir.Value:
+    """Offsets (taps, pixel bases) as a constant i32 array of the module."""
+    ty = ir.ArrayType(ir.IntType(32), len(offsets))
+    gv = ir.GlobalVariable(k.module, ty, name=k.module.get_unique_name("tether.taps"))
+    gv.global_constant = True
+    gv.linkage = "internal"
+    gv.initializer = ir.Constant(ty, list(offsets))
+    return k.builder.gep(gv, [k.i64(0), k.i64(0)])
+
+
+def _im2col(k: Kernel, tile, channels: int, geometry, x_base, chans, cols) -> None:
+    """scratch[(c, kd, kh, kw), (od, oh, ow)] = the input value that tap
+    meets at that output position, 0 in the padding, for input channels
+    c in chans = (lo, hi) and output positions (flattened) in cols =
+    (start, end), written in the GEMM's column-panel layout (gemm.panel_offset)."""
+    (dz, h, wd), (kz, kh_n, kw_n), (sz, sh, sw), (ddz, dh, dw), (pz, ph, pw), _, (oz, oh_n, ow_n) = geometry
+    n = oz * oh_n * ow_n
+    kdim = channels * kz * kh_n * kw_n
+    bld, X = k.builder, k.inputs[0]
+    start, end = cols
+    r_lo = divide(k, start, ow_n)
+    r_hi = bld.add(divide(k, bld.sub(end, k.i64(1)), ow_n), k.i64(1))
+    with k.loop(chans[1], start=chans[0]) as c, k.loop(kz) as kd, k.loop(kh_n) as kh:
+        plane = k.index((x_base, 1), (c, dz * h * wd))
+        for kw in range(kw_n):
+            row = k.index((c, kz * kh_n * kw_n), (kd, kh_n * kw_n), (kh, kw_n), (kw, 1))
+            offset = kw * dw - pw
+            lo, hi = _valid_range(offset, sw, wd, ow_n)
+            with k.loop(r_hi, start=r_lo) as r:  # output rows (od, oh) the columns cross
+                od = divide(k, r, oh_n) if oz > 1 else k.i64(0)
+                oh = bld.sub(r, bld.mul(od, k.i64(oh_n)))
+                iz = k.index((od, sz), (kd, ddz), (-pz, 1))
+                ih = k.index((oh, sh), (kh, dh), (-ph, 1))
+                inside = bld.and_(k.in_range(iz, dz), k.in_range(ih, h))
+                # Out-of-range rows read a valid row and select 0 instead, so
+                # the copy loop has no branch and vectorises.
+                line = bld.select(inside, k.index((plane, 1), (iz, h * wd), (ih, wd), (offset, 1)), plane)
+                col0 = bld.mul(r, k.i64(ow_n))
+                first = k.smax(bld.sub(start, col0), k.i64(0))
+                last = k.smin(bld.sub(end, col0), k.i64(ow_n))
+
+                def copy(ow, line=line, inside=inside):
+                    src = bld.select(inside, k.index((line, 1), (ow, sw)), plane)
+                    return bld.select(inside, k.load(X, src), k.f32(0.0))
+                segments = []
+                if lo > 0:
+                    segments.append((first, k.smin(last, k.i64(lo)), None))
+                if lo < hi:
+                    segments.append((k.smax(first, k.i64(lo)), k.smin(last, k.i64(hi)), copy))
+                if max(hi, lo) < ow_n:
+                    segments.append((k.smax(first, k.i64(max(hi, lo))), last, None))
+                for seg_first, seg_last, value in segments:
+                    _panel_row(k, tile, kdim, n, row, col0, seg_first, seg_last, value)
+
+
+def _panel_row(k: Kernel, tile, kdim: int, n: int, row, col0, first, last, value) -> None:
+    """scratch[row, col0 + j] = value(j) (0 when value is None) for j in
+    [first, last), in column-panel layout: one contiguous loop per panel
+    the columns cross."""
+    bld = k.builder
+    start, end = bld.add(col0, first), bld.add(col0, last)
+    p_lo = divide(k, start, tile.nr)
+    p_hi = bld.add(divide(k, bld.sub(end, k.i64(1)), tile.nr), k.i64(1))
+    with k.loop(p_hi, start=p_lo) as panel:
+        base = panel_offset(k, tile, kdim, n, row, panel)
+        panel_col = bld.mul(panel, k.i64(tile.nr))
+        lo = k.smax(start, panel_col)
+        hi = k.smin(end, bld.add(panel_col, k.i64(tile.nr)))
+        with k.loop(hi, start=lo) as col:
+            v = k.f32(0.0) if value is None else value(bld.sub(col, col0))
+            k.store(v, k.scratch, bld.add(base, col))
+
+
+def emit_depthwise(k: Kernel, lanes: int, channels: int, geometry, X: ir.Value, Y: ir.Value,
+                   bias: "ir.Value | None", vector_epilogue: bool) -> None:
+    """Depthwise 2-D convolution (one filter per channel), direct: per output
+    row, a vector of output columns accumulates all kh x kw taps in a
+    register from contiguous input loads (strides 1 and 2). Rows whose
+    window crosses the top or bottom padding use zero weights for those
+    taps; columns whose window crosses the left or right padding take a
+    scalar path with bounds checks. Channels are split between threads.
+    """
+    (_, h, wd), (_, kh_n, kw_n), (_, sh, sw), (_, dh, dw), (_, ph, pw), _, (_, oh_n, ow_n) = geometry
+    b = k.builder
+    W = k.inputs[1]
+    # Columns where every tap is inside the row: the vector path.
+    lo = max(-(-(pw - kw * dw) // sw) if pw > kw * dw else 0 for kw in range(kw_n))
+    hi = min((wd - 1 - kw * dw + pw) // sw + 1 for kw in range(kw_n))
+    hi = max(lo, min(hi, ow_n))
+    pieces, vec_end = row_pieces(lo, hi, lanes, sw)
+    c_lo, c_hi = k.part(channels)
+    with k.loop(c_hi, start=c_lo) as c:
+        taps = [[k.load(W, k.index((c, kh_n * kw_n), (kh * kw_n + kw, 1))) for kw in range(kw_n)]
+                for kh in range(kh_n)]
+        start = k.load(bias, c) if bias is not None else k.f32(0.0)
+        plane = k.index((c, h * wd))
+        with k.loop(oh_n) as oh:
+            rows = []
+            for kh in range(kh_n):
+                ih = k.index((oh, sh), (kh * dh - ph, 1))
+                inside = k.in_range(ih, h)
+                rows.append((inside, b.select(inside, k.index((plane, 1), (ih, wd)), plane)))
+            out_row = k.index((c, oh_n * ow_n), (oh, ow_n))
+            zero_taps = [[b.select(inside, w, k.f32(0.0)) for w in row_taps]
+                         for (inside, _), row_taps in zip(rows, taps)]
+            for first, width in pieces:
+                acc = splat(k, start, width)
+                for (inside, line), row_taps in zip(rows, zero_taps):
+                    for kw, weight in enumerate(row_taps):
+                        x = load_strided(k, X, b.add(line, k.i64(first * sw + kw * dw - pw)), width, sw)
+                        acc = _fmuladd(k, x, splat(k, weight, width), acc)
+                if vector_epilogue:
+                    with k.vector_constants(width):
+                        acc = k.activate(acc)
+                b.store(acc, _vector_ptr(k, Y, b.add(out_row, k.i64(first)), width), align=4)
+            for first, last in ((0, lo), (vec_end, ow_n)):
+                if first >= last:
+                    continue
+                with k.loop(last, start=first) as ow:
+                    acc = start
+                    for (inside, line), row_taps in zip(rows, taps):
+                        for kw, weight in enumerate(row_taps):
+                            iw = k.index((ow, sw), (kw * dw - pw, 1))
+                            ok = b.and_(inside, k.in_range(iw, wd))
+                            value = k.load(X, b.select(ok, b.add(line, iw), line))
+                            acc = b.fadd(acc, b.fmul(b.select(ok, value, k.f32(0.0)), weight))
+                    if vector_epilogue:
+                        acc = k.activate(acc)
+                    k.store(acc, Y, b.add(out_row, ow))

@@ -1,0 +1,122 @@
+"""What every ONNX op class implements (Op, AliasOp), and the shape and
+attribute helpers the op classes share.
+
+ops.py lists every op in OPS. The modules holding the larger kinds of op
+(elementwise.py, conv.py, pool.py) import this module and never ops.py, so
+the table can import them.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .emit import Kernel
+from .errors import BuildError, ShapeError
+from .ir import Tensor
+
+
+Shape = tuple
+
+
+def _prod(dims) -> int:
+    return int(math.prod(dims))
+
+
+def _axis(axis: int, rank: int, *, allow_end: bool = False) -> int:
+    """Normalise a possibly negative axis; allow_end admits axis == rank."""
+    upper = rank + 1 if allow_end else rank
+    if not -rank <= axis < upper:
+        raise ShapeError(f"axis {axis} is out of range for a rank-{rank} tensor")
+    return axis + rank if axis < 0 else axis
+
+
+def _broadcast_strides(shape: Shape, out_shape: Shape) -> list[int]:
+    """Element strides of a C-order tensor of `shape` read at `out_shape`
+    indices under numpy broadcasting (stride 0 along broadcast dims)."""
+    padded = (1,) * (len(out_shape) - len(shape)) + tuple(shape)
+    strides, step = [], 1
+    for dim in reversed(padded):
+        strides.append(0 if dim == 1 else step)
+        step *= dim
+    return strides[::-1]
+
+
+def _c_strides(shape) -> list[int]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= d
+    return strides[::-1]
+
+
+class Op:
+    """Base for one ONNX op.
+
+    compile_time_inputs: input positions whose values must be constants; the
+    frontend hands them to attributes() and drops them from the node.
+    alias: the output holds input 0's data unchanged, so the memory planner may
+    let it share input 0's buffer; lower() is then only used when it cannot.
+    Raising BuildError (or ShapeError) from attributes() or infer() is how an
+    op rejects a model; the frontend adds the node's name and op type.
+    """
+
+    op_type = ""
+    compile_time_inputs: tuple[int, ...] = ()
+    alias = False
+    # An element-wise op of one runtime input that can run as the epilogue of
+    # the node producing that input (see passes.fuse_elementwise).
+    fusable = False
+    # The frontend adds attrs["outputs"] = the node's output count.
+    counts_outputs = False
+    # apply() works on vectors as well as scalars (fused into vector epilogues).
+    vectorizable = False
+
+    def attributes(self, raw: dict, constants: dict, opset: int) -> dict:
+        return {}
+
+    def infer(self, inputs: list[Shape], attrs: dict) -> list[Shape]:
+        raise NotImplementedError
+
+    def lower(self, k: Kernel, inputs: list[Tensor], outputs: list[Tensor], attrs: dict) -> None:
+        raise NotImplementedError
+
+    def scratch_bytes(self, inputs: list[Tensor], outputs: list[Tensor], attrs: dict) -> int:
+        """Temporary bytes lower() needs during the call (then k.scratch is set)."""
+        return 0
+
+    def parallel(self, attrs: dict) -> bool:
+        """lower() splits its work between threads (Kernel.part/barrier):
+        every thread of tether_run_parallel calls the kernel, not only the first."""
+        return False
+
+
+class AliasOp(Op):
+    """An op that only reinterprets its input's shape."""
+
+    alias = True
+
+    def lower(self, k, inputs, outputs, attrs):
+        with k.loop(outputs[0].size) as i:
+            k.store(k.load(k.inputs[0], i), k.outputs[0], i)
+
+
+def _ints(raw: dict, name: str, default=None):
+    value = raw.get(name, default)
+    return None if value is None else tuple(int(v) for v in value)
+
+
+def _const_ints(constants: dict, pos: int):
+    value = constants.get(pos)
+    return None if value is None else tuple(int(v) for v in np.asarray(value).reshape(-1))
+
+
+def _const_float(constants: dict, pos: int):
+    value = constants.get(pos)
+    return None if value is None else float(np.asarray(value).reshape(-1)[0])
+
+
+def _check_choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise BuildError(f"attribute {name}={value!r} is not supported; supported: "
+                         f"{', '.join(repr(a) for a in allowed)}")
