@@ -15,10 +15,9 @@ from .elfdata import data_object
 from .errors import BuildError
 from .frontend import import_onnx
 from .link import link_shared
-from .gemm import tile_for
 from .passes import (eliminate_dead_code, fold_batchnorm, fold_channel_affine, fuse_elementwise,
                      fuse_residual_add, mark_split, pack_conv_weights, plan_memory)
-from .schedule import tile_chooser
+from .schedule import assign_tiles, tile_table
 from .target import Target, resolve_target
 
 __version__ = "0.1.0"
@@ -76,10 +75,9 @@ def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = 
     >>> lib.export_library("net.so")                   # doctest: +SKIP
     """
     target = resolve_target(target)
-    chosen: dict = {}
-    imported, folded, graph = lowered_graph(model, target, input_shapes,
-                                            tile_chooser(target, schedules, chosen))
+    imported, folded, graph = lowered_graph(model, target, input_shapes, tile_table(target, schedules))
     plan = plan_memory(graph)
+    convs = gemm_convs(imported, graph)
     metadata = {
         "abi_version": codegen.ABI_VERSION,
         "name": graph.name,
@@ -90,8 +88,9 @@ def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = 
         "param_bytes": codegen.param_bytes(graph, plan),
         "ops": sorted({node.op_type for node in imported.nodes}),
         "steps": codegen.describe_steps(imported, graph, plan),
-        "gemm_tiles": [{"node": name, "shape": shape.key, "tile": tile.spec,
-                        "tuned": tuned} for name, (shape, tile, tuned) in chosen.items()],
+        "gemm_tiles": [{"node": node.name, "shape": node.attrs["conv_shape"].key,
+                        "tile": node.attrs["gemm_tile"].spec, "tuned": node.attrs["tile_tuned"]}
+                       for node in convs],
         "producer": PRODUCER,
     }
     machine = _target_machine(target)
@@ -110,20 +109,35 @@ def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = 
         "workspace_bytes": plan.workspace_bytes,
         "param_bytes": metadata["param_bytes"],
         "code_bytes": _code_bytes(obj),
-        "tuned_convs": sum(1 for _, _, tuned in chosen.values() if tuned),
-        "gemm_convs": len(chosen),
+        "tuned_convs": sum(1 for node in convs if node.attrs["tile_tuned"]),
+        "gemm_convs": len(convs),
     }
     return CompiledModule(link_shared([o for _, o in objects], soname), metadata, target,
                           tuple(objects), summary)
 
 
-def lowered_graph(model, target: Target, input_shapes, tile_of):
-    """(imported, folded, lowered) graphs of a model: the graph passes of
-    build(), with tile_of(graph, node) picking each GEMM convolution's tile."""
+def tiled_graph(model, target: Target, input_shapes, table):
+    """(imported, folded, tiled) graphs of a model: build()'s graph passes up
+    to schedule.assign_tiles, which writes each GEMM convolution's tile
+    (from `table`, see schedule.tile_table) into the graph."""
     imported = eliminate_dead_code(import_onnx(model, input_shapes))
     folded = fold_channel_affine(fold_batchnorm(imported))
-    graph = fuse_residual_add(pack_conv_weights(fuse_elementwise(folded), tile_for(target).mr, tile_of))
-    return imported, folded, mark_split(graph)
+    tiled = assign_tiles(fuse_residual_add(fuse_elementwise(folded)), target, table)
+    return imported, folded, tiled
+
+
+def lowered_graph(model, target: Target, input_shapes, table):
+    """(imported, folded, lowered) graphs of a model: all graph passes of build()."""
+    imported, folded, tiled = tiled_graph(model, target, input_shapes, table)
+    return imported, folded, mark_split(pack_conv_weights(tiled))
+
+
+def gemm_convs(imported, graph) -> list:
+    """The GEMM convolutions of a tiled graph, in model order (a Conv fused
+    with its residual Add stands at the Add's place in the graph)."""
+    order = {node.name: pos for pos, node in enumerate(imported.nodes)}
+    return sorted((node for node in graph.nodes if "gemm_tile" in node.attrs),
+                  key=lambda node: order[node.name])
 
 
 def _code_bytes(obj: bytes) -> int:

@@ -14,7 +14,7 @@ from llvmlite import ir
 
 from .emit import Kernel
 from .errors import BuildError, ShapeError
-from .gemm import divide, emit_channel_gemm, emit_gemm, panel_offset, splits_columns, tile_for
+from .gemm import divide, emit_channel_gemm, emit_gemm, panel_offset, splits_columns
 from .op_base import Op, _prod
 from .vectors import _fmuladd, _vector_ptr, load_strided, row_pieces, splat, vector_epilogue
 from .window import _resolve_window, _valid_range, _window_attributes
@@ -155,9 +155,7 @@ class Conv(Op):
         im2col in scratch."""
         x, w = inputs[0].shape, attrs["weight_shape"]
         geometry = _resolve_window(x, tuple(w[2:]), attrs, what="convolution")
-        tile = attrs.get("gemm_tile") or tile_for(k.target)
-        if tile.mr != attrs["packed_mr"]:
-            raise BuildError(f"Conv weights were packed for {attrs['packed_mr']} rows, the target's tile has {tile.mr}")
+        tile = attrs["gemm_tile"]
         group = attrs["group"]
         m, kdim = w[0] // group, _prod(w[1:])
         cg = x[1] // group

@@ -193,14 +193,19 @@ def mark_split(graph: Graph) -> Graph:
     return replace(graph, nodes=nodes)
 
 
-def pack_conv_weights(graph: Graph, mr: int, tile_of=None) -> Graph:
-    """Store each Conv's constant weight as pack_weights(W_g, mr) (the GEMM
-    micro-kernel's layout) per group g, concatenated, and mark the node with
-    attrs["packed_mr"].
+def runs_as_gemm(graph: Graph, node: Node) -> bool:
+    """Whether a Conv runs as a GEMM on packed weights: constant weights
+    and at least MIN_GEMM_ROWS output channels per group (fewer would make
+    a register tile of rows mostly padding)."""
+    return (node.op_type == "Conv" and len(node.inputs) >= 2 and node.inputs[1] in graph.constants
+            and graph.tensors[node.inputs[1]].shape[0] // node.attrs.get("group", 1) >= MIN_GEMM_ROWS)
 
-    tile_of(graph, node), when given, picks each Conv's register tile
-    (crosscompile.schedule): its rows replace mr and the node keeps the tile
-    in attrs["gemm_tile"] for the lowering.
+
+def pack_conv_weights(graph: Graph) -> Graph:
+    """Store the constant weight of each Conv that has a register tile
+    (attrs["gemm_tile"], written by schedule.assign_tiles) as
+    pack_weights(W_g, tile.mr) (the GEMM micro-kernel's layout) per group g,
+    concatenated, and mark the node with attrs["packed_mr"].
 
     The packed constant is a new tensor, so a weight another node also
     reads stays as it was. Depthwise convolutions are marked
@@ -210,19 +215,16 @@ def pack_conv_weights(graph: Graph, mr: int, tile_of=None) -> Graph:
     constants, tensors = dict(graph.constants), dict(graph.tensors)
     nodes = []
     for node in graph.nodes:
-        group = node.attrs.get("group", 1)
-        if (node.op_type == "Conv" and len(node.inputs) >= 2 and node.inputs[1] in constants
-                and graph.tensors[node.inputs[1]].shape[0] // group >= MIN_GEMM_ROWS):
-            tile = tile_of(graph, node) if tile_of is not None else None
-            rows = tile.mr if tile is not None else mr
-            name = f"{node.inputs[1]}/packed{rows}"
+        tile = node.attrs.get("gemm_tile") if node.op_type == "Conv" else None
+        if tile is not None:
+            group = node.attrs.get("group", 1)
+            name = f"{node.inputs[1]}/packed{tile.mr}"
             if name not in constants:
                 constants[name] = np.concatenate(
-                    [pack_weights(w, rows) for w in np.split(constants[node.inputs[1]], group)])
+                    [pack_weights(w, tile.mr) for w in np.split(constants[node.inputs[1]], group)])
                 tensors[name] = Tensor(name, constants[name].shape, "float32")
-            attrs = dict(node.attrs, packed_mr=rows, weight_shape=tuple(graph.tensors[node.inputs[1]].shape))
-            if tile is not None:
-                attrs["gemm_tile"] = tile
+            attrs = dict(node.attrs, packed_mr=tile.mr,
+                         weight_shape=tuple(graph.tensors[node.inputs[1]].shape))
             node = Node(node.op_type, node.name, [node.inputs[0], name, *node.inputs[2:]],
                         list(node.outputs), attrs)
         elif node.op_type == "Conv" and _is_depthwise(graph, node):
@@ -233,7 +235,7 @@ def pack_conv_weights(graph: Graph, mr: int, tile_of=None) -> Graph:
 
 
 def fuse_residual_add(graph: Graph) -> Graph:
-    """Fold `Add(conv, r)` (or a two-input Sum) into a packed Conv that only
+    """Fold `Add(conv, r)` (or a two-input Sum) into a GEMM Conv that only
     the Add reads: the Conv gains r as its last input and adds it in its
     epilogue (attrs["residual_at"]: after that many of its own fused ops,
     followed by the Add's), saving a pass over both tensors. The fused node
@@ -257,7 +259,7 @@ def fuse_residual_add(graph: Graph) -> Graph:
         for pos, name in enumerate(node.inputs):
             conv = producer.get(name)
             other = node.inputs[1 - pos]
-            if (conv is None or conv.op_type != "Conv" or "packed_mr" not in conv.attrs
+            if (conv is None or not runs_as_gemm(graph, conv)
                     or conv.name in dropped or uses[name] != 1 or other == name
                     or not vectorizable(conv) or other in graph.constants):
                 continue

@@ -6,7 +6,9 @@ a convolution's shape (ConvShape.key) to a tile measured faster for it
 (`tether tune` measures them, crosscompile.tuning caches them); build()
 looks every GEMM convolution up there and falls back to the default.
 
-Plain data and functions only: no files, clocks or boards here.
+assign_tiles is the graph pass that makes this choice once and writes it
+into each convolution's attributes. Plain data and functions only: no
+files, clocks or boards here.
 
 Example:
     >>> from crosscompile.target import resolve_target
@@ -15,11 +17,13 @@ Example:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Optional
 
 from .errors import BuildError
 from .gemm import GemmTile, channel_tile, tile_for
+from .ir import Node
+from .passes import runs_as_gemm
 
 # Rows of one register tile at most: past this the broadcasts of A, not
 # the loads of B, bound the inner loop, and the tile's tail grows.
@@ -169,17 +173,6 @@ def default_tile(target, shape: ConvShape, residual: bool = False) -> GemmTile:
     return channel_tile(tile)
 
 
-def adds_residual(graph, node) -> bool:
-    """Whether a Conv's output goes only to an Add (or two-input Sum) of two
-    tensors of its shape: what passes.fuse_residual_add fuses."""
-    out = node.outputs[0]
-    readers = [n for n in graph.nodes if out in n.inputs]
-    if len(readers) != 1 or readers[0].op_type not in ("Add", "Sum") or len(readers[0].inputs) != 2:
-        return False
-    shape = graph.tensors[out].shape
-    return all(graph.tensors[t].shape == shape for t in readers[0].inputs)
-
-
 def candidate_tiles(target, m: Optional[int] = None, shape: Optional[ConvShape] = None) -> list:
     """The register tiles worth measuring for a target, the default first.
 
@@ -248,29 +241,71 @@ def as_tile(target, value) -> GemmTile:
     return GemmTile(lanes, mr, nv, pixels)
 
 
-def tile_chooser(target, schedules, chosen: Optional[dict] = None):
-    """tile_of(graph, node) for passes.pack_conv_weights: the scheduled
-    tile of the node's shape, else the target's default. Each choice is
-    recorded in `chosen` (node name -> (ConvShape, tile, tuned))."""
-    table = tile_table(target, schedules)
+def assign_tiles(graph, target, table: Mapping):
+    """Write each GEMM convolution's register tile into the graph: the tile
+    `table` ({ConvShape.key: tile}, see tile_table) schedules for its shape,
+    else the target's default. Runs after the fusion passes, so a Conv's
+    fused residual (attrs["residual_at"]) is known, not predicted.
 
-    def tile_of(graph, node) -> GemmTile:
-        shape = conv_shape(graph, node)
-        default = default_tile(target, shape, adds_residual(graph, node))
-        value = table.get(shape.key)
-        if isinstance(value, Mapping) and value.get("default") not in (None, default.spec):
-            # Tuned against another default (an older compiler, or this
-            # convolution without the residual Add it has here): not comparable.
-            value = None
-        try:
-            tile = as_tile(target, value) if value is not None else default
-        except BuildError as exc:
-            # A table written for a wider machine (more lanes or registers)
-            # fails here: name the convolution and a tile that builds.
-            raise BuildError(f"Conv {node.name!r} ({shape.key}): {exc}; schedule a tile for "
-                             f"target {target.name!r}, e.g. its default {default.spec}") from None
-        if chosen is not None:
-            chosen[node.name] = (shape, tile, value is not None)
-        return tile
+    Each such Conv gets attrs["gemm_tile"] (the GemmTile), attrs["conv_shape"]
+    (its ConvShape) and attrs["tile_tuned"] (whether the table chose it),
+    which weight packing, the lowering and the module metadata read.
 
-    return tile_of
+    >>> from crosscompile.target import resolve_target
+    >>> graph = assign_tiles(graph, resolve_target("rasp4b64"), {})  # doctest: +SKIP
+    """
+    readers: dict = {}
+    for node in graph.nodes:
+        for name in set(node.inputs):
+            readers.setdefault(name, []).append(node)
+    nodes = []
+    for node in graph.nodes:
+        if runs_as_gemm(graph, node):
+            shape = conv_shape(graph, node)
+            tile, tuned = _scheduled_tile(target, table, node, shape,
+                                          _adds_residual(graph, node, readers))
+            node = Node(node.op_type, node.name, list(node.inputs), list(node.outputs),
+                        dict(node.attrs, gemm_tile=tile, conv_shape=shape, tile_tuned=tuned))
+        nodes.append(node)
+    return replace(graph, nodes=nodes)
+
+
+def _adds_residual(graph, node, readers: dict) -> bool:
+    """Whether a Conv's output goes only into a residual Add: fused into
+    this Conv (attrs["residual_at"]), fused into the Conv on the Add's other
+    side (its last input), or an Add (or Sum) of two tensors of one shape
+    left as it is. Both operands of the Add count, fused or not: the
+    default tiles (and so the tuning cache's "default" entries) were
+    settled that way.
+    """
+    if node.attrs.get("residual_at") is not None:
+        return True
+    out = node.outputs[0]
+    if len(readers.get(out, ())) != 1:
+        return False
+    reader = readers[out][0]
+    if reader.op_type == "Conv":
+        return (reader.attrs.get("residual_at") is not None and reader.inputs[-1] == out
+                and out not in reader.inputs[:-1])
+    if reader.op_type not in ("Add", "Sum") or len(reader.inputs) != 2:
+        return False
+    shape = graph.tensors[out].shape
+    return all(graph.tensors[t].shape == shape for t in reader.inputs)
+
+
+def _scheduled_tile(target, table: Mapping, node, shape: ConvShape, residual: bool) -> tuple:
+    """(tile, tuned) of one GEMM convolution."""
+    default = default_tile(target, shape, residual)
+    value = table.get(shape.key)
+    if isinstance(value, Mapping) and value.get("default") not in (None, default.spec):
+        # Tuned against another default (an older compiler, or this
+        # convolution without the residual Add it has here): not comparable.
+        value = None
+    try:
+        tile = as_tile(target, value) if value is not None else default
+    except BuildError as exc:
+        # A table written for a wider machine (more lanes or registers)
+        # fails here: name the convolution and a tile that builds.
+        raise BuildError(f"Conv {node.name!r} ({shape.key}): {exc}; schedule a tile for "
+                         f"target {target.name!r}, e.g. its default {default.spec}") from None
+    return tile, value is not None

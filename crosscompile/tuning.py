@@ -25,10 +25,10 @@ from typing import List, Optional
 
 import numpy as np
 
-from .compiler import CompiledModule, build, lowered_graph
+from .compiler import CompiledModule, build, gemm_convs, tiled_graph
 from .errors import BuildError
-from .gemm import GemmTile, tile_for
-from .schedule import ConvShape, conv_shape
+from .gemm import GemmTile
+from .schedule import ConvShape
 from .target import Target, resolve_target
 
 SCHEMA = "tether.tuning/1"
@@ -84,7 +84,7 @@ class TuningCache:
         """{shape key: {"best": tile spec, "default": tile spec}} of the
         target's tuned convolutions (a spec is [mr, nv] or [mr, nv, pixels]).
         The default is the one measured against: an entry whose default is
-        no longer the compiler's (see schedule.tile_chooser) is stale."""
+        no longer the compiler's (see schedule.assign_tiles) is stale."""
         return {key: {"best": list(entry["best"]), "default": entry.get("default")}
                 for key, entry in self.entries(target).items()}
 
@@ -151,16 +151,10 @@ def _write_atomic(path: str, data: dict) -> None:
 def conv_shapes(model, target: "str | Target" = "host", input_shapes=None) -> List[ConvShape]:
     """The distinct shapes of the model's convolutions that run as a GEMM
     (so that the register tile matters), in model order."""
-    target = resolve_target(target)
+    imported, _, tiled = tiled_graph(model, resolve_target(target), input_shapes, {})
     found: dict = {}
-    default = tile_for(target)
-
-    def record(graph, node):
-        shape = conv_shape(graph, node)
-        found.setdefault(shape.key, shape)
-        return default
-
-    lowered_graph(model, target, input_shapes, record)
+    for node in gemm_convs(imported, tiled):
+        found.setdefault(node.attrs["conv_shape"].key, node.attrs["conv_shape"])
     return list(found.values())
 
 

@@ -17,6 +17,8 @@ from crosscompile.frontend import import_onnx
 from crosscompile.ir import Graph, Node, Tensor
 from crosscompile.passes import (eliminate_dead_code, fold_batchnorm, fuse_elementwise,
                                  pack_conv_weights, plan_memory)
+from crosscompile.schedule import assign_tiles, conv_shape
+from crosscompile.target import resolve_target
 from tests.cross_targets import ALLOWED_UNDEFINED, CROSS_TARGETS
 from tests.onnx_models import make_model, rand, reference, single_op, zoo_input, zoo_model
 
@@ -287,9 +289,12 @@ def test_a_full_size_mul_is_not_folded():
 def test_pack_conv_weights_lays_out_row_blocks_for_the_micro_kernel():
     graph = conv_bn_relu_graph()
     weight = graph.constants[graph.nodes[0].inputs[1]]
-    packed = pack_conv_weights(graph, 3)
+    target = resolve_target("host")
+    rows3 = {conv_shape(graph, graph.nodes[0]).key: (3, 1)}
+    packed = pack_conv_weights(assign_tiles(graph, target, rows3))
     conv = packed.nodes[0]
     assert conv.attrs["packed_mr"] == 3 and conv.attrs["weight_shape"] == weight.shape
+    assert conv.attrs["gemm_tile"].spec == [3, 1] and conv.attrs["tile_tuned"]
     blocks = packed.constants[conv.inputs[1]]
     m, k = weight.shape[0], weight[0].size
     assert blocks.shape == (-(-m // 3), k, 3)

@@ -149,7 +149,7 @@ def test_residual_add_writes_over_its_last_reader_buffer(tmp_path):
         inits.update({f"wa{i}": w(24, 24, k, 2 + i), f"wb{i}": w(24, 24, k, 5 + i)})
     nodes.append(helper.make_node("Mul", ["s2", "u2"], ["y"]))   # u2 read after its Add
     model = make_model(nodes, {"x": (2, 5, 11, 13)}, {"y": None}, inits)
-    _, _, graph = lowered_graph(model, resolve_target("host"), None, lambda g, n: None)
+    _, _, graph = lowered_graph(model, resolve_target("host"), None, {})
     plan = plan_memory(graph)
     fused = [n for n in graph.nodes if n.attrs.get("residual_at") is not None]
     shared = [plan.locations[n.inputs[-1]] == plan.locations[n.outputs[0]] for n in fused]
