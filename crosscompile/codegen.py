@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 
 import numpy as np
 from llvmlite import ir
@@ -23,17 +24,29 @@ I8 = ir.IntType(8)
 I8_PTR = I8.as_pointer()
 
 
-def generate(graph: Graph, plan: MemoryPlan, metadata: dict,
-             triple: str, data_layout: str, target=None) -> ir.Module:
+@dataclass(frozen=True)
+class GeneratedCode:
+    """What code generation hands to build(): the LLVM module, the bytes of
+    the parameters it declares (symbol -> bytes, defined outside the module
+    by elfdata.data_object) and how many distinct node kernels it defines."""
+
+    module: ir.Module
+    params: dict
+    kernels: int
+
+
+def generate(graph: Graph, plan: MemoryPlan, metadata: dict, target, data_layout: str) -> GeneratedCode:
     """Build the module: one internal kernel per node plus the ABI entry points."""
     module = ir.Module(name=graph.name)
-    module.triple = triple
+    module.triple = target.triple
     module.data_layout = data_layout
 
     kernels = []
     # Kernels depend on shapes and attributes only (data comes in through
     # pointers), so repeated blocks of a network share one function.
     cache: dict[str, ir.Function] = {}
+    # Micro-kernels (gemm.py) shared between the node kernels, by key.
+    tiles: dict = {}
     for pos, node in enumerate(graph.nodes):
         if node.name in plan.aliased_nodes:
             continue
@@ -41,55 +54,24 @@ def generate(graph: Graph, plan: MemoryPlan, metadata: dict,
         outs = [graph.tensors[t] for t in node.outputs]
         key = repr((node.op_type, [t.shape for t in ins], [t.shape for t in outs], node.attrs))
         if key not in cache:
-            cache[key] = _lower(module, f"node{pos}_{_symbol(node.op_type)}", node, ins, outs, target)
+            cache[key] = _lower(module, f"node{pos}_{_symbol(node.op_type)}", node, ins, outs, target, tiles)
         kernels.append((node, cache[key]))
 
     _define_abi_version(module)
     _define_metadata(module, json.dumps(metadata, separators=(",", ":")))
-    params: dict = {}
-    _emit_run(module, graph, plan, kernels, params, target, parallel=False)
-    _emit_run(module, graph, plan, kernels, params, target, parallel=True)
-    _emit_run(module, graph, plan, kernels, params, target, parallel=False, profiled=True)
-    return module
+    declared: dict = {}  # constant name -> its parameter global
+    params: dict = {}  # parameter symbol -> bytes
+    for parallel, profiled in ((False, False), (True, False), (False, True)):
+        _emit_run(module, graph, plan, kernels, declared, params, target, parallel, profiled)
+    defined = [f for f in module.functions if f.name.startswith("node") and f.blocks]
+    return GeneratedCode(module, params, len(defined))
 
 
-def describe_steps(imported: Graph, graph: Graph, plan: MemoryPlan) -> list:
-    """One entry per kernel call of tether_run, in order: the op, its node
-    name, the ops fused or folded into it and the shapes it reads and writes
-    (the "steps" metadata key of docs/module-abi.md)."""
-    producer = {out: node for node in imported.nodes for out in node.outputs}
-    steps = []
-    for node in graph.nodes:
-        if node.name in plan.aliased_nodes:
-            continue
-        # Walk back from the step's output through the original graph to the
-        # node it is named after: everything passed on the way was merged in.
-        stop = set(node.inputs) | set(imported.constants)
-        merged, seen, todo = [], set(), list(node.outputs[:1])
-        while todo:
-            source = producer.get(todo.pop())
-            if source is None or source.name == node.name or source.name in seen:
-                continue
-            seen.add(source.name)
-            merged.append(source.op_type)
-            todo.extend(t for t in source.inputs if t not in stop)
-        steps.append({"op": node.op_type, "name": node.name, "fused": merged[::-1],
-                      "inputs": [list(graph.tensors[t].shape) for t in node.inputs
-                                 if t not in graph.constants],
-                      "outputs": [list(graph.tensors[t].shape) for t in node.outputs]})
-    return steps
-
-
-def kernel_functions(module: ir.Module) -> list:
-    """The node kernels defined in module (shared kernels count once)."""
-    return [f for f in module.functions if f.name.startswith("node") and f.blocks]
-
-
-def _lower(module: ir.Module, name: str, node, ins, outs, target) -> ir.Function:
+def _lower(module: ir.Module, name: str, node, ins, outs, target, tiles: dict) -> ir.Function:
     epilogue = [_activation(op_type, attrs) for op_type, attrs in node.attrs.get("epilogue", ())]
     scratch = OPS[node.op_type].scratch_bytes(ins, outs, node.attrs) > 0
     k = Kernel(module, name, len(ins), len(outs), epilogue, target, scratch,
-               parallel=OPS[node.op_type].parallel(node.attrs))
+               parallel=OPS[node.op_type].parallel(node.attrs), tiles=tiles)
     k.epilogue_key = repr(node.attrs.get("epilogue", ()))
     OPS[node.op_type].lower(k, ins, outs, node.attrs)
     if epilogue and not k.activated:
@@ -134,8 +116,9 @@ def _constant_bytes(module: ir.Module, name: str, data: bytearray, align: int) -
     return gv
 
 
-def _declare_param(module: ir.Module, name: str, data: bytes) -> ir.GlobalVariable:
-    """Declare a parameter global defined outside the LLVM module.
+def _declare_param(module: ir.Module, name: str, data: bytes, params: dict) -> ir.GlobalVariable:
+    """Declare a parameter global defined outside the LLVM module and
+    record its bytes in params.
 
     LLVM only takes constants as IR text (seconds and gigabytes for a large
     model), so the bytes go into a separate object (elfdata.data_object)
@@ -144,15 +127,8 @@ def _declare_param(module: ir.Module, name: str, data: bytes) -> ir.GlobalVariab
     gv = ir.GlobalVariable(module, ir.ArrayType(I8, len(data)), name=name)
     gv.global_constant = True
     gv.align = ALIGNMENT
-    params(module)[name] = data
+    params[name] = data
     return gv
-
-
-def params(module: ir.Module) -> dict:
-    """name -> bytes of the parameters the module refers to."""
-    if not hasattr(module, "tether_params"):
-        module.tether_params = {}
-    return module.tether_params
 
 
 def render(module: ir.Module) -> str:
@@ -165,8 +141,8 @@ def render(module: ir.Module) -> str:
     return "\n".join(lines)
 
 
-def _emit_run(module: ir.Module, graph: Graph, plan: MemoryPlan, kernels, params: dict,
-              target, parallel: bool, profiled: bool = False) -> None:
+def _emit_run(module: ir.Module, graph: Graph, plan: MemoryPlan, kernels, declared: dict,
+              params: dict, target, parallel: bool, profiled: bool = False) -> None:
     """tether_run, or with parallel tether_run_parallel(inputs, outputs,
     workspace, thread, threads, state): every one of `threads` threads calls
     it at once with the same buffers and a zeroed int32[2] state. Parallel
@@ -218,10 +194,10 @@ def _emit_run(module: ir.Module, graph: Graph, plan: MemoryPlan, kernels, params
         elif loc.kind == "workspace":
             raw = b.gep(workspace, [ir.Constant(ir.IntType(64), loc.index)])
         else:
-            if loc.name not in params:
+            if loc.name not in declared:
                 data = np.ascontiguousarray(graph.constants[loc.name], dtype="<f4").tobytes()
-                params[loc.name] = _declare_param(module, f"param.{len(params)}", data)
-            raw = params[loc.name]
+                declared[loc.name] = _declare_param(module, f"param.{len(declared)}", data, params)
+            raw = declared[loc.name]
         return b.bitcast(raw, F32_PTR)
 
     scratch = b.bitcast(b.gep(workspace, [ir.Constant(ir.IntType(64), plan.workspace_bytes - plan.scratch_bytes)]),
@@ -251,13 +227,6 @@ def _emit_run(module: ir.Module, graph: Graph, plan: MemoryPlan, kernels, params
     if profiled:
         b.call(fn.args[3], [fn.args[4], ir.Constant(I32, len(kernels))])
     b.ret(ir.Constant(I32, RUN_OK))
-
-
-def param_bytes(graph: Graph, plan: MemoryPlan) -> int:
-    """Bytes of parameters the module will embed (constants read by kernels)."""
-    used = {plan.locations[t].name for node in graph.nodes if node.name not in plan.aliased_nodes
-            for t in node.inputs if plan.locations[t].kind == "constant"}
-    return sum(graph.tensors[name].nbytes for name in used)
 
 
 def _symbol(text: str) -> str:

@@ -15,6 +15,7 @@ from .elfdata import data_object
 from .errors import BuildError
 from .frontend import import_onnx
 from .link import link_shared
+from .metadata import module_metadata
 from .passes import (eliminate_dead_code, fold_batchnorm, fold_channel_affine, fuse_elementwise,
                      fuse_residual_add, mark_split, pack_conv_weights, plan_memory)
 from .schedule import assign_tiles, tile_table
@@ -77,40 +78,25 @@ def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = 
     target = resolve_target(target)
     imported, folded, graph = lowered_graph(model, target, input_shapes, tile_table(target, schedules))
     plan = plan_memory(graph)
-    convs = gemm_convs(imported, graph)
-    metadata = {
-        "abi_version": codegen.ABI_VERSION,
-        "name": graph.name,
-        "target": target.to_dict(),
-        "inputs": [_spec(graph.tensors[n]) for n in graph.inputs],
-        "outputs": [_spec(graph.tensors[n]) for n in graph.outputs],
-        "workspace_bytes": plan.workspace_bytes,
-        "param_bytes": codegen.param_bytes(graph, plan),
-        "ops": sorted({node.op_type for node in imported.nodes}),
-        "steps": codegen.describe_steps(imported, graph, plan),
-        "gemm_tiles": [{"node": node.name, "shape": node.attrs["conv_shape"].key,
-                        "tile": node.attrs["gemm_tile"].spec, "tuned": node.attrs["tile_tuned"]}
-                       for node in convs],
-        "producer": PRODUCER,
-    }
+    metadata = module_metadata(imported, graph, plan, target, PRODUCER)
     machine = _target_machine(target)
-    module = codegen.generate(graph, plan, metadata, target.triple, str(machine.target_data), target)
-    obj = _compile(module, machine)
+    code = codegen.generate(graph, plan, metadata, target, str(machine.target_data))
+    obj = _compile(code.module, machine)
     objects = [("module.o", obj)]
-    if codegen.params(module):
-        objects.append(("params.o", data_object(obj, list(codegen.params(module).items()))))
+    if code.params:
+        objects.append(("params.o", data_object(obj, list(code.params.items()))))
     soname = re.sub(r"[^A-Za-z0-9_.-]", "_", graph.name) + ".so"
     summary = {
         "ops": len(imported.nodes),
-        "kernels": len({id(fn) for fn in codegen.kernel_functions(module)}),
+        "kernels": code.kernels,
         "fused_ops": len(folded.nodes) - len(graph.nodes),
         "fused_kernels": sum(1 for n in graph.nodes if n.attrs.get("epilogue")),
         "folded_into_conv": len(imported.nodes) - len(folded.nodes),
         "workspace_bytes": plan.workspace_bytes,
         "param_bytes": metadata["param_bytes"],
         "code_bytes": _code_bytes(obj),
-        "tuned_convs": sum(1 for node in convs if node.attrs["tile_tuned"]),
-        "gemm_convs": len(convs),
+        "tuned_convs": sum(1 for tile in metadata["gemm_tiles"] if tile["tuned"]),
+        "gemm_convs": len(metadata["gemm_tiles"]),
     }
     return CompiledModule(link_shared([o for _, o in objects], soname), metadata, target,
                           tuple(objects), summary)
@@ -132,21 +118,9 @@ def lowered_graph(model, target: Target, input_shapes, table):
     return imported, folded, mark_split(pack_conv_weights(tiled))
 
 
-def gemm_convs(imported, graph) -> list:
-    """The GEMM convolutions of a tiled graph, in model order (a Conv fused
-    with its residual Add stands at the Add's place in the graph)."""
-    order = {node.name: pos for pos, node in enumerate(imported.nodes)}
-    return sorted((node for node in graph.nodes if "gemm_tile" in node.attrs),
-                  key=lambda node: order[node.name])
-
-
 def _code_bytes(obj: bytes) -> int:
     """Size of the executable sections of an object file."""
     return sum(s.size() for s in llvm.ObjectFileRef.from_data(obj).sections() if s.is_text())
-
-
-def _spec(tensor) -> dict:
-    return {"name": tensor.name, "shape": list(tensor.shape), "dtype": tensor.dtype}
 
 
 def _target_machine(target: Target) -> llvm.TargetMachine:

@@ -25,7 +25,7 @@ class Kernel:
 
     def __init__(self, module: ir.Module, name: str, n_inputs: int, n_outputs: int,
                  epilogue=(), target=None, scratch: bool = False, extra_args=(),
-                 parallel: bool = False):
+                 parallel: bool = False, *, tiles: dict):
         pointers = n_inputs + n_outputs + int(scratch)
         if parallel:  # (thread, threads, barrier state): see part() and barrier()
             extra_args = (I32, I32, I32.as_pointer()) + tuple(extra_args)
@@ -49,6 +49,8 @@ class Kernel:
         # Identifies the epilogue for sharing functions between kernels.
         self.epilogue_key = repr(epilogue)
         self.target = target
+        # The module's micro-kernels shared between kernels (gemm.py), by key.
+        self.tiles = tiles
         self._lanes = 0
         self.builder = ir.IRBuilder(self.function.append_basic_block("entry"))
         self.module = module

@@ -262,7 +262,7 @@ def _tile_function(k: Kernel, tile: GemmTile, rows: int, widths: tuple, has_bias
                 value = b.fadd(value, b.load(_vector_ptr(t, res_ptr, out, w), align=4))
             b.store(value, _vector_ptr(t, c_ptr, out, w), align=4)
     t.finish()
-    k.module.__dict__["tether_tiles"][key] = t.function
+    k.tiles[key] = t.function
     return t.function
 
 
@@ -272,11 +272,10 @@ def _new_tile_kernel(k: Kernel, key: tuple, name: str, vector_epilogue: bool, re
     new Kernel `void(a, b, c, bias, residual, *extra_args)` to emit it into
     (name formatted with the module's tile count). The caller finishes it and
     records it under key."""
-    cache = k.module.__dict__.setdefault("tether_tiles", {})
-    if key in cache:
-        return cache[key]
-    t = Kernel(k.module, name.format(len(cache)), 5, 0, k.epilogue if vector_epilogue else (), k.target,
-               extra_args=extra_args)
+    if key in k.tiles:
+        return k.tiles[key]
+    t = Kernel(k.module, name.format(len(k.tiles)), 5, 0, k.epilogue if vector_epilogue else (), k.target,
+               extra_args=extra_args, tiles=k.tiles)
     if residual_at is not None:
         # C may be the residual's buffer: each element is read, then written.
         for arg in (t.inputs[2], t.inputs[4]):
@@ -446,7 +445,7 @@ def _channel_tile_function(k: Kernel, tile: GemmTile, pixels: int, widths: tuple
                 at = b.add(b.mul(t.i64(off + lane), ldc), t.i64(j))
                 t.store(b.extract_element(value, ir.Constant(i32, lane)), c_ptr, at)
     t.finish()
-    k.module.__dict__["tether_tiles"][key] = t.function
+    k.tiles[key] = t.function
     return t.function
 
 

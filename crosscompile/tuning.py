@@ -25,9 +25,10 @@ from typing import List, Optional
 
 import numpy as np
 
-from .compiler import CompiledModule, build, gemm_convs, tiled_graph
+from .compiler import CompiledModule, build, tiled_graph
 from .errors import BuildError
 from .gemm import GemmTile
+from .metadata import gemm_convs
 from .schedule import ConvShape
 from .target import Target, resolve_target
 
