@@ -70,7 +70,7 @@ def generate(graph: Graph, plan: MemoryPlan, metadata: dict, target, data_layout
 def _lower(module: ir.Module, name: str, node, ins, outs, target, tiles: dict) -> ir.Function:
     epilogue = [_activation(op_type, attrs) for op_type, attrs in node.attrs.get("epilogue", ())]
     scratch = OPS[node.op_type].scratch_bytes(ins, outs, node.attrs) > 0
-    k = Kernel(module, name, len(ins), len(outs), epilogue, target, scratch,
+    k = Kernel(module, name, len(ins), len(outs), target, epilogue, scratch,
                parallel=OPS[node.op_type].parallel(node.attrs), tiles=tiles)
     k.epilogue_key = repr(node.attrs.get("epilogue", ()))
     OPS[node.op_type].lower(k, ins, outs, node.attrs)

@@ -81,7 +81,7 @@ class Conv(Op):
         if "packed_mr" in attrs:
             self._lower_gemm(k, inputs, outputs, attrs)
             return
-        if attrs.get("depthwise") and k.target is not None:
+        if attrs.get("depthwise"):
             geometry = _resolve_window(inputs[0].shape, tuple(inputs[1].shape[2:]), attrs, what="convolution")
             epilogue = vector_epilogue(k)
             lanes = k.target.lanes

@@ -24,7 +24,7 @@ class Kernel:
     """
 
     def __init__(self, module: ir.Module, name: str, n_inputs: int, n_outputs: int,
-                 epilogue=(), target=None, scratch: bool = False, extra_args=(),
+                 target, epilogue=(), scratch: bool = False, extra_args=(),
                  parallel: bool = False, *, tiles: dict):
         pointers = n_inputs + n_outputs + int(scratch)
         if parallel:  # (thread, threads, barrier state): see part() and barrier()
@@ -367,7 +367,7 @@ def barrier_function(module: ir.Module, target) -> ir.Function:
     spins.add_incoming(next_spin, again)
     if futex is not None:
         sleep = fn.append_basic_block("sleep")
-        b.cbranch(b.icmp_signed(">", next_spin, ir.Constant(I32, spins_before_sleep(target))), sleep, wait)
+        b.cbranch(b.icmp_signed(">", next_spin, ir.Constant(I32, target.spins_before_sleep)), sleep, wait)
         b.position_at_end(sleep)
         flagged = b.or_(generation, ir.Constant(I32, SLEEPING))
         seen = b.atomic_rmw("or", gen_ptr, ir.Constant(I32, SLEEPING), "acq_rel")
@@ -387,40 +387,16 @@ def barrier_function(module: ir.Module, target) -> ir.Function:
 # The generation's top bit: a waiter is (about to be) asleep on the futex.
 SLEEPING = -0x80000000
 GENERATION_MASK = 0x7FFFFFFF
-# Spin-wait rounds before a barrier's waiter sleeps: a few hundred
-# microseconds. A sleeping thread is woken through the kernel, which on a
-# virtual machine or a board with idle cores took from tens of microseconds
-# to milliseconds; every op that runs on thread 0 alone makes the other
-# threads wait at the next barrier, so sleeping early made two threads
-# slower than one (SqueezeNet on 2 cores: 6 to 9 ms at 2000 rounds, 4.1 ms
-# at 10000 to 50000 on x86, one thread 7 ms). x86's pause takes tens of
-# cycles, ARM's yield about one, hence more rounds there.
-SPINS_BEFORE_SLEEP = {"x86_64": 20000, "i386": 20000}
-SPINS_BEFORE_SLEEP_DEFAULT = 100000
-
-
-def spins_before_sleep(target) -> int:
-    return SPINS_BEFORE_SLEEP.get(_arch(target), SPINS_BEFORE_SLEEP_DEFAULT)
-
-
-def _arch(target) -> str:
-    """LLVM's architecture name of the target's triple ('x86_64', 'aarch64', 'arm', ...)."""
-    import llvmlite.binding as llvm
-    return llvm.get_triple_parts(target.triple).Arch if target is not None else ""
-
-
 FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE = 128, 129
-# Linux system call numbers of futex.
-_FUTEX_NUMBER = {"x86_64": 202, "aarch64": 98, "arm": 240, "i386": 240}
 
 
 def _futex(b: ir.IRBuilder, module: ir.Module, target, state: ir.Value):
     """A callable emitting futex(addr, op, value, NULL) through the syscall
     pointer in the sync state when it is set, or None for an unknown arch."""
-    arch = _arch(target)
-    if arch not in _FUTEX_NUMBER:
+    number = target.futex_syscall
+    if number is None:
         return None
-    word = ir.IntType(64 if arch in ("x86_64", "aarch64") else 32)
+    word = ir.IntType(target.long_bits)
     fnty = ir.FunctionType(word, [word], var_arg=True)
     slot = b.bitcast(b.gep(state, [ir.Constant(I32, 2)]), fnty.as_pointer().as_pointer())
     syscall = b.load(slot)
@@ -430,23 +406,17 @@ def _futex(b: ir.IRBuilder, module: ir.Module, target, state: ir.Value):
         with b.if_then(present):
             # Every argument is a full `long`: syscall() reads them as such.
             wide = b.zext(value, word) if word.width > 32 else value
-            b.call(syscall, [ir.Constant(word, _FUTEX_NUMBER[arch]), b.ptrtoint(addr, word),
+            b.call(syscall, [ir.Constant(word, number), b.ptrtoint(addr, word),
                              ir.Constant(word, op), wide, ir.Constant(word, 0)])
     return call
 
 
 def _spin_hint(b: ir.IRBuilder, module: ir.Module, target) -> None:
-    """pause (x86) or yield (ARM): lets a sibling hardware thread run and
-    saves power while spinning."""
-    arch = _arch(target)
-    if arch == "x86_64":
-        name, args = "llvm.x86.sse2.pause", []
-    elif arch == "aarch64":
-        name, args = "llvm.aarch64.hint", [ir.Constant(I32, 1)]
-    elif arch == "arm":
-        name, args = "llvm.arm.hint", [ir.Constant(I32, 1)]
-    else:
+    """The target's spin-wait hint (Target.spin_hint), if it has one."""
+    if target.spin_hint is None:
         return
+    name, values = target.spin_hint
+    args = [ir.Constant(I32, v) for v in values]
     fn = module.globals.get(name)
     if fn is None:
         fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [a.type for a in args]), name=name)

@@ -274,8 +274,8 @@ def _new_tile_kernel(k: Kernel, key: tuple, name: str, vector_epilogue: bool, re
     records it under key."""
     if key in k.tiles:
         return k.tiles[key]
-    t = Kernel(k.module, name.format(len(k.tiles)), 5, 0, k.epilogue if vector_epilogue else (), k.target,
-               extra_args=extra_args, tiles=k.tiles)
+    t = Kernel(k.module, name.format(len(k.tiles)), 5, 0, k.target,
+               k.epilogue if vector_epilogue else (), extra_args=extra_args, tiles=k.tiles)
     if residual_at is not None:
         # C may be the residual's buffer: each element is read, then written.
         for arg in (t.inputs[2], t.inputs[4]):

@@ -81,7 +81,7 @@ class Gemm(Op):
         b_strides = (1, b_cols) if attrs["transB"] else (b_cols, 1)
         kdim = a_rows if attrs["transA"] else a_cols
         m, n = outputs[0].shape
-        if attrs["transB"] and not attrs["transA"] and k.target is not None:
+        if attrs["transB"] and not attrs["transA"]:
             emit_dot_rows(k, k.target.lanes, m, kdim, n,
                           k.inputs[0], k.inputs[1], k.outputs[0])
         else:

@@ -101,7 +101,7 @@ class _Pool(Op):
         empty = k.f32(-math.inf if is_max else 0.0)
         one, zero = k.f32(1.0), k.f32(0.0)
         # Explicit vectors for the interior columns, where every fused op has a vector form.
-        lanes = k.target.lanes if k.target is not None else 1
+        lanes = k.target.lanes
         vectors = vector_epilogue(k) or not k.epilogue
         nc_lo, nc_hi = k.part(x[0] * x[1])
         with k.loop(nc_hi, start=nc_lo) as nc, k.loop(oh_n) as oh:
@@ -194,7 +194,7 @@ def global_pool(k: Kernel, planes: int, size: int, is_max: bool) -> None:
     latency), then across their lanes: a scalar sum is one long chain of
     dependent adds, which LLVM may not reorder into vectors itself."""
     bld = k.builder
-    lanes = k.target.lanes if k.target is not None else 1
+    lanes = k.target.lanes
     step = 2 * lanes if lanes > 1 and size >= 2 * lanes else 0
     lo, hi = k.part(planes)
 

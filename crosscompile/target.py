@@ -72,14 +72,66 @@ class Target:
     def vector_registers(self) -> int:
         """SIMD registers kernels may keep live: 32 on AArch64 and with
         AVX-512, 16 on 32-bit ARM NEON and with SSE/AVX."""
-        arch = llvm.get_triple_parts(self.triple).Arch
-        if arch == "aarch64" or (arch == "x86_64" and self.vector_bits >= 512):
+        if self.arch == "aarch64" or (self.arch == "x86_64" and self.vector_bits >= 512):
             return 32
         return 16
+
+    @property
+    def arch(self) -> str:
+        """LLVM's architecture name of the triple ('x86_64', 'aarch64', 'arm', ...).
+
+        >>> resolve_target("rasp4b").arch
+        'arm'
+        """
+        return llvm.get_triple_parts(self.triple).Arch
+
+    @property
+    def long_bits(self) -> int:
+        """Width of the C `long` (and of a pointer) on the target's Linux ABI."""
+        return 64 if self.arch in ("x86_64", "aarch64") else 32
+
+    @property
+    def futex_syscall(self) -> "int | None":
+        """Linux system call number of futex, or None where it is not known
+        (the barrier then only spins)."""
+        return _FUTEX_NUMBER.get(self.arch)
+
+    @property
+    def spins_before_sleep(self) -> int:
+        """Spin-wait rounds before a barrier's waiter sleeps on the futex.
+
+        >>> resolve_target("rasp4b64").spins_before_sleep
+        100000
+        """
+        return _SPINS_BEFORE_SLEEP.get(self.arch, _SPINS_BEFORE_SLEEP_DEFAULT)
+
+    @property
+    def spin_hint(self) -> "tuple[str, tuple[int, ...]] | None":
+        """(LLVM intrinsic, its i32 arguments) of the CPU's spin-wait hint:
+        pause (x86-64) or yield (ARM), which lets a sibling hardware thread
+        run and saves power while spinning; None where there is none."""
+        return _SPIN_HINT.get(self.arch)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "triple": self.triple, "cpu": self.cpu,
                 "features": self.features}
+
+
+# Linux system call numbers of futex.
+_FUTEX_NUMBER = {"x86_64": 202, "aarch64": 98, "arm": 240, "i386": 240}
+# Spin-wait rounds before a barrier's waiter sleeps: a few hundred
+# microseconds. A sleeping thread is woken through the kernel, which on a
+# virtual machine or a board with idle cores took from tens of microseconds
+# to milliseconds; every op that runs on thread 0 alone makes the other
+# threads wait at the next barrier, so sleeping early made two threads
+# slower than one (SqueezeNet on 2 cores: 6 to 9 ms at 2000 rounds, 4.1 ms
+# at 10000 to 50000 on x86, one thread 7 ms). x86's pause takes tens of
+# cycles, ARM's yield about one, hence more rounds there.
+_SPINS_BEFORE_SLEEP = {"x86_64": 20000, "i386": 20000}
+_SPINS_BEFORE_SLEEP_DEFAULT = 100000
+# The spin-wait hint per architecture: x86-64's pause, ARM's yield (hint #1).
+_SPIN_HINT = {"x86_64": ("llvm.x86.sse2.pause", ()), "aarch64": ("llvm.aarch64.hint", (1,)),
+              "arm": ("llvm.arm.hint", (1,))}
 
 
 def normalize_triple(triple: str) -> str:
