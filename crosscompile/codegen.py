@@ -13,7 +13,7 @@ from llvmlite import ir
 from .emit import F32_PTR, I32, Kernel, barrier_function
 from .ir import Graph
 from .ops import OPS
-from .passes import ALIGNMENT, Location, MemoryPlan
+from .memory import ALIGNMENT, Location, MemoryPlan
 
 ABI_VERSION = 1
 # tether_run return codes, as documented in docs/module-abi.md.

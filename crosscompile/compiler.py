@@ -16,8 +16,9 @@ from .errors import BuildError
 from .frontend import import_onnx
 from .link import link_shared
 from .metadata import module_metadata
+from .memory import plan_memory
 from .passes import (eliminate_dead_code, fold_batchnorm, fold_channel_affine, fuse_elementwise,
-                     fuse_residual_add, mark_split, pack_conv_weights, plan_memory)
+                     fuse_residual_add, mark_split, pack_conv_weights)
 from .schedule import assign_tiles, tile_table
 from .target import Target, resolve_target
 

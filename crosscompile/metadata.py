@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from .codegen import ABI_VERSION
 from .ir import Graph
-from .passes import MemoryPlan
+from .memory import MemoryPlan
 
 
 def module_metadata(imported: Graph, graph: Graph, plan: MemoryPlan, target, producer: str) -> dict:

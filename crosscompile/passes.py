@@ -1,4 +1,4 @@
-"""Graph passes: pure functions from a Graph to a Graph or a plan.
+"""Graph passes: pure functions from a Graph to a Graph (memory.py plans the buffers).
 
 Nothing here touches LLVM, files or the clock, so each pass is unit-testable
 on hand-made graphs.
@@ -6,14 +6,12 @@ on hand-made graphs.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
 from .ir import Graph, Node, Tensor
 from .ops import OPS
-
-ALIGNMENT = 64
 
 
 def eliminate_dead_code(graph: Graph) -> Graph:
@@ -273,191 +271,3 @@ def fuse_residual_add(graph: Graph) -> Graph:
         return graph
     nodes = [fused.get(n.name, n) for n in graph.nodes if n.name not in dropped]
     return eliminate_dead_code(replace(graph, nodes=nodes))
-
-
-@dataclass(frozen=True)
-class Location:
-    """Where a tensor's data lives at run time.
-
-    kind is "input" or "output" (index into the tether_run pointer arrays),
-    "constant" (name of a parameter baked into the module) or "workspace"
-    (byte offset into the caller's workspace).
-    """
-
-    kind: str
-    index: int = 0
-    name: str = ""
-
-
-@dataclass(frozen=True)
-class MemoryPlan:
-    locations: dict[str, Location]
-    aliased_nodes: frozenset[str]  # nodes that need no code: output shares input's buffer
-    workspace_bytes: int
-    # The last scratch_bytes of the workspace are a temporary area any
-    # kernel may use during its own call (Op.scratch_bytes), e.g. im2col.
-    scratch_bytes: int = 0
-
-
-def plan_memory(graph: Graph, alignment: int = ALIGNMENT) -> MemoryPlan:
-    """Assign every tensor a Location, reusing workspace between tensors
-    whose lifetimes do not overlap.
-
-    Shape-only ops (Reshape, Flatten, Identity, Dropout) share their input's
-    buffer unless their output is a graph output that cannot take over that
-    buffer (a model input, a constant, or a buffer already holding another
-    output); then they are kept and lowered as a copy. A channel Concat of
-    one image needs no code when its inputs can be computed straight into
-    their slices of its output (_concat_slices). A node's output never
-    shares memory with its inputs, which is what lets kernels use noalias,
-    except a Conv's fused residual (its last input) when this Conv is its
-    last reader: the output then takes over the residual's buffer.
-    """
-    output_index = {name: j for j, name in enumerate(graph.outputs)}
-    inputs = set(graph.inputs)
-    parent: dict[str, str] = {}
-    shift: dict[str, int] = {}  # bytes from a tensor's start to its parent's (concat slices)
-
-    def root(name: str) -> str:
-        while name in parent:
-            name = parent[name]
-        return name
-
-    def offset_in_root(name: str) -> int:
-        total = 0
-        while name in parent:
-            total += shift.get(name, 0)
-            name = parent[name]
-        return total
-
-    claimed: dict[str, int] = {}  # intermediate root -> output buffer it lives in
-    aliased = set()
-    for node in graph.nodes:
-        if not OPS[node.op_type].alias:
-            continue
-        src, out = root(node.inputs[0]), node.outputs[0]
-        if out in output_index:
-            movable = not (src in inputs or src in graph.constants
-                           or src in output_index or src in claimed)
-            if not movable:
-                continue
-            claimed[src] = output_index[out]
-        parent[out] = src
-        aliased.add(node.name)
-
-    # A Concat whose inputs are each one contiguous block of its output
-    # (every dimension before the axis is 1, e.g. channels of one image)
-    # needs no copy when each input is computed straight into its slice.
-    sliced = _concat_slices(graph, root, parent, claimed, output_index)
-    for node, names in sliced:
-        at = 0
-        for name in names:
-            parent[name], shift[name] = node.outputs[0], at
-            at += graph.tensors[name].nbytes
-        aliased.add(node.name)
-    in_concat = {t for node, names in sliced for t in (*names, node.outputs[0])}
-
-    # A Conv adding a residual that nothing reads afterwards writes its
-    # output over the residual (each element is read just before the same
-    # element is written): one tensor's worth less memory traffic.
-    last_read: dict[str, int] = {}
-    for pos, node in enumerate(graph.nodes):
-        for name in node.inputs:
-            last_read[root(name)] = pos
-    for pos, node in enumerate(graph.nodes):
-        if node.op_type != "Conv" or node.attrs.get("residual_at") is None:
-            continue
-        src, out = root(node.inputs[-1]), node.outputs[0]
-        if (src in inputs or src in graph.constants or src in output_index or src in claimed
-                or src in in_concat or out in in_concat
-                or out in output_index or out in claimed or last_read.get(src) != pos
-                or any(root(t) == src for t in node.inputs[:-1])
-                or graph.tensors[src].nbytes != graph.tensors[out].nbytes):
-            continue
-        parent[out] = src
-        last_read[src] = last_read.get(out, pos)
-
-    locations: dict[str, Location] = {}
-    for i, name in enumerate(graph.inputs):
-        locations[name] = Location("input", i)
-    for name in graph.constants:
-        locations[name] = Location("constant", name=name)
-    for name, j in output_index.items():
-        if name not in parent:
-            locations[name] = Location("output", j)
-    for name, j in claimed.items():
-        locations[name] = Location("output", j)
-
-    # Lifetimes of workspace tensors, in node positions, over all their aliases.
-    first: dict[str, int] = {}
-    last: dict[str, int] = {}
-    for pos, node in enumerate(graph.nodes):
-        for name in node.inputs:
-            last[root(name)] = pos
-        for name in node.outputs:
-            r = root(name)
-            if r not in locations:
-                first.setdefault(r, pos)
-                last.setdefault(r, pos)
-
-    placed: list[tuple[int, int, str]] = []  # (offset, end, name)
-    for name in sorted(first, key=lambda n: (-graph.tensors[n].nbytes, first[n])):
-        size = graph.tensors[name].nbytes
-        clashes = sorted((off, end) for off, end, other in placed
-                         if first[other] <= last[name] and first[name] <= last[other])
-        offset = 0
-        for off, end in clashes:
-            if offset + size <= off:
-                break
-            offset = max(offset, _align(end, alignment))
-        placed.append((offset, offset + size, name))
-        locations[name] = Location("workspace", offset)
-
-    for name in graph.tensors:
-        if name in locations:
-            continue
-        base = locations.get(root(name))
-        step = offset_in_root(name)
-        locations[name] = Location(base.kind, base.index + step) if step else base
-    workspace = _align(max((end for _, end, _ in placed), default=0), alignment)
-    scratch = _align(max((OPS[n.op_type].scratch_bytes([graph.tensors[t] for t in n.inputs],
-                                                        [graph.tensors[t] for t in n.outputs], n.attrs)
-                          for n in graph.nodes if n.name not in aliased), default=0), alignment)
-    return MemoryPlan(locations, frozenset(aliased), workspace + scratch, scratch)
-
-
-def _concat_slices(graph: Graph, root, parent: dict, claimed: dict, output_index: dict) -> list:
-    """[(concat node, its inputs)] of the Concats plan_memory computes in
-    place: along an axis with only 1s before it, with no fused epilogue,
-    writing a workspace tensor, and reading tensors that are each computed
-    by one node of the graph into a buffer of their own (not a graph input,
-    output or constant, not a view of another tensor, not already a slice
-    of another Concat, each once). Other readers of an input read it in its
-    slice. A Concat output may itself be a slice of a later Concat
-    (DenseNet's growing blocks)."""
-    produced = {out for node in graph.nodes for out in node.outputs}
-    viewed = set(parent.values())  # tensors other tensors are views of
-    taken: set = set()
-    found = []
-    for node in graph.nodes:
-        if node.op_type != "Concat" or node.attrs.get("epilogue"):
-            continue
-        out = node.outputs[0]
-        shape = graph.tensors[out].shape
-        axis = node.attrs["axis"] % len(shape)
-        if any(d != 1 for d in shape[:axis]) or out in output_index or out in claimed or root(out) != out:
-            continue
-        names = list(node.inputs)
-        if len(set(names)) != len(names) or not all(
-                t in produced and t not in graph.inputs and t not in graph.constants
-                and t not in output_index and t not in claimed and t not in taken
-                and t not in viewed and root(t) == t
-                for t in names):
-            continue
-        taken.update(names)
-        found.append((node, names))
-    return found
-
-
-def _align(value: int, alignment: int) -> int:
-    return (value + alignment - 1) // alignment * alignment

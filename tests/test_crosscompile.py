@@ -12,7 +12,8 @@ from onnx import TensorProto, helper
 import crosscompile
 from crosscompile import BuildError, Target, UnsupportedOpError
 from crosscompile.frontend import import_onnx
-from crosscompile.passes import eliminate_dead_code, plan_memory
+from crosscompile.memory import plan_memory
+from crosscompile.passes import eliminate_dead_code
 from crosscompile.target import normalize_triple
 from tests.cross_targets import ALLOWED_UNDEFINED, CROSS_TARGETS, DRIVER_C, EMULATED, emulated_tools
 from tests.onnx_models import (ATOL, RTOL, make_model, matmul_mlp, mlp, rand, reference, run_host,

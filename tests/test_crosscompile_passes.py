@@ -15,8 +15,8 @@ import minirt
 from crosscompile import BuildError, ShapeError
 from crosscompile.frontend import import_onnx
 from crosscompile.ir import Graph, Node, Tensor
-from crosscompile.passes import (eliminate_dead_code, fold_batchnorm, fuse_elementwise,
-                                 pack_conv_weights, plan_memory)
+from crosscompile.memory import plan_memory
+from crosscompile.passes import eliminate_dead_code, fold_batchnorm, fuse_elementwise, pack_conv_weights
 from crosscompile.schedule import assign_tiles, conv_shape
 from crosscompile.target import resolve_target
 from tests.cross_targets import ALLOWED_UNDEFINED, CROSS_TARGETS

@@ -129,7 +129,7 @@ def test_residual_add_writes_over_its_last_reader_buffer(tmp_path):
     reads later takes over the shortcut's buffer; 1, 2 and 3 threads match
     onnxruntime, as does a shortcut still read afterwards."""
     from crosscompile.compiler import lowered_graph
-    from crosscompile.passes import plan_memory
+    from crosscompile.memory import plan_memory
     from crosscompile.target import resolve_target
 
     def w(cout, cin, k, seed):
