@@ -1,9 +1,11 @@
 """What every ONNX op class implements (Op, AliasOp), and the shape and
 attribute helpers the op classes share.
 
-ops.py lists every op in OPS. The modules holding the larger kinds of op
+A class that names an op_type registers itself in REGISTERED as it is
+defined, so adding an op is one class in one module of ops; ops.py builds
+the table OPS from it. The modules holding the larger kinds of op
 (elementwise.py, conv.py, pool.py) import this module and never ops.py, so
-the table can import them.
+ops.py can import them.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from .ir import Tensor
 
 
 Shape = tuple
+# ONNX op type -> the class lowering it, filled as the op modules are imported.
+REGISTERED: dict = {}
 
 
 def _prod(dims) -> int:
@@ -71,6 +75,14 @@ class Op:
     counts_outputs = False
     # apply() works on vectors as well as scalars (fused into vector epilogues).
     vectorizable = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "op_type" in cls.__dict__:
+            if cls.op_type in REGISTERED:
+                raise TypeError(f"two classes lower ONNX op {cls.op_type}: "
+                                f"{REGISTERED[cls.op_type].__module__} and {cls.__module__}")
+            REGISTERED[cls.op_type] = cls
 
     def attributes(self, raw: dict, constants: dict, opset: int) -> dict:
         return {}

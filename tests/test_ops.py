@@ -375,3 +375,13 @@ def test_exp_sigmoid_tanh_error_bounds_scalar_and_in_conv_vector_epilogue(
     if max_abs is not None:
         assert error.max() < max_abs
     assert (error / np.abs(exact)).max() < max_rel
+
+
+def test_op_classes_register_themselves_and_a_second_class_for_an_op_is_refused():
+    from crosscompile.op_base import Op
+    from crosscompile.ops import OPS
+    # One from each module of ops: defining the class is all it takes.
+    assert {"Gemm", "Relu", "Add", "Conv", "MaxPool", "GlobalAveragePool"} <= set(OPS)
+    with pytest.raises(TypeError, match="two classes lower ONNX op Relu: crosscompile.elementwise and"):
+        type("AnotherRelu", (Op,), {"op_type": "Relu"})
+    assert type(OPS["Relu"]).__module__ == "crosscompile.elementwise"
