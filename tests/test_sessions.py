@@ -1,6 +1,7 @@
 """Device sessions against real standalone device servers: isolation, transfers,
 the workspace sandbox, remote tensors, timing on the board and typed errors."""
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -23,11 +24,25 @@ pytestmark = pytest.mark.skipif(session_modules.C_COMPILER is None,
                                 reason="needs a C compiler (cc) to build test modules")
 
 
+# Every server's workspaces and log, removed when the module's tests are done.
+_FOLDERS = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _remove_server_folders():
+    yield
+    while _FOLDERS:
+        shutil.rmtree(_FOLDERS.pop(), ignore_errors=True)
+
+
 def start_server(*extra):
-    workspaces = tempfile.mkdtemp(prefix="tether-ws-")
+    folder = tempfile.mkdtemp(prefix="tether-test-server-")
+    _FOLDERS.append(folder)
+    workspaces = os.path.join(folder, "workspaces")
+    os.mkdir(workspaces)
     child = Child("server", python_argv(
         "remote.server", "--host", "127.0.0.1", "--port", "0", "--workspace-dir", workspaces,
-        *extra), tempfile.mkdtemp(prefix="tether-log-"), ENV)
+        *extra), folder, ENV)
     child.workspaces = workspaces
     return child
 
