@@ -387,3 +387,31 @@ def test_ctrl_c_during_benchmark_returns_every_board(farm2, onnx_path):
     assert "interrupted: closed the sessions and returned 2 board(s)" in err
     assert "Traceback" not in err
     wait_all_free(farm2)
+
+
+def test_top_k_reads_a_convolutional_heads_scores_and_says_when_it_does_not_apply():
+    from remote.cli.run import describe_output
+    # SqueezeNet's head ends in a global pool: its scores are shaped (1, classes, 1, 1).
+    scores = np.arange(10, dtype=np.float32).reshape(1, 10, 1, 1)
+    assert re.findall(r"#\d\s+class (\d+)", describe_output("prob", scores, 3)) == ["9", "8", "7"]
+    image = np.zeros((1, 3, 4, 4), np.float32)
+    assert "(--top-k 3 skipped: [1, 3, 4, 4] is not one row of class scores)" in \
+        describe_output("y", image, 3)
+    assert "skipped" not in describe_output("y", image, None)  # not asked for: nothing to say
+
+
+def test_a_missing_input_is_named_with_the_names_given(tmp_path):
+    from remote.cli.run import read_inputs
+    np.save(tmp_path / "x.npy", np.zeros((1, 3), np.float32))
+    spec = [{"name": "data_0", "dtype": "float32", "shape": [1, 3]},
+            {"name": "scale", "dtype": "float32", "shape": [1, 3]}]
+    with pytest.raises(ValueError, match=re.escape(
+            "no value for input(s) ['data_0', 'scale']; the values given are for ['input']")):
+        read_inputs([f"input={tmp_path / 'x.npy'}"], spec)
+
+
+def test_long_latencies_print_in_milliseconds_without_an_exponent():
+    from remote.client import display
+    assert display.ms(10.17) == "10170 ms"
+    assert display.ms(1.5) == "1500 ms"
+    assert display.ms(1.234e-5) == "0.01234 ms"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -35,8 +36,9 @@ def read_inputs(specs, module_inputs) -> dict:
         inputs[name] = np.load(path, allow_pickle=False)
     missing = [n for n in names if n not in inputs]
     if missing:
-        raise ValueError(f"no value for input(s) {missing}; give --input NAME=FILE.npy for "
-                         "each, or --random")
+        given = f"; the values given are for {sorted(inputs)}" if inputs else ""
+        raise ValueError(f"no value for input(s) {missing}{given}; give --input NAME=FILE.npy "
+                         "for each, or --random")
     return inputs
 
 
@@ -54,9 +56,10 @@ def random_inputs(module_inputs, seed: int) -> dict:
 
 
 def is_classifier(array: np.ndarray) -> bool:
-    """One row of scores: (classes,) or (1, classes) of floats, more than one class."""
+    """One row of scores: floats along one axis of more than one class, every other
+    axis 1 ((classes,), (1, classes), or a convolutional head's (1, classes, 1, 1))."""
     return (array.dtype.kind == "f" and array.size > 1
-            and (array.ndim == 1 or (array.ndim == 2 and array.shape[0] == 1)))
+            and sum(d > 1 for d in array.shape) == 1)
 
 
 def top_k(array: np.ndarray, k: int):
@@ -65,13 +68,22 @@ def top_k(array: np.ndarray, k: int):
     return [(int(i), float(scores[i])) for i in order]
 
 
-def describe_output(name: str, array: np.ndarray, k: int) -> str:
+DEFAULT_TOP_K = 5
+
+
+def describe_output(name: str, array: np.ndarray, k: Optional[int]) -> str:
+    """The output's dtype and shape, then its top-k classes if it is one row of class
+    scores, else its values. ``k`` None is the default of 5, and a ``k`` the user gave
+    that does not apply is said to be skipped."""
+    asked, k = k is not None, DEFAULT_TOP_K if k is None else k
     lines = [f"output {name}: {array.dtype}{list(array.shape)}"]
     if k and is_classifier(array):
         lines.append(f"  top-{min(k, array.size)}:")
         for rank, (index, score) in enumerate(top_k(array, k), 1):
             lines.append(f"  #{rank}  class {index:<6d} {score:.6g}")
     else:
+        if asked and k:
+            lines.append(f"  (--top-k {k} skipped: {list(array.shape)} is not one row of class scores)")
         flat = array.reshape(-1)
         if flat.size and array.dtype.kind in "fiu":
             lines.append(f"  min {flat.min():.6g}  max {flat.max():.6g}  mean {flat.mean():.6g}")
@@ -122,7 +134,7 @@ def add_arguments(p) -> None:
                    help="input values (.npy per input, or one .npz by input name)")
     p.add_argument("--random", action="store_true", help="random inputs of the right shapes")
     p.add_argument("--seed", type=int, default=0, help="seed for --random (default 0)")
-    p.add_argument("--top-k", type=int, default=5,
+    p.add_argument("--top-k", type=int, default=None,
                    help="classes to show for a classifier's output (default 5; 0 shows values)")
     p.add_argument("--output", metavar="FILE.npz", help="save the outputs here")
     p.add_argument("--input-shape", action="append", default=[], metavar="NAME=D0,D1,...",

@@ -20,10 +20,13 @@ STATS = ("mean", "median", "p90", "p99", "std", "min", "max")
 
 
 def ms(seconds: float) -> str:
-    """A time in milliseconds with four significant figures (0.01234 ms, 12.34 ms)."""
+    """A time in milliseconds with four significant figures (0.01234 ms, 12.34 ms),
+    whole milliseconds from 10 s on (10170 ms, never 1.017e+04 ms)."""
     value = seconds * 1e3
     if value == 0:
         return "0 ms"
+    if value >= 1e4:
+        return f"{value:.0f} ms"
     return f"{value:.4g} ms"
 
 
