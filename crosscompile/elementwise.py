@@ -7,7 +7,7 @@ import numpy as np
 
 from .emit import Kernel
 from .errors import ShapeError
-from .op_base import Op, _broadcast_strides, _const_float
+from .op_base import Op, _broadcast_strides, _check_choice, _const_float
 
 
 class Unary(Op):
@@ -133,6 +133,7 @@ class Exp(Unary):
 
 class Sqrt(Unary):
     op_type = "Sqrt"
+    vectorizable = True
 
     def apply(self, k, x, attrs):
         return k.sqrt(x)
@@ -143,6 +144,54 @@ class Reciprocal(Unary):
 
     def apply(self, k, x, attrs):
         return k.builder.fdiv(k.f32(1.0), x)
+
+
+class Log(Unary):
+    """log(x); log(0) = -inf and log(x < 0) = NaN, as numpy gives."""
+
+    op_type = "Log"
+    vectorizable = True
+
+    def apply(self, k, x, attrs):
+        return safe_log(k, x)
+
+
+def safe_log(k: Kernel, x):
+    """Kernel.log with numpy's answers at 0 (-inf) and below (NaN)."""
+    b = k.builder
+    y = b.select(b.fcmp_ordered("==", x, k.f32(0.0)), k.f32(-np.inf), k.log(x))
+    return b.select(b.fcmp_ordered("<", x, k.f32(0.0)), k.f32(np.nan), y)
+
+
+class Erf(Unary):
+    op_type = "Erf"
+    vectorizable = True
+
+    def apply(self, k, x, attrs):
+        return k.erf(x)
+
+
+class Gelu(Unary):
+    """x * Phi(x) (opset 20), with Phi by erf or, for approximate="tanh",
+    0.5 * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 x^3))). patterns.fuse_gelu
+    turns the Erf form exporters write before opset 20 into this op."""
+
+    op_type = "Gelu"
+    vectorizable = True
+
+    def attributes(self, raw, constants, opset):
+        approximate = raw.get("approximate", "none")
+        _check_choice("approximate", approximate, ("none", "tanh"))
+        return {"approximate": approximate}
+
+    def apply(self, k, x, attrs):
+        b = k.builder
+        if attrs["approximate"] == "tanh":
+            inner = b.fmul(x, b.fadd(k.f32(1.0), b.fmul(k.f32(0.044715), b.fmul(x, x))))
+            phi = k.tanh(b.fmul(inner, k.f32(np.sqrt(2.0 / np.pi))))
+        else:
+            phi = k.erf(b.fmul(x, k.f32(np.sqrt(0.5))))
+        return b.fmul(b.fmul(x, k.f32(0.5)), b.fadd(k.f32(1.0), phi))
 
 
 class Elementwise(Op):
@@ -289,3 +338,71 @@ class PRelu(Elementwise):
         x, slope = values
         b = k.builder
         return b.select(b.fcmp_ordered("<", x, k.f32(0.0)), b.fmul(x, slope), x)
+
+
+class Pow(Elementwise):
+    """x ** y under numpy broadcasting. A constant scalar exponent (the
+    decomposed LayerNorm's 2) makes it a unary op that fuses like Relu:
+    small integer powers are products, 0.5 a square root."""
+
+    op_type = "Pow"
+    scalar_when_constant = (1,)
+
+    def attributes(self, raw, constants, opset):
+        return {} if 1 not in constants else {"exponent": float(np.asarray(constants[1]).reshape(-1)[0])}
+
+    # Fusable and vectorizable as the unary form (passes.fuse_elementwise
+    # only fuses nodes of one runtime input).
+    fusable = True
+    vectorizable = True
+
+    def infer(self, inputs, attrs):
+        if "exponent" in attrs:
+            return [inputs[0]]
+        return super().infer(inputs, attrs)
+
+    def lower(self, k, inputs, outputs, attrs):
+        if "exponent" in attrs:
+            Unary.lower(self, k, inputs, outputs, attrs)
+        else:
+            super().lower(k, inputs, outputs, attrs)
+
+    def apply(self, k, x, attrs):
+        return power(k, x, attrs["exponent"])
+
+    def combine(self, k, values):
+        return power(k, *values)
+
+
+def power(k: Kernel, x, y):
+    """x ** y as numpy computes it in float32, for a Python float or an IR
+    value y: exp(y * log|x|), negated for a negative x and an odd integer y,
+    NaN for a negative x and a fractional y; x ** 0 is 1."""
+    b = k.builder
+    if not isinstance(y, float):
+        return _power_of_value(k, x, y)
+    if y == int(y) and abs(y) <= 4:
+        if y == 0:
+            return k.f32(1.0)
+        result = x
+        for _ in range(int(abs(y)) - 1):
+            result = b.fmul(result, x)
+        return b.fdiv(k.f32(1.0), result) if y < 0 else result
+    if y == 0.5:
+        return b.select(b.fcmp_ordered("<", x, k.f32(0.0)), k.f32(np.nan), k.sqrt(x))
+    return _power_of_value(k, x, k.f32(y))
+
+
+def _power_of_value(k: Kernel, x, y):
+    b = k.builder
+    ax = k.maximum(x, b.fsub(k.f32(0.0), x))
+    magnitude = k.exp(b.fmul(y, safe_log(k, ax)))
+    # y's parity and integrality: y - 2 * trunc(y / 2) is 0 or +-1 for integers.
+    half = b.fptosi(b.fmul(y, k.f32(0.5)), k._int_type(y))
+    rest = b.fsub(y, b.fmul(b.sitofp(half, y.type), k.f32(2.0)))
+    odd = b.fcmp_ordered("!=", rest, k.f32(0.0))
+    integer = b.fcmp_ordered("==", b.sitofp(b.fptosi(y, k._int_type(y)), y.type), y)
+    negative = b.fcmp_ordered("<", x, k.f32(0.0))
+    signed = b.select(b.and_(negative, odd), b.fsub(k.f32(0.0), magnitude), magnitude)
+    result = b.select(b.and_(negative, b.not_(integer)), k.f32(np.nan), signed)
+    return b.select(b.fcmp_ordered("==", y, k.f32(0.0)), k.f32(1.0), result)

@@ -196,8 +196,9 @@ class Kernel:
         return self.minimum(self.maximum(x, self.f32(lo)), self.f32(hi))
 
     def sqrt(self, x: ir.Value) -> ir.Value:
-        """llvm.sqrt: one instruction on every target with an FPU, no libm call."""
-        fn = self.module.declare_intrinsic("llvm.sqrt", [F32])
+        """llvm.sqrt: one instruction on every target with an FPU, no libm
+        call; scalars or vectors."""
+        fn = self.module.declare_intrinsic("llvm.sqrt", [x.type])
         return self.builder.call(fn, [x])
 
     def in_range(self, i: ir.Value, upper: int) -> ir.Value:
@@ -229,14 +230,14 @@ class Kernel:
 
     def log(self, x: ir.Value) -> ir.Value:
         """Natural log for x > 0 without libm (Cephes logf): x = m * 2^e with
-        m in [sqrt(1/2), sqrt(2)), log(m) by polynomial."""
+        m in [sqrt(1/2), sqrt(2)), log(m) by polynomial. Scalars or vectors."""
         b = self.builder
-        bits = b.bitcast(x, I32)
-        e = b.sub(b.lshr(bits, ir.Constant(I32, 23)), ir.Constant(I32, 126))
-        m = b.bitcast(b.or_(b.and_(bits, ir.Constant(I32, 0x007FFFFF)), ir.Constant(I32, 0x3F000000)), F32)
+        bits = b.bitcast(x, self._int_type(x))
+        e = b.sub(b.lshr(bits, self._i32(23, x)), self._i32(126, x))
+        m = b.bitcast(b.or_(b.and_(bits, self._i32(0x007FFFFF, x)), self._i32(0x3F000000, x)), x.type)
         # m in [0.5, 1): move to [sqrt(1/2), sqrt(2)).
         low = b.fcmp_ordered("<", m, self.f32(0.707106781186547524))
-        e = b.select(low, b.sub(e, ir.Constant(I32, 1)), e)
+        e = b.select(low, b.sub(e, self._i32(1, x)), e)
         m = b.select(low, b.fadd(m, m), m)
         r = b.fsub(m, self.f32(1.0))
         coeffs = [7.0376836292e-2, -1.1514610310e-1, 1.1676998740e-1, -1.2420140846e-1,
@@ -247,10 +248,34 @@ class Kernel:
             p = b.fadd(b.fmul(p, r), self.f32(c))
         r2 = b.fmul(r, r)
         y = b.fmul(b.fmul(p, r), r2)
-        ef = b.sitofp(e, F32)
+        ef = b.sitofp(e, x.type)
         y = b.fadd(y, b.fmul(ef, self.f32(-2.12194440e-4)))
         y = b.fsub(y, b.fmul(r2, self.f32(0.5)))
         return b.fadd(b.fadd(r, y), b.fmul(ef, self.f32(0.693359375)))
+
+    def erf(self, x: ir.Value) -> ir.Value:
+        """erf without libm, scalars or vectors: x * P(x^2) for |x| < 1 and
+        1 - exp(-x^2) * Q(1/|x|) for 1 <= |x| (|x| clamped to 4, where erf
+        is 1 in float32). P and Q are least-squares fits in float64 to erf(x)/x
+        on [0, 1] and erfc(x) * exp(x^2) on [0.875, 4]; absolute error below
+        2e-7 (measured against float64, tests/test_ops_reduce.py)."""
+        b = self.builder
+        ax = self.minimum(self.maximum(x, b.fsub(self.f32(0.0), x)), self.f32(4.0))
+        x2 = b.fmul(ax, ax)
+        small = self._polynomial(x2, ERF_SMALL)
+        small = b.fmul(small, self.minimum(self.maximum(x, self.f32(-1.0)), self.f32(1.0)))
+        tail = self._polynomial(b.fdiv(self.f32(1.0), self.maximum(ax, self.f32(1.0))), ERFC_SCALED)
+        large = b.fsub(self.f32(1.0), b.fmul(self.exp(b.fsub(self.f32(0.0), x2)), tail))
+        large = b.select(b.fcmp_ordered("<", x, self.f32(0.0)), b.fsub(self.f32(0.0), large), large)
+        return b.select(b.fcmp_unordered("<", ax, self.f32(1.0)), small, large)
+
+    def _polynomial(self, x: ir.Value, coeffs) -> ir.Value:
+        """sum(coeffs[i] * x**i) by Horner's rule."""
+        b = self.builder
+        p = self.f32(coeffs[-1])
+        for c in coeffs[-2::-1]:
+            p = b.fadd(b.fmul(p, x), self.f32(c))
+        return p
 
     def power(self, x: ir.Value, exponent: float) -> ir.Value:
         """x ** exponent for x > 0."""
@@ -302,6 +327,14 @@ class Kernel:
         result = b.fmul(p, scale)
         # Below the clamp the true value is subnormal or zero: return 0.
         return b.select(b.fcmp_ordered("<", x, self.f32(lo_clamp)), self.f32(0.0), result)
+
+
+# erf's polynomials (Kernel.erf): erf(x) / x in x^2 on [0, 1], and
+# erfc(x) * exp(x^2) in 1 / x on [0.875, 4], lowest power first.
+ERF_SMALL = (1.1283791275, -0.37612349947, 0.11280365107, -0.026716396296,
+             0.0049232840948, -0.00056541118947)
+ERFC_SCALED = (0.00035272904076, 0.55768901924, 0.051364641976, -0.50719867673,
+               0.57833301586, -0.35704002275, 0.12232266986, -0.018239834347)
 
 
 def barrier_function(module: ir.Module, target) -> ir.Function:

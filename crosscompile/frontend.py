@@ -97,7 +97,8 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
 
         compile_time, runtime = {}, []
         for pos, tensor_name in enumerate(np_node.input):
-            if pos in op.compile_time_inputs:
+            scalar = tensor_name in constants and constants[tensor_name].size == 1
+            if pos in op.compile_time_inputs or (pos in op.scalar_when_constant and scalar):
                 if tensor_name and tensor_name not in constants:
                     raise BuildError(f"{where}: input {tensor_name!r} must be a constant "
                                      "(an initializer or Constant node)")

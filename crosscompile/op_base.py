@@ -67,6 +67,10 @@ class Op:
 
     op_type = ""
     compile_time_inputs: tuple[int, ...] = ()
+    # Input positions handed to attributes() like compile_time_inputs when
+    # they are constant scalars, and kept as inputs otherwise (Pow's
+    # exponent: a constant 2 becomes x * x, a tensor stays a binary op).
+    scalar_when_constant: tuple[int, ...] = ()
     alias = False
     # An element-wise op of one runtime input that can run as the epilogue of
     # the node producing that input (see passes.fuse_elementwise).

@@ -12,12 +12,14 @@ import math
 
 import numpy as np
 
-from . import conv, elementwise, pool  # noqa: F401 (their op classes register themselves)
+from . import conv, elementwise, normalization, pool, reduce  # noqa: F401 (their op classes register themselves)
 from .emit import Kernel
 from .errors import BuildError, ShapeError
+from .elementwise import safe_log
 from .gemm import emit_dot_rows
 from .op_base import (REGISTERED, AliasOp, Op, _axis, _broadcast_strides, _c_strides, _check_choice, _const_float,
                       _const_ints, _ints, _prod)
+from .reduce import broadcast_scalar, reduce_row
 
 
 def _matmul(k: Kernel, m: int, kdim: int, n: int, a_strides, b_strides, bases=(0, 0, 0)) -> None:
@@ -200,6 +202,33 @@ class Softmax(Op):
             scale = bld.fdiv(k.f32(1.0), bld.load(total))
             with k.loop(length) as j:
                 k.store(bld.fmul(k.load(y, at(j)), scale), y, at(j))
+
+
+class LogSoftmax(Softmax):
+    """y = (x - max) - log(sum(exp(x - max))) over the same axes as Softmax."""
+
+    op_type = "LogSoftmax"
+
+    def lower(self, k, inputs, outputs, attrs):
+        shape = inputs[0].shape
+        axis = _axis(attrs["axis"], len(shape))
+        if attrs["flatten"]:
+            length, inner = _prod(shape[axis:]), 1
+        else:
+            length, inner = shape[axis], _prod(shape[axis + 1:])
+        X, bld = k.inputs[0], k.builder
+        with k.loop(_prod(shape[:axis])) as o, k.loop(inner) as r:
+            base = k.index((o, length * inner), (r, 1))
+            peak = reduce_row(k, X, base, length, k.maximum, -math.inf, stride=inner)
+
+            def shifted_exp(value):
+                return k.exp(bld.fsub(value, broadcast_scalar(k, peak, value)))
+            log_total = safe_log(k, reduce_row(k, X, base, length, bld.fadd, 0.0, shifted_exp, stride=inner))
+            with k.loop(length) as j:
+                at = k.index((base, 1), (j, inner))
+                # (x - max) first: exact near the maximum, where the result is small.
+                value = bld.fsub(bld.fsub(k.load(X, at), peak), log_total)
+                k.store(k.activate(value), k.outputs[0], at)
 
 
 class Flatten(AliasOp):

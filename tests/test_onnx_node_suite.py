@@ -10,7 +10,11 @@ CLAIMED = {"Conv", "Gemm", "MatMul", "BatchNormalization", "Relu", "LeakyRelu", 
            "Sigmoid", "Tanh", "HardSigmoid", "HardSwish", "Add", "Sub", "Mul", "Div", "Sum",
            "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "LRN", "Concat",
            "Split", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Softmax",
-           "Dropout", "Pad", "Identity", "Constant", "Shape", "Cast", "Slice"}
+           "Dropout", "Pad", "Identity", "Constant", "Shape", "Cast", "Slice",
+           "ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
+           "ReduceSumSquare", "ReduceLogSum", "ReduceLogSumExp", "Pow", "Sqrt", "Reciprocal", "Exp",
+           "Log", "Abs", "Neg", "Erf", "Gelu", "LayerNormalization", "InstanceNormalization",
+           "GroupNormalization", "LogSoftmax"}
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,185 @@
+"""Graph passes that recognise an op spelled out in smaller ops, the way
+exporters write it for opsets that lack it, and put the op in its place:
+
+- LayerNorm before opset 17: ReduceMean, Sub, Pow (or Mul by itself),
+  ReduceMean, Add epsilon, Sqrt, Div, then optionally Mul by the scale and
+  Add the bias, becomes one LayerNormalization (three passes over a row
+  instead of nine kernels and their intermediate tensors);
+- GELU before opset 20: Div by sqrt(2) (or Mul by its inverse), Erf, Add 1,
+  Mul by x and Mul by 0.5 (in either order), becomes one Gelu, which then
+  fuses into the kernel producing x like any activation.
+
+Pure functions from a Graph to a Graph, as in passes.py.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+
+from .ir import Graph, Node, Tensor
+from .op_base import _axis
+from .passes import eliminate_dead_code
+
+
+class _Uses:
+    """Who reads each tensor, for walking a chain of single-use nodes."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.readers: dict[str, list] = {}
+        for node in graph.nodes:
+            for name in dict.fromkeys(node.inputs):
+                self.readers.setdefault(name, []).append(node)
+        for name in graph.outputs:
+            self.readers.setdefault(name, []).append(None)
+
+    def only(self, tensor: str, op_type: str):
+        """The one node reading tensor, when it is the only reader and an op_type."""
+        readers = self.readers.get(tensor, [])
+        if len(readers) == 1 and readers[0] is not None and readers[0].op_type == op_type:
+            return readers[0]
+        return None
+
+    def other_input(self, node: Node, tensor: str):
+        """The input of a two-input node that is not tensor (None otherwise)."""
+        if len(node.inputs) != 2 or tensor not in node.inputs or node.inputs[0] == node.inputs[1]:
+            return None
+        return node.inputs[1 - node.inputs.index(tensor)]
+
+    def scalar(self, name, value: float, rel: float = 1e-6) -> bool:
+        """name is a constant with one element close to value."""
+        array = self.graph.constants.get(name)
+        return (array is not None and array.size == 1
+                and math.isclose(float(np.asarray(array).reshape(-1)[0]), value, rel_tol=rel))
+
+
+def _replace_chains(graph: Graph, matches: list) -> Graph:
+    """Put each match's new node where its first node stood and drop the rest."""
+    if not matches:
+        return graph
+    first = {chain[0].name: new for chain, new in matches}
+    gone = {node.name for chain, _ in matches for node in chain[1:]}
+    nodes = [first.get(node.name, node) for node in graph.nodes if node.name not in gone]
+    return eliminate_dead_code(replace(graph, nodes=nodes))
+
+
+def _trailing_axis(graph: Graph, node: Node):
+    """The first axis of a keepdims ReduceMean over the trailing axes of its
+    input (LayerNorm's normalized axes), or None."""
+    axes, rank = node.attrs.get("axes"), len(graph.tensors[node.inputs[0]].shape)
+    if not axes or not node.attrs.get("keepdims", 1):
+        return None
+    normalized = sorted(_axis(a, rank) for a in axes)
+    return normalized[0] if normalized == list(range(normalized[0], rank)) else None
+
+
+def fuse_layer_norm(graph: Graph) -> Graph:
+    """Replace each decomposed LayerNorm by a LayerNormalization node.
+
+    >>> fused = fuse_layer_norm(graph)  # doctest: +SKIP
+    """
+    uses = _Uses(graph)
+    matches, taken = [], set()
+    for mean in graph.nodes:
+        if mean.op_type != "ReduceMean" or mean.name in taken:
+            continue
+        axis = _trailing_axis(graph, mean)
+        x = mean.inputs[0]
+        sub = uses.only(mean.outputs[0], "Sub")
+        if axis is None or sub is None or sub.inputs != [x, mean.outputs[0]]:
+            continue
+        centred = sub.outputs[0]
+        readers = uses.readers.get(centred, [])
+        square = next((n for n in readers if n is not None and (
+            (n.op_type == "Pow" and n.inputs == [centred] and n.attrs.get("exponent") == 2.0)
+            or (n.op_type == "Mul" and n.inputs == [centred, centred]))), None)
+        div = next((n for n in readers if n is not None and n.op_type == "Div" and n.inputs[0] == centred), None)
+        if len(readers) != 2 or square is None or div is None:
+            continue
+        variance = uses.only(square.outputs[0], "ReduceMean")
+        if variance is None or _trailing_axis(graph, variance) != axis:
+            continue
+        add_eps = uses.only(variance.outputs[0], "Add")
+        epsilon = add_eps and uses.other_input(add_eps, variance.outputs[0])
+        if epsilon is None or epsilon not in graph.constants or graph.constants[epsilon].size != 1:
+            continue
+        sqrt = uses.only(add_eps.outputs[0], "Sqrt")
+        if sqrt is None or div.inputs != [centred, sqrt.outputs[0]] or uses.only(sqrt.outputs[0], "Div") is not div:
+            continue
+        chain = [mean, sub, square, variance, add_eps, sqrt, div]
+        inputs = [x]
+        scale_mul = uses.only(div.outputs[0], "Mul")
+        scale = scale_mul and uses.other_input(scale_mul, div.outputs[0])
+        normalized = graph.tensors[x].shape[axis:]
+        if scale is not None and _broadcasts_to(graph.tensors[scale].shape, normalized):
+            chain.append(scale_mul)
+            inputs.append(scale)
+            bias_add = uses.only(scale_mul.outputs[0], "Add")
+            bias = bias_add and uses.other_input(bias_add, scale_mul.outputs[0])
+            if bias is not None and _broadcasts_to(graph.tensors[bias].shape, normalized):
+                chain.append(bias_add)
+                inputs.append(bias)
+        else:
+            one = f"{mean.name}/unit_scale"
+            graph = _with_constant(graph, one, np.ones(1, np.float32))
+            inputs.append(one)
+        attrs = {"axis": axis, "epsilon": float(graph.constants[epsilon].reshape(-1)[0])}
+        matches.append((chain, Node("LayerNormalization", mean.name, inputs, list(chain[-1].outputs), attrs)))
+        taken.update(node.name for node in chain)
+    return _replace_chains(graph, matches)
+
+
+def _broadcasts_to(shape, normalized) -> bool:
+    """A LayerNorm scale or bias of this shape applies along the normalized
+    axes alone (leading 1s aside), as the fused op reads it."""
+    shape = tuple(shape)
+    while shape and shape[0] == 1 and len(shape) > len(normalized):
+        shape = shape[1:]
+    return len(shape) <= len(normalized) and all(
+        d in (1, n) for d, n in zip(shape[::-1], tuple(normalized)[::-1]))
+
+
+def _with_constant(graph: Graph, name: str, value: np.ndarray) -> Graph:
+    constants, tensors = dict(graph.constants), dict(graph.tensors)
+    constants[name] = value
+    tensors[name] = Tensor(name, value.shape, "float32")
+    return replace(graph, constants=constants, tensors=tensors)
+
+
+def fuse_gelu(graph: Graph) -> Graph:
+    """Replace each x * 0.5 * (1 + erf(x / sqrt(2))) by a Gelu node.
+
+    >>> fused = fuse_gelu(graph)  # doctest: +SKIP
+    """
+    uses = _Uses(graph)
+    matches = []
+    for scale in graph.nodes:
+        if scale.op_type not in ("Div", "Mul") or len(scale.inputs) != 2:
+            continue
+        x, factor = scale.inputs
+        wanted = math.sqrt(2.0) if scale.op_type == "Div" else math.sqrt(0.5)
+        if not uses.scalar(factor, wanted, rel=1e-5):
+            continue
+        erf = uses.only(scale.outputs[0], "Erf")
+        plus_one = erf and uses.only(erf.outputs[0], "Add")
+        if plus_one is None or not uses.scalar(uses.other_input(plus_one, erf.outputs[0]), 1.0):
+            continue
+        product = uses.only(plus_one.outputs[0], "Mul")
+        other = product and uses.other_input(product, plus_one.outputs[0])
+        if other is None:
+            continue
+        if other == x:  # (x * (1 + erf)) * 0.5
+            half = uses.only(product.outputs[0], "Mul")
+            if half is None or not uses.scalar(uses.other_input(half, product.outputs[0]), 0.5):
+                continue
+            chain = [scale, erf, plus_one, product, half]
+        else:  # (x * 0.5) * (1 + erf)
+            half = next((n for n in graph.nodes if other in n.outputs), None)
+            if (half is None or half.op_type != "Mul" or uses.other_input(half, x) is None
+                    or not uses.scalar(uses.other_input(half, x), 0.5) or len(uses.readers[other]) != 1):
+                continue
+            chain = [scale, erf, plus_one, half, product]
+        matches.append((chain, Node("Gelu", scale.name, [x], list(chain[-1].outputs), {"approximate": "none"})))
+    return _replace_chains(graph, matches)
