@@ -1,0 +1,119 @@
+"""Blocks of modern architectures built with onnx.helper the way
+torch.onnx.export writes them, with random weights:
+
+- vit_block: a pre-norm Vision Transformer encoder block (LayerNorm,
+  multi-head self-attention with one fused QKV projection, LayerNorm, MLP
+  with GELU), as timm's ViT exports;
+- convnext_block: a ConvNeXt block (7x7 depthwise Conv, channels-last
+  LayerNorm, pointwise MLP with GELU, layer scale, residual), then the
+  classifier head (mean over H and W, LayerNorm, Gemm).
+
+Before opset 17 LayerNorm is spelled out (ReduceMean ... Div, Mul, Add);
+from 17 on it is one LayerNormalization node. GELU is spelled out with Erf
+before opset 20 and is one Gelu node from 20 on.
+
+    from tests.transformer_models import vit_block
+    model = vit_block(opset=13)    # input "x" (1, 17, 64) -> output "y" (1, 17, 64)
+"""
+from __future__ import annotations
+
+import numpy as np
+from onnx import helper
+
+from tests.onnx_models import make_model
+
+
+class _Builder:
+    """Nodes and initializers of one model, with fresh names per call."""
+
+    def __init__(self, opset: int, seed: int):
+        self.opset = opset
+        self.rng = np.random.default_rng(seed)
+        self.nodes, self.inits = [], {}
+        self.count = 0
+
+    def name(self, hint: str) -> str:
+        self.count += 1
+        return f"{hint}_{self.count}"
+
+    def const(self, value, hint="c", dtype=np.float32) -> str:
+        name = self.name(hint)
+        self.inits[name] = np.asarray(value, dtype=dtype)
+        return name
+
+    def weight(self, *shape, scale=None, hint="w") -> str:
+        scale = 1.0 / np.sqrt(shape[0]) if scale is None else scale
+        return self.const(self.rng.standard_normal(shape) * scale, hint)
+
+    def op(self, op_type, inputs, **attrs) -> str:
+        out = self.name(op_type.lower())
+        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=out, **attrs))
+        return out
+
+    def ints(self, values) -> str:
+        return self.const(values, "shape", np.int64)
+
+    def linear(self, x, fan_in, fan_out) -> str:
+        """MatMul by a (fan_in, fan_out) weight, then Add the bias (torch's nn.Linear on 3-D input)."""
+        return self.op("Add", [self.op("MatMul", [x, self.weight(fan_in, fan_out)]),
+                               self.weight(fan_out, scale=0.1, hint="b")])
+
+    def layer_norm(self, x, width, axes=(-1,)) -> str:
+        gamma = self.const(1.0 + 0.1 * self.rng.standard_normal(width), "gamma")
+        beta = self.const(0.1 * self.rng.standard_normal(width), "beta")
+        if self.opset >= 17:
+            return self.op("LayerNormalization", [x, gamma, beta], axis=axes[0], epsilon=1e-6)
+        mean = self.reduce_mean(x, axes)
+        centred = self.op("Sub", [x, mean])
+        variance = self.reduce_mean(self.op("Pow", [centred, self.const(2.0)]), axes)
+        std = self.op("Sqrt", [self.op("Add", [variance, self.const(1e-6, "eps")])])
+        return self.op("Add", [self.op("Mul", [self.op("Div", [centred, std]), gamma]), beta])
+
+    def reduce_mean(self, x, axes, keepdims=1) -> str:
+        if self.opset >= 18:
+            return self.op("ReduceMean", [x, self.ints(list(axes))], keepdims=keepdims)
+        return self.op("ReduceMean", [x], axes=list(axes), keepdims=keepdims)
+
+    def gelu(self, x) -> str:
+        if self.opset >= 20:
+            return self.op("Gelu", [x])
+        erf = self.op("Erf", [self.op("Div", [x, self.const(np.sqrt(2.0))])])
+        inner = self.op("Mul", [x, self.op("Add", [erf, self.const(1.0)])])
+        return self.op("Mul", [inner, self.const(0.5)])
+
+    def model(self, inputs, output, name):
+        self.nodes.append(helper.make_node("Identity", [output], ["y"], name="output"))
+        return make_model(self.nodes, inputs, {"y": None}, self.inits, opset=self.opset, name=name)
+
+
+def vit_block(tokens: int = 17, width: int = 64, heads: int = 4, opset: int = 13, seed: int = 0):
+    """x + Attention(LN(x)), then + MLP(LN(.)), on input "x" (1, tokens, width)."""
+    b = _Builder(opset, seed)
+    head = width // heads
+    h = b.layer_norm("x", width)
+    qkv = b.linear(h, width, 3 * width)
+    qkv = b.op("Reshape", [qkv, b.ints([1, tokens, 3, heads, head])])
+    qkv = b.op("Transpose", [qkv], perm=[2, 0, 3, 1, 4])         # (3, 1, heads, tokens, head)
+    q, k, v = (b.op("Gather", [qkv, b.ints(i)], axis=0) for i in range(3))
+    scores = b.op("MatMul", [q, b.op("Transpose", [k], perm=[0, 1, 3, 2])])
+    attn = b.op("Softmax", [b.op("Mul", [scores, b.const(head ** -0.5)])], axis=-1)
+    ctx = b.op("Transpose", [b.op("MatMul", [attn, v])], perm=[0, 2, 1, 3])
+    ctx = b.op("Reshape", [ctx, b.ints([1, tokens, width])])
+    x = b.op("Add", ["x", b.linear(ctx, width, width)])
+    mlp = b.linear(b.gelu(b.linear(b.layer_norm(x, width), width, 4 * width)), 4 * width, width)
+    return b.model({"x": (1, tokens, width)}, b.op("Add", [x, mlp]), "vit_block")
+
+
+def convnext_block(channels: int = 32, size: int = 14, classes: int = 10, opset: int = 13, seed: int = 0):
+    """x + gamma * MLP(LN(dwconv(x))) in channels-last, then mean over H and W,
+    LayerNorm and a Gemm head, on input "x" (1, channels, size, size)."""
+    b = _Builder(opset, seed)
+    dw = b.op("Conv", ["x", b.weight(channels, 1, 7, 7, scale=1 / 7), b.weight(channels, scale=0.1)],
+              group=channels, kernel_shape=[7, 7], pads=[3, 3, 3, 3])
+    h = b.layer_norm(b.op("Transpose", [dw], perm=[0, 2, 3, 1]), channels)
+    h = b.linear(b.gelu(b.linear(h, channels, 4 * channels)), 4 * channels, channels)
+    h = b.op("Mul", [h, b.const(0.5 + 0.1 * b.rng.standard_normal(channels), "layer_scale")])
+    x = b.op("Add", ["x", b.op("Transpose", [h], perm=[0, 3, 1, 2])])
+    pooled = b.layer_norm(b.reduce_mean(x, [-2, -1], keepdims=0), channels)
+    logits = b.op("Gemm", [pooled, b.weight(classes, channels), b.weight(classes, scale=0.1)], transB=1)
+    return b.model({"x": (1, channels, size, size)}, logits, "convnext_block")
