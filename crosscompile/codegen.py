@@ -195,7 +195,8 @@ def _emit_run(module: ir.Module, graph: Graph, plan: MemoryPlan, kernels, declar
             raw = b.gep(workspace, [ir.Constant(ir.IntType(64), loc.index)])
         else:
             if loc.name not in declared:
-                data = np.ascontiguousarray(graph.constants[loc.name], dtype="<f4").tobytes()
+                dtype = np.dtype(graph.tensors[loc.name].dtype).newbyteorder("<")
+                data = np.ascontiguousarray(graph.constants[loc.name], dtype=dtype).tobytes()
                 declared[loc.name] = _declare_param(module, f"param.{len(declared)}", data, params)
             raw = declared[loc.name]
         return b.bitcast(raw, F32_PTR)

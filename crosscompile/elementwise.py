@@ -220,10 +220,12 @@ class Elementwise(Op):
 
     def lower(self, k, inputs, outputs, attrs):
         out = outputs[0]
+        sources = [k.typed(ptr, t.dtype) for ptr, t in zip(k.inputs, inputs)]
+        dest = k.typed(k.outputs[0], out.dtype)
         if all(t.shape == out.shape for t in inputs):
             with k.loop(out.size) as i:
-                value = self.combine(k, [k.load(ptr, i) for ptr in k.inputs])
-                k.store(k.activate(value), k.outputs[0], i)
+                value = self.combine(k, [k.load(ptr, i) for ptr in sources])
+                k.store(k.activate(value), dest, i)
             return
         shape = out.shape or (1,)
         out_strides = _broadcast_strides(shape, shape)
@@ -231,8 +233,8 @@ class Elementwise(Op):
                       for s in self.operand_shapes([t.shape for t in inputs], attrs)]
         shape, (out_strides, *in_strides) = _merge_dims(shape, [out_strides, *in_strides])
         with k.nested_loops(shape) as idx:
-            values = [k.load(ptr, k.index(*zip(idx, st))) for ptr, st in zip(k.inputs, in_strides)]
-            k.store(k.activate(self.combine(k, values)), k.outputs[0], k.index(*zip(idx, out_strides)))
+            values = [k.load(ptr, k.index(*zip(idx, st))) for ptr, st in zip(sources, in_strides)]
+            k.store(k.activate(self.combine(k, values)), dest, k.index(*zip(idx, out_strides)))
 
 
 def _merge_dims(shape, strides_list):
@@ -346,7 +348,8 @@ class Pow(Elementwise):
     small integer powers are products, 0.5 a square root."""
 
     op_type = "Pow"
-    scalar_when_constant = (1,)
+    def folds_constant(self, pos, value):
+        return pos == 1 and value.size == 1
 
     def attributes(self, raw, constants, opset):
         return {} if 1 not in constants else {"exponent": float(np.asarray(constants[1]).reshape(-1)[0])}

@@ -14,6 +14,10 @@ F32 = ir.FloatType()
 I32 = ir.IntType(32)
 I64 = ir.IntType(64)
 F32_PTR = F32.as_pointer()
+I8 = ir.IntType(8)
+# How each tensor dtype is held in memory; kernels take every buffer as a
+# float pointer and view it as its element type (Kernel.typed).
+ELEMENT_TYPES = {"float32": F32, "int64": I64, "int32": I32, "bool": I8}
 
 
 class Kernel:
@@ -115,6 +119,11 @@ class Kernel:
 
     def store(self, value: ir.Value, ptr: ir.Value, offset: ir.Value) -> None:
         self.builder.store(value, self.builder.gep(ptr, [offset]))
+
+    def typed(self, ptr: ir.Value, dtype: str) -> ir.Value:
+        """A buffer argument viewed as a pointer to dtype's element type."""
+        element = ELEMENT_TYPES[dtype]
+        return ptr if element is F32 else self.builder.bitcast(ptr, element.as_pointer())
 
     def variable(self, initial: ir.Value) -> ir.Value:
         """A stack slot holding initial; mem2reg turns it into a register."""

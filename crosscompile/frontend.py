@@ -13,11 +13,12 @@ from .errors import BuildError, ShapeError, UnsupportedOpError
 from .ir import Graph, Node, Tensor
 from .ops import OPS
 
-SUPPORTED_DTYPES = {"float32"}
+# Model inputs and outputs: float32 data, integer ids and indices, masks.
+SUPPORTED_DTYPES = ("float32", "int64", "int32", "bool")
 # Ops the frontend evaluates itself instead of lowering (any other standard
 # op also folds when all its inputs are constants).
 FRONTEND_OPS = {"Constant", "ConstantOfShape", "Shape", "Size", "Range",
-                "Floor", "Ceil", "Equal", "Where"}
+                "Floor", "Ceil"}
 
 
 def supported_ops() -> list[str]:
@@ -97,8 +98,8 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
 
         compile_time, runtime = {}, []
         for pos, tensor_name in enumerate(np_node.input):
-            scalar = tensor_name in constants and constants[tensor_name].size == 1
-            if pos in op.compile_time_inputs or (pos in op.scalar_when_constant and scalar):
+            known = tensor_name in constants and op.folds_constant(pos, np.asarray(constants[tensor_name]))
+            if pos in op.compile_time_inputs or known:
                 if tensor_name and tensor_name not in constants:
                     raise BuildError(f"{where}: input {tensor_name!r} must be a constant "
                                      "(an initializer or Constant node)")
@@ -110,12 +111,12 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
                 raise BuildError(f"{where} uses {dropped[tensor_name]}, which is not supported")
             if tensor_name not in tensors:
                 raise BuildError(f"{where}: input {tensor_name!r} is not produced by any node")
-            _check_dtype(tensors[tensor_name], f"{where}: input {tensor_name!r}")
         try:
             attrs = op.attributes(raw, compile_time, opset)
             if op.counts_outputs:
                 attrs["outputs"] = len(np_node.output)
             shapes = op.infer([tensors[t].shape for t in runtime], attrs)
+            dtype = op.output_dtype([tensors[t] for t in runtime], attrs)
         except BuildError as exc:
             raise type(exc)(f"{where}: {exc}") from None
 
@@ -124,7 +125,7 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
             if extra:
                 dropped[extra] = f"output {pos} ({extra!r}) of {where}"
         for out, shape in zip(outputs, shapes):
-            tensors[out] = Tensor(out, tuple(shape), "float32")
+            tensors[out] = Tensor(out, tuple(shape), dtype)
         nodes.append(Node(np_node.op_type, name, runtime, outputs, attrs))
 
     outputs = []
@@ -198,7 +199,8 @@ def _dtype_name(elem_type: int) -> str:
 
 def _check_dtype(tensor: Tensor, what: str) -> None:
     if tensor.dtype not in SUPPORTED_DTYPES:
-        raise BuildError(f"{what} has dtype {tensor.dtype}; only float32 is supported for now")
+        raise BuildError(f"{what} has dtype {tensor.dtype}; only float32 (and int64, int32 or bool "
+                         "for ids, indices and masks) is supported")
 
 
 def _attribute_value(attr: onnx.AttributeProto):

@@ -1,9 +1,10 @@
 """A small graph IR: the data the passes and code generator work on.
 
-A Graph holds float32 tensors by name, nodes in topological order, and
-constants as numpy arrays. Node inputs are runtime tensors only: inputs an op
-needs at compile time (Reshape's shape, Dropout's ratio) are folded into the
-node's attributes by the frontend.
+A Graph holds tensors by name (float32, or int64, int32 and bool ids,
+indices and masks), nodes in topological order, and constants as numpy
+arrays. Node inputs are runtime tensors only: inputs an op needs at compile
+time (Reshape's shape, Dropout's ratio) are folded into the node's
+attributes by the frontend.
 """
 from __future__ import annotations
 

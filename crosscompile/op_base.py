@@ -67,10 +67,6 @@ class Op:
 
     op_type = ""
     compile_time_inputs: tuple[int, ...] = ()
-    # Input positions handed to attributes() like compile_time_inputs when
-    # they are constant scalars, and kept as inputs otherwise (Pow's
-    # exponent: a constant 2 becomes x * x, a tensor stays a binary op).
-    scalar_when_constant: tuple[int, ...] = ()
     alias = False
     # An element-wise op of one runtime input that can run as the epilogue of
     # the node producing that input (see passes.fuse_elementwise).
@@ -91,8 +87,25 @@ class Op:
     def attributes(self, raw: dict, constants: dict, opset: int) -> dict:
         return {}
 
+    def folds_constant(self, pos: int, value: np.ndarray) -> bool:
+        """Whether input pos, found to be the constant value, is handed to
+        attributes() like a compile_time_inputs one (and dropped from the
+        node) rather than read at run time: Pow's exponent 2 becomes x * x,
+        Gather's constant indices become copies of rows."""
+        return False
+
     def infer(self, inputs: list[Shape], attrs: dict) -> list[Shape]:
         raise NotImplementedError
+
+    def output_dtype(self, inputs: list[Tensor], attrs: dict) -> str:
+        """The dtype of every output, from the runtime inputs; raising
+        BuildError refuses inputs of dtypes the op does not take. Most ops
+        take and give float32 only."""
+        for tensor in inputs:
+            if tensor.dtype != "float32":
+                raise BuildError(f"input {tensor.name!r} has dtype {tensor.dtype}; {self.op_type} takes "
+                                 "float32 tensors only (a Cast to float32 before it would do)")
+        return "float32"
 
     def lower(self, k: Kernel, inputs: list[Tensor], outputs: list[Tensor], attrs: dict) -> None:
         raise NotImplementedError
@@ -108,13 +121,18 @@ class Op:
 
 
 class AliasOp(Op):
-    """An op that only reinterprets its input's shape."""
+    """An op that only reinterprets its input's shape, of any dtype."""
 
     alias = True
 
+    def output_dtype(self, inputs, attrs):
+        return inputs[0].dtype
+
     def lower(self, k, inputs, outputs, attrs):
+        dtype = inputs[0].dtype
+        src, dst = k.typed(k.inputs[0], dtype), k.typed(k.outputs[0], dtype)
         with k.loop(outputs[0].size) as i:
-            k.store(k.load(k.inputs[0], i), k.outputs[0], i)
+            k.store(k.load(src, i), dst, i)
 
 
 def _ints(raw: dict, name: str, default=None):

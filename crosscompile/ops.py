@@ -12,8 +12,8 @@ import math
 
 import numpy as np
 
-from . import conv, elementwise, normalization, pool, reduce  # noqa: F401 (their op classes register themselves)
-from .emit import Kernel
+from . import conv, elementwise, logic, normalization, pool, reduce  # noqa: F401 (their op classes register themselves)
+from .emit import I64, Kernel
 from .errors import BuildError, ShapeError
 from .elementwise import safe_log
 from .gemm import emit_dot_rows
@@ -387,44 +387,79 @@ def _copy_strided(k: Kernel, out_shape, src_strides, base: int = 0, src=None, ds
 
 
 class Gather(Op):
-    """Gather from a runtime tensor with constant indices (an embedding
-    lookup, a channel pick); with constant data too it folds at import."""
+    """Gather along an axis. Constant indices (a channel pick) become one
+    copy loop each; runtime indices (token ids into an embedding table) are
+    read at run time, negative ones counting from the end. An index out of
+    range is clamped to the axis (onnxruntime fails the run instead), so a
+    bad id reads a wrong row rather than memory outside the table. With
+    constant data too it folds at import."""
 
     op_type = "Gather"
-    compile_time_inputs = (1,)
-    MAX_INDICES = 4096  # each index becomes one copy loop
+    MAX_INDICES = 4096  # each constant index becomes one copy loop
+
+    def folds_constant(self, pos, value):
+        return pos == 1
 
     def attributes(self, raw, constants, opset):
+        attrs = {"axis": int(raw.get("axis", 0))}
         indices = constants.get(1)
         if indices is None:
-            raise BuildError("Gather needs constant indices")
+            return attrs
         indices = np.asarray(indices)
         if indices.dtype.kind not in "iu":
             raise BuildError(f"Gather indices must be integers, got {indices.dtype}")
         if indices.size > self.MAX_INDICES:
-            raise BuildError(f"Gather with {indices.size} indices is not supported (at most {self.MAX_INDICES})")
-        return {"axis": int(raw.get("axis", 0)), "indices": tuple(int(i) for i in indices.reshape(-1)),
-                "indices_shape": tuple(indices.shape)}
+            raise BuildError(f"Gather with {indices.size} constant indices is not supported "
+                             f"(at most {self.MAX_INDICES})")
+        return dict(attrs, indices=tuple(int(i) for i in indices.reshape(-1)),
+                    indices_shape=tuple(indices.shape))
 
     def infer(self, inputs, attrs):
         x = inputs[0]
         axis = _axis(attrs["axis"], len(x))
+        if "indices" not in attrs:
+            return [(*x[:axis], *inputs[1], *x[axis + 1:])]
         for i in attrs["indices"]:
             if not -x[axis] <= i < x[axis]:
                 raise ShapeError(f"Gather index {i} is out of range for axis {axis} of size {x[axis]}")
         return [(*x[:axis], *attrs["indices_shape"], *x[axis + 1:])]
 
+    def output_dtype(self, inputs, attrs):
+        if len(inputs) == 2 and inputs[1].dtype not in ("int64", "int32"):
+            raise BuildError(f"Gather indices {inputs[1].name!r} have dtype {inputs[1].dtype}; "
+                             "int64 or int32 indices are supported")
+        return inputs[0].dtype
+
     def lower(self, k, inputs, outputs, attrs):
         x = inputs[0].shape
         axis = _axis(attrs["axis"], len(x))
         outer, inner = _prod(x[:axis]), _prod(x[axis + 1:])
+        data, out = k.typed(k.inputs[0], inputs[0].dtype), k.typed(k.outputs[0], outputs[0].dtype)
+        if "indices" not in attrs:
+            self._lower_runtime(k, inputs, data, out, x[axis], outer, inner)
+            return
         count = len(attrs["indices"])
         for j, index in enumerate(attrs["indices"]):
             index %= x[axis]
             with k.loop(outer) as o, k.loop(inner) as i:
-                value = k.load(k.inputs[0], k.index((o, x[axis] * inner), (index, inner), (i, 1)))
-                k.store(k.activate(value), k.outputs[0], k.index((o, count * inner), (j, inner), (i, 1)))
+                value = k.load(data, k.index((o, x[axis] * inner), (index, inner), (i, 1)))
+                k.store(k.activate(value), out, k.index((o, count * inner), (j, inner), (i, 1)))
         k.activated = True
+
+    @staticmethod
+    def _lower_runtime(k, inputs, data, out, size, outer, inner):
+        bld = k.builder
+        indices = k.typed(k.inputs[1], inputs[1].dtype)
+        count = inputs[1].size
+        with k.loop(outer) as o, k.loop(count) as j:
+            index = k.load(indices, j)
+            if index.type.width < 64:
+                index = bld.sext(index, I64)
+            index = bld.select(bld.icmp_signed("<", index, k.i64(0)), bld.add(index, k.i64(size)), index)
+            index = k.smin(k.smax(index, k.i64(0)), k.i64(size - 1))
+            with k.loop(inner) as i:
+                value = k.load(data, k.index((o, size * inner), (index, inner), (i, 1)))
+                k.store(k.activate(value), out, k.index((o, count * inner), (j, inner), (i, 1)))
 
 
 class Transpose(Op):
@@ -674,25 +709,6 @@ class Unsqueeze(AliasOp):
         for i in range(rank):
             out.append(1 if i in axes else next(rest))
         return [tuple(out)]
-
-
-class Cast(AliasOp):
-    """A runtime Cast is only float32 -> float32 (the identity); casts of
-    constants are folded by the frontend."""
-
-    op_type = "Cast"
-
-    def attributes(self, raw, constants, opset):
-        to = int(raw.get("to", 0))
-        if to != 1:  # TensorProto.FLOAT
-            import onnx
-            name = onnx.TensorProto.DataType.Name(to) if to in onnx.TensorProto.DataType.values() else to
-            raise BuildError(f"Cast of a runtime tensor to {name} is not supported; "
-                             "runtime tensors are float32 only")
-        return {}
-
-    def infer(self, inputs, attrs):
-        return [inputs[0]]
 
 
 OPS: dict[str, Op] = {op_type: cls() for op_type, cls in REGISTERED.items()}

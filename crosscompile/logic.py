@@ -1,0 +1,156 @@
+"""Ops over boolean and integer tensors: comparisons giving masks (Equal,
+Less, Greater, LessOrEqual, GreaterOrEqual), Not/And/Or/Xor, Where, and
+Cast between float32, int64, int32 and bool. Attention masks and token
+ids pass through these on their way into float32 arithmetic.
+
+Tensors keep their own dtype in memory (a bool is one byte, 0 or 1), as
+numpy and onnxruntime hold them; Kernel.typed gives each buffer its
+element type, and the broadcasting loops are elementwise.Elementwise's.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from onnx import TensorProto
+
+from .elementwise import Elementwise
+from .emit import F32, I8, ELEMENT_TYPES
+from .errors import BuildError
+from .op_base import Op
+
+INTEGERS = ("int64", "int32")
+# TensorProto data type number -> dtype name, for Cast's `to`.
+CAST_TARGETS = {1: "float32", 6: "int32", 7: "int64", 9: "bool"}
+
+
+def _same_dtype(op_type, inputs, allowed) -> str:
+    dtypes = {t.dtype for t in inputs}
+    if len(dtypes) != 1 or not dtypes <= set(allowed):
+        shown = ", ".join(f"{t.name!r} {t.dtype}" for t in inputs)
+        raise BuildError(f"{op_type} takes inputs of one dtype among {', '.join(allowed)}; got {shown}")
+    return dtypes.pop()
+
+
+class _Compare(Elementwise):
+    """a <op> b under broadcasting, of float32 or integer tensors, as a bool tensor."""
+
+    predicate = ""
+
+    def output_dtype(self, inputs, attrs):
+        _same_dtype(self.op_type, inputs, ("float32", *INTEGERS, "bool"))
+        return "bool"
+
+    def combine(self, k, values):
+        a, b = values
+        if a.type == F32:
+            truth = k.builder.fcmp_ordered(self.predicate, a, b)
+        else:
+            truth = k.builder.icmp_signed(self.predicate, a, b)
+        return k.builder.zext(truth, I8)
+
+
+# The comparison ops and their predicates (for fcmp_ordered and icmp_signed):
+# they differ in nothing else, so their classes are made from this table.
+COMPARISONS = {"Equal": "==", "Less": "<", "LessOrEqual": "<=", "Greater": ">", "GreaterOrEqual": ">="}
+for _op_type, _predicate in COMPARISONS.items():
+    type(_op_type, (_Compare,), {"op_type": _op_type, "predicate": _predicate, "__module__": __name__})
+
+
+class _Logical(Elementwise):
+    """Boolean tensors in, a boolean tensor out."""
+
+    def output_dtype(self, inputs, attrs):
+        _same_dtype(self.op_type, inputs, ("bool",))
+        return "bool"
+
+
+class Not(_Logical):
+    op_type = "Not"
+    arity = (1, 1)
+
+    def combine(self, k, values):
+        return k.builder.xor(values[0], ir.Constant(I8, 1))
+
+
+class And(_Logical):
+    op_type = "And"
+
+    def combine(self, k, values):
+        return k.builder.and_(*values)
+
+
+class Or(_Logical):
+    op_type = "Or"
+
+    def combine(self, k, values):
+        return k.builder.or_(*values)
+
+
+class Xor(_Logical):
+    op_type = "Xor"
+
+    def combine(self, k, values):
+        return k.builder.xor(*values)
+
+
+class Where(Elementwise):
+    """condition ? x : y under broadcasting of all three."""
+
+    op_type = "Where"
+    arity = (3, 3)
+
+    def output_dtype(self, inputs, attrs):
+        if len(inputs) != 3 or inputs[0].dtype != "bool":
+            raise BuildError(f"Where takes a bool condition and two values; got "
+                             f"{', '.join(f'{t.name!r} {t.dtype}' for t in inputs)}")
+        return _same_dtype("Where", inputs[1:], ("float32", *INTEGERS, "bool"))
+
+    def combine(self, k, values):
+        condition, x, y = values
+        return k.builder.select(k.builder.icmp_unsigned("!=", condition, ir.Constant(I8, 0)), x, y)
+
+
+class Cast(Op):
+    """Cast between float32, int64, int32 and bool as numpy's astype does:
+    floats to integers round toward zero, anything to bool is `!= 0` (NaN
+    is true). Casts of constants fold at import."""
+
+    op_type = "Cast"
+
+    def attributes(self, raw, constants, opset):
+        to = int(raw.get("to", 0))
+        if to not in CAST_TARGETS:
+            name = TensorProto.DataType.Name(to) if to in TensorProto.DataType.values() else to
+            raise BuildError(f"Cast of a runtime tensor to {name} is not supported; supported: "
+                             "FLOAT, INT64, INT32, BOOL")
+        return {"to": CAST_TARGETS[to]}
+
+    def infer(self, inputs, attrs):
+        return [inputs[0]]
+
+    def output_dtype(self, inputs, attrs):
+        return attrs["to"]
+
+    def lower(self, k, inputs, outputs, attrs):
+        source, target = inputs[0].dtype, attrs["to"]
+        src, dst = k.typed(k.inputs[0], source), k.typed(k.outputs[0], target)
+        with k.loop(outputs[0].size) as i:
+            k.store(k.activate(convert(k, k.load(src, i), source, target)), dst, i)
+
+
+def convert(k, value: ir.Value, source: str, target: str) -> ir.Value:
+    """value of dtype source as dtype target (numpy's astype)."""
+    b = k.builder
+    to = ELEMENT_TYPES[target]
+    if source == target:
+        return value
+    if target == "bool":
+        if source == "float32":
+            return b.zext(b.fcmp_unordered("!=", value, ir.Constant(F32, 0.0)), I8)
+        return b.zext(b.icmp_unsigned("!=", value, ir.Constant(value.type, 0)), I8)
+    if source == "float32":
+        return b.fptosi(value, to)
+    if target == "float32":
+        return b.uitofp(value, F32) if source == "bool" else b.sitofp(value, F32)
+    if to.width > value.type.width:
+        return b.zext(value, to) if source == "bool" else b.sext(value, to)
+    return b.trunc(value, to)
