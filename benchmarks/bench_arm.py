@@ -1,0 +1,127 @@
+"""Instructions per inference on emulated ARM cores: ours against onnxruntime's
+own aarch64 wheel, one thread each, in the same Debian root filesystem.
+
+    python benchmarks/bench_arm.py [model ...] [--targets rasp4b64,rasp5,rasp3b] [--runs N]
+
+Models: squeezenet and resnet50 from the onnx package's light zoo (random
+parameters, as in tests/test_zoo.py), resnet18 built by tests/architectures.py;
+one 1 x 3 x 224 x 224 image each. Counts come from
+deploy_recipes/instruction_count.py (a qemu plugin, R and R + N inferences).
+A count is exact and repeatable where wall time under emulation means
+nothing, but it is not a time: use the ratios, and confirm on a board.
+
+Per target: rasp4b64 on a Cortex-A72, rasp5 on a Cortex-A76 (both aarch64,
+against onnxruntime); rasp3b is 32-bit ARM, for which there is no onnxruntime
+wheel, so its count (qemu-arm's "max" core: it has no Cortex-A53) is printed
+beside ours for aarch64 on the A72.
+
+The onnxruntime wheel for the root filesystem's Python is fetched once with
+pip (``pip download --platform manylinux_2_28_aarch64``) and unpacked under
+$TETHER_CACHE/onnxruntime-aarch64/.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+import onnx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import crosscompile  # noqa: E402
+from deploy_recipes import emulate, instruction_count  # noqa: E402
+from remote.defaults import cache_dir  # noqa: E402
+from tests.architectures import resnet  # noqa: E402
+from tests.onnx_models import zoo_model  # noqa: E402
+
+RELEASE = "bookworm"
+MODELS = {
+    "squeezenet": lambda: zoo_model("squeezenet", logits=False),
+    "resnet18": lambda: resnet(18),
+    "resnet50": lambda: zoo_model("resnet50", logits=False),
+}
+# preset: (Debian architecture, qemu core, whether onnxruntime has a wheel for it).
+TARGETS = {
+    "rasp4b64": ("arm64", "cortex-a72", True),
+    "rasp5": ("arm64", "cortex-a76", True),
+    "rasp3b": ("armhf", "max", False),
+}
+
+
+def onnxruntime_site(release: str = RELEASE) -> str:
+    """A folder holding onnxruntime's aarch64 wheel, unpacked, for the guest's Python."""
+    root = emulate.build_rootfs(release, "arm64")
+    version = re.search(r"(\d+)\.(\d+)$", emulate.guest_python(root)).groups()
+    tag = "".join(version)
+    site = os.path.join(cache_dir(), "onnxruntime-aarch64", f"cp{tag}")
+    if glob.glob(os.path.join(site, "onnxruntime", "capi", "onnxruntime_pybind11_state*.so")):
+        return site
+    with tempfile.TemporaryDirectory() as download:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                        "--platform", "manylinux_2_28_aarch64", "--python-version", ".".join(version),
+                        "--implementation", "cp", "-d", download, "onnxruntime"],
+                       check=True, stdout=subprocess.DEVNULL)
+        (wheel,) = glob.glob(os.path.join(download, "onnxruntime-*.whl"))
+        with zipfile.ZipFile(wheel) as z:
+            z.extractall(site)
+    return site
+
+
+def model_inputs(model: onnx.ModelProto) -> dict:
+    inits = {i.name for i in model.graph.initializer}
+    return {vi.name: [d.dim_value for d in vi.type.tensor_type.shape.dim]
+            for vi in model.graph.input if vi.name not in inits}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="*", default=list(MODELS),
+                        help=f"default: all of {', '.join(MODELS)}")
+    parser.add_argument("--targets", default="rasp4b64",
+                        help=f"comma-separated presets of {', '.join(TARGETS)} (default rasp4b64)")
+    parser.add_argument("--runs", type=int, default=3, help="inferences counted after the first")
+    parser.add_argument("--no-ort", action="store_true", help="count ours only")
+    args = parser.parse_args()
+    targets = args.targets.split(",")
+    for name in targets:
+        if name not in TARGETS:
+            parser.error(f"unknown target {name!r}; choose from {', '.join(TARGETS)}")
+    for name in args.models:
+        if name not in MODELS:
+            parser.error(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+    site = None if args.no_ort else onnxruntime_site()
+
+    print(f"{'model':12} {'target':9} {'core':11} {'ours M':>9} {'ort M':>9} {'ours/ort':>8}")
+    with tempfile.TemporaryDirectory() as folder:
+        for name in args.models:
+            model = MODELS[name]()
+            inputs = model_inputs(model)
+            onnx_path = os.path.join(folder, f"{name}.onnx")
+            onnx.save(model, onnx_path)
+            peer = {}  # onnxruntime's count per core, measured once
+            for target in targets:
+                arch, cpu, has_ort = TARGETS[target]
+                so = crosscompile.build(model, target=target).export_library(
+                    os.path.join(folder, f"{name}-{target}.so"))
+                ours = instruction_count.count_module(so, inputs, RELEASE, arch, cpu,
+                                                      runs=args.runs).per_inference
+                theirs = None
+                if site and has_ort:
+                    if cpu not in peer:
+                        peer[cpu] = instruction_count.count_onnx(
+                            onnx_path, inputs, site, RELEASE, arch, cpu, runs=args.runs).per_inference
+                    theirs = peer[cpu]
+                ratio = f"{ours / theirs:8.2f}" if theirs else f"{'-':>8}"
+                their_text = f"{theirs / 1e6:9.1f}" if theirs else f"{'-':>9}"
+                print(f"{name:12} {target:9} {cpu:11} {ours / 1e6:9.1f} {their_text} {ratio}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""The instruction count of an inference on an emulated ARM core is a number
+to compare from one build to the next (benchmarks/bench_arm.py prints it for
+whole models): counting the same module twice gives the same count, and a
+module with more work counts more.
+"""
+import pytest
+
+import crosscompile
+from deploy_recipes import emulate, instruction_count
+from tests.emulated_boards import skip_without_tools
+from tests.onnx_models import conv_relu_model
+
+RELEASE, ARCH, CORE = "bookworm", "arm64", "cortex-a72"
+# Counts of one module differ by well under this share from run to run:
+# a run's start-up varies by a few thousand instructions, a few millionths
+# of an inference of the convolution below.
+TOLERANCE = 1e-3
+X_SHAPE = (1, 32, 56, 56)
+
+
+def _count(tmp_path, channels: int) -> float:
+    model = conv_relu_model(X_SHAPE, (channels, X_SHAPE[1], 3, 3), {"pads": [1, 1, 1, 1]})
+    so = crosscompile.build(model, target="rasp4b64").export_library(tmp_path / f"conv{channels}.so")
+    return instruction_count.count_module(so, {"x": X_SHAPE}, RELEASE, ARCH, CORE,
+                                          runs=2).per_inference
+
+
+@pytest.mark.emulated
+@pytest.mark.bookworm_arm64
+def test_instruction_count_of_an_inference_is_reproducible(tmp_path):
+    skip_without_tools()
+    missing = instruction_count.missing_tools(ARCH)
+    if missing:
+        pytest.skip(f"counting instructions needs: apt-get install {' '.join(missing)}")
+    try:
+        emulate.build_rootfs(RELEASE, ARCH)
+    except emulate.MirrorError as exc:
+        pytest.skip(f"no {RELEASE} {ARCH} root filesystem, and the Debian mirror did not serve one: {exc}")
+    first, second = _count(tmp_path, 32), _count(tmp_path, 32)
+    assert first > 0
+    assert abs(first - second) <= TOLERANCE * first, (first, second)
+    # Four times the output channels: about four times the FMAs.
+    assert _count(tmp_path, 128) > 2 * first
