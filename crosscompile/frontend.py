@@ -134,15 +134,17 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
             raise BuildError(f"graph output {vi.name!r} is {dropped[vi.name]}, which is not supported")
         if vi.name not in tensors:
             raise BuildError(f"graph output {vi.name!r} is not produced by any node")
-        if vi.name in constants and constants[vi.name].dtype == np.float32 and vi.name not in outputs:
+        if (vi.name in constants and constants[vi.name].dtype.name in SUPPORTED_DTYPES
+                and vi.name not in outputs):
             # A constant output (e.g. a folded subgraph): copied out by an Identity.
             value_name = f"{vi.name}/value"
             constants[value_name] = constants.pop(vi.name)
-            tensors[value_name] = Tensor(value_name, tensors[vi.name].shape, "float32")
+            dtype = constants[value_name].dtype.name
+            tensors[value_name] = Tensor(value_name, tensors[vi.name].shape, dtype)
             for node in nodes:
                 node.inputs = [value_name if t == vi.name else t for t in node.inputs]
             nodes.append(Node("Identity", f"{vi.name}/copy", [value_name], [vi.name], {}))
-            tensors[vi.name] = Tensor(vi.name, tensors[value_name].shape, "float32")
+            tensors[vi.name] = Tensor(vi.name, tensors[value_name].shape, dtype)
         elif vi.name in inputs or vi.name in constants or vi.name in outputs:
             raise BuildError(f"graph output {vi.name!r} is a model input, a constant or a repeated "
                              "output; route it through an Identity node")

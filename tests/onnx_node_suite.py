@@ -4,9 +4,11 @@ onnx.backend.test.case.node, since wheels do not ship their data files) and
 the pytorch-converted and pytorch-operator directories.
 
 A case is in scope when every op in its model is one crosscompile supports
-and all its runtime tensors are float32. Inputs of other dtypes (shapes,
-axes, pads, indices) are given to the compiler as constants: crosscompile
-specialises a module on them, as it does for an exporter's initializers.
+and its floating-point tensors are float32. Inputs an op needs at compile
+time (shapes, axes, pads) and every input of the ops evaluated at compile
+time are given to the compiler as constants: crosscompile specialises a
+module on them, as it does for an exporter's initializers. Other int64,
+int32 and bool inputs (indices, masks) stay runtime inputs.
 
     python -m tests.onnx_node_suite            # pass count per op
 """
@@ -86,6 +88,11 @@ def discover() -> list:
     return cases
 
 
+# Model output dtypes a module can have (crosscompile.frontend.SUPPORTED_DTYPES).
+OUTPUT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.BOOL}
+RUNTIME_DTYPES = {np.dtype(np.float32), np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.bool_)}
+
+
 def _float32_io(model) -> bool:
     floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
               onnx.TensorProto.BFLOAT16}
@@ -94,7 +101,7 @@ def _float32_io(model) -> bool:
     if not all(vi.type.HasField("tensor_type") for vi in io):
         return False
     out_kinds = [vi.type.tensor_type.elem_type for vi in model.graph.output]
-    return (all(k == onnx.TensorProto.FLOAT for k in out_kinds)
+    return (all(k in OUTPUT_TYPES for k in out_kinds)
             and all(k == onnx.TensorProto.FLOAT or k not in floats for k in kinds))
 
 
@@ -124,14 +131,16 @@ def run_case(case: Case, workdir: str, rtol=1e-4, atol=1e-5) -> Result:
     if case.generated is not None:
         rtol, atol = max(rtol, case.generated.rtol), case.generated.atol
     # Float inputs an op needs at compile time (Clip's bounds, Pad's value).
+    from crosscompile.frontend import FRONTEND_OPS
     compile_time = {name for node in model.graph.node if node.op_type in OPS
                     for pos, name in enumerate(node.input) if pos in OPS[node.op_type].compile_time_inputs}
+    compile_time |= {name for node in model.graph.node if node.op_type in FRONTEND_OPS for name in node.input}
     graph_inputs = [vi for vi in model.graph.input if vi.name not in {i.name for i in model.graph.initializer}]
     feeds = {}
     for vi, value in zip(graph_inputs, inputs):
         if value.dtype == object:
             return Result(case, "rejected", f"input {vi.name!r} is not a plain tensor")
-        if value.dtype == np.float32 and vi.name not in compile_time:
+        if value.dtype in RUNTIME_DTYPES and vi.name not in compile_time:
             feeds[vi.name] = value
         else:  # compile-time input: becomes a constant
             model.graph.initializer.append(numpy_helper.from_array(value, vi.name))

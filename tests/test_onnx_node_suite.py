@@ -14,7 +14,8 @@ CLAIMED = {"Conv", "Gemm", "MatMul", "BatchNormalization", "Relu", "LeakyRelu", 
            "ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
            "ReduceSumSquare", "ReduceLogSum", "ReduceLogSumExp", "Pow", "Sqrt", "Reciprocal", "Exp",
            "Log", "Abs", "Neg", "Erf", "Gelu", "LayerNormalization", "InstanceNormalization",
-           "GroupNormalization", "LogSoftmax"}
+           "GroupNormalization", "LogSoftmax", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual",
+           "Not", "And", "Or", "Xor", "Where", "Gather"}
 
 
 @pytest.fixture(scope="module")
