@@ -37,6 +37,8 @@ def source_coordinates(out_size: int, in_size: int, scale: float, mode: str) -> 
         offset = f(in_size) / f(2) * (f(1) - f(out_size) / (scale * f(in_size)))
         return offset + (x + half) / scale - half
     if mode == "align_corners":
+        # The whole output length, as onnxruntime and torch take it (the ONNX
+        # reference takes in_size * scale unrounded: 2.4 for 4 by 0.6).
         return x * f(in_size - 1) / f(out_size - 1) if out_size > 1 else np.zeros(out_size, f)
     return x / scale  # asymmetric
 

@@ -15,7 +15,7 @@ CLAIMED = {"Conv", "Gemm", "MatMul", "BatchNormalization", "Relu", "LeakyRelu", 
            "ReduceSumSquare", "ReduceLogSum", "ReduceLogSumExp", "Pow", "Sqrt", "Reciprocal", "Exp",
            "Log", "Abs", "Neg", "Erf", "Gelu", "LayerNormalization", "InstanceNormalization",
            "GroupNormalization", "LogSoftmax", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual",
-           "Not", "And", "Or", "Xor", "Where", "Gather"}
+           "Not", "And", "Or", "Xor", "Where", "Gather", "Resize", "Upsample"}
 
 
 @pytest.fixture(scope="module")

@@ -37,6 +37,7 @@ def test_resize_nearest(tmp_path, coordinates, nearest, scales):
     ((2, 3, 9, 8), [1, 1, 0.5, 0.75], None),     # downsampling
     ((1, 2, 5, 6), None, [1, 2, 13, 4]),          # sizes
     ((1, 2, 3, 4, 5), [1, 1, 2, 1.5, 0.8], None),  # trilinear
+    ((1, 1, 2, 4), [1, 1, 0.6, 0.6], None),         # a scale that does not give a whole size
 ])
 def test_resize_linear(tmp_path, coordinates, x_shape, scales, sizes):
     model = resize_model(x_shape, scales, sizes, mode="linear", coordinate_transformation_mode=coordinates)
