@@ -13,7 +13,7 @@ files, clocks or boards here.
 Example:
     >>> from crosscompile.target import resolve_target
     >>> [t.label for t in candidate_tiles(resolve_target("rasp4b64"))]
-    ['8x2', '16x1', '10x1', '14x2', '9x3', '6x3', '6x4', '4x4']
+    ['8x3', '16x1', '10x1', '14x2', '8x2', '9x3', '6x3', '6x4']
 """
 from __future__ import annotations
 

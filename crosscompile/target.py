@@ -77,6 +77,19 @@ class Target:
         return 16
 
     @property
+    def multiplies_by_lane(self) -> bool:
+        """Whether a vector multiply-add can take one lane of another vector
+        register as its multiplier (the by-element forms of AArch64 and ARM
+        NEON). Kernels then load values to broadcast a vector at a time and
+        pick their lanes in registers; x86 broadcasts straight from memory
+        into the FMA instead.
+
+        >>> resolve_target("rasp4b64").multiplies_by_lane
+        True
+        """
+        return self.arch in ("aarch64", "arm")
+
+    @property
     def arch(self) -> str:
         """LLVM's architecture name of the triple ('x86_64', 'aarch64', 'arm', ...).
 

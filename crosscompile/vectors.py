@@ -21,6 +21,31 @@ def splat(k: Kernel, value: ir.Value, lanes: int) -> ir.Value:
                             ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes))
 
 
+def lane_splat(k: Kernel, vec: ir.Value, lane: int, lanes: int) -> ir.Value:
+    """A vector of `lanes` copies of lane `lane` of vec: on targets that
+    multiply by a lane (Target.multiplies_by_lane) an FMA reads it in place."""
+    return k.builder.shuffle_vector(vec, ir.Constant(vec.type, ir.Undefined),
+                                    ir.Constant(ir.VectorType(ir.IntType(32), lanes), [lane] * lanes))
+
+
+def broadcast_sources(k: Kernel, ptr: ir.Value, offset: ir.Value, count: int):
+    """values(i, lanes): element offset + i of ptr (i < count) splatted to
+    `lanes` lanes. Where the target multiplies by a lane, the elements are
+    loaded a vector at a time (whole vectors only: none past offset + count)
+    and splatted from registers; elsewhere each is loaded on its own and
+    splatted, which x86 folds into a broadcast from memory."""
+    lanes = k.target.lanes
+    vectors = count // lanes if k.target.multiplies_by_lane and lanes > 1 else 0
+    loaded = [k.builder.load(_vector_ptr(k, ptr, k.builder.add(offset, k.i64(q * lanes)), lanes), align=4)
+              for q in range(vectors)]
+
+    def values(i: int, width: int) -> ir.Value:
+        if i < vectors * lanes:
+            return lane_splat(k, loaded[i // lanes], i % lanes, width)
+        return splat(k, k.load(ptr, k.builder.add(offset, k.i64(i))), width)
+    return values
+
+
 def _fmuladd(k: Kernel, a, b, c):
     # fmuladd fuses where the target has FMA and stays mul + add elsewhere
     # (armv7 without VFPv4): llvm.fma could become a libm call there.
