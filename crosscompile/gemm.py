@@ -271,21 +271,21 @@ def _tile_function(k: Kernel, tile: GemmTile, rows: int, widths: tuple, has_bias
     return t.function
 
 
-# Reduction steps per trip of a micro-kernel's loop: its counter, compare
-# and branch are then paid once per two steps.
-REDUCTION_UNROLL = 2
-
-
 def _reduction_loop(t: Kernel, kdim: ir.Value, step) -> None:
-    """step(p) for p in [0, kdim), REDUCTION_UNROLL steps per trip and the
-    remainder one at a time (kdim is an i64 argument, not negative)."""
+    """step(p) for p in [0, kdim) (kdim an i64 argument, not negative),
+    Target.reduction_unroll steps per trip and the remainder one at a time."""
+    unroll = t.target.reduction_unroll
+    if unroll == 1:
+        with t.loop(kdim) as p:
+            step(p)
+        return
     b = t.builder
-    trips = b.lshr(kdim, t.i64(REDUCTION_UNROLL.bit_length() - 1))
+    trips = b.udiv(kdim, t.i64(unroll))
     with t.loop(trips) as q:
-        first = b.mul(q, t.i64(REDUCTION_UNROLL))
-        for u in range(REDUCTION_UNROLL):
+        first = b.mul(q, t.i64(unroll))
+        for u in range(unroll):
             step(b.add(first, t.i64(u)))
-    with t.loop(kdim, start=b.mul(trips, t.i64(REDUCTION_UNROLL))) as p:
+    with t.loop(kdim, start=b.mul(trips, t.i64(unroll))) as p:
         step(p)
 
 

@@ -161,11 +161,18 @@ def default_tile(target, shape: ConvShape, residual: bool = False) -> GemmTile:
     of channels only when deep. A convolution whose output is added to
     another tensor (residual, fused into its epilogue) keeps the tile of
     rows, which reads that tensor a vector at a time.
+
+    Where the target multiplies by a lane (ARM), every convolution keeps
+    the tile of rows: it loads its weights a vector at a time, where the
+    transposed tile loads one input value per pixel, and so costs fewer
+    instructions per FMA than the padding columns add. Counted on an
+    emulated Cortex-A72: SqueezeNet 142.8 -> 130.9 M instructions per
+    inference, ResNet-18 715.2 -> 669.4 M.
     """
     tile = tile_for(target)
     depth = shape.gemm[1]
     threshold = WINDOW_CHANNEL_DEPTH if reads_windows(shape) else POINTWISE_CHANNEL_DEPTH
-    if depth < threshold or residual:
+    if depth < threshold or residual or target.multiplies_by_lane:
         return tile
     square = GemmTile(tile.lanes, tile.lanes, 1, tile.lanes)
     if depth < SQUARE_TILE_DEPTH and tile.lanes >= 8 and fits(target, square.pixels, square.nv):
