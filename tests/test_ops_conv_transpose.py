@@ -1,0 +1,66 @@
+"""ConvTranspose against onnxruntime: 1-D and 2-D, groups, strides,
+dilations, pads, output_padding, output_shape, the auto_pad forms and a
+fused activation."""
+import numpy as np
+import pytest
+from onnx import helper
+
+import crosscompile
+from tests.onnx_models import make_model, rand, run_host
+
+
+def conv_transpose_model(x_shape, w_shape, bias=True, relu=False, **attrs):
+    """ConvTranspose (and a Relu after it), weights scaled by 1/sqrt(fan-in)."""
+    fan_in = w_shape[0] * np.prod(w_shape[2:]) // max(1, attrs.get("group", 1))
+    inits = {"w": (rand(*w_shape, seed=1) / np.sqrt(fan_in)).astype(np.float32)}
+    names = ["x", "w"]
+    if bias:
+        inits["b"] = rand(w_shape[1] * attrs.get("group", 1), seed=2)
+        names.append("b")
+    nodes = [helper.make_node("ConvTranspose", names, ["c" if relu else "y"], name="the_convtranspose", **attrs)]
+    if relu:
+        nodes.append(helper.make_node("Relu", ["c"], ["y"]))
+    return make_model(nodes, {"x": x_shape}, {"y": None}, inits)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs", [
+    ((1, 4, 5, 5), (4, 3, 2, 2), {"strides": [2, 2]}),                           # a U-Net's 2x upsampling
+    ((2, 3, 4, 6), (3, 5, 3, 3), {}),                                            # stride 1
+    ((1, 4, 5, 5), (4, 2, 3, 3), {"strides": [2, 2], "pads": [1, 1, 1, 1], "output_padding": [1, 1]}),
+    ((1, 2, 4, 5), (2, 3, 3, 2), {"strides": [3, 2], "pads": [0, 1, 2, 0]}),     # uneven pads and strides
+    ((1, 2, 5, 4), (2, 2, 3, 3), {"dilations": [2, 1], "strides": [1, 2]}),
+    ((1, 6, 4, 4), (6, 2, 3, 3), {"group": 3, "strides": [2, 2], "pads": [1, 1, 1, 1]}),
+    ((1, 4, 3, 3), (4, 1, 4, 4), {"group": 4, "strides": [2, 2], "pads": [1, 1, 1, 1]}),  # depthwise
+    ((1, 3, 4, 4), (3, 2, 3, 3), {"strides": [2, 2], "output_shape": [8, 7]}),
+    ((1, 3, 4, 4), (3, 2, 3, 3), {"strides": [2, 2], "output_shape": [10, 10]}),  # beyond the input's reach
+    ((1, 3, 4, 5), (3, 2, 3, 3), {"strides": [2, 2], "auto_pad": "SAME_UPPER"}),
+    ((1, 3, 4, 5), (3, 2, 3, 4), {"strides": [2, 3], "auto_pad": "SAME_LOWER"}),
+    ((1, 3, 4, 5), (3, 2, 3, 3), {"strides": [2, 2], "auto_pad": "VALID"}),
+    ((1, 2, 3, 3), (2, 2, 5, 5), {"pads": [2, 2, 2, 2]}),                          # pads as large as the input
+])
+def test_conv_transpose_2d(tmp_path, x_shape, w_shape, attrs):
+    run_host(conv_transpose_model(x_shape, w_shape, **attrs), tmp_path)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs", [
+    ((1, 4, 16), (4, 3, 4), {"strides": [2], "pads": [1, 1]}),        # an audio decoder's upsampling
+    ((2, 2, 7), (2, 4, 3), {"dilations": [3], "output_padding": [2], "strides": [3]}),
+    ((1, 4, 9), (4, 1, 5), {"group": 2, "strides": [4], "auto_pad": "SAME_UPPER"}),
+])
+def test_conv_transpose_1d(tmp_path, x_shape, w_shape, attrs):
+    run_host(conv_transpose_model(x_shape, w_shape, **attrs), tmp_path)
+
+
+def test_conv_transpose_3d_without_bias(tmp_path):
+    run_host(conv_transpose_model((1, 2, 3, 4, 3), (2, 3, 2, 3, 2), bias=False, strides=[2, 1, 2]), tmp_path)
+
+
+def test_conv_transpose_runs_a_fused_relu(tmp_path):
+    lib = run_host(conv_transpose_model((1, 4, 5, 5), (4, 4, 3, 3), relu=True, strides=[2, 2]), tmp_path)
+    assert [step["op"] for step in lib.metadata["steps"]] == ["ConvTranspose"]
+
+
+def test_conv_transpose_weight_that_does_not_fit_is_refused():
+    with pytest.raises(crosscompile.BuildError, match="the_convtranspose.*group=2.*do not fit"):
+        crosscompile.build(conv_transpose_model((1, 3, 4, 4), (3, 2, 3, 3), group=2))
+
