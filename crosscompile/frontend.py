@@ -116,7 +116,7 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
             if op.counts_outputs:
                 attrs["outputs"] = len(np_node.output)
             shapes = op.infer([tensors[t].shape for t in runtime], attrs)
-            dtype = op.output_dtype([tensors[t] for t in runtime], attrs)
+            dtypes = op.output_dtype([tensors[t] for t in runtime], attrs)
         except BuildError as exc:
             raise type(exc)(f"{where}: {exc}") from None
 
@@ -124,7 +124,9 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
         for pos, extra in enumerate(np_node.output[len(shapes):], start=len(shapes)):
             if extra:
                 dropped[extra] = f"output {pos} ({extra!r}) of {where}"
-        for out, shape in zip(outputs, shapes):
+        if isinstance(dtypes, str):
+            dtypes = [dtypes] * len(shapes)
+        for out, shape, dtype in zip(outputs, shapes, dtypes):
             tensors[out] = Tensor(out, tuple(shape), dtype)
         nodes.append(Node(np_node.op_type, name, runtime, outputs, attrs))
 

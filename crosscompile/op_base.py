@@ -98,7 +98,8 @@ class Op:
         raise NotImplementedError
 
     def output_dtype(self, inputs: list[Tensor], attrs: dict) -> str:
-        """The dtype of every output, from the runtime inputs; raising
+        """The dtype of every output, from the runtime inputs, or a list of
+        one dtype per output (TopK's values and int64 indices); raising
         BuildError refuses inputs of dtypes the op does not take. Most ops
         take and give float32 only."""
         for tensor in inputs:

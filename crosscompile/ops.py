@@ -12,45 +12,15 @@ import math
 
 import numpy as np
 
-from . import conv, conv_transpose, elementwise, logic, normalization, pool, reduce, resize  # noqa: F401 (their op classes register themselves)
+from . import conv, conv_transpose, einsum, elementwise, logic, normalization, pool, ranking, reduce, resize, scan  # noqa: F401 (their op classes register themselves)
 from .emit import I64, Kernel
 from .errors import BuildError, ShapeError
 from .elementwise import safe_log
 from .gemm import emit_dot_rows
+from .matmul import strided_matmul
 from .op_base import (REGISTERED, AliasOp, Op, _axis, _broadcast_strides, _c_strides, _check_choice, _const_float,
                       _const_ints, _ints, _prod)
 from .reduce import broadcast_scalar, reduce_row
-
-
-def _matmul(k: Kernel, m: int, kdim: int, n: int, a_strides, b_strides, bases=(0, 0, 0)) -> None:
-    """out[m, n] = sum_k A[m, k] * B[k, n], with A and B read through strides
-    from element offsets bases = (A, B, out) (ints or i64 values).
-
-    The loop order keeps the innermost loop on unit stride: over n when B's
-    rows are contiguous, otherwise over k as a dot product.
-    """
-    a, b, out = k.inputs[0], k.inputs[1], k.outputs[0]
-    a0, b0, o0 = ((base, 1) for base in bases)
-    bld = k.builder
-    if b_strides[1] == 1:
-        with k.loop(m) as i:
-            with k.loop(n) as j:
-                k.store(k.f32(0.0), out, k.index(o0, (i, n), (j, 1)))
-            with k.loop(kdim) as p:
-                aval = k.load(a, k.index(a0, (i, a_strides[0]), (p, a_strides[1])))
-                with k.loop(n) as j:
-                    o = k.index(o0, (i, n), (j, 1))
-                    bval = k.load(b, k.index(b0, (p, b_strides[0]), (j, 1)))
-                    k.store(bld.fadd(k.load(out, o), bld.fmul(aval, bval)), out, o)
-    else:
-        with k.loop(m) as i:
-            with k.loop(n) as j:
-                acc = k.variable(k.f32(0.0))
-                with k.loop(kdim) as p:
-                    aval = k.load(a, k.index(a0, (i, a_strides[0]), (p, a_strides[1])))
-                    bval = k.load(b, k.index(b0, (p, b_strides[0]), (j, b_strides[1])))
-                    bld.store(bld.fadd(bld.load(acc), bld.fmul(aval, bval)), acc)
-                k.store(bld.load(acc), out, k.index(o0, (i, n), (j, 1)))
 
 
 class Gemm(Op):
@@ -84,7 +54,7 @@ class Gemm(Op):
             emit_dot_rows(k, k.target.lanes, m, kdim, n,
                           k.inputs[0], k.inputs[1], k.outputs[0])
         else:
-            _matmul(k, m, kdim, n, a_strides, b_strides)
+            strided_matmul(k, m, kdim, n, a_strides, b_strides)
         alpha, beta = attrs["alpha"], attrs["beta"]
         has_c = len(inputs) == 3 and beta != 0.0
         if alpha == 1.0 and not has_c:
@@ -129,7 +99,7 @@ class MatMul(Op):
         a2, b2, batch, _ = self._geometry(inputs[0].shape, inputs[1].shape)
         m, kdim, n = a2[-2], a2[-1], b2[-1]
         if not batch:
-            _matmul(k, m, kdim, n, (kdim, 1), (n, 1))
+            strided_matmul(k, m, kdim, n, (kdim, 1), (n, 1))
             return
         a_strides = _broadcast_strides(a2[:-2], batch)
         b_strides = _broadcast_strides(b2[:-2], batch)
@@ -138,7 +108,7 @@ class MatMul(Op):
             bases = (k.index(*zip(idx, [s * m * kdim for s in a_strides])),
                      k.index(*zip(idx, [s * kdim * n for s in b_strides])),
                      k.index(*zip(idx, [s * m * n for s in o_strides])))
-            _matmul(k, m, kdim, n, (kdim, 1), (n, 1), bases)
+            strided_matmul(k, m, kdim, n, (kdim, 1), (n, 1), bases)
 
 
 class Expand(Op):
@@ -448,18 +418,65 @@ class Gather(Op):
 
     @staticmethod
     def _lower_runtime(k, inputs, data, out, size, outer, inner):
-        bld = k.builder
         indices = k.typed(k.inputs[1], inputs[1].dtype)
         count = inputs[1].size
         with k.loop(outer) as o, k.loop(count) as j:
-            index = k.load(indices, j)
-            if index.type.width < 64:
-                index = bld.sext(index, I64)
-            index = bld.select(bld.icmp_signed("<", index, k.i64(0)), bld.add(index, k.i64(size)), index)
-            index = k.smin(k.smax(index, k.i64(0)), k.i64(size - 1))
+            index = _runtime_index(k, k.load(indices, j), size)
             with k.loop(inner) as i:
                 value = k.load(data, k.index((o, size * inner), (index, inner), (i, 1)))
                 k.store(k.activate(value), out, k.index((o, count * inner), (j, inner), (i, 1)))
+
+
+def _runtime_index(k: Kernel, index, size: int):
+    """An int64 or int32 index read at run time as an i64 in [0, size):
+    negative ones count from the end, and one out of range is clamped (see
+    Gather)."""
+    bld = k.builder
+    if index.type.width < 64:
+        index = bld.sext(index, I64)
+    index = bld.select(bld.icmp_signed("<", index, k.i64(0)), bld.add(index, k.i64(size)), index)
+    return k.smin(k.smax(index, k.i64(0)), k.i64(size - 1))
+
+
+class GatherElements(Op):
+    """out[i, j, ...] = data[..., indices[i, j, ...], ...] with the index
+    taking the place of the axis coordinate (torch.gather): indices have the
+    data's rank and the output their shape. Indices out of range are clamped
+    as Gather's are."""
+
+    op_type = "GatherElements"
+
+    def attributes(self, raw, constants, opset):
+        return {"axis": int(raw.get("axis", 0))}
+
+    def infer(self, inputs, attrs):
+        if len(inputs) != 2:
+            raise ShapeError(f"GatherElements takes data and indices, got {len(inputs)} inputs")
+        data, indices = inputs
+        axis = _axis(attrs["axis"], len(data))
+        if len(indices) != len(data) or any(i > d for a, (i, d) in enumerate(zip(indices, data)) if a != axis):
+            raise ShapeError(f"GatherElements indices of shape {indices} do not fit data of shape {data} "
+                             f"along axis {axis} (same rank, no larger outside the axis)")
+        return [tuple(indices)]
+
+    def output_dtype(self, inputs, attrs):
+        if inputs[1].dtype not in ("int64", "int32"):
+            raise BuildError(f"GatherElements indices {inputs[1].name!r} have dtype {inputs[1].dtype}; "
+                             "int64 or int32 indices are supported")
+        return inputs[0].dtype
+
+    def lower(self, k, inputs, outputs, attrs):
+        data_shape, out = inputs[0].shape, outputs[0].shape
+        axis = _axis(attrs["axis"], len(data_shape))
+        data, dst = k.typed(k.inputs[0], inputs[0].dtype), k.typed(k.outputs[0], outputs[0].dtype)
+        indices = k.typed(k.inputs[1], inputs[1].dtype)
+        data_strides, out_strides = _c_strides(data_shape), _c_strides(out)
+        with k.nested_loops(out) as idx:
+            at = k.index(*zip(idx, out_strides))
+            index = _runtime_index(k, k.load(indices, at), data_shape[axis])
+            terms = [(i, s) for a, (i, s) in enumerate(zip(idx, data_strides)) if a != axis]
+            value = k.load(data, k.index((index, data_strides[axis]), *terms))
+            k.store(k.activate(value), dst, at)
 
 
 class Transpose(Op):

@@ -7,7 +7,9 @@ exporters write it for opsets that lack it, and put the op in its place:
   instead of nine kernels and their intermediate tensors);
 - GELU before opset 20: Div by sqrt(2) (or Mul by its inverse), Erf, Add 1,
   Mul by x and Mul by 0.5 (in either order), becomes one Gelu, which then
-  fuses into the kernel producing x like any activation.
+  fuses into the kernel producing x like any activation; so does the tanh
+  approximation, x^3, Mul by 0.044715, Add x, Mul by sqrt(2 / pi), Tanh
+  and the same tail, as a Gelu with approximate="tanh".
 
 Pure functions from a Graph to a Graph, as in passes.py.
 """
@@ -149,37 +151,106 @@ def _with_constant(graph: Graph, name: str, value: np.ndarray) -> Graph:
 
 
 def fuse_gelu(graph: Graph) -> Graph:
-    """Replace each x * 0.5 * (1 + erf(x / sqrt(2))) by a Gelu node.
+    """Replace each x * 0.5 * (1 + erf(x / sqrt(2))) by a Gelu node, and
+    each x * 0.5 * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3))) by a
+    Gelu node with approximate="tanh" (torch's gelu(approximate="tanh"),
+    GPT-2's "new GELU"; the cube as Pow(x, 3) or x * (x * x)).
 
     >>> fused = fuse_gelu(graph)  # doctest: +SKIP
     """
     uses = _Uses(graph)
+    producer = {out: node for node in graph.nodes for out in node.outputs}
     matches = []
-    for scale in graph.nodes:
-        if scale.op_type not in ("Div", "Mul") or len(scale.inputs) != 2:
+    for node in graph.nodes:
+        if node.op_type == "Tanh":
+            head, approximate = _tanh_gelu_head(uses, producer, node), "tanh"
+        elif node.op_type in ("Div", "Mul"):
+            head, approximate = _erf_gelu_head(uses, node), "none"
+        else:
             continue
-        x, factor = scale.inputs
-        wanted = math.sqrt(2.0) if scale.op_type == "Div" else math.sqrt(0.5)
-        if not uses.scalar(factor, wanted, rel=1e-5):
+        if head is None:
             continue
-        erf = uses.only(scale.outputs[0], "Erf")
-        plus_one = erf and uses.only(erf.outputs[0], "Add")
-        if plus_one is None or not uses.scalar(uses.other_input(plus_one, erf.outputs[0]), 1.0):
-            continue
-        product = uses.only(plus_one.outputs[0], "Mul")
-        other = product and uses.other_input(product, plus_one.outputs[0])
-        if other is None:
-            continue
-        if other == x:  # (x * (1 + erf)) * 0.5
-            half = uses.only(product.outputs[0], "Mul")
-            if half is None or not uses.scalar(uses.other_input(half, product.outputs[0]), 0.5):
-                continue
-            chain = [scale, erf, plus_one, product, half]
-        else:  # (x * 0.5) * (1 + erf)
-            half = next((n for n in graph.nodes if other in n.outputs), None)
-            if (half is None or half.op_type != "Mul" or uses.other_input(half, x) is None
-                    or not uses.scalar(uses.other_input(half, x), 0.5) or len(uses.readers[other]) != 1):
-                continue
-            chain = [scale, erf, plus_one, half, product]
-        matches.append((chain, Node("Gelu", scale.name, [x], list(chain[-1].outputs), {"approximate": "none"})))
+        x, phi = head
+        tail = _gelu_tail(uses, producer, x, phi[-1].outputs[0])
+        if tail is not None:
+            chain = phi + tail
+            matches.append((chain, Node("Gelu", chain[0].name, [x], list(chain[-1].outputs),
+                                        {"approximate": approximate})))
     return _replace_chains(graph, matches)
+
+
+def _erf_gelu_head(uses: _Uses, scale: Node):
+    """(x, [scale, erf]) when scale is x / sqrt(2) (or x * sqrt(1/2)) read by one Erf."""
+    if len(scale.inputs) != 2:
+        return None
+    x, factor = scale.inputs
+    wanted = math.sqrt(2.0) if scale.op_type == "Div" else math.sqrt(0.5)
+    if not uses.scalar(factor, wanted, rel=1e-5):
+        return None
+    erf = uses.only(scale.outputs[0], "Erf")
+    return None if erf is None else (x, [scale, erf])
+
+
+def _tanh_gelu_head(uses: _Uses, producer: dict, tanh: Node):
+    """(x, [cube nodes..., Mul by 0.044715, Add x, Mul by sqrt(2 / pi), tanh])
+    when tanh's input is sqrt(2 / pi) * (x + 0.044715 * x^3)."""
+    def scaled(name, value):
+        """(the node, its other input) when name is a single-use Mul by value."""
+        node = producer.get(name)
+        if node is None or node.op_type != "Mul" or len(uses.readers.get(name, [])) != 1:
+            return None, None
+        for pos in (0, 1):
+            if uses.scalar(node.inputs[pos], value, rel=1e-4):
+                return node, node.inputs[1 - pos]
+        return None, None
+
+    outer, inner = scaled(tanh.inputs[0], math.sqrt(2.0 / math.pi))
+    add = producer.get(inner) if outer is not None else None
+    if add is None or add.op_type != "Add" or len(uses.readers[inner]) != 1 or len(add.inputs) != 2:
+        return None
+    for pos in (0, 1):
+        x, term = add.inputs[pos], add.inputs[1 - pos]
+        kappa, cubed = scaled(term, 0.044715)
+        cube = _cube_of(uses, producer, x, cubed) if kappa is not None else None
+        if cube is not None:
+            return x, [*cube, kappa, add, outer, tanh]
+    return None
+
+
+def _cube_of(uses: _Uses, producer: dict, x: str, name: str):
+    """The nodes computing name = x^3 (Pow(x, 3), or x * (x * x) in either
+    order) with single-use intermediates, or None."""
+    node = producer.get(name)
+    if node is None or len(uses.readers.get(name, [])) != 1:
+        return None
+    if node.op_type == "Pow" and node.inputs == [x] and node.attrs.get("exponent") == 3.0:
+        return [node]
+    if node.op_type != "Mul" or len(node.inputs) != 2 or x not in node.inputs:
+        return None
+    square = producer.get(uses.other_input(node, x) or "")
+    if (square is not None and square.op_type == "Mul" and square.inputs == [x, x]
+            and len(uses.readers[square.outputs[0]]) == 1):
+        return [square, node]
+    return None
+
+
+def _gelu_tail(uses: _Uses, producer: dict, x: str, phi: str):
+    """The nodes computing x * 0.5 * (1 + phi), as (x * (1 + phi)) * 0.5 or
+    (x * 0.5) * (1 + phi), with single-use intermediates; None otherwise."""
+    plus_one = uses.only(phi, "Add")
+    if plus_one is None or not uses.scalar(uses.other_input(plus_one, phi), 1.0):
+        return None
+    product = uses.only(plus_one.outputs[0], "Mul")
+    other = product and uses.other_input(product, plus_one.outputs[0])
+    if other is None:
+        return None
+    if other == x:  # (x * (1 + phi)) * 0.5
+        half = uses.only(product.outputs[0], "Mul")
+        if half is None or not uses.scalar(uses.other_input(half, product.outputs[0]), 0.5):
+            return None
+        return [plus_one, product, half]
+    half = producer.get(other)  # (x * 0.5) * (1 + phi)
+    if (half is None or half.op_type != "Mul" or uses.other_input(half, x) is None
+            or not uses.scalar(uses.other_input(half, x), 0.5) or len(uses.readers[other]) != 1):
+        return None
+    return [plus_one, half, product]

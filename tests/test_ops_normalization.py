@@ -139,3 +139,47 @@ def test_layer_normalization_mean_and_inverse_std_outputs(tmp_path):
     model = make_model([node], {"x": (3, 4, 5)}, {"y": None, "mean": None, "inv_std": None},
                        {"s": rand(4, 5, seed=2), "b": rand(4, 5, seed=3)}, opset=17)
     run_host(model, tmp_path)
+
+
+def decomposed_tanh_gelu(x, prefix, cube="Mul", half_first=False):
+    """The nodes torch exports for nn.GELU(approximate="tanh") before opset
+    20 (cube="Mul"), or GPT-2's new GELU with torch.pow (cube="Pow")."""
+    p = prefix
+    if cube == "Pow":
+        nodes = [helper.make_node("Pow", [x, "three"], [f"{p}cube"])]
+    else:
+        nodes = [helper.make_node("Mul", [x, x], [f"{p}sq"]), helper.make_node("Mul", [x, f"{p}sq"], [f"{p}cube"])]
+    nodes += [helper.make_node("Mul", ["kappa", f"{p}cube"], [f"{p}kc"]),
+              helper.make_node("Add", [x, f"{p}kc"], [f"{p}inner"]),
+              helper.make_node("Mul", ["beta", f"{p}inner"], [f"{p}t"]),
+              helper.make_node("Tanh", [f"{p}t"], [f"{p}e"]),
+              helper.make_node("Add", ["one", f"{p}e"], [f"{p}a"])]
+    if half_first:
+        return nodes + [helper.make_node("Mul", ["half", x], [f"{p}xh"]),
+                        helper.make_node("Mul", [f"{p}xh", f"{p}a"], [f"{p}out"])]
+    return nodes + [helper.make_node("Mul", [x, f"{p}a"], [f"{p}m"]),
+                    helper.make_node("Mul", ["half", f"{p}m"], [f"{p}out"])]
+
+
+TANH_CONSTANTS = dict(PATTERN_CONSTANTS, three=np.array(3.0, np.float32),
+                      kappa=np.array(0.044715, np.float32), beta=np.array(np.sqrt(2 / np.pi), np.float32))
+
+
+@pytest.mark.parametrize("cube,half_first", [("Mul", False), ("Pow", True), ("Pow", False)])
+def test_decomposed_tanh_gelu_is_one_op_fused_into_the_matmul_bias(tmp_path, cube, half_first):
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["mm"]), helper.make_node("Add", ["mm", "bias"], ["h"])]
+    nodes += decomposed_tanh_gelu("h", "", cube, half_first)
+    model = make_model(nodes, {"x": (5, 12)}, {"out": None},
+                       dict(TANH_CONSTANTS, w=rand(12, 20, seed=2) / 3, bias=rand(20, seed=3)))
+    lib = run_host(model, tmp_path)
+    fused = [step["fused"] for step in lib.metadata["steps"] if step["op"] == "Add"]
+    assert fused and "Tanh" in fused[0] and lib.summary["kernels"] == 2
+    assert not {"Tanh", "Pow", "Mul"} & {step["op"] for step in lib.metadata["steps"]}
+
+
+def test_tanh_gelu_with_another_constant_is_left_as_written(tmp_path):
+    nodes = decomposed_tanh_gelu("x", "")
+    inits = dict(TANH_CONSTANTS, kappa=np.array(0.05, np.float32))
+    lib = run_host(make_model(nodes, {"x": (3, 8)}, {"out": None}, inits), tmp_path)
+    ops = [step["op"] for step in lib.metadata["steps"]]
+    assert "Gelu" not in ops and len(ops) > 1, ops

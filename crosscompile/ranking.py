@@ -1,0 +1,165 @@
+"""Ops that rank the elements along one axis: TopK (a classifier's top
+five, a beam's best candidates) and ArgMax/ArgMin (a greedy decoder's
+token, a segmentation map's class per pixel). Their indices are int64.
+
+Every row along the axis is ranked on its own, with loops over the other
+axes outside; a row of a C-order tensor is strided by the product of the
+dimensions after the axis.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+
+from .emit import I8, Kernel
+from .errors import BuildError, ShapeError
+from .op_base import Op, _axis, _const_ints, _prod
+
+RANKED_DTYPES = ("float32", "int64", "int32")
+
+
+def _ranked_dtype(op_type: str, inputs) -> str:
+    if inputs[0].dtype not in RANKED_DTYPES:
+        raise BuildError(f"{op_type} of {inputs[0].name!r} of dtype {inputs[0].dtype} is not supported; "
+                         f"supported: {', '.join(RANKED_DTYPES)}")
+    return inputs[0].dtype
+
+
+def _beats(k: Kernel, a: ir.Value, b: ir.Value, largest: bool, or_equal: bool = False) -> ir.Value:
+    """a ranks before b: a > b for largest, a < b otherwise (>=, <= with
+    or_equal), for float or integer values."""
+    predicate = (">" if largest else "<") + ("=" if or_equal else "")
+    if isinstance(a.type, ir.IntType):
+        return k.builder.icmp_signed(predicate, a, b)
+    return k.builder.fcmp_ordered(predicate, a, b)
+
+
+def _row_geometry(shape, axis):
+    """(outer, length, inner) of the rows along axis."""
+    return _prod(shape[:axis]), shape[axis], _prod(shape[axis + 1:])
+
+
+class TopK(Op):
+    """The k largest (or smallest) elements along an axis and their int64
+    indices, best first; equal elements keep their order in the input (the
+    lower index first). k is an attribute before opset 10 and a constant
+    input from then on. sorted=0 leaves the order open, and this order
+    serves it too.
+
+    Each row is selected by insertion into the k output places: O(length * k)."""
+
+    op_type = "TopK"
+    compile_time_inputs = (1,)
+
+    def attributes(self, raw, constants, opset):
+        count = raw.get("k") if opset < 10 else _const_ints(constants, 1)
+        if count is None:
+            raise BuildError("TopK needs k: a constant input (an initializer or Constant node)")
+        count = int(count[0]) if isinstance(count, tuple) else int(count)
+        return {"k": count, "axis": int(raw.get("axis", -1)), "largest": int(raw.get("largest", 1))}
+
+    def infer(self, inputs, attrs):
+        if len(inputs) != 1:
+            raise ShapeError(f"TopK takes one runtime input (a constant k), got {len(inputs)}")
+        x = inputs[0]
+        axis = _axis(attrs["axis"], len(x))
+        if not 0 <= attrs["k"] <= x[axis]:
+            raise ShapeError(f"TopK k={attrs['k']} is outside [0, {x[axis]}] for axis {axis} of {x}")
+        out = (*x[:axis], attrs["k"], *x[axis + 1:])
+        return [out, out]
+
+    def output_dtype(self, inputs, attrs):
+        return [_ranked_dtype(self.op_type, inputs), "int64"]
+
+    def lower(self, k, inputs, outputs, attrs):
+        x = inputs[0].shape
+        outer, length, inner = _row_geometry(x, _axis(attrs["axis"], len(x)))
+        count, largest = attrs["k"], bool(attrs["largest"])
+        if count == 0:
+            return
+        bld = k.builder
+        data = k.typed(k.inputs[0], inputs[0].dtype)
+        values, indices = k.typed(k.outputs[0], inputs[0].dtype), k.typed(k.outputs[1], "int64")
+        with k.loop(outer) as o, k.loop(inner) as r:
+            src = k.index((o, length * inner), (r, 1))
+            dst = k.index((o, count * inner), (r, 1))
+
+            def place(q):
+                return k.index((dst, 1), (q, inner))
+            with k.loop(length) as j:
+                value = k.load(data, k.index((src, 1), (j, inner)))
+                full = bld.icmp_signed(">=", j, k.i64(count))
+                last = k.smin(j, k.i64(count - 1))
+                # A full list takes a value only when it beats the last one.
+                enters = bld.or_(bld.not_(full), _beats(k, value, k.load(values, place(last)), largest))
+                with bld.if_then(enters):
+                    # Move the places the value beats one down, from the
+                    # last up: at most `last` steps, the first loss ends them.
+                    done = k.variable(ir.Constant(I8, 0))
+                    with k.loop(last) as step:
+                        q = bld.sub(last, step)
+                        with bld.if_then(bld.icmp_unsigned("==", bld.load(done), ir.Constant(I8, 0))):
+                            above = k.load(values, place(bld.sub(q, k.i64(1))))
+                            with bld.if_else(_beats(k, value, above, largest)) as (moves, stays):
+                                with moves:
+                                    k.store(above, values, place(q))
+                                    k.store(k.load(indices, place(bld.sub(q, k.i64(1)))), indices, place(q))
+                                with stays:
+                                    k.store(value, values, place(q))
+                                    k.store(j, indices, place(q))
+                                    bld.store(ir.Constant(I8, 1), done)
+                    with bld.if_then(bld.icmp_unsigned("==", bld.load(done), ir.Constant(I8, 0))):
+                        k.store(value, values, place(k.i64(0)))
+                        k.store(j, indices, place(k.i64(0)))
+        k.activated = True
+
+
+class _ArgExtreme(Op):
+    """The int64 index of the largest (ArgMax) or smallest (ArgMin) element
+    along an axis: the first one, or the last with select_last_index."""
+
+    largest = True
+
+    def attributes(self, raw, constants, opset):
+        return {"axis": int(raw.get("axis", 0)), "keepdims": int(raw.get("keepdims", 1)),
+                "select_last_index": int(raw.get("select_last_index", 0))}
+
+    def infer(self, inputs, attrs):
+        if len(inputs) != 1:
+            raise ShapeError(f"{self.op_type} takes one input, got {len(inputs)}")
+        x = inputs[0]
+        axis = _axis(attrs["axis"], len(x))
+        if x[axis] == 0:
+            raise ShapeError(f"{self.op_type} over axis {axis} of {x}, which is empty")
+        if attrs["keepdims"]:
+            return [(*x[:axis], 1, *x[axis + 1:])]
+        return [(*x[:axis], *x[axis + 1:])]
+
+    def output_dtype(self, inputs, attrs):
+        _ranked_dtype(self.op_type, inputs)
+        return "int64"
+
+    def lower(self, k, inputs, outputs, attrs):
+        x = inputs[0].shape
+        outer, length, inner = _row_geometry(x, _axis(attrs["axis"], len(x)))
+        bld = k.builder
+        data, out = k.typed(k.inputs[0], inputs[0].dtype), k.typed(k.outputs[0], "int64")
+        with k.loop(outer) as o, k.loop(inner) as r:
+            src = k.index((o, length * inner), (r, 1))
+            best = k.variable(k.load(data, src))
+            where = k.variable(k.i64(0))
+            with k.loop(length, start=1) as j:
+                value = k.load(data, k.index((src, 1), (j, inner)))
+                better = _beats(k, value, bld.load(best), self.largest, bool(attrs["select_last_index"]))
+                bld.store(bld.select(better, value, bld.load(best)), best)
+                bld.store(bld.select(better, j, bld.load(where)), where)
+            k.store(bld.load(where), out, k.index((o, inner), (r, 1)))
+        k.activated = True
+
+
+class ArgMax(_ArgExtreme):
+    op_type = "ArgMax"
+
+
+class ArgMin(_ArgExtreme):
+    op_type = "ArgMin"
+    largest = False
