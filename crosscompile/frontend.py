@@ -96,7 +96,7 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
                                  "time); a runtime input here is not supported")
             raise UnsupportedOpError(name, np_node.op_type, supported_ops())
 
-        compile_time, runtime = {}, []
+        compile_time, runtime, positions = {}, [], []
         for pos, tensor_name in enumerate(np_node.input):
             known = tensor_name in constants and op.folds_constant(pos, np.asarray(constants[tensor_name]))
             if pos in op.compile_time_inputs or known:
@@ -106,6 +106,7 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
                 compile_time[pos] = constants.get(tensor_name) if tensor_name else None
             elif tensor_name:
                 runtime.append(tensor_name)
+                positions.append(pos)
         for tensor_name in runtime:
             if tensor_name in dropped:
                 raise BuildError(f"{where} uses {dropped[tensor_name]}, which is not supported")
@@ -115,12 +116,16 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
             attrs = op.attributes(raw, compile_time, opset)
             if op.counts_outputs:
                 attrs["outputs"] = len(np_node.output)
+            if op.positional_inputs:
+                attrs["input_positions"] = tuple(positions)
             shapes = op.infer([tensors[t].shape for t in runtime], attrs)
             dtypes = op.output_dtype([tensors[t] for t in runtime], attrs)
         except BuildError as exc:
             raise type(exc)(f"{where}: {exc}") from None
 
-        outputs = list(np_node.output[:len(shapes)])
+        # An output left unnamed (LSTM's Y when only Y_h is wanted) is still
+        # computed, into a tensor of its own.
+        outputs = [out or f"{name}/unused_output_{pos}" for pos, out in enumerate(np_node.output[:len(shapes)])]
         for pos, extra in enumerate(np_node.output[len(shapes):], start=len(shapes)):
             if extra:
                 dropped[extra] = f"output {pos} ({extra!r}) of {where}"

@@ -73,6 +73,10 @@ class Op:
     fusable = False
     # The frontend adds attrs["outputs"] = the node's output count.
     counts_outputs = False
+    # The frontend adds attrs["input_positions"] = the node input position of
+    # each runtime input, for ops whose optional inputs may be left out
+    # anywhere in the list (LSTM's sequence_lens before initial_h).
+    positional_inputs = False
     # apply() works on vectors as well as scalars (fused into vector epilogues).
     vectorizable = False
 

@@ -22,6 +22,7 @@ def eliminate_dead_code(graph: Graph) -> Graph:
         if any(out in live for out in node.outputs):
             kept.append(node)
             live.update(node.inputs)
+            live.update(node.outputs)  # outputs nobody reads are still written
     live.update(graph.inputs)
     return replace(
         graph,

@@ -1,0 +1,375 @@
+"""The recurrent layers: LSTM, GRU and the plain RNN, forward, reverse and
+bidirectional, with initial states, per-sequence lengths and either
+layout.
+
+Each direction runs in two parts. The input projection X . W^T of every
+time step is one matrix product before the recurrence (gemm.emit_dot_rows,
+into scratch); then each step multiplies the previous hidden state by R^T
+(the same product, one row per batch element) and updates every hidden
+unit from its gates. A batch element whose sequence has ended keeps its
+state and writes zeros to Y, as onnxruntime does; in reverse its steps run
+from its own last element back to the first.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+from llvmlite import ir
+
+from .emit import I64, Kernel
+from .errors import BuildError, ShapeError
+from .gemm import emit_dot_rows
+from .op_base import Op, _check_choice
+
+# Activation functions a recurrent layer may name, with their default
+# (alpha, beta); None marks a parameter the function does not take.
+ACTIVATIONS = {"Sigmoid": (None, None), "Tanh": (None, None), "Relu": (None, None),
+               "HardSigmoid": (0.2, 0.5), "LeakyRelu": (0.01, None), "Affine": (1.0, 0.0),
+               "ScaledTanh": (1.0, 1.0)}
+
+
+def _activate(k: Kernel, name: str, alpha, beta, x: ir.Value) -> ir.Value:
+    b = k.builder
+    if name == "Sigmoid":
+        return k.sigmoid(x)
+    if name == "Tanh":
+        return k.tanh(x)
+    if name == "Relu":
+        return k.maximum(x, k.f32(0.0))
+    if name == "HardSigmoid":
+        return k.clamp(b.fadd(b.fmul(x, k.f32(alpha)), k.f32(beta)), 0.0, 1.0)
+    if name == "LeakyRelu":
+        return b.select(b.fcmp_ordered("<", x, k.f32(0.0)), b.fmul(x, k.f32(alpha)), x)
+    if name == "Affine":
+        return b.fadd(b.fmul(x, k.f32(alpha)), k.f32(beta))
+    return b.fmul(k.tanh(b.fmul(x, k.f32(beta))), k.f32(alpha))  # ScaledTanh
+
+
+def _activations(raw: dict, defaults: tuple, directions: int) -> tuple:
+    """(name, alpha, beta) per function and direction. activation_alpha and
+    activation_beta are consumed in order by the functions that take them."""
+    names = raw.get("activations")
+    names = [n if isinstance(n, str) else n.decode() for n in names] if names else list(defaults) * directions
+    if len(names) != len(defaults) * directions:
+        raise BuildError(f"activations {names} should name {len(defaults) * directions} functions "
+                         f"({len(defaults)} per direction)")
+    alphas, betas = list(raw.get("activation_alpha", ())), list(raw.get("activation_beta", ()))
+    chosen = []
+    for name in names:
+        if name not in ACTIVATIONS:
+            raise BuildError(f"activation {name!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+        alpha, beta = ACTIVATIONS[name]
+        if alpha is not None and alphas:
+            alpha = float(alphas.pop(0))
+        if beta is not None and betas:
+            beta = float(betas.pop(0))
+        chosen.append((name, alpha, beta))
+    return tuple(chosen)
+
+
+@dataclass
+class _Layer:
+    """What one direction's lowering works with: sizes, pointers (None for
+    inputs and outputs the node leaves out) and scratch areas."""
+
+    steps: int
+    batch: int
+    hidden: int
+    layout: int
+    directions: int
+    direction: int
+    reverse: bool
+    functions: tuple
+    attrs: dict       # the node's attributes
+    weights: dict     # "W", "R", "B", "P": this direction's pointers
+    state: dict       # "h", "c": the running states in scratch
+    lengths: "ir.Value | None"
+    projected: ir.Value  # X . W^T for every step: [rows, gates * hidden]
+    recurrent: ir.Value  # h . R^T: [batch, gates * hidden]
+    y: "ir.Value | None"
+
+    def x_row(self, k: Kernel, t, b):
+        """The row of X (and of the projection) holding step t of batch element b."""
+        return k.index((t, self.batch), (b, 1)) if self.layout == 0 else k.index((b, self.steps), (t, 1))
+
+    def y_at(self, k: Kernel, t, b, j):
+        d, hidden = self.direction, self.hidden
+        if self.layout == 0:  # Y [steps, directions, batch, hidden]
+            return k.index((t, self.directions * self.batch * hidden), (d, self.batch * hidden), (b, hidden), (j, 1))
+        # Y [batch, steps, directions, hidden]
+        return k.index((b, self.steps * self.directions * hidden), (t, self.directions * hidden), (d, hidden), (j, 1))
+
+    def state_at(self, k: Kernel, b, j):
+        """Offset of (this direction, b, j) in Y_h, Y_c and the initial states."""
+        d, hidden = self.direction, self.hidden
+        if self.layout == 0:  # [directions, batch, hidden]
+            return k.index((d, self.batch * hidden), (b, hidden), (j, 1))
+        return k.index((b, self.directions * hidden), (d, hidden), (j, 1))  # [batch, directions, hidden]
+
+    def clipped(self, k: Kernel, x):
+        clip = self.attrs["clip"]
+        return x if clip is None else k.clamp(x, -clip, clip)
+
+    def act(self, k: Kernel, which: int, x):
+        return _activate(k, *self.functions[which], self.clipped(k, x))
+
+
+class _Recurrent(Op):
+    """What LSTM, GRU and RNN share: attributes, shapes, the input
+    projection, the initial states, sequence lengths and the step loop.
+    A subclass names its gates, its default activations, its state inputs
+    and outputs, and updates one hidden unit in cell()."""
+
+    positional_inputs = True
+    gates = 1
+    default_activations: tuple = ()
+    states = ("h",)  # running states; initial_h (and initial_c) follow sequence_lens
+
+    def attributes(self, raw, constants, opset):
+        direction = raw.get("direction", "forward")
+        _check_choice("direction", direction, ("forward", "reverse", "bidirectional"))
+        directions = 2 if direction == "bidirectional" else 1
+        attrs = {"direction": direction, "hidden_size": raw.get("hidden_size"),
+                 "layout": int(raw.get("layout", 0)), "clip": raw.get("clip"),
+                 "functions": _activations(raw, self.default_activations, directions)}
+        attrs["clip"] = None if attrs["clip"] is None else float(attrs["clip"])
+        return attrs
+
+    def _geometry(self, inputs, attrs):
+        """(steps, batch, input size, hidden, directions) from the input shapes."""
+        shapes = dict(zip(attrs["input_positions"], inputs))
+        if 0 not in shapes or 1 not in shapes or 2 not in shapes:
+            raise ShapeError(f"{self.op_type} needs X, W and R")
+        x, w, r = shapes[0], shapes[1], shapes[2]
+        if len(x) != 3:
+            raise ShapeError(f"{self.op_type} input X should be 3-D, got {x}")
+        steps, batch = (x[0], x[1]) if attrs["layout"] == 0 else (x[1], x[0])
+        directions = 2 if attrs["direction"] == "bidirectional" else 1
+        hidden = attrs["hidden_size"] or (r[2] if len(r) == 3 else 0)
+        gh = self.gates * hidden
+        expected = {1: (directions, gh, x[2]), 2: (directions, gh, hidden), 3: (directions, 2 * gh),
+                    4: (batch,), 5 + len(self.states): (directions, 3 * hidden)}
+        state = (directions, batch, hidden) if attrs["layout"] == 0 else (batch, directions, hidden)
+        expected.update({5 + i: state for i in range(len(self.states))})
+        for pos, shape in shapes.items():
+            if pos in expected and tuple(shape) != expected[pos]:
+                raise ShapeError(f"{self.op_type} input {pos} has shape {tuple(shape)}, expected {expected[pos]}")
+        return steps, batch, x[2], hidden, directions
+
+    def infer(self, inputs, attrs):
+        steps, batch, _, hidden, directions = self._geometry(inputs, attrs)
+        if attrs["layout"] == 0:
+            y, state = (steps, directions, batch, hidden), (directions, batch, hidden)
+        else:
+            y, state = (batch, steps, directions, hidden), (batch, directions, hidden)
+        return [y] + [state] * len(self.states)
+
+    def output_dtype(self, inputs, attrs):
+        positions = attrs["input_positions"]
+        for pos, tensor in zip(positions, inputs):
+            wanted = "int32" if pos == 4 else "float32"
+            if tensor.dtype != wanted:
+                raise BuildError(f"{self.op_type} input {pos} ({tensor.name!r}) has dtype {tensor.dtype}, "
+                                 f"expected {wanted}")
+        return "float32"
+
+    def _scratch_floats(self, steps, batch, hidden) -> int:
+        gh = self.gates * hidden
+        return steps * batch * gh + batch * gh + (len(self.states) + self.extra_rows) * batch * hidden
+
+    extra_rows = 0  # more [batch, hidden] scratch rows a subclass's cell needs
+
+    def scratch_bytes(self, inputs, outputs, attrs):
+        steps, batch, _, hidden, _ = self._geometry([t.shape for t in inputs], attrs)
+        return 4 * self._scratch_floats(steps, batch, hidden)
+
+    def lower(self, k, inputs, outputs, attrs):
+        steps, batch, size, hidden, directions = self._geometry([t.shape for t in inputs], attrs)
+        given = dict(zip(attrs["input_positions"], k.inputs))
+        bld = k.builder
+        gh = self.gates * hidden
+        at = 0
+
+        def area(floats):
+            nonlocal at
+            ptr = bld.gep(k.scratch, [k.i64(at)])
+            at += floats
+            return ptr
+        projected, recurrent = area(steps * batch * gh), area(batch * gh)
+        state = {name: area(batch * hidden) for name in self.states}
+        extra = [area(batch * hidden) for _ in range(self.extra_rows)]
+        lengths = given.get(4)
+        y = k.outputs[0]
+        if lengths is not None:
+            # Steps past a sequence's end leave zeros in Y.
+            with k.loop(outputs[0].size) as i:
+                k.store(k.f32(0.0), y, i)
+        per_direction = len(self.default_activations)
+        for d in range(directions):
+            weights = {"W": bld.gep(given[1], [k.i64(d * gh * size)]),
+                       "R": bld.gep(given[2], [k.i64(d * gh * hidden)])}
+            if 3 in given:
+                weights["B"] = bld.gep(given[3], [k.i64(d * 2 * gh)])
+            peephole = 5 + len(self.states)
+            if peephole in given:
+                weights["P"] = bld.gep(given[peephole], [k.i64(d * 3 * hidden)])
+            layer = _Layer(steps, batch, hidden, attrs["layout"], directions, d,
+                           attrs["direction"] == "reverse" or d == 1,
+                           attrs["functions"][d * per_direction:(d + 1) * per_direction], attrs,
+                           weights, state, lengths, projected, recurrent, y)
+            emit_dot_rows(k, k.target.lanes, steps * batch, size, gh, given[0], weights["W"], projected)
+            for i, name in enumerate(self.states):
+                initial = given.get(5 + i)
+                with k.loop(batch) as b, k.loop(hidden) as j:
+                    start = k.load(initial, layer.state_at(k, b, j)) if initial is not None else k.f32(0.0)
+                    k.store(start, state[name], k.index((b, hidden), (j, 1)))
+            with k.loop(steps) as s:
+                self.step(k, layer, s, extra)
+            for i, name in enumerate(self.states):
+                if i + 1 < len(k.outputs):
+                    with k.loop(batch) as b, k.loop(hidden) as j:
+                        value = k.load(state[name], k.index((b, hidden), (j, 1)))
+                        k.store(value, k.outputs[i + 1], layer.state_at(k, b, j))
+        k.activated = True
+
+    def step(self, k: Kernel, layer: _Layer, s, extra) -> None:
+        """One time step: h . R^T for every batch element, then cell() for
+        every hidden unit of the batch elements whose sequence goes on."""
+        h, hidden = layer.state["h"], layer.hidden
+        emit_dot_rows(k, k.target.lanes, layer.batch, hidden, self.gates * hidden, h, layer.weights["R"],
+                      layer.recurrent)
+        self.each_unit(k, layer, s, lambda b, t, j: self.cell(k, layer, b, t, j))
+
+    def each_unit(self, k: Kernel, layer: _Layer, s, body, stores_h: bool = True) -> None:
+        """body(b, t, j) for each batch element b still in its sequence at
+        step s (t its time index) and hidden unit j; with stores_h, body
+        returns the new h, which goes into the state and Y."""
+        bld = k.builder
+        with k.loop(layer.batch) as b:
+            if layer.lengths is None:
+                valid, t = None, bld.sub(k.i64(layer.steps - 1), s) if layer.reverse else s
+            else:
+                length = bld.sext(k.load(k.typed(layer.lengths, "int32"), b), I64)
+                valid = bld.icmp_signed("<", s, length)
+                t = bld.sub(bld.sub(length, k.i64(1)), s) if layer.reverse else s
+            with (bld.if_then(valid) if valid is not None else nullcontext()):
+                with k.loop(layer.hidden) as j:
+                    new_h = body(b, t, j)
+                    if stores_h:
+                        k.store(new_h, layer.state["h"], k.index((b, layer.hidden), (j, 1)))
+                        k.store(new_h, layer.y, layer.y_at(k, t, b, j))
+
+    def gate_input(self, k: Kernel, layer: _Layer, b, t, j, gate: int, recurrent: bool = True):
+        """X_t . W_g^T (+ H . R_g^T) + Wb_g + Rb_g for hidden unit j."""
+        bld = k.builder
+        gh, column = self.gates * layer.hidden, k.index((j, 1), (gate * layer.hidden, 1))
+        value = k.load(layer.projected, k.index((layer.x_row(k, t, b), gh), (column, 1)))
+        if recurrent:
+            value = bld.fadd(value, k.load(layer.recurrent, k.index((b, gh), (column, 1))))
+        bias = layer.weights.get("B")
+        if bias is not None:
+            value = bld.fadd(value, k.load(bias, column))
+            if recurrent:
+                value = bld.fadd(value, k.load(bias, k.index((column, 1), (gh, 1))))
+        return value
+
+    def cell(self, k: Kernel, layer: _Layer, b, t, j) -> ir.Value:
+        raise NotImplementedError
+
+
+class RNN(_Recurrent):
+    """H_t = f(X_t . W^T + H_t-1 . R^T + Wb + Rb)."""
+
+    op_type = "RNN"
+    default_activations = ("Tanh",)
+
+    def cell(self, k, layer, b, t, j):
+        return layer.act(k, 0, self.gate_input(k, layer, b, t, j, 0))
+
+
+class LSTM(_Recurrent):
+    """Gates i, o, f, c in ONNX's order, optional peepholes P (i, o, f) and
+    input_forget (f = 1 - i)."""
+
+    op_type = "LSTM"
+    gates = 4
+    default_activations = ("Sigmoid", "Tanh", "Tanh")
+    states = ("h", "c")
+
+    def attributes(self, raw, constants, opset):
+        return dict(super().attributes(raw, constants, opset), input_forget=int(raw.get("input_forget", 0)))
+
+    def cell(self, k, layer, b, t, j):
+        bld = k.builder
+        c_at = k.index((b, layer.hidden), (j, 1))
+        c_prev = k.load(layer.state["c"], c_at)
+        peephole = layer.weights.get("P")
+
+        def gate(index, peep, c_value):
+            value = self.gate_input(k, layer, b, t, j, index)
+            if peephole is not None:
+                value = bld.fadd(value, bld.fmul(k.load(peephole, k.index((j, 1), (peep * layer.hidden, 1))), c_value))
+            return layer.act(k, 0, value)
+        i = gate(0, 0, c_prev)
+        f = bld.fsub(k.f32(1.0), i) if layer.attrs["input_forget"] else gate(2, 2, c_prev)
+        candidate = layer.act(k, 1, self.gate_input(k, layer, b, t, j, 3))
+        c = bld.fadd(bld.fmul(f, c_prev), bld.fmul(i, candidate))
+        k.store(c, layer.state["c"], c_at)
+        o = gate(1, 1, c)
+        return bld.fmul(o, _activate(k, *layer.functions[2], c))
+
+
+class GRU(_Recurrent):
+    """Gates z, r, h in ONNX's order. With linear_before_reset the reset
+    gate scales H . Rh^T + Rbh; without it, it scales H before the product,
+    which then needs its own product per step."""
+
+    op_type = "GRU"
+    gates = 3
+    default_activations = ("Sigmoid", "Tanh")
+    extra_rows = 2  # r * H, and (r * H) . Rh^T
+
+    def attributes(self, raw, constants, opset):
+        return dict(super().attributes(raw, constants, opset),
+                    linear_before_reset=int(raw.get("linear_before_reset", 0)))
+
+    def step(self, k, layer, s, extra):
+        if layer.attrs["linear_before_reset"]:
+            super().step(k, layer, s, extra)
+            return
+        bld, hidden = k.builder, layer.hidden
+        h = layer.state["h"]
+        reset_h, product = extra
+        emit_dot_rows(k, k.target.lanes, layer.batch, hidden, 3 * hidden, h, layer.weights["R"], layer.recurrent)
+
+        def reset(b, t, j):
+            at = k.index((b, hidden), (j, 1))
+            r = layer.act(k, 0, self.gate_input(k, layer, b, t, j, 1))
+            k.store(bld.fmul(r, k.load(h, at)), reset_h, at)
+        self.each_unit(k, layer, s, reset, stores_h=False)
+        rh = bld.gep(layer.weights["R"], [k.i64(2 * hidden * hidden)])
+        emit_dot_rows(k, k.target.lanes, layer.batch, hidden, hidden, reset_h, rh, product)
+        self.each_unit(k, layer, s, lambda b, t, j: self._update(
+            k, layer, b, t, j, bld.fadd(k.load(product, k.index((b, hidden), (j, 1))), self._rbh(k, layer, j))))
+
+    def cell(self, k, layer, b, t, j):
+        # linear_before_reset: r scales H . Rh^T + Rbh.
+        bld, hidden = k.builder, layer.hidden
+        r = layer.act(k, 0, self.gate_input(k, layer, b, t, j, 1))
+        recurrent = k.load(layer.recurrent, k.index((b, 3 * hidden), (j, 1), (2 * hidden, 1)))
+        return self._update(k, layer, b, t, j, bld.fmul(r, bld.fadd(recurrent, self._rbh(k, layer, j))))
+
+    @staticmethod
+    def _rbh(k, layer, j):
+        """Rbh for hidden unit j (0 without a bias)."""
+        bias = layer.weights.get("B")
+        return k.f32(0.0) if bias is None else k.load(bias, k.index((j, 1), (5 * layer.hidden, 1)))
+
+    def _update(self, k, layer, b, t, j, reset_term):
+        """H = (1 - z) * g(X . Wh^T + Wbh + reset_term) + z * H_prev."""
+        bld = k.builder
+        z = layer.act(k, 0, self.gate_input(k, layer, b, t, j, 0))
+        candidate = layer.act(k, 1, bld.fadd(self.gate_input(k, layer, b, t, j, 2, recurrent=False), reset_term))
+        h_prev = k.load(layer.state["h"], k.index((b, layer.hidden), (j, 1)))
+        return bld.fadd(bld.fmul(bld.fsub(k.f32(1.0), z), candidate), bld.fmul(z, h_prev))
