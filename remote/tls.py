@@ -1,6 +1,7 @@
-"""Plaintext or TLS gRPC channels and listening ports, chosen by certificate files.
+"""Plaintext or TLS, chosen by certificate files: gRPC channels and ports, and
+the SSL contexts of framed connections (board protocol v2).
 
-Tracker, device server and clients all make their channels and ports here, so
+Tracker, device server and clients all make their connections and ports here, so
 that TLS is switched on the same way everywhere: a server gets a certificate
 and its key (``--tls-cert``/``--tls-key`` or ``TETHER_TLS_CERT``/``TETHER_TLS_KEY``),
 a client gets the certificate to trust (``tls_ca=`` / ``--tls-ca`` or
@@ -11,9 +12,8 @@ a client gets the certificate to trust (``tls_ca=`` / ``--tls-ca`` or
 from __future__ import annotations
 
 import os
+import ssl
 from typing import Optional
-
-import grpc
 
 from remote.defaults import TLS_CA_ENV
 from remote.proto import CHANNEL_OPTIONS
@@ -32,11 +32,34 @@ def default_ca(ca: Optional[str] = None) -> str:
     return os.environ.get(TLS_CA_ENV, "") if ca is None else ca
 
 
-def open_channel(address: str, ca: Optional[str] = None, options=None) -> grpc.Channel:
-    """A channel to ``address``; TLS trusting the PEM file ``ca`` when one is given.
+def server_context(cert: str = "", key: str = "") -> Optional[ssl.SSLContext]:
+    """The TLS context of a framed port (board, tracker), or None for plaintext."""
+    if bool(cert) != bool(key):
+        raise ValueError("TLS needs both a certificate and its key (--tls-cert and --tls-key)")
+    if not cert:
+        return None
+    _read(cert, "certificate")
+    _read(key, "private key")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    return context
+
+
+def client_context(ca: str) -> Optional[ssl.SSLContext]:
+    """The TLS context that trusts the PEM file ``ca``, or None for plaintext."""
+    if not ca:
+        return None
+    _read(ca, "CA certificate")
+    return ssl.create_default_context(cafile=ca)
+
+
+def open_channel(address: str, ca: Optional[str] = None, options=None):
+    """A gRPC channel to ``address``; TLS trusting the PEM file ``ca`` when one is given.
 
     ``ca=None`` falls back to ``$TETHER_TLS_CA``; ``ca=""`` forces plaintext.
     """
+    import grpc
+
     ca = default_ca(ca)
     options = list(CHANNEL_OPTIONS if options is None else options)
     if not ca:
@@ -50,6 +73,8 @@ def add_port(server, address: str, cert: str = "", key: str = "") -> int:
 
     Returns the bound port; raises OSError when the address cannot be used.
     """
+    import grpc
+
     if bool(cert) != bool(key):
         raise ValueError("TLS needs both a certificate and its key (--tls-cert and --tls-key)")
     try:

@@ -33,6 +33,8 @@ class Lease:
     device_id: str
     address: str
     key: str
+    #: reached through the tracker (``address`` is then the tracker's)
+    relayed: bool = False
 
 
 class TrackerClient:
@@ -93,13 +95,18 @@ class TrackerClient:
         if not reply.token:
             raise errors.ConnectionFailed(f"the request to tracker {self.address} was "
                                           "cancelled before a device was granted")
+        return self._lease(reply)
+
+    def _lease(self, reply) -> Lease:
+        if reply.relayed:
+            return Lease(reply.token, reply.device_id, self.address, reply.key, relayed=True)
         return Lease(reply.token, reply.device_id, reply.address, reply.key)
 
     def _give_back_granted(self, call) -> None:
         try:
             reply = call.result(timeout=0)
             if reply.token:
-                self.release(Lease(reply.token, reply.device_id, reply.address, reply.key))
+                self.release(self._lease(reply))
         except BaseException:  # noqa: BLE001 - the tracker expires what is left
             pass
 
@@ -136,7 +143,7 @@ class TrackerClient:
 
         return Session(lease.address, lease_token=lease.token, session_timeout=session_timeout,
                        client=client, timeout=call_timeout, on_close=give_back,
-                       tls_ca=self.tls_ca)
+                       tls_ca=self.tls_ca, device_id=lease.device_id, relayed=lease.relayed)
 
     def summary(self) -> dict:
         """Devices, per-key counts and waiting requests, as plain data (JSON-ready).
@@ -151,7 +158,7 @@ class TrackerClient:
         for d in reply.devices:
             devices.append({
                 "device_id": d.device_id, "key": d.key, "address": d.address, "state": d.state,
-                "holder": d.holder, "held_s": d.held_s,
+                "holder": d.holder, "held_s": d.held_s, "relayed": d.relayed,
                 "held_since": now - d.held_s if d.holder else None,
                 "last_seen_s": d.last_seen_s,
                 **device_info_dict(d.info),
