@@ -48,6 +48,7 @@ class SessionProcess:
         self._own_reason: Optional[Tuple[str, str]] = None
         self._tail = b""
         self._reported = threading.Event()
+        self._gone = threading.Event()
         self._output_done = threading.Event()
         self._lock = threading.Lock()
         threading.Thread(target=self._read_control, name=f"session-{session_id[:6]}",
@@ -100,7 +101,7 @@ class SessionProcess:
         with self._lock:
             if self._stop_reason is None:
                 self._stop_reason = (error_class, reason)
-        if self.started.wait(10.0) and not self._reported.is_set():
+        if self.started.wait(10.0) and not self._gone.is_set():
             try:
                 os.kill(self.pid, signal.SIGKILL)
             except OSError:
@@ -110,10 +111,15 @@ class SessionProcess:
         """True once the process has ended and ``on_exit`` has run."""
         return self._reported.wait(timeout)
 
+    def wait_gone(self, timeout: float) -> bool:
+        """True once the process has ended (``on_exit`` may still be running)."""
+        return self._gone.wait(timeout)
+
     def exited(self, code: int) -> None:
         """Called by the zygote's reader with the child's exit code (negative: signal)."""
-        if self._reported.is_set():
+        if self._gone.is_set():
             return
+        self._gone.set()
         self._output_done.wait(2.0)
         error_class, reason = self._describe(code)
         try:

@@ -119,7 +119,7 @@ class DeviceService:
     def _finish(self, session: Session, why: str, error_class: str, stop_process: bool):
         if session.process is not None and stop_process:
             session.process.stop(error_class, why)
-            session.process.wait_exit(10.0)
+            session.process.wait_gone(10.0)
         session.close()
         with self._lock:
             self._slot_free.notify()
