@@ -34,8 +34,8 @@ sys.path.insert(0, ROOT)
 
 from remote import rpc  # noqa: E402
 from remote.cli.localfarm import Child, LocalFarm  # noqa: E402
-from remote.proto import make_stub, pb  # noqa: E402
-from remote.tls import open_channel  # noqa: E402
+from remote.client.grpc_layer import make_stub, open_channel  # noqa: E402
+from remote.proto import pb  # noqa: E402
 
 KEY = "bench"
 

@@ -14,7 +14,8 @@ from remote import errors, tls
 from remote.client import display
 from remote.defaults import FARM_SECRET_ENV, TLS_CA_ENV
 from remote.client.session import Session, device_info_dict
-from remote.proto import make_stub, pb
+from remote.client.grpc_layer import from_rpc_error, make_stub, open_channel
+from remote.proto import pb
 
 
 def default_client_name() -> str:
@@ -52,14 +53,14 @@ class TrackerClient:
         self.farm_secret = (os.environ.get(FARM_SECRET_ENV, "")
                             if farm_secret is None else farm_secret)
         self.tls_ca = tls.default_ca(tls_ca)
-        self._channel = tls.open_channel(self.address, self.tls_ca)
+        self._channel = open_channel(self.address, self.tls_ca)
         self._stub = make_stub(self._channel, "Tracker")
 
     def _call(self, method, request, timeout):
         try:
             return method(request, timeout=timeout)
         except grpc.RpcError as exc:
-            error = errors.from_rpc_error(exc, f"tracker {self.address}")
+            error = from_rpc_error(exc, f"tracker {self.address}")
         if isinstance(error, errors.ConnectionFailed):
             # A TLS/plaintext mismatch shows up only as a dropped connection.
             hint = (f"if the tracker serves TLS, pass tls_ca= (--tls-ca) or set {TLS_CA_ENV}"

@@ -24,8 +24,9 @@ import grpc
 
 from remote import errors, tls
 from remote.defaults import FARM_SECRET_ENV, TRACKER_PORT
-from remote.errors import AuthenticationError, NoSuchKey, RequestTimeout, abort
-from remote.proto import CHANNEL_OPTIONS, add_servicer, pb
+from remote.client.grpc_layer import CHANNEL_OPTIONS, abort, add_servicer
+from remote.errors import AuthenticationError, NoSuchKey, RequestTimeout
+from remote.proto import pb
 from remote.tls import server_context
 from remote.tracker.boards import FrontDoor
 from remote.tracker.scheduler import LeaseRefused, Request, Scheduler
