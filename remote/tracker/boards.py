@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import socket
 import ssl
@@ -29,7 +30,8 @@ from typing import Dict, Optional
 
 from remote import errors
 from remote.proto import pb
-from remote.proto.frames import PREFIX, PROTOCOL_VERSION, error_frame, frame_bytes, version_error
+from remote.proto.frames import (PREFIX, PROTOCOL_VERSION, error_frame, frame_bytes, splice,
+                                 version_error)
 
 log = logging.getLogger("tether.tracker")
 
@@ -39,6 +41,7 @@ FIRST_FRAME_S = 10.0
 RELAY_CONNECT_S = 10.0
 REACH_TIMEOUT_S = 2.0
 WRITE_HIGH_WATER = 4 << 20
+_PONG = frame_bytes(pb.DataFrame(op="ok"))
 
 
 class Conn(asyncio.Protocol):
@@ -163,6 +166,16 @@ class Conn(asyncio.Protocol):
         other.transport.resume_reading()
 
 
+def _detach(conn: Conn) -> socket.socket:
+    """The connection's socket, taken from the loop as a blocking socket."""
+    sock = conn.transport.get_extra_info("socket")
+    own = socket.socket(sock.family, sock.type, sock.proto, fileno=os.dup(sock.fileno()))
+    own.setblocking(True)
+    conn.role = "detached"
+    conn.transport.abort()  # closes the loop's descriptor; the connection lives on in ``own``
+    return own
+
+
 class _GrpcSide(asyncio.Protocol):
     """The tracker's own gRPC server, as the far end of a spliced connection."""
 
@@ -280,7 +293,8 @@ class FrontDoor:
         service = self.service
         if frame.op == "ping":
             service.board_seen(conn.device_id)
-            conn.send(pb.DataFrame(op="ok", id=frame.id))
+            conn.transport.write(_PONG if not frame.id else frame_bytes(
+                pb.DataFrame(op="ok", id=frame.id)))
             return
         service.board_seen(conn.device_id)
         if frame.op == "redeem":
@@ -337,7 +351,22 @@ class FrontDoor:
         client = self._pending.pop(frame.name, None)
         if client is None:
             raise errors.AuthenticationError("unknown or expired relay id")
-        client.splice_to(conn, first=client.relay_first)
+        if self.tls is not None:
+            client.splice_to(conn, first=client.relay_first)
+            return
+        # Plain TCP: the session's bytes go between two blocking sockets in two
+        # threads, off the loop that serves every board's pings; a relayed
+        # call then costs two thread wake-ups more than a direct one.
+        board_sock, client_sock = _detach(conn), _detach(client)
+        try:
+            board_sock.sendall(client.relay_first + bytes(client.buffer))
+            if conn.buffer:
+                client_sock.sendall(bytes(conn.buffer))
+        except OSError:
+            board_sock.close()
+            client_sock.close()
+            return
+        splice(client_sock, board_sock, "relay")
 
     def forget_pending(self, conn: Conn) -> None:
         relay_id = getattr(conn, "relay_id", None)

@@ -32,8 +32,23 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     return parser
 
 
+def _allow_many_links() -> None:
+    """Every board keeps a connection open: raise the open-file limit to what
+    the system allows (distributions start processes at 1,024)."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        wanted = hard if hard != resource.RLIM_INFINITY else 1 << 20
+        if soft != resource.RLIM_INFINITY and soft < wanted:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    except (ImportError, ValueError, OSError):
+        pass
+
+
 def run(args) -> int:
     start_logging()
+    _allow_many_links()
     tracker = serve(args.host, args.port, farm_secret=args.farm_secret,
                     eviction_window_s=args.eviction_window,
                     unused_lease_s=args.unused_lease_timeout,
