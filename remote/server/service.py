@@ -228,9 +228,10 @@ class DeviceService:
         return True
 
     def _log_open(self, session: Session):
-        session.process.started.wait(60.0)
-        log.info("session %s opened by %s (worker pid %d)", session.session_id[:8],
-                 session.client, session.process.pid)
+        log.info("session %s opened by %s", session.session_id[:8], session.client)
+        if session.process.started.wait(60.0):
+            log.info("session %s runs in process %d", session.session_id[:8],
+                     session.process.pid)
 
     def _status(self, session_id: str):
         session = self._sessions.get(session_id)
