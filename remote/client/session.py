@@ -6,6 +6,7 @@ import os
 import socket
 import ssl
 import threading
+import time
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import numpy as np
@@ -369,14 +370,26 @@ class Session:
             return
         confirmed = False
         try:
-            with self._data_lock:
-                fs = self._data
-                if not isinstance(fs, _ClosedData):
-                    fs.set_timeout(self._close_timeout())
-                    fs.send(pb.DataFrame(op="close"))
-                    confirmed = fs.recv_header().op == "ok"
-        except OSError:
+            if self._data_lock.acquire(blocking=False):
+                try:
+                    fs = self._data
+                    if not isinstance(fs, _ClosedData):
+                        fs.set_timeout(self._close_timeout())
+                        fs.send(pb.DataFrame(op="close"))
+                        confirmed = fs.recv_header().op == "ok"
+                finally:
+                    self._data_lock.release()
+            else:
+                # Another thread is in the middle of a call (Ctrl-C during a
+                # benchmark): that call ends with the connection.
+                sock = getattr(self._data, "sock", None)
+                if sock is not None:
+                    sock.shutdown(socket.SHUT_RDWR)
+        except (OSError, errors.TetherError):
             pass  # the device is gone or already ended the session
+        try:
+            if not confirmed:
+                confirmed = self._end_out_of_band(self._close_timeout())
         finally:
             self._closed = True
             self._data.close()
@@ -385,6 +398,19 @@ class Session:
             # the next client while this session is still being torn down.
             if not confirmed and self._on_close is not None:
                 self._on_close()
+
+    def _end_out_of_band(self, timeout: Optional[float]) -> bool:
+        """End the session from a new connection (the session id is its key):
+        for a session whose own connection is busy, broken or stuck. True once
+        the board has ended it and given the board back."""
+        try:
+            fs, _ = board_call(self.address, pb.DataFrame(
+                op="close", name=self.session_id, device_id=self._device_id),
+                self._tls_ca, timeout, "device server")
+            fs.close()
+            return True
+        except errors.TetherError:
+            return False
 
     def _close_timeout(self) -> Optional[float]:
         """How long the board may take to end the session: as long as any call may,

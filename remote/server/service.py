@@ -155,11 +155,16 @@ class DeviceService:
                 handed_over = self._open(fs, first, peer)
             elif first.op == "status":
                 fs.send(self._status(first.name))
+            elif first.op == "close":
+                # From a new connection, when the session's own is busy or stuck;
+                # the unguessable session id is what entitles the caller.
+                self._end(first.name, "closed by the client")
+                fs.send(pb.DataFrame(op="ok"))
             elif first.op == "info":
                 fs.send(pb.DataFrame(op="ok", info=self.info))
             else:
                 fs.send(error_frame("InvalidArgument", f"a connection must begin with open, "
-                                    f"status or info, not {first.op!r}"))
+                                    f"status, close or info, not {first.op!r}"))
         except TetherError as exc:
             _send_quietly(fs, error_frame(type(exc).__name__, str(exc)))
         except ConnectionError as exc:

@@ -73,11 +73,18 @@ def peak_rss_bytes() -> int:
 
 
 class Watchdog:
-    """Ends the process when a module call outlives its timeout.
+    """Ends the process when a module call outlives its timeout, or when the
+    client closes the connection while the call runs.
 
     ctypes releases the GIL while the module runs, so this thread gets to run
-    even when the module spins forever.
+    even when the module spins forever. A session's calls are answered in
+    order on one connection, so nothing else reads it during a call: a client
+    that gives up (Ctrl-C, its process killed) is seen only here, and its
+    board is freed at once instead of when the module returns.
     """
+
+    # How often a running call's connection is looked at.
+    PEER_CHECK_S = 0.25
 
     def __init__(self):
         self._cond = threading.Condition()
@@ -88,10 +95,8 @@ class Watchdog:
         threading.Thread(target=self._loop, name="watchdog", daemon=True).start()
 
     def arm(self, timeout_s: float, what: str, fs: FrameSocket) -> None:
-        if timeout_s <= 0:
-            return
         with self._cond:
-            self._deadline = time.monotonic() + timeout_s
+            self._deadline = time.monotonic() + timeout_s if timeout_s > 0 else float("inf")
             self._what, self._timeout, self._fs = what, timeout_s, fs
             self._cond.notify()
 
@@ -101,24 +106,48 @@ class Watchdog:
                 self._deadline = None
 
     def _loop(self):
-        with self._cond:
-            while True:
-                if self._deadline is None:
+        while True:
+            with self._cond:
+                while self._deadline is None:
                     self._cond.wait()
-                    continue
-                left = self._deadline - time.monotonic()
-                if left > 0:
-                    self._cond.wait(left)
-                    continue
-                message = (f"{self._what} did not finish within {self._timeout:g} s; the device "
-                           "stopped the module and ended the session")
-                report_end("RunTimeout", message)
-                try:
-                    self._fs.sock.settimeout(1.0)
-                    self._fs.send(error_frame("RunTimeout", message))
-                except OSError:
-                    pass
-                os._exit(EXIT_RUN_TIMEOUT)
+                deadline, what, fs = self._deadline, self._what, self._fs
+            left = deadline - time.monotonic()
+            if left > 0:
+                if _peer_closed(fs.sock, min(left, self.PEER_CHECK_S)):
+                    with self._cond:
+                        if self._deadline is deadline:
+                            report_end("SessionEnded", f"the client closed its connection "
+                                                       f"during the {what}")
+                            os._exit(0)
+                continue
+            with self._cond:
+                if self._deadline is not deadline:
+                    continue  # the call finished meanwhile
+            message = (f"{what} did not finish within {self._timeout:g} s; the device "
+                       "stopped the module and ended the session")
+            report_end("RunTimeout", message)
+            try:
+                fs.sock.settimeout(1.0)
+                fs.send(error_frame("RunTimeout", message))
+            except OSError:
+                pass
+            os._exit(EXIT_RUN_TIMEOUT)
+
+
+def _peer_closed(sock: socket.socket, wait_s: float) -> bool:
+    """Whether the other end has closed ``sock``, waiting up to ``wait_s`` to see."""
+    try:
+        readable, _, _ = select.select([sock], [], [], wait_s)
+        if not readable:
+            return False
+        if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+            time.sleep(wait_s)  # the client sent more; it is read after this call
+            return False
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 def link_objects(tar_path: str, name: str, workspace: Workspace, cc: str) -> str:

@@ -142,13 +142,14 @@ class Conn(asyncio.Protocol):
                 self.role = "waiting"
                 self.transport.pause_reading()
                 self.door.loop.create_task(self.door.register(self, frame))
-            elif frame.op in ("open", "status"):
+            elif frame.op in ("open", "status", "close"):
                 self.door.relay_client(self, frame, raw)
             elif frame.op == "relay":
                 self.door.relay_board(self, frame)
             else:
                 raise errors.InvalidArgument(f"a connection to the tracker's port begins with "
-                                             f"register, open, status or relay, not {frame.op!r}")
+                                             f"register, open, status, close or relay, "
+                                             f"not {frame.op!r}")
             return
         self.door.link_frame(self, frame)
 
