@@ -24,6 +24,13 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# What the tracker takes: its requests are a few hundred bytes, so anything
+# larger is refused before it is parsed or held (whatever secret it carries).
+MAX_REQUEST_BYTES = 64 * 1024
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+]
 
 
 def _methods(service_name):

@@ -388,16 +388,34 @@ def tensor_header(name: str, array):
     return pb.Tensor(name=name, dtype=array.dtype.name, shape=list(array.shape))
 
 
+# Tensors carry plain numbers only: booleans, integers, floats, complex. Object,
+# string and structured dtypes would turn bytes from the wire into pointers.
+TENSOR_KINDS = "biufc"
+
+
+def tensor_dtype(name: str, text: str):
+    """The little-endian numpy dtype a Tensor message names, or ValueError."""
+    import numpy as np
+
+    try:
+        dtype = np.dtype(text)
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.kind not in TENSOR_KINDS or dtype.fields or dtype.subdtype:
+        raise ValueError(f"tensor {name!r} has dtype {text!r}; tensors hold numbers only "
+                         "(bool, int8-64, uint8-64, float16/32/64, complex)")
+    return dtype.newbyteorder("<")
+
+
 def recv_tensors(fs: FrameSocket, descs) -> list:
     """Read the body of a frame as one new numpy array per Tensor description."""
     import numpy as np
 
     arrays = []
     for desc in descs:
-        try:
-            dtype = np.dtype(desc.dtype).newbyteorder("<")
-        except TypeError:
-            raise ValueError(f"tensor {desc.name!r} has unknown dtype {desc.dtype!r}") from None
+        dtype = tensor_dtype(desc.name, desc.dtype)
+        if any(d < 0 for d in desc.shape):
+            raise ValueError(f"tensor {desc.name!r} has a negative dimension {list(desc.shape)}")
         array = np.empty(tuple(desc.shape), dtype=dtype)
         if array.nbytes > fs.body_left:
             raise ValueError(f"tensor {desc.name!r} of shape {tuple(desc.shape)} {dtype.name} "

@@ -82,6 +82,7 @@ class TrackerLink:
         self.farm_secret = farm_secret
         self.tls_ca = tls_ca
         self.device_id = ""
+        self._credential = ""      # the tracker's proof that this board owns device_id
         self.registered = threading.Event()
         self.last_error = ""
         self.redeemed = 0          # leases this device accepted
@@ -141,13 +142,14 @@ class TrackerLink:
         fs.sock.settimeout(CALL_TIMEOUT_S)
         fs.send(pb.DataFrame(op="register", version=PROTOCOL_VERSION, key=self.key,
                              address=self.address, info=self.info, device_id=self.device_id,
-                             farm_secret=self.farm_secret, live_tokens=live,
-                             relay=not self.address))
+                             token=self._credential, farm_secret=self.farm_secret,
+                             live_tokens=live, relay=not self.address))
         reply = fs.recv_header()
         if reply.op == "error":
             raise _error(reply)
         again = bool(self.device_id)
         self.device_id = reply.name
+        self._credential = reply.token
         self.last_error = ""
         how = " through its relay" if not self.address else f", address {self.address}"
         log.info("registered%s with tracker %s as %s (key %s%s)", " again" if again else "",

@@ -39,7 +39,7 @@ from remote import errors
 from remote.proto import pb
 from remote.proto.frames import (CHUNK_BYTES, Checksum, FrameSocket, PeerClosed, error_frame,
                                  frame_bytes, little_endian, recv_array_chunks, recv_tensors,
-                                 send_array_chunks, tensor_header)
+                                 send_array_chunks, tensor_dtype, tensor_header)
 from remote.server.workspace import Workspace
 
 EXIT_RUN_TIMEOUT = 3
@@ -150,8 +150,18 @@ def _peer_closed(sock: socket.socket, wait_s: float) -> bool:
         return True
 
 
-def link_objects(tar_path: str, name: str, workspace: Workspace, cc: str) -> str:
-    """Link the object files in a module .tar with the board's C compiler; returns the .so."""
+# gzip, bzip2, xz, zstd: an archive that unpacks to far more than was uploaded.
+COMPRESSED_MAGIC = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd")
+EXTRACT_DEADLINE_S = 120.0
+
+
+def link_objects(tar_path: str, name: str, workspace: Workspace, cc: str,
+                 max_bytes: int) -> str:
+    """Link the object files in a module .tar with the board's C compiler; returns the .so.
+
+    The archive is unpacked inside the session's workspace, uncompressed
+    archives only, at most ``max_bytes`` in all and within EXTRACT_DEADLINE_S.
+    """
     stem = name[:-4]
     compiler = shutil.which(cc)
     if compiler is None:
@@ -159,12 +169,20 @@ def link_objects(tar_path: str, name: str, workspace: Workspace, cc: str) -> str
             f"{name} holds object files that must be linked on the board, but the C compiler "
             f"{cc!r} is not on this board's PATH; install one (e.g. apt install gcc) or "
             "upload a linked module (.so from export_library)")
-    folder = tempfile.mkdtemp(prefix="tether-link-")
+    with open(tar_path, "rb") as f:
+        magic = f.read(6)
+    if any(magic.startswith(m) for m in COMPRESSED_MAGIC):
+        raise errors.ModuleLoadError(
+            f"{name} is a compressed archive; the board takes uncompressed .tar files only "
+            "(export_library writes one)")
+    folder = tempfile.mkdtemp(prefix=".link-", dir=workspace.root)
+    deadline = time.monotonic() + EXTRACT_DEADLINE_S
     try:
         objects = []
+        unpacked = 0
         try:
-            with tarfile.open(tar_path) as tar:
-                for member in tar.getmembers():
+            with tarfile.open(tar_path, "r:") as tar:
+                for member in tar:
                     base = os.path.basename(member.name)
                     if member.isdir():
                         continue
@@ -174,6 +192,14 @@ def link_objects(tar_path: str, name: str, workspace: Workspace, cc: str) -> str
                             "archive holds only .o files and metadata.json")
                     if not base.endswith(".o"):
                         continue
+                    unpacked += member.size
+                    if unpacked > max_bytes:
+                        raise errors.ModuleLoadError(
+                            f"{name} unpacks to more than {max_bytes} bytes, this device's "
+                            "limit for a session's files (server option --max-upload-bytes)")
+                    if time.monotonic() > deadline:
+                        raise errors.ModuleLoadError(
+                            f"{name} took more than {EXTRACT_DEADLINE_S:g} s to unpack")
                     target = os.path.join(folder, base)
                     if os.path.exists(target):
                         raise errors.ModuleLoadError(f"{name}: two members are named {base!r}")
@@ -283,8 +309,19 @@ class Worker:
         except ValueError as exc:
             fs.send(error_frame("InvalidArgument", str(exc)))
         except Exception as exc:  # noqa: BLE001 - the client gets the traceback
-            fs.send(error_frame("RemoteError", f"{header.op} failed on the device: {exc!r}\n"
-                                               f"{traceback.format_exc()}"))
+            # The client knows its files by their names in the workspace.
+            text = (f"{header.op} failed on the device: {exc!r}\n{traceback.format_exc()}"
+                    ).replace(self.workspace.root + os.sep, "")
+            fs.send(error_frame("RemoteError", text))
+
+    def _drop(self, fs: FrameSocket, error_class: str, message: str) -> None:
+        """Answer with an error and end the session: the connection is out of step."""
+        try:
+            fs.send(error_frame(error_class, message))
+        except OSError:
+            pass
+        report_end(error_class, message)
+        os._exit(0)
 
     def _check_size(self, what: str, size: int) -> None:
         if size > self.max_bytes:
@@ -297,11 +334,18 @@ class Worker:
         name = header.name
         partial = None
         end = None
+        if fs.body_left != header.size or fs.body_left > self.max_bytes:
+            # Reading past what was announced (or allowed) to stay in step is
+            # what a hostile client wants: refuse, and end the connection.
+            self._drop(fs, "InvalidArgument",
+                       f"upload of {name!r} announces {header.size} bytes and carries "
+                       f"{fs.body_left}; this device accepts at most {self.max_bytes} "
+                       "(server option --max-upload-bytes)")
         try:
-            self._check_size(f"upload of {name!r}", header.size)
             target = self.workspace.path(name)
             os.makedirs(os.path.dirname(target), exist_ok=True)
-            partial = target + ".part"
+            # A name of its own: a file the session calls "x.part" is not touched.
+            partial = f"{target}.{os.getpid()}-{int(time.monotonic() * 1e6)}.part"
             checksum = Checksum()
             buffer = memoryview(bytearray(CHUNK_BYTES))
             with open(partial, "wb") as f:
@@ -382,10 +426,9 @@ class Worker:
             raise errors.InvalidArgument("put_tensor carries exactly one tensor")
         desc = header.tensors[0]
         try:
-            array = np.empty(tuple(desc.shape), dtype=np.dtype(desc.dtype).newbyteorder("<"))
-        except TypeError:
-            raise errors.InvalidArgument(f"tensor {header.name!r} has unknown dtype "
-                                         f"{desc.dtype!r}") from None
+            array = np.empty(tuple(desc.shape), dtype=tensor_dtype(header.name, desc.dtype))
+        except ValueError as exc:
+            raise errors.InvalidArgument(str(exc)) from None
         if array.nbytes != fs.body_left:
             raise errors.InvalidArgument(f"tensor {header.name!r} of shape {tuple(desc.shape)} "
                                          f"{desc.dtype} needs {array.nbytes} bytes, "
@@ -416,7 +459,7 @@ class Worker:
         path = self.workspace.existing(name)
         start = time.perf_counter()
         if name.endswith(".tar"):
-            path = link_objects(path, name, self.workspace, self.cc)
+            path = link_objects(path, name, self.workspace, self.cc, self.max_bytes)
         try:
             module = minirt.load(path)
         except minirt.ModuleLoadError as exc:
@@ -563,9 +606,12 @@ def zygote(control: socket.socket, args) -> int:
     signal.set_wakeup_fd(wake_w.fileno())
     signal.signal(signal.SIGCHLD, lambda *_: None)
     children = {}
+    server = os.getppid()
     control.send(b"ready")
     while True:
-        ready, _, _ = select.select([control, wake_r], [], [])
+        ready, _, _ = select.select([control, wake_r], [], [], 1.0)
+        if os.getppid() != server:
+            return 0  # the server is gone (its end of the control socket may linger in flight)
         if wake_r in ready:
             try:
                 while wake_r.recv(512):

@@ -261,7 +261,8 @@ class FrontDoor:
         if conn.transport.is_closing():
             return
         try:
-            device_id, interval = self.service.board_register(frame, relayed=not reachable)
+            device_id, credential, interval = self.service.board_register(
+                frame, relayed=not reachable)
         except errors.TetherError as exc:
             conn.refuse(type(exc).__name__, str(exc))
             return
@@ -272,7 +273,7 @@ class FrontDoor:
         conn.role = "link"
         conn.device_id = device_id
         self.links[device_id] = conn
-        conn.send(pb.DataFrame(op="ok", name=device_id, seconds=interval))
+        conn.send(pb.DataFrame(op="ok", name=device_id, token=credential, seconds=interval))
         conn.transport.resume_reading()
         if conn.buffer:
             conn.data_received(b"")

@@ -72,6 +72,7 @@ class Scheduler:
         # Free devices per key, longest free first (dicts keep insertion order):
         # a grant looks at the few devices at the front, not the whole farm.
         self._free: Dict[str, Dict[str, Device]] = {}
+        self._per_key: Dict[str, int] = {}  # devices registered under each key
         self._waiting: Dict[str, Tuple[int, Request]] = {}  # request_id -> (seq, request)
         self._seq = itertools.count()
 
@@ -97,10 +98,22 @@ class Scheduler:
             self.leases[lease.token] = device.lease = lease
         if old is not None:
             self._taken(old)
+            self._count(old.key, -1)
         self.devices[device_id] = device
+        self._count(key, +1)
         if device.lease is None:
             self._freed(device)
         return device
+
+    def _count(self, key: str, change: int) -> None:
+        count = self._per_key.get(key, 0) + change
+        if count:
+            self._per_key[key] = count
+        else:
+            self._per_key.pop(key, None)
+
+    def serves(self, key: str) -> bool:
+        return key in self._per_key
 
     def _freed(self, device: Device) -> None:
         self._free.setdefault(device.key, {})[device.device_id] = device
@@ -123,6 +136,7 @@ class Scheduler:
         device = self.devices.pop(device_id, None)
         if device is not None:
             self._taken(device)
+            self._count(device.key, -1)
             if device.lease is not None:
                 self.leases.pop(device.lease.token, None)
         return device
@@ -135,7 +149,7 @@ class Scheduler:
         return silent
 
     def served_keys(self) -> List[str]:
-        return sorted({d.key for d in self.devices.values()})
+        return sorted(self._per_key)
 
     # ----------------------------------------------------------- requests --
     def enqueue(self, request: Request) -> None:

@@ -24,8 +24,8 @@ import grpc
 
 from remote import errors, tls
 from remote.defaults import FARM_SECRET_ENV, TRACKER_PORT
-from remote.client.grpc_layer import CHANNEL_OPTIONS, abort, add_servicer
-from remote.errors import AuthenticationError, NoSuchKey, RequestTimeout
+from remote.client.grpc_layer import SERVER_OPTIONS, abort, add_servicer
+from remote.errors import AuthenticationError, DeviceBusy, NoSuchKey, RequestTimeout
 from remote.proto import pb
 from remote.tls import server_context
 from remote.tracker.boards import FrontDoor
@@ -36,6 +36,9 @@ log = logging.getLogger("tether.tracker")
 # A board pings every second; one silent for the window is dropped.
 EVICTION_WINDOW_S = 2.5
 UNUSED_LEASE_S = 30.0
+# Requests waiting for a device, at most, in all and per client name.
+MAX_WAITING = 512
+MAX_WAITING_PER_CLIENT = 64
 # Each waiting RequestDevice call holds one worker thread, so the pool is large;
 # threads are only started as calls arrive.
 MAX_WORKERS = 1024
@@ -64,9 +67,11 @@ class TrackerService:
                                     unused_lease_s=unused_lease_s)
         self._infos: Dict[str, object] = {}       # device_id -> pb.DeviceInfo
         self._waiters: Dict[str, _Waiter] = {}    # request_id -> waiter
+        self._waiting_by: Dict[str, int] = {}     # client -> requests waiting
         self._ids = itertools.count(1)
         self._farm_secret = farm_secret
         self._relayed: Set[str] = set()           # devices reached through the relay
+        self._credentials: Dict[str, str] = {}    # device_id -> the board's credential
         self.door: Optional[FrontDoor] = None
         self.eviction_window_s = eviction_window_s
         self._stop = threading.Event()
@@ -123,12 +128,33 @@ class TrackerService:
 
     # ------------------------------------------------------- board links --
     def board_register(self, frame, relayed: bool):
-        """A board's link registered it (again); returns (device id, ping interval)."""
+        """A board's link registered it (again); returns (device id, its credential,
+        ping interval).
+
+        A new board gets an id and a credential of its own; registering again
+        under that id (after a broken link, a tracker restart) needs the
+        credential, so knowing a board's id (Summary shows it) is not enough to
+        take its place. A tracker that restarted learns each credential from
+        the first board to come back with it.
+        """
         self.check_secret(frame.farm_secret)
         if not frame.key:
             raise errors.InvalidArgument("registration needs a key")
         with self._lock:
-            device_id = frame.device_id or f"{frame.key}-{next(self._ids)}-{secrets.token_hex(3)}"
+            device_id = frame.device_id
+            if device_id:
+                known = self._credentials.get(device_id)
+                if known is not None and not hmac.compare_digest(known.encode(),
+                                                                 frame.token.encode()):
+                    raise AuthenticationError(
+                        f"device id {device_id} belongs to another board: a board registers "
+                        "again only with the credential the tracker gave it; register "
+                        "without a device id to join as a new board")
+                credential = frame.token or secrets.token_urlsafe(24)
+            else:
+                device_id = f"{frame.key}-{next(self._ids)}-{secrets.token_hex(3)}"
+                credential = secrets.token_urlsafe(24)
+            self._credentials[device_id] = credential
             self._scheduler.register(device_id, frame.key, frame.address,
                                      dict(frame.info.attributes), self._clock(),
                                      live_tokens=list(frame.live_tokens))
@@ -140,7 +166,7 @@ class TrackerService:
             self._dispatch_locked()
         log.info("registered %s (%s %s)", device_id, frame.key,
                  "through the relay" if relayed else f"at {frame.address}")
-        return device_id, heartbeat_interval(self.eviction_window_s)
+        return device_id, credential, heartbeat_interval(self.eviction_window_s)
 
     def board_seen(self, device_id: str) -> None:
         # One attribute store, atomic in Python: no lock for the most frequent call.
@@ -197,15 +223,28 @@ class TrackerService:
         self._check_secret(context, request.farm_secret)
         request_id = f"r{next(self._ids)}"
         waiter = _Waiter()
+        client = request.client or context.peer()
         with self._lock:
-            served = self._scheduler.served_keys()
-            if request.key not in served and not request.wait_for_key:
+            if not self._scheduler.serves(request.key) and not request.wait_for_key:
+                served = self._scheduler.served_keys()
                 abort(context, NoSuchKey(
                     f"no device registered under key {request.key!r}; registered keys: "
                     f"{', '.join(served) if served else '(none)'}"))
+            # Each waiting request holds one of the server's threads: bounded,
+            # so that requests parked by one client cannot starve the others.
+            if len(self._waiters) >= MAX_WAITING:
+                abort(context, DeviceBusy(
+                    f"{len(self._waiters)} requests are already waiting at this tracker, its "
+                    f"limit; try again later"))
+            mine = self._waiting_by.get(client, 0)
+            if mine >= MAX_WAITING_PER_CLIENT:
+                abort(context, DeviceBusy(
+                    f"{client} already has {mine} requests waiting, the most one client may "
+                    "have; wait for those (or cancel them) first"))
+            self._waiting_by[client] = mine + 1
             self._waiters[request_id] = waiter
             self._scheduler.enqueue(Request(request_id, request.key, request.priority,
-                                            request.client or context.peer(), self._clock(),
+                                            client, self._clock(),
                                             dict(request.filters)))
             self._dispatch_locked()
         # The client went away: stop waiting. add_callback returns False when the
@@ -215,6 +254,11 @@ class TrackerService:
         timeout = request.timeout_s if request.timeout_s > 0 else None
         waiter.event.wait(timeout)
         with self._lock:
+            left = self._waiting_by.get(client, 1) - 1
+            if left > 0:
+                self._waiting_by[client] = left
+            else:
+                self._waiting_by.pop(client, None)
             if waiter.lease is None:
                 self._waiters.pop(request_id, None)
                 self._scheduler.cancel(request_id)
@@ -302,7 +346,7 @@ def serve(host: str = "0.0.0.0", port: int = TRACKER_PORT, farm_secret: Optional
     grpc_path = os.path.join(folder, "grpc.sock")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                     thread_name_prefix="tracker"),
-                         options=CHANNEL_OPTIONS)
+                         options=SERVER_OPTIONS)
     add_servicer(server, "Tracker", service)
     try:
         if not server.add_insecure_port("unix:" + grpc_path):
