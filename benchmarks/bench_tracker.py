@@ -2,16 +2,17 @@
 
     python benchmarks/bench_tracker.py [--sessions 100] [--devices 100] [--seconds 5]
 
-1. request-to-session: from ``request(key)`` to a connected session on a free
-   device, with a real tracker and a real device server as processes on
-   loopback (ours: ``tracker.request(key)`` returning an open ``Session``;
-   TVM: ``connect_tracker(...).request(key)`` returning an ``RPCSession``).
+1. request -> session -> close: from ``request(key)`` to a connected session
+   on a free device and until that session is closed again, with a real
+   tracker and a real device server as processes on loopback (ours:
+   ``with tracker.request(key): pass``; TVM: ``connect_tracker(...).request(key)``
+   returning an ``RPCSession``, then dropped, which ends TVM's session).
 2. leases/s: many client threads lease devices from a tracker process that has
-   ``--devices`` devices registered. The devices are played by a light
-   registrar in this process that speaks each tracker's real protocol: for us
-   it registers, heartbeats, redeems the lease token and releases it, as a
-   device server does; for TVM it announces each device with PUT and announces
-   it again with a new match key once a lease was handed out, as TVM's server
+   ``--devices`` devices registered and give them back. For us the devices
+   are a simulator process (benchmarks/board_sim.py) keeping one real board
+   link each, and the clients lease and release over gRPC; for TVM a light
+   registrar in this process announces each device with PUT and announces it
+   again with a new match key once a lease was handed out, as TVM's server
    does after a session.
 
 Needs ``pip install apache-tvm`` for the TVM half; without it only ours runs.
@@ -34,8 +35,6 @@ sys.path.insert(0, ROOT)
 
 from remote import rpc  # noqa: E402
 from remote.cli.localfarm import Child, LocalFarm  # noqa: E402
-from remote.proto import make_stub, pb  # noqa: E402
-from remote.tls import open_channel  # noqa: E402
 
 KEY = "bench"
 
@@ -63,9 +62,9 @@ def ours_request_to_session(sessions: int):
         samples = []
         for i in range(sessions + 5):
             start = time.perf_counter()
-            sess = tracker.request(KEY, timeout=30)
+            with tracker.request(KEY, timeout=30):
+                pass
             elapsed = time.perf_counter() - start
-            sess.close()
             if i >= 5:  # warm-up: first channels, imports, thread pools
                 samples.append(elapsed)
         return samples
@@ -131,8 +130,8 @@ def tvm_request_to_session(sessions: int):
             farm.wait_free(tracker)  # the same starting point as ours: a free device
             start = time.perf_counter()
             sess = tracker.request(KEY)
-            elapsed = time.perf_counter() - start
             del sess  # TVM ends the session when the handle goes away
+            elapsed = time.perf_counter() - start
             if i >= 2:
                 samples.append(elapsed)
         return samples
@@ -145,40 +144,31 @@ def tvm_request_to_session(sessions: int):
 def ours_leases_per_s(devices: int, seconds: float, threads: int):
     tracker_proc = Child("tracker", [sys.executable, "-m", "remote.tracker", "--host",
                                      "127.0.0.1", "--port", "0"], "/tmp", env())
-    address = f"127.0.0.1:{tracker_proc.port}"
-    channel = open_channel(address, "")
-    stub = make_stub(channel, "Tracker")
+    sim = subprocess.Popen([sys.executable, os.path.join(ROOT, "benchmarks", "board_sim.py"),
+                            "--tracker", f"127.0.0.1:{tracker_proc.port}", "--boards",
+                            str(devices), "--key", KEY], stdout=subprocess.PIPE, text=True,
+                           env=env())
     stop = threading.Event()
     try:
-        ids = [stub.Register(pb.RegisterRequest(key=KEY, address=f"127.0.0.1:{20000 + i}",
-                                                info=pb.DeviceInfo(triple="bench")), timeout=10
-                             ).device_id for i in range(devices)]
-
-        def heartbeats():
-            while not stop.wait(0.5):
-                for device_id in ids:
-                    stub.Heartbeat(pb.HeartbeatRequest(device_id=device_id), timeout=10)
-
+        if not sim.stdout.readline().startswith("registered"):
+            raise RuntimeError("the board simulator did not register its boards")
         count = [0]
         lock = threading.Lock()
 
         def client():
             mine = 0
-            while not stop.is_set():
-                lease = stub.RequestDevice(pb.DeviceRequest(key=KEY, timeout_s=30, client="bench"),
-                                           timeout=40)
-                # What the device server does with it: redeem, then (session over) release.
-                stub.RedeemLease(pb.RedeemRequest(device_id=lease.device_id, token=lease.token),
-                                 timeout=10)
-                stub.ReleaseLease(pb.ReleaseRequest(token=lease.token), timeout=10)
-                mine += 1
+            with rpc.connect_tracker("127.0.0.1", tracker_proc.port) as tracker:
+                while not stop.is_set():
+                    tracker.release(tracker.lease(KEY, timeout=30, client="bench"))
+                    mine += 1
             with lock:
                 count[0] += mine
 
-        return run_for(seconds, [heartbeats] + [client] * threads, stop, count)
+        return run_for(seconds, [client] * threads, stop, count)
     finally:
         stop.set()
-        channel.close()
+        sim.terminate()
+        sim.wait(30)
         tracker_proc.stop()
 
 
@@ -262,7 +252,7 @@ def main(argv=None):
         have_tvm = False
         print("apache-tvm is not installed (pip install apache-tvm): measuring ours only")
 
-    print(f"request-to-connected-session, {args.sessions} sessions, loopback, "
+    print(f"request -> session -> close, {args.sessions} sessions, loopback, "
           "real tracker and device server processes")
     ours = describe(ours_request_to_session(args.sessions))
     print(f"  tether  median {ours[0]:7.2f} ms   p90 {ours[1]:7.2f} ms")
@@ -273,10 +263,10 @@ def main(argv=None):
         print(f"  tether is {theirs[0] / ours[0]:.1f}x faster (median)")
         figures["tvm_request_to_session_ms"] = theirs[0]
 
-    print(f"leases/s, {args.devices} registered devices played by an in-process registrar "
-          f"speaking each tracker's protocol, {args.threads} client threads, {args.seconds:g} s")
+    print(f"leases/s, {args.devices} registered devices speaking each tracker's protocol, "
+          f"{args.threads} client threads, {args.seconds:g} s")
     ours_rate = ours_leases_per_s(args.devices, args.seconds, args.threads)
-    print(f"  tether  {ours_rate:8.0f} leases/s  (request + device redeems token + release)")
+    print(f"  tether  {ours_rate:8.0f} leases/s  (request + release; the devices keep real links)")
     figures["ours_leases_per_s"] = ours_rate
     if have_tvm:
         tvm_rate = tvm_leases_per_s(args.devices, args.seconds, args.threads)

@@ -29,7 +29,7 @@ from remote.errors import TetherError
 MIN_PYTHON = (3, 9)
 UNIT_NAME = "tether-server.service"
 # Debian package and pip distribution for each module the server imports.
-DEPENDENCIES = {"numpy": ("python3-numpy", "numpy"), "grpc": ("python3-grpcio", "grpcio"),
+DEPENDENCIES = {"numpy": ("python3-numpy", "numpy"),
                 "google.protobuf": ("python3-protobuf", "protobuf")}
 
 Progress = Optional[Callable[[str], None]]
@@ -59,7 +59,7 @@ out = {"machine": platform.machine(), "python": platform.python_version(),
        "python_path": sys.executable, "uid": os.getuid(), "home": os.path.expanduser("~"),
        "systemd": os.path.isdir("/run/systemd/system"),
        "android": "ANDROID_ROOT" in os.environ, "modules": {}}
-for name in ("numpy", "grpc", "google.protobuf"):
+for name in ("numpy", "google.protobuf"):
     try:
         out["modules"][name] = getattr(__import__(name, fromlist=["__version__"]), "__version__", "?")
     except Exception as exc:

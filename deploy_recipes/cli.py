@@ -10,7 +10,7 @@ def add_emulate_arguments(p):
     p.add_argument("--arch", choices=("arm64", "armhf"), default="arm64",
                    help="arm64 (Pi 4/5 64-bit OS) or armhf (32-bit Raspberry Pi OS)")
     p.add_argument("--release", choices=("bullseye", "bookworm", "trixie"), default="bookworm",
-                   help="Debian release whose python3, numpy, grpcio and protobuf the board runs")
+                   help="Debian release whose python3, numpy and protobuf the board runs")
     p.add_argument("--tracker", default=os.environ.get(TRACKER_ENV),
                    help=f"tracker HOST:PORT to register with (default ${TRACKER_ENV})")
     p.add_argument("--key", help="device key to register under (default qemu-ARCH)")
@@ -34,7 +34,7 @@ def add_bootstrap_arguments(p):
     p.add_argument("--service", choices=("auto", "systemd", "background"), default="auto",
                    help="how the server keeps running (auto: systemd when the board has it)")
     p.add_argument("--install-deps", action="store_true",
-                   help="install missing numpy/grpcio/protobuf (apt as root, else pip --user)")
+                   help="install missing numpy/protobuf (apt as root, else pip --user)")
     p.add_argument("--uninstall", action="store_true", help="stop the server and remove it")
     p.add_argument("--python", default="python3", help="Python on the board (default python3)")
     p.add_argument("--remote-dir", default="~/.tether", help="where the server lives on the board")

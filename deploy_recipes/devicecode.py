@@ -6,7 +6,7 @@ no import statement names them; the list then follows the import statements,
 so a new device-side helper is shipped to boards without anyone editing a list.
 Only imports of the project's own packages are followed: the list is the same
 whether the project is a source tree or an installed copy in site-packages next
-to numpy and grpc (a board brings its own numpy, grpcio and protobuf; a host
+to numpy and protobuf (a board brings its own numpy and protobuf; a host
 copy of them would shadow those and fail to load there).
 
     >>> files = device_files()
@@ -120,7 +120,7 @@ def device_files(root: str = PROJECT_ROOT) -> List[str]:
             continue
         seen.add(module)
         if module.split(".")[0] not in PROJECT_PACKAGES:
-            continue  # the standard library, numpy, grpc, protobuf
+            continue  # the standard library, numpy, protobuf
         path = _module_file(root, module)
         if path is None:
             continue  # a name imported from a module, not a module itself

@@ -1,15 +1,15 @@
 """Emulated ARM boards: a Debian root filesystem run under qemu user-mode emulation.
 
-A root filesystem holds one Debian release's own python3, python3-numpy,
-python3-grpcio and python3-protobuf for arm64 or armhf, as Raspberry Pi OS of
+A root filesystem holds one Debian release's own python3, python3-numpy and
+python3-protobuf for arm64 or armhf, as Raspberry Pi OS of
 that generation ships them. It is built once with ``debootstrap --foreign``
 (which only downloads and unpacks, needing no emulator) plus ``dpkg-deb -x`` of
 the downloaded packages, and cached under ``$TETHER_CACHE/rootfs`` (default
 ``~/.cache/tether/rootfs``). The device server then runs inside it with
 ``qemu-aarch64``/``qemu-arm -L ROOTFS``: every system call is the host's, so the
 board listens on, and dials, the host's own network. Where a Debian package
-cannot work as shipped (GUEST_FIXES: trixie armhf's grpcio), a small preload
-library built with the host's cross compiler goes into that root filesystem.
+cannot work as shipped (GUEST_FIXES), a small preload library built with the
+host's cross compiler goes into that root filesystem.
 
     >>> board = EmulatedBoard("bookworm", "arm64")                       # doctest: +SKIP
     >>> board.start(tracker="127.0.0.1:9190", key="qemu-arm64")          # doctest: +SKIP
@@ -36,22 +36,18 @@ from remote.defaults import DEBIAN_MIRROR_ENV, FARM_SECRET_ENV, TRACKER_ENV, cac
 from remote.errors import TetherError
 
 RELEASES = ("bullseye", "bookworm", "trixie")
-PACKAGES = ("python3", "python3-numpy", "python3-grpcio", "python3-protobuf")
-# Dependencies debootstrap's simple resolver misses (trixie's grpcio names libre2
-# through a virtual-package alternative).
-EXTRA_PACKAGES = {"trixie": ("libre2-11",)}
+PACKAGES = ("python3", "python3-numpy", "python3-protobuf")
+# Dependencies debootstrap's simple resolver misses, by release.
+EXTRA_PACKAGES = {}
 # Bump when the way a root filesystem is made changes, so caches are rebuilt.
 ROOTFS_FORMAT = 2
 # Debian packages that fail as shipped, worked around by a preload library the
 # guest's dynamic loader loads into every process (listed in the root
 # filesystem's /etc/ld.so.preload). (release, arch): (C source in
 # deploy_recipes/, why). Delete an entry once Debian fixes its package.
-GUEST_FIXES = {
-    ("trixie", "armhf"): (
-        "grpc_time64_fix.c",
-        "python3-grpcio 1.51.1 reads the clock through the 32-bit clock_gettime system call "
-        "into a 64-bit timespec and aborts at start"),
-}
+# (Boards used to need trixie armhf's grpcio mended here; board protocol v2
+# needs no grpcio, and a root filesystem that still lists that fix drops it.)
+GUEST_FIXES = {}
 # Where the fix libraries (and a copy of their source) live inside the root filesystem.
 FIX_DIR = "/usr/local/lib/tether"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"

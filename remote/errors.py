@@ -1,14 +1,12 @@
 """One exception hierarchy for everything a Tether user can hit.
 
-Device-side and host-side code share it: a server aborts an RPC with
-``abort(context, SomeError("..."))``; the status code and the class name travel
-to the client (trailing metadata ``tether-error``), where
-``from_rpc_error`` turns them back into the same class.
+Device-side and host-side code share it. On a board's frames an error travels
+as an ``error`` frame naming the class; on the tracker's gRPC service, as a
+status code with the class name in the trailing metadata ``tether-error``
+(remote/client/grpc_layer.py turns both ways). Either way the client raises
+the same class.
 """
 from __future__ import annotations
-
-ERROR_METADATA_KEY = "tether-error"
-
 
 class TetherError(Exception):
     """Base class of every error Tether raises on purpose."""
@@ -103,27 +101,3 @@ _BY_STATUS = {
     "FAILED_PRECONDITION": SessionError,
     "INVALID_ARGUMENT": InvalidArgument,
 }
-
-
-def abort(context, error: TetherError):
-    """Abort the RPC behind ``context`` with ``error``'s status and class name."""
-    import grpc
-
-    context.set_trailing_metadata(((ERROR_METADATA_KEY, type(error).__name__),))
-    context.abort(getattr(grpc.StatusCode, error.status), str(error))
-
-
-def from_rpc_error(exc, what: str = "") -> TetherError:
-    """The typed error for a grpc.RpcError; ``what`` names the peer for messages."""
-    code = exc.code()
-    detail = exc.details() or ""
-    name = ""
-    for key, value in (exc.trailing_metadata() or ()):
-        if key == ERROR_METADATA_KEY:
-            name = value
-    cls = _BY_NAME.get(name) or _BY_STATUS.get(code.name, RemoteError)
-    if not name and code.name == "UNAVAILABLE":
-        detail = f"cannot reach {what or 'the peer'}: {detail}. Is it running, and is the address right?"
-    elif not name and code.name == "DEADLINE_EXCEEDED":
-        detail = f"{what or 'the call'} timed out: {detail}"
-    return cls(detail)

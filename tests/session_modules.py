@@ -21,6 +21,10 @@ METADATA = {
 
 SOURCE = r"""
 #include <stdint.h>
+#if defined(CHATTY)
+#include <string.h>
+#include <unistd.h>
+#endif
 int32_t tether_abi_version(void) { return 1; }
 const char *tether_metadata(void) { return METADATA; }
 int32_t tether_run(void *const *inputs, void *const *outputs, void *workspace) {
@@ -32,6 +36,11 @@ int32_t tether_run(void *const *inputs, void *const *outputs, void *workspace) {
 #elif defined(HANG)
     volatile unsigned long spin = 0;
     for (;;) spin++;
+#elif defined(CHATTY)
+    static char line[1 << 16];
+    memset(line, 'x', sizeof line);
+    line[sizeof line - 1] = '\n';
+    for (int i = 0; i < 1024; i++) write(1, line, sizeof line);   /* 64 MiB */
 #endif
     for (int i = 0; i < 4; i++) y[i] = x[i] + 1.0f;
     return 0;
@@ -50,10 +59,11 @@ def _write_source(folder: str) -> str:
 
 
 def build(folder: str, kind: str = "ok", compiler: str = None) -> str:
-    """A shared object: kind 'ok' (y = x + 1), 'crash' (segfaults) or 'hang' (spins)."""
+    """A shared object: kind 'ok' (y = x + 1), 'crash' (segfaults), 'hang' (spins) or
+    'chatty' (prints 64 MiB to stdout, then y = x + 1)."""
     source = _write_source(folder)
     out = os.path.join(folder, f"{kind}.so")
-    flags = {"ok": [], "crash": ["-DCRASH"], "hang": ["-DHANG"]}[kind]
+    flags = {"ok": [], "crash": ["-DCRASH"], "hang": ["-DHANG"], "chatty": ["-DCHATTY"]}[kind]
     subprocess.run([compiler or C_COMPILER, "-shared", "-fPIC", "-O1", *flags, "-o", out, source],
                    check=True)
     return out

@@ -2,7 +2,7 @@
 they keep (DESIGN.md, contract 1).
 
 Device-side code imports only the standard library every board Python has (3.9
-to 3.13), numpy, grpc, google.protobuf and the project's own device-side
+to 3.13), numpy, google.protobuf and the project's own device-side
 modules; never the host-only parts (remote.client, remote.cli, remote.tracker,
 remote.rpc, crosscompile, deploy_recipes), which a board does not receive.
 """
@@ -31,6 +31,7 @@ SHIPPED = [
     "remote/proto/__init__.py",
     "remote/proto/descriptor.py",
     "remote/proto/frames.py",
+    "remote/proto/http2.py",
     "remote/proto/tensors.py",
     "remote/proto/tether_v1.proto",
     "remote/server/__init__.py",
@@ -44,7 +45,7 @@ SHIPPED = [
     "remote/server/workspace.py",
     "remote/tls.py",
 ]
-DEPENDENCIES = ("numpy", "grpc", "google.protobuf")
+DEPENDENCIES = ("numpy", "google.protobuf")
 HOST_ONLY = ("remote.client", "remote.cli", "remote.tracker", "remote.rpc",
              "crosscompile", "deploy_recipes")
 # Standard-library modules that some board Python lacks: added after 3.9, or
@@ -86,7 +87,7 @@ def rule_violations(root, files):
                     any(dep.startswith(name + ".") for dep in DEPENDENCIES):
                 why = None  # "from google import protobuf" names the google namespace first
             else:
-                why = "not the standard library, numpy, grpc or protobuf"
+                why = "not the standard library, numpy or protobuf"
             if why:
                 found.append(f"{rel}:{line}: imports {name} ({why})")
     return found
@@ -112,7 +113,8 @@ def test_the_rule_names_file_line_and_import_of_each_break(tmp_path):
                               "import onnx\n"
                               "from remote import rpc\n"
                               "from crosscompile import build\n"
-                              "import tomllib\n"),
+                              "import tomllib\n"
+                              "import grpc\n"),
         "remote/__init__.py": "",
         "remote/rpc.py": "",
         "crosscompile/__init__.py": "build = None\n",
@@ -126,9 +128,11 @@ def test_the_rule_names_file_line_and_import_of_each_break(tmp_path):
     assert files == ["crosscompile/__init__.py", "minirt/__init__.py", "minirt/kernels.py",
                      "remote/__init__.py", "remote/rpc.py"]
     assert rule_violations(str(tmp_path), files) == [
-        "minirt/kernels.py:4: imports onnx (not the standard library, numpy, grpc or protobuf)",
+        "minirt/kernels.py:4: imports onnx (not the standard library, numpy or protobuf)",
         "minirt/kernels.py:5: imports remote.rpc (host-only)",
         "minirt/kernels.py:6: imports crosscompile (host-only)",
         "minirt/kernels.py:6: imports crosscompile.build (host-only)",
         "minirt/kernels.py:7: imports tomllib (not in every board's Python 3.9-3.13)",
+        # Boards speak frames (protocol v2): grpcio is no longer theirs.
+        "minirt/kernels.py:8: imports grpc (not the standard library, numpy or protobuf)",
     ]

@@ -161,27 +161,6 @@ def test_child_pythons_of_the_board_run_emulated_too(rootfs_builds):
 
 
 @pytest.mark.emulated
-@pytest.mark.trixie_armhf
-def test_trixie_armhf_grpc_works_in_the_board_and_its_child_pythons(rootfs_builds):
-    """Debian trixie's armhf grpcio aborts on its own clock reads; the preload fix the
-    emulator builds into that root filesystem reaches child Pythons as well."""
-    emulate.build_rootfs("trixie", "armhf")
-    board = emulate.EmulatedBoard("trixie", "armhf")
-    serve = ("import concurrent.futures, time, grpc; "
-             "s = grpc.server(concurrent.futures.ThreadPoolExecutor(1)); "
-             "port = s.add_insecure_port('127.0.0.1:0'); s.start(); time.sleep(0.2); "
-             "print('fix' if 'grpc_time64_fix' in open('/proc/self/maps').read() else 'nofix', "
-             "port > 0, flush=True); s.stop(None)")
-    code = (f"import subprocess, sys; exec({serve!r}); "
-            f"subprocess.check_call([sys.executable, '-c', {serve!r}])")
-    out = subprocess.run(board.command(["-c", code]), env=board.environment(),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         universal_newlines=True, timeout=HANG_S)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split("\n")[:2] == ["fix True", "fix True"]
-
-
-@pytest.mark.emulated
 @pytest.mark.bookworm_arm64
 def test_tether_emulate_command_serves_until_stopped(tracker, rootfs_builds):
     emulate.build_rootfs("bookworm", "arm64")

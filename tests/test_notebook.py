@@ -123,8 +123,11 @@ class CtrlC(threading.Thread):
 
 def worker_pid(farm, sess):
     """The board process that runs this session's modules, as its server logged it."""
-    match = re.search(rf"session {re.escape(sess.session_id[:8])} opened by .* "
-                      r"\(worker pid (\d+)\)", farm.servers[0].log_text())
+    pattern = rf"session {re.escape(sess.session_id[:8])} runs in process (\d+)"
+    deadline = time.monotonic() + 60
+    while not re.search(pattern, farm.servers[0].log_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    match = re.search(pattern, farm.servers[0].log_text())
     assert match, farm.servers[0].log_text()
     return int(match.group(1))
 

@@ -8,7 +8,8 @@ import textwrap
 
 import pytest
 
-from remote.proto import FILE, make_stub, pb
+from remote.client.grpc_layer import make_stub
+from remote.proto import FILE, pb
 from remote.proto.descriptor import FILE_DESCRIPTOR
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -25,7 +26,8 @@ def test_checked_in_descriptor_matches_proto_source():
 
 
 def test_services_and_messages_are_built():
-    assert set(FILE.services_by_name) == {"Tracker", "Device"}
+    # Boards speak frames (protocol v2); gRPC is only what users call on the tracker.
+    assert set(FILE.services_by_name) == {"Tracker"}
     lease = pb.Lease(token="t", info=pb.DeviceInfo(cores=4, attributes={"board": "rpi4"}))
     again = pb.Lease.FromString(lease.SerializeToString())
     assert again.info.attributes["board"] == "rpi4" and again.info.cores == 4
@@ -35,9 +37,9 @@ def test_stub_knows_streaming_methods():
     class Channel:
         def __getattr__(self, kind):
             return lambda path, **kw: (kind, path)
-    stub = make_stub(Channel(), "Device")
-    assert stub.Upload == ("stream_unary", "/tether.v1.Device/Upload")
-    assert stub.Run == ("unary_unary", "/tether.v1.Device/Run")
+    stub = make_stub(Channel(), "Tracker")
+    assert stub.RequestDevice == ("unary_unary", "/tether.v1.Tracker/RequestDevice")
+    assert stub.Summary == ("unary_unary", "/tether.v1.Tracker/Summary")
 
 
 def _old_python():
@@ -59,10 +61,12 @@ OLD_SIDE = textwrap.dedent("""
     import sys, google.protobuf
     from remote.proto import pb
     assert google.protobuf.__version__ == sys.argv[1], google.protobuf.__version__
-    incoming = pb.RunRequest.FromString(bytes.fromhex(sys.stdin.read()))
-    t = incoming.inputs[0]
-    reply = pb.RunReply(run_s=0.5, outputs=[pb.Tensor(name=t.name + "-out", dtype=t.dtype,
-                        shape=list(t.shape), data=t.data[::-1])])
+    incoming = pb.DataFrame.FromString(bytes.fromhex(sys.stdin.read()))
+    assert incoming.version == 2 and incoming.op == "run", incoming
+    t = incoming.tensors[0]
+    reply = pb.DataFrame(op="ok", seconds=0.5, id=incoming.id, tensors=[pb.Tensor(
+        name=t.name + "-out", dtype=t.dtype, shape=list(t.shape))],
+        files=[pb.FileInfo(name="net.so", size=1 << 33)], refs=dict(incoming.refs))
     info = pb.DeviceInfo(triple="armv7l-unknown-linux-gnueabihf", attributes={"board": "rpi3"})
     sys.stdout.write(reply.SerializeToString().hex() + " " + info.SerializeToString().hex())
 """)
@@ -70,16 +74,16 @@ OLD_SIDE = textwrap.dedent("""
 
 def test_old_protobuf_runtime_speaks_the_same_wire_format():
     python = _old_python()
-    request = pb.RunRequest(session_id="s", module_id="m", inputs=[
-        pb.Tensor(name="x", dtype="float32", shape=[1, 2], data=b"\x01\x02\x03\x04" * 2)])
+    request = pb.DataFrame(op="run", version=2, id=7, name="m", refs={"y": "kept"},
+                           tensors=[pb.Tensor(name="x", dtype="float32", shape=[1, 2])])
     result = subprocess.run([str(python), "-c", OLD_SIDE, OLD_PROTOBUF],
                             input=request.SerializeToString().hex(), capture_output=True,
                             text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr
     reply_hex, info_hex = result.stdout.split()
-    reply = pb.RunReply.FromString(bytes.fromhex(reply_hex))
-    assert reply.run_s == 0.5
-    assert reply.outputs[0].name == "x-out" and list(reply.outputs[0].shape) == [1, 2]
-    assert reply.outputs[0].data == (b"\x01\x02\x03\x04" * 2)[::-1]
+    reply = pb.DataFrame.FromString(bytes.fromhex(reply_hex))
+    assert reply.seconds == 0.5 and reply.id == 7 and reply.refs["y"] == "kept"
+    assert reply.tensors[0].name == "x-out" and list(reply.tensors[0].shape) == [1, 2]
+    assert reply.files[0].size == 1 << 33
     info = pb.DeviceInfo.FromString(bytes.fromhex(info_hex))
     assert info.attributes["board"] == "rpi3"

@@ -92,14 +92,17 @@ def vm_hwm_kib(pid: int) -> int:
     raise AssertionError(f"no VmHWM for {pid}")
 
 
-def listening_pid(port: int) -> int:
-    """The process holding the listening TCP socket on ``port``."""
+def serving_pid(sess) -> int:
+    """The process on the board's end of a session's connection (its session process)."""
+    here = sess._data.sock.getsockname()[1]
     inodes = set()
     for line in open("/proc/net/tcp").read().splitlines()[1:]:
         fields = line.split()
-        if fields[3] == "0A" and int(fields[1].split(":")[1], 16) == port:
+        if fields[3] == "01" and int(fields[2].split(":")[1], 16) == here:
             inodes.add(f"socket:[{fields[9]}]")
     for pid in filter(str.isdigit, os.listdir("/proc")):
+        if int(pid) == os.getpid():
+            continue
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:
@@ -110,7 +113,7 @@ def listening_pid(port: int) -> int:
                     return int(pid)
             except OSError:
                 pass
-    raise AssertionError(f"no process listens on port {port}")
+    raise AssertionError(f"no process serves the connection from port {here}")
 
 
 # ------------------------------------------------------------- isolation --
@@ -160,7 +163,7 @@ def test_a_server_killed_outright_takes_its_workers_and_workspaces_with_it():
     try:
         sess = connect(srv)
         sess.upload(b"kept until the session ends", target="note.txt")
-        worker = listening_pid(sess._data.sock.getpeername()[1])
+        worker = serving_pid(sess)
         (workspace,) = os.listdir(srv.workspaces)
         os.kill(srv.proc.pid, 9)
         srv.proc.wait(timeout=10)
@@ -251,7 +254,7 @@ def test_200_mib_upload_keeps_memory_bounded(server, tmp_path):
 def test_worker_memory_stays_bounded_during_a_large_upload(server):
     with connect(server) as sess:
         sess.ping()
-        pid = listening_pid(sess._data.sock.getpeername()[1])
+        pid = serving_pid(sess)
         assert pid != server.proc.pid, "modules must run outside the server process"
         before = vm_hwm_kib(pid)
         sess.upload(bytes(120 << 20), target="zeros.bin")
@@ -422,32 +425,45 @@ def test_remote_failure_carries_the_device_traceback(server):
         sess.ping()
 
 
-def test_data_connection_needs_the_session_token(server):
+def test_a_connection_must_open_a_session_before_anything_else(server):
     from remote.proto import pb
-    from remote.proto.frames import FrameSocket
+    from remote.proto.frames import PROTOCOL_VERSION, FrameSocket
     with connect(server) as sess:
         sess.ping()
-        port = sess._data.sock.getpeername()[1]
-        intruder = FrameSocket(socket.create_connection(("127.0.0.1", port)))
-        intruder.send(pb.DataFrame(op="hello", token="guess", primary=True))
-        reply = intruder.recv_header()
-        assert reply.error == "AuthenticationError" and "wrong data token" in reply.text
-        intruder.close()
+
+        def first_frame(frame):
+            intruder = FrameSocket(socket.create_connection(("127.0.0.1", server.port)))
+            try:
+                intruder.send(frame)
+                return intruder.recv_header()
+            finally:
+                intruder.close()
+
+        reply = first_frame(pb.DataFrame(op="upload", name="x", version=PROTOCOL_VERSION))
+        assert reply.error == "InvalidArgument" and "must begin with open" in reply.text
+        reply = first_frame(pb.DataFrame(op="open", version=1))
+        assert reply.error == "ConnectionFailed" and "protocol v2" in reply.text
+        reply = first_frame(pb.DataFrame(op="status", name="no-such-session",
+                                         version=PROTOCOL_VERSION))
+        assert not reply.open and reply.error == "SessionError"
+        garbage = socket.create_connection(("127.0.0.1", server.port))
+        garbage.sendall(b"\xff" * 64)
+        garbage.settimeout(30)
+        assert garbage.recv(100) == b""  # dropped, nothing served
+        garbage.close()
         sess.ping()  # the real client is untouched
 
 
-def test_grpc_only_callers_reach_the_same_worker(server, modules):
-    """LoadModule and Run over gRPC (no data connection) relay to the session's worker."""
+def test_a_protocol_v1_client_is_told_the_versions_differ(server):
+    """A v1 client spoke gRPC to the board's port; it gets a gRPC error naming both versions."""
     import grpc
-    from remote.proto import CHANNEL_OPTIONS, make_stub, pb
-    from remote.proto.tensors import from_message, to_message
     with connect(server) as sess:
-        sess.upload(modules["ok"], target="addone.so")
-        with grpc.insecure_channel(f"127.0.0.1:{server.port}", options=CHANNEL_OPTIONS) as ch:
-            stub = make_stub(ch, "Device")
-            info = stub.LoadModule(pb.LoadModuleRequest(session_id=sess.session_id,
-                                                        name="addone.so"), timeout=30)
-            x = np.full((1, 4), 3, np.float32)
-            reply = stub.Run(pb.RunRequest(session_id=sess.session_id, module_id=info.module_id,
-                                           inputs=[to_message("x", x)]), timeout=30)
-        np.testing.assert_array_equal(from_message(reply.outputs[0]), x + 1)
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            call = channel.unary_unary("/tether.v1.Device/OpenSession",
+                                       request_serializer=lambda b: b,
+                                       response_deserializer=lambda b: b)
+            with pytest.raises(grpc.RpcError) as caught:
+                call(b"", timeout=30)
+        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "protocol v2" in caught.value.details() and "protocol v1" in caught.value.details()
+        sess.ping()

@@ -185,6 +185,13 @@ def _capabilities(d: dict) -> str:
     return ", ".join(parts)
 
 
+def _where(device: dict) -> str:
+    """A board's address, marked when its sessions go through the tracker."""
+    if device.get("relayed"):
+        return f"{device['address']} (relay)".strip()
+    return device["address"]
+
+
 def summary_text(data: dict) -> str:
     """``TrackerClient.summary()`` as text tables (what ``tether status`` prints)."""
     out = [f"tracker {data['tracker']}", ""]
@@ -197,7 +204,7 @@ def summary_text(data: dict) -> str:
     if data["devices"]:
         out += ["", text_table(
             ("DEVICE", "KEY", "ADDRESS", "STATE", "HOLDER", "SINCE", "CAPABILITIES"),
-            [(d["device_id"], d["key"], d["address"], d["state"], d["holder"] or "-",
+            [(d["device_id"], d["key"], _where(d), d["state"], d["holder"] or "-",
               f"{_since(d['held_since'])} ({d['held_s']:.0f}s)" if d["holder"] else "-",
               _capabilities(d)) for d in data["devices"]])]
     if data["waiting"]:
@@ -212,7 +219,7 @@ def summary_text(data: dict) -> str:
 
 def _device_cells(d: dict) -> Tuple[str, ...]:
     held = f"{_since(d['held_since'])} ({d['held_s']:.0f}s)" if d.get("holder") else "-"
-    return (d["device_id"], d["key"], d["address"], d["state"], d.get("holder") or "-", held,
+    return (d["device_id"], d["key"], _where(d), d["state"], d.get("holder") or "-", held,
             d.get("triple") or "?", str(d.get("cores", "?")), size(d.get("memory_bytes", 0)))
 
 

@@ -6,18 +6,19 @@ import os
 import socket
 import ssl
 import threading
+import time
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
-import grpc
 import numpy as np
 
 from remote import errors, tls
 from remote.client import display
 from remote.address import split_address
-from remote.proto import make_stub, pb
-from remote.proto.frames import (CHUNK_BYTES, Checksum, FrameSocket, frame_bytes,
-                                 little_endian, recv_array_chunks, recv_tensors,
-                                 send_array_chunks, tensor_header)
+from remote.defaults import SERVER_PORT, TLS_CA_ENV
+from remote.proto import pb
+from remote.proto.frames import (CHUNK_BYTES, PROTOCOL_VERSION, Checksum, FrameSocket,
+                                 frame_bytes, little_endian, looks_like_http2, recv_array_chunks,
+                                 recv_tensors, send_array_chunks, tensor_header)
 
 
 Progress = Callable[[int, int], None]
@@ -25,11 +26,51 @@ Progress = Callable[[int, int], None]
 CLOSE_TIMEOUT_S = 30.0
 
 
-def _call(what: str, method, request, timeout: Optional[float]):
+def board_call(address: str, first, ca: str, timeout: Optional[float], what: str):
+    """Open a connection to a board (or the tracker relaying to one) and send
+    its first frame; returns (FrameSocket, reply header)."""
+    host, port = split_address(address, SERVER_PORT)
     try:
-        return method(request, timeout=timeout)
-    except grpc.RpcError as exc:
-        raise errors.from_rpc_error(exc, what) from None
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError as exc:
+        raise errors.ConnectionFailed(
+            f"cannot reach {what} at {address}: {exc.strerror or exc}. Is it running, and is "
+            "the address right?") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        context = tls.client_context(ca)
+        if context is not None:
+            try:
+                sock = context.wrap_socket(sock, server_hostname=host)
+            except (ssl.SSLError, OSError) as exc:
+                raise errors.ConnectionFailed(
+                    f"TLS handshake with {what} at {address} failed: {exc}") from None
+        fs = FrameSocket(sock)
+        fs.set_timeout(timeout)
+        first.version = PROTOCOL_VERSION
+        try:
+            fs.send(first)
+            reply = fs.recv_header()
+        except (socket.timeout, BlockingIOError):
+            raise errors.RequestTimeout(f"{what} at {address} did not answer within "
+                                        f"{timeout:g} s") from None
+        except OSError as exc:
+            if looks_like_http2(exc):
+                raise errors.ConnectionFailed(
+                    f"{what} at {address} answered in gRPC: it runs Tether's protocol v1 and "
+                    f"this client protocol v{PROTOCOL_VERSION}; update Tether on the board "
+                    "(tether bootstrap) to the version here") from None
+            hint = ("" if ca else f"; if it serves TLS, give the certificate to trust "
+                    f"(--tls-ca, tls_ca=, or {TLS_CA_ENV})")
+            raise errors.ConnectionFailed(f"{what} at {address} closed the connection: "
+                                          f"{exc}{hint}") from None
+        if reply.op == "error":
+            fs.close()
+            raise _error_class(reply.error)(reply.text)
+        return fs, reply
+    except BaseException:
+        sock.close()
+        raise
 
 
 def device_info_dict(info: pb.DeviceInfo) -> dict:
@@ -51,6 +92,9 @@ def device_info_dict(info: pb.DeviceInfo) -> dict:
 class Session:
     """An open session on a device server; close it (or use ``with``) to free the board.
 
+    The session is one connection (board protocol v2): its first frame opens
+    the session, every call is a frame on it, and the session ends with it.
+
     >>> with rpc.connect("127.0.0.1", 9090) as sess:          # doctest: +SKIP
     ...     sess.upload("net.so")
     ...     out = sess.load_module("net.so").run({"input": x})
@@ -58,69 +102,35 @@ class Session:
 
     def __init__(self, address: str, lease_token: str = "", session_timeout: float = 0.0,
                  client: str = "", timeout: Optional[float] = 30.0,
-                 on_close: Optional[Callable[[], None]] = None, tls_ca: Optional[str] = None):
+                 on_close: Optional[Callable[[], None]] = None, tls_ca: Optional[str] = None,
+                 device_id: str = "", relayed: bool = False):
         self.address = address
         self.timeout = timeout
+        self.relayed = relayed
+        self._device_id = device_id
         self._on_close = on_close
         self._tls_ca = tls.default_ca(tls_ca)  # TLS when tls_ca or $TETHER_TLS_CA
-        self._channel = tls.open_channel(address, self._tls_ca)
-        self._stub = make_stub(self._channel, "Device")
         self._closed = False
+        what = "the tracker relaying to its board" if relayed else "device server"
         try:
-            reply = _call(f"device server {address}", self._stub.OpenSession,
-                          pb.OpenSessionRequest(lease_token=lease_token, client=client,
-                                                session_timeout_s=session_timeout), timeout)
+            self._data, reply = board_call(
+                address, pb.DataFrame(op="open", token=lease_token, client=client,
+                                      session_timeout_s=session_timeout),
+                self._tls_ca, timeout, what)
         except BaseException:
-            self._channel.close()
             if on_close is not None:
                 on_close()
             raise
-        self.session_id = reply.session_id
+        self.session_id = reply.name
         self._info = reply.info
-        self.max_upload_bytes = reply.max_upload_bytes
-        self._data: Optional[FrameSocket] = None
+        self.max_upload_bytes = reply.size
         self._data_lock = threading.Lock()
-        self._data_timeout = -1.0
-        if reply.data_port:
-            try:
-                self._connect_data(reply.data_port, reply.data_token)
-            except BaseException:
-                self.close()
-                raise
-
-    def _connect_data(self, port: int, token: str) -> None:
-        host, _ = split_address(self.address, 0)
-        try:
-            sock = socket.create_connection((host, port), timeout=self.timeout)
-        except OSError as exc:
-            raise errors.ConnectionFailed(
-                f"cannot open the session's data connection to {host}:{port}: {exc}. "
-                "Is a firewall between here and the board letting only the server port "
-                "through?") from None
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        if self._tls_ca:
-            # The data connection is as private as the gRPC channel it came from.
-            context = ssl.create_default_context(cafile=self._tls_ca)
-            try:
-                sock = context.wrap_socket(sock, server_hostname=host)
-            except (ssl.SSLError, OSError) as exc:
-                sock.close()
-                raise errors.ConnectionFailed(
-                    f"TLS handshake on the data connection to {host}:{port} failed: {exc}") from None
-        self._data = FrameSocket(sock)
-        # No reply: a wrong token comes back as an error on the first call.
-        self._data.send(pb.DataFrame(op="hello", token=token, primary=True))
+        self._data_timeout = timeout
 
     # ------------------------------------------------------------- state --
     def device_info(self) -> dict:
         """What the board reported: triple, CPU, cores, memory, OS, versions."""
         return device_info_dict(self._info)
-
-    def _rpc(self, method, request, timeout=None):
-        if self._closed:
-            raise errors.SessionError("this session is closed; open a new one")
-        return _call(f"device server {self.address}", method, request,
-                     self.timeout if timeout is None else timeout)
 
     def _exchange(self, what: str, timeout: Optional[float], send, receive=None):
         """One request/reply on the data connection.
@@ -179,17 +189,20 @@ class Session:
         self._data = _ClosedData()
 
     def _why_ended(self, what: str) -> errors.TetherError:
+        """The session's connection broke: ask the board, on a new connection, why."""
         try:
-            state = self._stub.SessionStatus(pb.SessionRef(session_id=self.session_id),
-                                             timeout=10.0)
-        except grpc.RpcError as exc:
-            return errors.from_rpc_error(exc, f"device server {self.address}")
+            fs, state = board_call(self.address, pb.DataFrame(
+                op="status", name=self.session_id, device_id=self._device_id),
+                self._tls_ca, 10.0, "device server")
+            fs.close()
+        except errors.TetherError as exc:
+            return exc
         if state.open:
             return errors.ConnectionFailed(
-                f"{what}: the data connection to {self.address} broke, but the session is "
+                f"{what}: the connection to {self.address} broke, but the session is "
                 "still open on the device; close it and open a new one")
-        cls = _error_class(state.end_error, errors.SessionEnded)
-        return cls(f"{what} failed: the device ended the session: {state.end_reason}. "
+        cls = _error_class(state.error, errors.SessionEnded)
+        return cls(f"{what} failed: the device ended the session: {state.text}. "
                    "Open a new session to go on")
 
     def ping(self, timeout: Optional[float] = None) -> None:
@@ -280,12 +293,14 @@ class Session:
 
     def listdir(self) -> List[str]:
         """Names of the files in the session workspace."""
-        reply = self._rpc(self._stub.ListDir, pb.SessionRef(session_id=self.session_id))
+        reply = self._exchange("listing of the workspace", None,
+                               lambda fs: fs.send(pb.DataFrame(op="list")))
         return [f.name for f in reply.files]
 
     def remove(self, name: str) -> None:
         """Delete a file from the session workspace."""
-        self._rpc(self._stub.Remove, pb.FileRef(session_id=self.session_id, name=name))
+        self._exchange(f"removal of {name!r}", None,
+                       lambda fs: fs.send(pb.DataFrame(op="remove", name=name)))
 
     def _check_size(self, what: str, size: int) -> None:
         if self.max_upload_bytes and size > self.max_upload_bytes:
@@ -353,23 +368,49 @@ class Session:
         """End the session: the workspace is removed and the board is free again."""
         if self._closed:
             return
-        self._closed = True
         confirmed = False
         try:
-            self._stub.CloseSession(pb.SessionRef(session_id=self.session_id),
-                                    timeout=self._close_timeout())
-            confirmed = True
-        except grpc.RpcError:
+            if self._data_lock.acquire(blocking=False):
+                try:
+                    fs = self._data
+                    if not isinstance(fs, _ClosedData):
+                        fs.set_timeout(self._close_timeout())
+                        fs.send(pb.DataFrame(op="close"))
+                        confirmed = fs.recv_header().op == "ok"
+                finally:
+                    self._data_lock.release()
+            else:
+                # Another thread is in the middle of a call (Ctrl-C during a
+                # benchmark): that call ends with the connection.
+                sock = getattr(self._data, "sock", None)
+                if sock is not None:
+                    sock.shutdown(socket.SHUT_RDWR)
+        except (OSError, errors.TetherError):
             pass  # the device is gone or already ended the session
+        try:
+            if not confirmed:
+                confirmed = self._end_out_of_band(self._close_timeout())
         finally:
-            if self._data is not None:
-                self._data.close()
-            self._channel.close()
+            self._closed = True
+            self._data.close()
             # A device that confirmed the close returns its lease itself, after its
             # session is gone; returning it from here too could hand the board to
             # the next client while this session is still being torn down.
             if not confirmed and self._on_close is not None:
                 self._on_close()
+
+    def _end_out_of_band(self, timeout: Optional[float]) -> bool:
+        """End the session from a new connection (the session id is its key):
+        for a session whose own connection is busy, broken or stuck. True once
+        the board has ended it and given the board back."""
+        try:
+            fs, _ = board_call(self.address, pb.DataFrame(
+                op="close", name=self.session_id, device_id=self._device_id),
+                self._tls_ca, timeout, "device server")
+            fs.close()
+            return True
+        except errors.TetherError:
+            return False
 
     def _close_timeout(self) -> Optional[float]:
         """How long the board may take to end the session: as long as any call may,

@@ -14,7 +14,8 @@ from remote import errors, tls
 from remote.client import display
 from remote.defaults import FARM_SECRET_ENV, TLS_CA_ENV
 from remote.client.session import Session, device_info_dict
-from remote.proto import make_stub, pb
+from remote.client.grpc_layer import from_rpc_error, make_stub, open_channel
+from remote.proto import pb
 
 
 def default_client_name() -> str:
@@ -33,6 +34,8 @@ class Lease:
     device_id: str
     address: str
     key: str
+    #: reached through the tracker (``address`` is then the tracker's)
+    relayed: bool = False
 
 
 class TrackerClient:
@@ -50,14 +53,14 @@ class TrackerClient:
         self.farm_secret = (os.environ.get(FARM_SECRET_ENV, "")
                             if farm_secret is None else farm_secret)
         self.tls_ca = tls.default_ca(tls_ca)
-        self._channel = tls.open_channel(self.address, self.tls_ca)
+        self._channel = open_channel(self.address, self.tls_ca)
         self._stub = make_stub(self._channel, "Tracker")
 
     def _call(self, method, request, timeout):
         try:
             return method(request, timeout=timeout)
         except grpc.RpcError as exc:
-            error = errors.from_rpc_error(exc, f"tracker {self.address}")
+            error = from_rpc_error(exc, f"tracker {self.address}")
         if isinstance(error, errors.ConnectionFailed):
             # A TLS/plaintext mismatch shows up only as a dropped connection.
             hint = (f"if the tracker serves TLS, pass tls_ca= (--tls-ca) or set {TLS_CA_ENV}"
@@ -93,13 +96,18 @@ class TrackerClient:
         if not reply.token:
             raise errors.ConnectionFailed(f"the request to tracker {self.address} was "
                                           "cancelled before a device was granted")
+        return self._lease(reply)
+
+    def _lease(self, reply) -> Lease:
+        if reply.relayed:
+            return Lease(reply.token, reply.device_id, self.address, reply.key, relayed=True)
         return Lease(reply.token, reply.device_id, reply.address, reply.key)
 
     def _give_back_granted(self, call) -> None:
         try:
             reply = call.result(timeout=0)
             if reply.token:
-                self.release(Lease(reply.token, reply.device_id, reply.address, reply.key))
+                self.release(self._lease(reply))
         except BaseException:  # noqa: BLE001 - the tracker expires what is left
             pass
 
@@ -136,7 +144,7 @@ class TrackerClient:
 
         return Session(lease.address, lease_token=lease.token, session_timeout=session_timeout,
                        client=client, timeout=call_timeout, on_close=give_back,
-                       tls_ca=self.tls_ca)
+                       tls_ca=self.tls_ca, device_id=lease.device_id, relayed=lease.relayed)
 
     def summary(self) -> dict:
         """Devices, per-key counts and waiting requests, as plain data (JSON-ready).
@@ -151,7 +159,7 @@ class TrackerClient:
         for d in reply.devices:
             devices.append({
                 "device_id": d.device_id, "key": d.key, "address": d.address, "state": d.state,
-                "holder": d.holder, "held_s": d.held_s,
+                "holder": d.holder, "held_s": d.held_s, "relayed": d.relayed,
                 "held_since": now - d.held_s if d.holder else None,
                 "last_seen_s": d.last_seen_s,
                 **device_info_dict(d.info),

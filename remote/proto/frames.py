@@ -1,11 +1,9 @@
-"""Frames on a session's data connection (docs/sessions.md).
+"""Frames of board protocol v2 (docs/protocol.md, docs/sessions.md).
 
 A frame is ``<u32 header length><u64 body length>``, a ``DataFrame`` message,
 then the body as raw bytes. Bulk data never goes through protobuf: a tensor or
 a file chunk is written from, and read into, its final buffer.
 
-    >>> from remote.defaults import POLL_US_ENV
-from remote.proto import pb
     >>> a, b = socket.socketpair()                         # doctest: +SKIP
     >>> FrameSocket(a).send(pb.DataFrame(op="ping"))       # doctest: +SKIP
     >>> FrameSocket(b).recv_header().op                    # doctest: +SKIP
@@ -23,6 +21,7 @@ import time
 from remote.defaults import POLL_US_ENV
 from remote.proto import pb
 
+PROTOCOL_VERSION = 2
 PREFIX = struct.Struct("<IQ")
 # Frames up to this size go out in one sendall (one syscall, one TCP segment
 # train); larger bodies are sent from their own buffers without joining.
@@ -140,6 +139,65 @@ class PeerClosed(ConnectionError):
     """The other end closed the connection (or its process died)."""
 
 
+class NotFrames(ConnectionError):
+    """The peer sent something that is not a frame; ``seen`` holds its first bytes."""
+
+    def __init__(self, message: str, seen: bytes):
+        super().__init__(message)
+        self.seen = seen
+
+
+def looks_like_http2(exc: BaseException) -> bool:
+    """Whether the peer behind ``exc`` speaks HTTP/2, that is gRPC: a protocol
+    v1 client (its preface) or a v1 server (a SETTINGS frame first)."""
+    seen = getattr(exc, "seen", b"")
+    return seen.startswith(b"PRI ") or (len(seen) >= 9 and seen[3] == 4 and seen[5:9] == b"\0" * 4)
+
+
+def version_error(version: int, who: str) -> str:
+    """The message for a first frame of another protocol version."""
+    named = f"protocol v{version}" if version else "an older protocol (v1)"
+    return (f"this peer speaks Tether board protocol v{PROTOCOL_VERSION} and the {who} "
+            f"{named}; run the same Tether version on both ends")
+
+
+def splice(a: socket.socket, b: socket.socket, name: str) -> None:
+    """Carry bytes both ways between two connected sockets, in two threads.
+
+    When one side ends, the other's sending half is shut, and both are
+    closed once both directions are done.
+    """
+    import threading
+
+    done = []
+    lock = threading.Lock()
+
+    def pump(src, dst):
+        buffer = memoryview(bytearray(CHUNK_BYTES))
+        try:
+            while True:
+                n = src.recv_into(buffer)
+                if not n:
+                    break
+                dst.sendall(buffer[:n])
+        except OSError:
+            pass
+        for s, how in ((dst, socket.SHUT_WR), (src, socket.SHUT_RD)):
+            try:
+                s.shutdown(how)
+            except (OSError, ValueError):
+                pass
+        with lock:
+            done.append(src)
+            last = len(done) == 2
+        if last:
+            a.close()
+            b.close()
+
+    for src, dst in ((a, b), (b, a)):
+        threading.Thread(target=pump, args=(src, dst), name=f"{name}-pump", daemon=True).start()
+
+
 class FrameSocket:
     """A connected socket that speaks frames."""
 
@@ -148,6 +206,7 @@ class FrameSocket:
             # Small calls are one segment each way; Nagle would hold them back.
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
+        self.max_header = MAX_HEADER_BYTES
         # TLS sockets take no recv flags; neither polls without them.
         self.spin = spin if _DONTWAIT and not isinstance(sock, ssl.SSLSocket) else 0.0
         self.body_left = 0
@@ -205,18 +264,30 @@ class FrameSocket:
         if self.body_left:
             self.skip(self.body_left)
         if self._end - self._start >= PREFIX.size:
-            head_len, self.body_left = PREFIX.unpack_from(self._buffer, self._start)
+            prefix = bytes(self._view[self._start:self._start + PREFIX.size])
             self._start += PREFIX.size
         else:
-            head_len, self.body_left = PREFIX.unpack(self._take(PREFIX.size))
-        if head_len > MAX_HEADER_BYTES:
-            raise ConnectionError(f"frame header of {head_len} bytes; the peer is not a "
-                                  "Tether data connection")
+            prefix = self._take(PREFIX.size)
+        head_len, body_left = PREFIX.unpack(prefix)
+        if head_len > self.max_header:
+            raise NotFrames(f"frame header of {head_len} bytes; the peer does not speak "
+                            "Tether board protocol v2", prefix)
+        self.body_left = body_left
         if head_len <= READ_BUFFER:
-            return pb.DataFrame.FromString(self._take(head_len))
-        head = bytearray(head_len)
-        self._read_into(memoryview(head))
-        return pb.DataFrame.FromString(bytes(head))
+            head = self._take(head_len)
+        else:
+            head = bytearray(head_len)
+            self._read_into(memoryview(head))
+            head = bytes(head)
+        try:
+            return pb.DataFrame.FromString(head)
+        except Exception:  # noqa: BLE001 - protobuf's DecodeError differs by version
+            raise NotFrames("a frame header that is not a DataFrame message; the peer does "
+                            "not speak Tether board protocol v2", prefix + head[:64]) from None
+
+    def buffered(self) -> bytes:
+        """Bytes received and not yet read as frames."""
+        return bytes(self._view[self._start:self._end])
 
     def _take(self, count: int) -> bytes:
         """``count`` (at most READ_BUFFER) bytes through the read buffer."""
@@ -317,16 +388,34 @@ def tensor_header(name: str, array):
     return pb.Tensor(name=name, dtype=array.dtype.name, shape=list(array.shape))
 
 
+# Tensors carry plain numbers only: booleans, integers, floats, complex. Object,
+# string and structured dtypes would turn bytes from the wire into pointers.
+TENSOR_KINDS = "biufc"
+
+
+def tensor_dtype(name: str, text: str):
+    """The little-endian numpy dtype a Tensor message names, or ValueError."""
+    import numpy as np
+
+    try:
+        dtype = np.dtype(text)
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.kind not in TENSOR_KINDS or dtype.fields or dtype.subdtype:
+        raise ValueError(f"tensor {name!r} has dtype {text!r}; tensors hold numbers only "
+                         "(bool, int8-64, uint8-64, float16/32/64, complex)")
+    return dtype.newbyteorder("<")
+
+
 def recv_tensors(fs: FrameSocket, descs) -> list:
     """Read the body of a frame as one new numpy array per Tensor description."""
     import numpy as np
 
     arrays = []
     for desc in descs:
-        try:
-            dtype = np.dtype(desc.dtype).newbyteorder("<")
-        except TypeError:
-            raise ValueError(f"tensor {desc.name!r} has unknown dtype {desc.dtype!r}") from None
+        dtype = tensor_dtype(desc.name, desc.dtype)
+        if any(d < 0 for d in desc.shape):
+            raise ValueError(f"tensor {desc.name!r} has a negative dimension {list(desc.shape)}")
         array = np.empty(tuple(desc.shape), dtype=dtype)
         if array.nbytes > fs.body_left:
             raise ValueError(f"tensor {desc.name!r} of shape {tuple(desc.shape)} {dtype.name} "

@@ -4,8 +4,8 @@ __all__ = ["serve"]
 
 
 def __getattr__(name):
-    # Lazy, so that the per-session worker (remote.server.worker) starts
-    # without importing grpc and the server's own modules.
+    # Lazy, so that the session processes (remote.server.worker) start
+    # without importing the server's own modules.
     if name == "serve":
         from remote.server.daemon import serve
         return serve

@@ -1,41 +1,116 @@
-"""Start a device server: the gRPC server, and the tracker link when there is one."""
+"""Start a device server: its port, its sessions, and the link to a tracker when there is one."""
 from __future__ import annotations
 
 import argparse
 import logging
 import os
-from concurrent import futures
+import socket
+import ssl
+import threading
 from typing import Dict, Optional
 
-import grpc
-
-from remote import tls
+from remote.address import split_address
 from remote.defaults import (FARM_SECRET_ENV, SERVER_PORT, TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV,
                              TRACKER_ENV, TRACKER_PORT)
 from remote.lifecycle import start_logging, wait_for_stop_signal
-from remote.proto import CHANNEL_OPTIONS, add_servicer
-from remote.address import split_address
 from remote.server.registration import TrackerLink, local_address_towards
 from remote.server.service import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_UPLOAD_BYTES, DeviceService
+from remote.tls import server_context
 
 log = logging.getLogger("tether.server")
+
+# Connections that have not yet sent their first frame, at most; more are
+# refused at once. Each must finish its TLS handshake and first frame within
+# HELLO_DEADLINE_S, however slowly its bytes arrive.
+MAX_PENDING = 64
+HELLO_DEADLINE_S = 10.0
+
+
+class Listener:
+    """Accepts connections on the server's port and gives each one's first
+    frame to the service, in its own thread, under a deadline."""
+
+    def __init__(self, host: str, port: int, service: DeviceService,
+                 tls: Optional[ssl.SSLContext]):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.sock.bind((host, port))
+        except OSError as exc:
+            self.sock.close()
+            raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+        self.sock.listen(128)
+        self.port = self.sock.getsockname()[1]
+        self.service = service
+        self.tls = tls
+        self._pending = threading.BoundedSemaphore(MAX_PENDING)
+        self._closed = False
+        threading.Thread(target=self._accept_loop, name="accept", daemon=True).start()
+
+    def _accept_loop(self):
+        while not self._closed:
+            try:
+                conn, peer = self.sock.accept()
+            except OSError:
+                if self._closed:
+                    return
+                continue
+            if not self._pending.acquire(blocking=False):
+                log.warning("refused a connection from %s: %d connections are still opening",
+                            peer[0], MAX_PENDING)
+                conn.close()
+                continue
+            threading.Thread(target=self._first_frame, args=(conn, peer), daemon=True).start()
+
+    def _first_frame(self, conn: socket.socket, peer):
+        where = f"{peer[0]}:{peer[1]}"
+        # One deadline for the whole hello, not per recv: a peer that trickles
+        # a byte at a time is cut off all the same.
+        timer = threading.Timer(HELLO_DEADLINE_S, _shut, args=(conn,))
+        timer.start()
+        try:
+            if self.tls is not None:
+                try:
+                    conn = self.tls.wrap_socket(conn, server_side=True)
+                except (ssl.SSLError, OSError) as exc:
+                    log.info("TLS handshake with %s failed: %s", where, exc)
+                    conn.close()
+                    return
+                timer.cancel()
+                timer = threading.Timer(HELLO_DEADLINE_S, _shut, args=(conn,))
+                timer.start()
+            self.service.handle(conn, where, timer.cancel)
+        finally:
+            timer.cancel()
+            self._pending.release()
+
+    def close(self):
+        self._closed = True
+        self.sock.close()
+
+
+def _shut(conn: socket.socket) -> None:
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 class RunningServer:
     """A started device server; ``stop()`` ends it."""
 
-    def __init__(self, grpc_server, service: DeviceService, port: int,
-                 link: Optional[TrackerLink]):
-        self.grpc_server = grpc_server
+    def __init__(self, listener: Listener, service: DeviceService, link: Optional[TrackerLink]):
+        self.listener = listener
         self.service = service
-        self.port = port
+        self.port = listener.port
         self.link = link
 
     def stop(self, grace: float = 1.0):
+        self.listener.close()
         if self.link is not None:
             self.link.close()
         self.service.close()
-        self.grpc_server.stop(grace)
 
 
 def serve(host: str = "0.0.0.0", port: int = SERVER_PORT, tracker: Optional[str] = None,
@@ -44,39 +119,45 @@ def serve(host: str = "0.0.0.0", port: int = SERVER_PORT, tracker: Optional[str]
           max_sessions: int = 1, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
           max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES, session_queue_s: float = 0.0,
           cc: str = "cc", workspace_dir: Optional[str] = None, tls_cert: str = "",
-          tls_key: str = "", tls_ca: str = "") -> RunningServer:
+          tls_key: str = "", tls_ca: str = "", relay: bool = False) -> RunningServer:
     """Start serving; with ``tracker`` and ``key`` the server registers and needs leases.
 
     ``tls_cert``/``tls_key`` serve clients over TLS; ``tls_ca`` is the certificate
-    to trust when talking to a TLS tracker.
+    to trust when talking to a TLS tracker. ``relay`` takes no sessions on this
+    port: clients reach the board through the tracker (for boards behind NAT).
 
     >>> srv = serve("127.0.0.1", 0)            # doctest: +SKIP
     """
     if (tracker is None) != (key is None):
         raise ValueError("give both a tracker address and a key, or neither")
-    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=16,
-                                                         thread_name_prefix="device"),
-                              options=CHANNEL_OPTIONS)
-    bound = tls.add_port(grpc_server, f"{host}:{port}", tls_cert, tls_key)
+    if relay and tracker is None:
+        raise ValueError("--relay needs a tracker to relay through (--tracker, --key)")
+    context = server_context(tls_cert, tls_key)
     service = DeviceService(max_sessions=max_sessions, idle_timeout_s=idle_timeout_s,
                             max_upload_bytes=max_upload_bytes, attributes=attributes,
-                            host=host, session_queue_s=session_queue_s, cc=cc,
-                            workspace_parent=workspace_dir, tls_cert=tls_cert, tls_key=tls_key)
+                            session_queue_s=session_queue_s, cc=cc,
+                            workspace_parent=workspace_dir)
+    try:
+        listener = Listener(host, port, service, context)
+    except BaseException:
+        service.close()
+        raise
     link = None
     if tracker is not None:
-        if advertise is None:
+        if relay:
+            advertise = ""
+        elif advertise is None:
             t_host, t_port = split_address(tracker, TRACKER_PORT)
             local = host if host not in ("0.0.0.0", "::", "") else local_address_towards(t_host, t_port)
-            advertise = f"{local}:{bound}"
+            advertise = f"{local}:{listener.port}"
         elif ":" not in advertise:
-            advertise = f"{advertise}:{bound}"
-        link = TrackerLink(tracker, key, advertise, service.info, farm_secret, tls_ca)
+            advertise = f"{advertise}:{listener.port}"
+        link = TrackerLink(tracker, key, advertise, service.info, farm_secret, tls_ca,
+                           on_relay=lambda sock: service.handle(sock, f"relay via {tracker}"),
+                           live_tokens=service.live_tokens)
         service.attach_tracker(link.redeem, link.release)
-    add_servicer(grpc_server, "Device", service)
-    grpc_server.start()
-    if link is not None:
         link.start()
-    return RunningServer(grpc_server, service, bound, link)
+    return RunningServer(listener, service, link)
 
 
 def _attribute(text: str):
@@ -98,6 +179,9 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
                         help=f"tracker HOST:PORT to register with (default ${TRACKER_ENV})")
     parser.add_argument("--key", help="device key to register under, e.g. rasp4b64")
     parser.add_argument("--advertise", help="HOST[:PORT] clients should dial (default: found)")
+    parser.add_argument("--relay", action="store_true",
+                        help="take sessions only through the tracker, for a board that cannot "
+                             "accept connections (behind NAT, outbound-only networks)")
     parser.add_argument("--farm-secret", default=os.environ.get(FARM_SECRET_ENV, ""),
                         help=f"secret the tracker requires (default ${FARM_SECRET_ENV})")
     parser.add_argument("--attr", action="append", type=_attribute, default=[],
@@ -124,6 +208,9 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     return parser
 
 
+REGISTER_WAIT_S = 5.0
+
+
 def run(args) -> int:
     """Serve until SIGINT/SIGTERM with the options parsed by ``build_parser``."""
     start_logging()
@@ -136,8 +223,15 @@ def run(args) -> int:
                    idle_timeout_s=args.idle_timeout, max_upload_bytes=args.max_upload_bytes,
                    session_queue_s=args.session_queue, cc=args.cc,
                    workspace_dir=args.workspace_dir,
-                   tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)
-    where = f"registered with {tracker} as {args.key}" if tracker else "standalone"
+                   tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+                   relay=args.relay)
+    if server.link is None:
+        where = "standalone"
+    elif server.link.registered.wait(REGISTER_WAIT_S):
+        where = f"registered with {tracker} as {args.key}"
+    else:
+        where = (f"not yet registered with {tracker}: {server.link.last_error or 'no answer'}; "
+                 "retrying in the background")
     print(f"tether device server listening on {args.host}:{server.port} ({where})", flush=True)
     wait_for_stop_signal()
     server.stop()

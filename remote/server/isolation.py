@@ -1,120 +1,277 @@
-"""The device server's side of a session's worker process (remote/server/worker.py)."""
+"""The device server's side of the processes that run sessions (remote/server/worker.py).
+
+One zygote process per server imports everything once and forks a child per
+session; ``Zygote.spawn`` hands it the client's connection. ``SessionProcess``
+is the server's handle on one such child: its pid, why it ended, the tail of
+what it printed.
+"""
 from __future__ import annotations
 
+import logging
 import os
-import secrets
 import signal
 import socket
 import subprocess
 import sys
 import threading
-from typing import Callable, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import remote
 
-# The folder that holds the `remote` and `minirt` packages, so the worker
+log = logging.getLogger("tether.server")
+
+# The folder that holds the `remote` and `minirt` packages, so the zygote
 # imports the same code as the server whatever its working directory.
 _CODE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(remote.__file__)))
+# What a session's process printed, kept for its end reason; older output is dropped.
+OUTPUT_TAIL_BYTES = 16 * 1024
+ZYGOTE_START_S = 120.0
 
 
-class WorkerProcess:
-    """A started worker: a child process that will serve one session's data connection.
+class SessionProcess:
+    """A session's child process, as the server sees it.
 
-    The server starts one ahead of need, so that opening a session does not
-    wait for Python and numpy to start; ``assign`` gives it its session.
-    ``on_exit(error_class, reason)`` is called once, from a watcher thread, when
-    the process has ended for any reason.
+    ``on_exit(error_class, reason)`` runs once, from a watcher thread, when the
+    process has ended for any reason; ``on_close()`` runs when the client
+    closed the session on purpose, and the child is told once it returns.
     """
 
-    def __init__(self, host: str, max_bytes: int, cc: str, idle_timeout_s: float,
-                 tls_cert: str = "", tls_key: str = ""):
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        # The server owns the listening socket, so the port is known (and
-        # connectable) before the child has finished importing numpy.
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            listener.bind((host, 0))
-            listener.listen(8)
-            self.port = listener.getsockname()[1]
-            self.token = secrets.token_urlsafe(24)
-            env = dict(os.environ)
-            env["PYTHONPATH"] = os.pathsep.join(
-                p for p in (_CODE_ROOT, env.get("PYTHONPATH", "")) if p)
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "remote.server.worker",
-                 "--listen-fd", str(listener.fileno()),
-                 "--max-bytes", str(max_bytes), "--cc", cc,
-                 "--idle-timeout", str(idle_timeout_s),
-                 "--tls-cert", tls_cert, "--tls-key", tls_key],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(listener.fileno(),),
-                env=env, cwd=_CODE_ROOT)
-        finally:
-            listener.close()
-        self._stop_reason: Optional[Tuple[str, str]] = None
-        self._on_exit: Callable[[str, str], None] = lambda error_class, reason: None
-        self._reported = threading.Event()
-        self._lock = threading.Lock()
-        threading.Thread(target=self._watch, name=f"worker-{self.proc.pid}", daemon=True).start()
-
-    def assign(self, workspace_root: str, on_exit: Callable[[str, str], None]) -> None:
-        """Hand the worker its session: the workspace folder; the token goes with it."""
+    def __init__(self, session_id: str, control: socket.socket, output_fd: int,
+                 on_exit: Callable[[str, str], None], on_close: Callable[[], None]):
+        self.session_id = session_id
+        self.pid = 0
+        self.started = threading.Event()
+        self._control = control
         self._on_exit = on_exit
+        self._on_close = on_close
+        self._stop_reason: Optional[Tuple[str, str]] = None
+        self._own_reason: Optional[Tuple[str, str]] = None
+        self._tail = b""
+        self._reported = threading.Event()
+        self._gone = threading.Event()
+        self._output_done = threading.Event()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._read_control, name=f"session-{session_id[:6]}",
+                         daemon=True).start()
+        threading.Thread(target=self._read_output, args=(output_fd,), daemon=True,
+                         name=f"output-{session_id[:6]}").start()
+
+    # -------------------------------------------------------------- child --
+    def _read_control(self):
+        buffered = b""
         try:
-            # stdin stays open: the worker ends when it closes, that is when
-            # this server process ends, however it ends.
-            self.proc.stdin.write(f"{self.token}\n{workspace_root}\n".encode())
-            self.proc.stdin.flush()
-        except (OSError, ValueError):
-            pass  # it died while waiting; the watcher reports why
+            while True:
+                data = self._control.recv(4096)
+                if not data:
+                    break
+                buffered += data
+                while b"\n" in buffered:
+                    line, buffered = buffered.split(b"\n", 1)
+                    self._message(line.decode("utf-8", "replace"))
+        except OSError:
+            pass
 
-    def alive(self) -> bool:
-        return self.proc.poll() is None
+    def _message(self, line: str):
+        if line.startswith("end\t"):
+            _, error_class, reason = (line.split("\t", 2) + ["", ""])[:3]
+            with self._lock:
+                if self._own_reason is None:
+                    self._own_reason = (error_class, reason)
+        elif line == "close":
+            try:
+                self._on_close()
+            finally:
+                try:
+                    self._control.sendall(b"released\n")
+                except OSError:
+                    pass
 
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
+    def _read_output(self, fd: int):
+        with os.fdopen(fd, "rb", buffering=0) as pipe:
+            while True:
+                data = pipe.read(65536)
+                if not data:
+                    break
+                self._tail = (self._tail + data)[-OUTPUT_TAIL_BYTES:]
+        self._output_done.set()
 
+    # -------------------------------------------------------------- server --
     def stop(self, error_class: str, reason: str) -> None:
-        """End the worker (the server decided: close, timeout, shutdown)."""
+        """End the process (the server decided: close, timeout, shutdown)."""
         with self._lock:
             if self._stop_reason is None:
                 self._stop_reason = (error_class, reason)
-        if self.proc.poll() is None:
-            self.proc.kill()
+        if self.started.wait(10.0) and not self._gone.is_set():
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except OSError:
+                pass
 
     def wait_exit(self, timeout: float) -> bool:
-        """True once the worker has ended and ``on_exit`` has run."""
+        """True once the process has ended and ``on_exit`` has run."""
         return self._reported.wait(timeout)
 
-    def _watch(self):
-        out = self.proc.stdout.read()
-        code = self.proc.wait()
-        self.proc.stdout.close()
+    def wait_gone(self, timeout: float) -> bool:
+        """True once the process has ended (``on_exit`` may still be running)."""
+        return self._gone.wait(timeout)
+
+    def exited(self, code: int) -> None:
+        """Called by the zygote's reader with the child's exit code (negative: signal)."""
+        if self._gone.is_set():
+            return
+        self._gone.set()
+        self._output_done.wait(2.0)
+        error_class, reason = self._describe(code)
         try:
-            self.proc.stdin.close()
+            self._control.close()
         except OSError:
             pass
-        error_class, reason = self._describe(code, out)
         try:
             self._on_exit(error_class, reason)
         finally:
             self._reported.set()
 
-    def _describe(self, code: int, out: bytes) -> Tuple[str, str]:
+    def _describe(self, code: int) -> Tuple[str, str]:
         with self._lock:
             if self._stop_reason is not None:
                 return self._stop_reason
-        lines = out.decode("utf-8", "replace").strip().splitlines()
-        if lines and "\t" in lines[-1]:
-            error_class, _, reason = lines[-1].partition("\t")
-            return error_class, reason
+            if self._own_reason is not None:
+                return self._own_reason
         if code < 0:
             try:
                 name = signal.Signals(-code).name
             except ValueError:
                 name = f"signal {-code}"
-            return ("ModuleCrashed",
-                    f"the process running this session's modules was killed by {name}; "
-                    "a module it ran crashed (or it ran out of memory)")
+            reason = (f"the process running this session's modules was killed by {name}; "
+                      "a module it ran crashed (or it ran out of memory)")
+            return "ModuleCrashed", reason + self._output_note()
         return ("SessionEnded",
-                f"the process running this session's modules exited with code {code}")
+                f"the process running this session's modules exited with code {code}"
+                + self._output_note())
+
+    def _output_note(self) -> str:
+        text = self._tail.decode("utf-8", "replace").strip()
+        if not text:
+            return ""
+        lines = text.splitlines()[-5:]
+        return "; its last output: " + " | ".join(line[-300:] for line in lines)
+
+
+class Zygote:
+    """The process that forks one child per session (remote/server/worker.py)."""
+
+    def __init__(self, max_bytes: int, cc: str, idle_timeout_s: float):
+        self._argv = [sys.executable, "-m", "remote.server.worker",
+                      "--max-bytes", str(max_bytes), "--cc", cc,
+                      "--idle-timeout", str(idle_timeout_s)]
+        self._lock = threading.Lock()
+        self._sessions: Dict[str, SessionProcess] = {}
+        self._closed = False
+        self._start()
+
+    def _start(self):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_CODE_ROOT, env.get("PYTHONPATH", "")) if p)
+        try:
+            self.proc = subprocess.Popen(
+                self._argv + ["--control-fd", str(theirs.fileno())], stdin=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(),), env=env, cwd=_CODE_ROOT)
+        finally:
+            theirs.close()
+        self._control = ours
+        self.ready = threading.Event()
+        self.failed = ""
+        threading.Thread(target=self._read, args=(ours, self.proc), name="zygote",
+                         daemon=True).start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def spawn(self, session_id: str, conn: socket.socket, workspace_root: str,
+              on_exit: Callable[[str, str], None], on_close: Callable[[], None]) -> SessionProcess:
+        """Start the child that serves ``conn`` for a session; ``conn`` stays the caller's."""
+        if self.failed:
+            with self._lock:
+                if self.failed:
+                    self._start()  # try once more for this session
+        if not self.ready.wait(ZYGOTE_START_S):
+            raise RuntimeError(f"the session process starter (pid {self.proc.pid}) did not "
+                               f"start within {ZYGOTE_START_S:g} s")
+        if self.failed:
+            raise RuntimeError(f"the process that starts sessions could not run: {self.failed}")
+        control, child_control = socket.socketpair()
+        out_r, out_w = os.pipe()
+        process = SessionProcess(session_id, control, out_r, on_exit, on_close)
+        try:
+            with self._lock:
+                self._sessions[session_id] = process
+                socket.send_fds(self._control, [f"spawn {session_id} {workspace_root}".encode()],
+                                [conn.fileno(), child_control.fileno(), out_w])
+        except OSError:
+            with self._lock:
+                self._sessions.pop(session_id, None)
+            control.close()
+            raise
+        finally:
+            child_control.close()
+            os.close(out_w)
+        return process
+
+    def _read(self, control: socket.socket, proc):
+        while True:
+            try:
+                message = control.recv(4096)
+            except OSError:
+                message = b""
+            if not message:
+                break
+            words = message.decode().split()
+            if words[0] == "ready":
+                self.ready.set()
+                continue
+            with self._lock:
+                process = self._sessions.get(words[1])
+                if words[0] == "exit":
+                    self._sessions.pop(words[1], None)
+            if process is None:
+                continue
+            if words[0] == "started":
+                process.pid = int(words[2])
+                process.started.set()
+            elif words[0] == "exit":
+                threading.Thread(target=process.exited, args=(int(words[2]),),
+                                 daemon=True).start()
+        # The zygote itself ended: its children live on (their control sockets
+        # tie them to this server), but a new zygote serves the next sessions.
+        proc.wait()
+        with self._lock:
+            orphans = [p for p in self._sessions.values() if not p.started.is_set()]
+            for process in orphans:
+                del self._sessions[process.session_id]
+        for process in orphans:
+            process.exited(1)
+        if self._closed:
+            return
+        if not self.ready.is_set():
+            # It never started (a broken install, say): say so to the next
+            # session rather than start it again in a loop.
+            self.failed = f"it exited with code {proc.returncode} while starting; see the server's log"
+            log.error("the session process starter (pid %d) %s", proc.pid, self.failed)
+            self.ready.set()
+            return
+        log.error("the session process starter (pid %d) ended with code %s; starting "
+                  "another", proc.pid, proc.returncode)
+        self._start()
+
+    def close(self):
+        self._closed = True
+        try:
+            self._control.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()

@@ -1,40 +1,37 @@
-"""The device server: sessions, their workspaces, and the modules they run.
+"""The device server: sessions, their workspaces, and the processes that run them.
 
 A server either stands alone (any client may open a session) or sits behind a
-tracker, when a client must present a lease token that the tracker confirms.
+tracker, when a client must present a lease token that the tracker confirms
+over the board's link (remote/server/registration.py).
+
+Every connection to the server's port starts with one frame (board protocol
+v2, docs/protocol.md): ``open`` makes it a session, served from then on by the
+session's own process; ``status`` asks why a session ended; ``info`` asks what
+the board is.
 """
 from __future__ import annotations
 
-import functools
-import hashlib
 import logging
-import os
 import secrets
+import socket
+import ssl
 import threading
 import time
-import traceback
 from typing import Callable, Dict, Optional
 
-import socket
-
-import minirt
 from remote import errors
-from remote.errors import TetherError, abort
+from remote.errors import TetherError
 from remote.proto import pb
-from remote.proto.frames import FrameSocket, little_endian, recv_tensors, tensor_header
-from remote.proto.tensors import from_message
+from remote.proto.frames import (PROTOCOL_VERSION, FrameSocket, error_frame, looks_like_http2,
+                                 splice, version_error)
 from remote.server import devinfo
-from remote.server.isolation import WorkerProcess
+from remote.server.isolation import SessionProcess, Zygote
 from remote.server.workspace import Workspace
 
 log = logging.getLogger("tether.server")
 
 DEFAULT_MAX_UPLOAD_BYTES = 1 << 30
 DEFAULT_IDLE_TIMEOUT_S = 300.0
-# A gRPC Run without a deadline still must not hold a worker forever.
-DEFAULT_RUN_TIMEOUT_S = 300.0
-
-
 # Ended sessions whose reason a client may still ask for.
 ENDED_KEPT = 256
 
@@ -46,57 +43,22 @@ class Session:
         self.client = client
         self.lease_token = lease_token
         self.timeout_s = timeout_s
-        self.opened = self.last_used = time.monotonic()
+        self.opened = time.monotonic()
         self.workspace = Workspace(workspace_parent)
-        self.worker: Optional[WorkerProcess] = None
-        self.worker_host = "127.0.0.1"
-        self.lock = threading.RLock()
-        self._link: Optional[FrameSocket] = None
-
-    def link(self) -> FrameSocket:
-        """The server's own connection to the worker, for the gRPC LoadModule/Run path."""
-        if self._link is None:
-            sock = socket.create_connection(("127.0.0.1" if self.worker_host in ("0.0.0.0", "")
-                                             else self.worker_host, self.worker.port), timeout=30)
-            sock.settimeout(None)
-            self._link = FrameSocket(sock)
-            self._link.send(pb.DataFrame(op="hello", token=self.worker.token, primary=False))
-        return self._link
+        self.process: Optional[SessionProcess] = None
 
     def close(self):
-        if self._link is not None:
-            self._link.close()
         self.workspace.close()
 
 
-def rpc_method(fn):
-    """Turn TetherErrors into their status codes and anything else into RemoteError."""
-    @functools.wraps(fn)
-    def wrapper(self, request, context):
-        try:
-            return fn(self, request, context)
-        except TetherError as exc:
-            abort(context, exc)
-        except minirt.InputError as exc:
-            abort(context, errors.InputError(str(exc)))
-        except minirt.ModuleLoadError as exc:
-            abort(context, errors.ModuleLoadError(str(exc)))
-        except Exception as exc:  # noqa: BLE001 - the client gets the traceback
-            log.exception("%s failed", fn.__name__)
-            abort(context, errors.RemoteError(
-                f"{fn.__name__} failed on the device: {exc}\n{traceback.format_exc()}"))
-    return wrapper
-
-
 class DeviceService:
-    """Implements the tether.v1.Device service."""
+    """Sessions on this board, opened by the first frame of a connection."""
 
     def __init__(self, max_sessions: int = 1,
                  idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
                  max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
                  workspace_parent: Optional[str] = None, attributes=None,
-                 host: str = "0.0.0.0", session_queue_s: float = 0.0, cc: str = "cc",
-                 tls_cert: str = "", tls_key: str = ""):
+                 session_queue_s: float = 0.0, cc: str = "cc"):
         self._redeem: Optional[Callable[[str], None]] = None
         self._release: Optional[Callable[[str], None]] = None
         self.max_sessions = max_sessions
@@ -104,18 +66,13 @@ class DeviceService:
         self.max_upload_bytes = max_upload_bytes
         self.workspace_parent = workspace_parent
         self.info = devinfo.collect(attributes)
-        self.host = host
         self.session_queue_s = session_queue_s
-        self.cc = cc
-        self.tls_files = (tls_cert, tls_key)  # the data connection is TLS when gRPC is
         self._sessions: Dict[str, Session] = {}
         self._ended: Dict[str, tuple] = {}
         self._ending: Dict[str, threading.Event] = {}
         self._lock = threading.Lock()
         self._slot_free = threading.Condition(self._lock)
-        # A worker process started ahead of the next session (see _take_spare_worker).
-        self._spare_lock = threading.Lock()
-        self._spare: Optional[WorkerProcess] = self._new_worker()
+        self._zygote = Zygote(max_upload_bytes, cc, idle_timeout_s)
         self._stop = threading.Event()
         threading.Thread(target=self._expire_loop, name="session-expiry", daemon=True).start()
 
@@ -124,30 +81,19 @@ class DeviceService:
         self._redeem = redeem
         self._release = release
 
+    def live_tokens(self):
+        with self._lock:
+            return sorted(s.lease_token for s in self._sessions.values() if s.lease_token)
+
     def close(self):
         self._stop.set()
-        with self._spare_lock:
-            if self._spare is not None:
-                self._spare.stop("SessionEnded", "server stopping")
-                self._spare = None
         for session_id in list(self._sessions):
             self._end(session_id, "server stopping")
+        self._zygote.close()
 
     # ---------------------------------------------------------- sessions --
-    def _session(self, session_id: str) -> Session:
-        session = self._sessions.get(session_id)
-        if session is None:
-            ended = self._ended.get(session_id)
-            if ended is not None:
-                error_class, reason = ended
-                raise getattr(errors, error_class, errors.SessionEnded)(
-                    f"the session has ended: {reason}; open a new one")
-            raise errors.SessionError(
-                "unknown or closed session; it may have timed out — open a new one")
-        session.last_used = time.monotonic()
-        return session
-
-    def _end(self, session_id: str, why: str, error_class: str = "SessionEnded"):
+    def _end(self, session_id: str, why: str, error_class: str = "SessionEnded",
+             stop_process: bool = True):
         with self._lock:
             session = self._sessions.pop(session_id, None)
             if session is None:
@@ -158,27 +104,26 @@ class DeviceService:
                 while len(self._ended) > ENDED_KEPT:
                     self._ended.pop(next(iter(self._ended)))
         if session is None:
-            # Another thread (say, the worker's exit watcher) is ending it: callers
-            # such as CloseSession return only once the lease is back.
+            # Another thread (say, the process's exit watcher) is ending it:
+            # callers such as a close return only once the lease is back.
             if ending is not None:
                 ending.wait(30.0)
             return
         try:
-            self._finish(session, why, error_class)
+            self._finish(session, why, error_class, stop_process)
         finally:
             with self._lock:
                 self._ending.pop(session_id, None)
             ending.set()
 
-    def _finish(self, session: "Session", why: str, error_class: str):
-        session_id = session.session_id
-        if session.worker is not None:
-            session.worker.stop(error_class, why)
-            session.worker.proc.wait()
+    def _finish(self, session: Session, why: str, error_class: str, stop_process: bool):
+        if session.process is not None and stop_process:
+            session.process.stop(error_class, why)
+            session.process.wait_gone(10.0)
         session.close()
         with self._lock:
             self._slot_free.notify()
-        log.info("session %s of %s ended: %s", session_id[:8], session.client, why)
+        log.info("session %s of %s ended: %s", session.session_id[:8], session.client, why)
         if session.lease_token and self._release is not None:
             try:
                 self._release(session.lease_token)
@@ -192,23 +137,54 @@ class DeviceService:
                 if session.timeout_s and now - session.opened > session.timeout_s:
                     self._end(session.session_id,
                               f"its session timeout of {session.timeout_s:g} s was reached")
-                elif session.worker is None and now - session.last_used > self.idle_timeout_s:
-                    # Sessions with a worker: the worker watches its own connection.
-                    self._end(session.session_id, f"idle for {self.idle_timeout_s:g} s")
 
-    # -------------------------------------------------------------- RPCs --
-    @rpc_method
-    def GetInfo(self, request, context):
-        return self.info
+    # -------------------------------------------------------- connections --
+    def handle(self, sock: socket.socket, peer: str,
+               first_read: Callable[[], None] = lambda: None) -> None:
+        """Serve a new connection's first frame; ``first_read()`` is called once it
+        has arrived (the caller's deadline for it ends there)."""
+        fs = FrameSocket(sock)
+        fs.max_header = 64 * 1024  # a first frame is small; nothing larger is read
+        handed_over = False
+        try:
+            first = fs.recv_header()
+            first_read()
+            if first.version != PROTOCOL_VERSION:
+                fs.send(error_frame("ConnectionFailed", version_error(first.version, "client")))
+            elif first.op == "open":
+                handed_over = self._open(fs, first, peer)
+            elif first.op == "status":
+                fs.send(self._status(first.name))
+            elif first.op == "close":
+                # From a new connection, when the session's own is busy or stuck;
+                # the unguessable session id is what entitles the caller.
+                self._end(first.name, "closed by the client")
+                fs.send(pb.DataFrame(op="ok"))
+            elif first.op == "info":
+                fs.send(pb.DataFrame(op="ok", info=self.info))
+            else:
+                fs.send(error_frame("InvalidArgument", f"a connection must begin with open, "
+                                    f"status, close or info, not {first.op!r}"))
+        except TetherError as exc:
+            _send_quietly(fs, error_frame(type(exc).__name__, str(exc)))
+        except ConnectionError as exc:
+            if looks_like_http2(exc):
+                _answer_v1_client(sock, exc.seen + fs.buffered())
+        except (OSError, ValueError) as exc:
+            log.info("connection from %s dropped before a session: %s", peer, exc)
+        finally:
+            if not handed_over:
+                fs.close()
 
-    @rpc_method
-    def OpenSession(self, request, context):
+    def _open(self, fs: FrameSocket, request, peer: str) -> bool:
+        if fs.buffered():
+            raise errors.InvalidArgument("send nothing after open before its answer")
         if self._redeem is not None:
-            if not request.lease_token:
+            if not request.token:
                 raise errors.AuthenticationError(
                     "this device is behind a tracker: request it through the tracker "
                     "(rpc.connect_tracker(...).request(key)) instead of connecting directly")
-            self._redeem(request.lease_token)
+            self._redeem(request.token)
         with self._lock:
             deadline = time.monotonic() + self.session_queue_s
             while len(self._sessions) >= self.max_sessions:
@@ -216,177 +192,80 @@ class DeviceService:
                 if left <= 0 or self._stop.is_set():
                     waited = (f" after waiting {self.session_queue_s:g} s"
                               if self.session_queue_s else "")
-                    raise errors.DeviceBusy(
+                    error = errors.DeviceBusy(
                         f"device busy: {len(self._sessions)} session(s) open, at most "
                         f"{self.max_sessions}{waited}; try again later or use a tracker "
                         "to queue (server options --max-sessions, --session-queue)")
+                    break
                 self._slot_free.wait(left)
-            session = Session(secrets.token_urlsafe(16), request.client or context.peer(),
-                              request.lease_token, request.session_timeout_s,
-                              self.workspace_parent)
-            self._sessions[session.session_id] = session
+            else:
+                error = None
+                session = Session(secrets.token_urlsafe(16), request.client or peer,
+                                  request.token, request.session_timeout_s,
+                                  self.workspace_parent)
+                self._sessions[session.session_id] = session
+        if error is not None:
+            raise error
+        sid = session.session_id
+        conn = fs.sock
         try:
-            session.worker_host = self.host
-            session.worker = self._take_spare_worker()
-            session.worker.assign(session.workspace.root,
-                                  functools.partial(self._worker_exited, session.session_id))
+            if isinstance(conn, ssl.SSLSocket):
+                # TLS state cannot move to another process: this server carries
+                # the session's bytes between the TLS socket and the child.
+                conn, child_end = socket.socketpair()
+                splice(fs.sock, conn, f"tls-{sid[:6]}")
+            else:
+                child_end = conn
+            session.process = self._zygote.spawn(
+                sid, child_end, session.workspace.root,
+                on_exit=lambda cls, why: self._end(sid, why, cls),
+                on_close=lambda: self._end(sid, "closed by the client", stop_process=False))
+            if child_end is not fs.sock:
+                child_end.close()
+            fs.send(pb.DataFrame(op="ok", name=sid, info=self.info,
+                                 size=self.max_upload_bytes))
         except BaseException:
-            self._end(session.session_id, "its worker process could not start", "RemoteError")
+            self._end(sid, "its process could not start", "RemoteError")
             raise
-        log.info("session %s opened by %s (worker pid %d)", session.session_id[:8],
-                 session.client, session.worker.pid)
-        return pb.SessionReply(session_id=session.session_id, info=self.info,
-                               data_port=session.worker.port, data_token=session.worker.token,
-                               max_upload_bytes=self.max_upload_bytes)
+        threading.Thread(target=self._log_open, args=(session,), daemon=True).start()
+        if not isinstance(fs.sock, ssl.SSLSocket):
+            fs.sock.close()  # the session's process has its own copy
+        return True
 
-    def _new_worker(self) -> WorkerProcess:
-        return WorkerProcess(self.host, self.max_upload_bytes, self.cc, self.idle_timeout_s,
-                             *self.tls_files)
+    def _log_open(self, session: Session):
+        log.info("session %s opened by %s", session.session_id[:8], session.client)
+        if session.process.started.wait(60.0):
+            log.info("session %s runs in process %d", session.session_id[:8],
+                     session.process.pid)
 
-    def _take_spare_worker(self) -> WorkerProcess:
-        """The worker started ahead of time (or a new one), and start the next spare."""
-        with self._spare_lock:
-            worker = self._spare
-            self._spare = None
-            if worker is None or not worker.alive():
-                worker = self._new_worker()
-            if not self._stop.is_set():
-                self._spare = self._new_worker()
-        return worker
-
-    def _worker_exited(self, session_id: str, error_class: str, reason: str):
-        self._end(session_id, reason, error_class)
-
-    @rpc_method
-    def SessionStatus(self, request, context):
-        session = self._sessions.get(request.session_id)
-        # A client asks when its data connection broke: give a dying worker a
+    def _status(self, session_id: str):
+        session = self._sessions.get(session_id)
+        # A client asks when its connection broke: give a dying process a
         # moment to be reaped so the answer says why.
-        if session is not None and session.worker is not None:
-            if not session.worker.wait_exit(3.0):
-                return pb.SessionState(open=True)
-        ended = self._ended.get(request.session_id)
+        if session is not None and session.process is not None:
+            if not session.process.wait_exit(3.0):
+                return pb.DataFrame(op="ok", open=True)
+        ended = self._ended.get(session_id)
         if ended is None:
-            return pb.SessionState(open=request.session_id in self._sessions,
-                                   end_reason="unknown session", end_error="SessionError")
-        return pb.SessionState(open=False, end_error=ended[0], end_reason=ended[1])
+            return pb.DataFrame(op="ok", open=session_id in self._sessions,
+                                text="unknown session", error="SessionError")
+        return pb.DataFrame(op="ok", open=False, error=ended[0], text=ended[1])
 
-    @rpc_method
-    def CloseSession(self, request, context):
-        self._end(request.session_id, "closed by the client")
-        return pb.Empty()
 
-    @rpc_method
-    def Upload(self, request_iterator, context):
-        first = next(request_iterator, None)
-        if first is None:
-            raise errors.InvalidArgument("empty upload: no chunks were sent")
-        session = self._session(first.session_id)
-        target = session.workspace.path(first.name)
-        if first.total_size > self.max_upload_bytes:
-            raise errors.InvalidArgument(
-                f"upload of {first.name!r} is {first.total_size} bytes; this device accepts "
-                f"at most {self.max_upload_bytes} (server option --max-upload-bytes)")
-        digest = hashlib.sha256()
-        size = 0
-        expected_sha = ""
-        partial = target + ".part"
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        try:
-            with open(partial, "wb") as f:
-                chunk = first
-                while chunk is not None:
-                    size += len(chunk.data)
-                    if size > self.max_upload_bytes:
-                        raise errors.InvalidArgument(
-                            f"upload of {first.name!r} exceeds {self.max_upload_bytes} bytes")
-                    digest.update(chunk.data)
-                    f.write(chunk.data)
-                    expected_sha = chunk.sha256 or expected_sha
-                    chunk = next(request_iterator, None)
-            if first.total_size and size != first.total_size:
-                raise errors.InvalidArgument(
-                    f"upload of {first.name!r} ended after {size} of {first.total_size} bytes")
-            if expected_sha and digest.hexdigest() != expected_sha:
-                raise errors.InvalidArgument(
-                    f"upload of {first.name!r} is corrupt: sha256 {digest.hexdigest()} "
-                    f"does not match the sender's {expected_sha}")
-            os.replace(partial, target)
-        finally:
-            if os.path.exists(partial):
-                os.remove(partial)
-        return pb.FileInfo(name=first.name, size=size, sha256=digest.hexdigest())
+def _send_quietly(fs: FrameSocket, frame) -> None:
+    try:
+        fs.send(frame)
+    except OSError:
+        pass
 
-    @rpc_method
-    def ListDir(self, request, context):
-        session = self._session(request.session_id)
-        files = [pb.FileInfo(name=n, size=os.path.getsize(session.workspace.path(n)))
-                 for n in session.workspace.listdir()]
-        return pb.FileList(files=files)
 
-    @rpc_method
-    def Download(self, request, context):
-        session = self._session(request.session_id)
-        path = session.workspace.existing(request.name)
-        f = open(path, "rb")
+def _answer_v1_client(sock, seen: bytes) -> None:
+    """A protocol v1 client spoke gRPC to this port: answer in kind, so it
+    raises an error that says what to do instead of hanging."""
+    from remote.proto.http2 import refuse_grpc
 
-        def chunks():
-            digest = hashlib.sha256()
-            with f:
-                total = os.fstat(f.fileno()).st_size
-                sent = 0
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    digest.update(block)
-                    sent += len(block)
-                    yield pb.UploadChunk(name=request.name, total_size=total, data=block,
-                                         sha256=digest.hexdigest() if sent >= total else "")
-                if sent == 0:
-                    yield pb.UploadChunk(name=request.name, sha256=digest.hexdigest())
-        return chunks()
-
-    @rpc_method
-    def Remove(self, request, context):
-        session = self._session(request.session_id)
-        session.workspace.remove(request.name)
-        return pb.Empty()
-
-    # The client sends loads and runs over its data connection; these gRPC
-    # forms relay to the same worker for callers that only speak gRPC.
-    def _relay(self, session: Session, header, body=()):
-        with session.lock:
-            link = session.link()
-            try:
-                link.send(header, body)
-                reply = link.recv_header()
-            except OSError:
-                session.worker.wait_exit(3.0)
-                self._session(session.session_id)  # raises why the session ended
-                raise errors.SessionEnded("the session's worker process went away")
-            if reply.op == "error":
-                link.skip(link.body_left)
-                raise getattr(errors, reply.error, errors.RemoteError)(reply.text)
-            return reply, link
-
-    @rpc_method
-    def LoadModule(self, request, context):
-        session = self._session(request.session_id)
-        reply, _ = self._relay(session, pb.DataFrame(op="load", name=request.name))
-        return pb.ModuleInfo(module_id=reply.name, metadata_json=reply.text, load_s=reply.seconds)
-
-    @rpc_method
-    def Run(self, request, context):
-        session = self._session(request.session_id)
-        try:
-            inputs = [(t.name, little_endian(from_message(t))) for t in request.inputs]
-        except ValueError as exc:
-            raise errors.InputError(str(exc))
-        header = pb.DataFrame(op="run", name=request.module_id,
-                              timeout_s=context.time_remaining() or DEFAULT_RUN_TIMEOUT_S,
-                              tensors=[tensor_header(n, a) for n, a in inputs])
-        with session.lock:
-            reply, link = self._relay(session, header, [a for _, a in inputs])
-            outputs = recv_tensors(link, reply.tensors)
-        return pb.RunReply(outputs=[pb.Tensor(name=t.name, dtype=t.dtype, shape=t.shape,
-                                              data=little_endian(a).tobytes())
-                                    for t, a in zip(reply.tensors, outputs)],
-                           run_s=reply.seconds)
+    try:
+        refuse_grpc(sock, seen, "this board speaks Tether board protocol v2 and this client "
+                          "protocol v1 (gRPC); update Tether on this computer")
+    except OSError:
+        pass

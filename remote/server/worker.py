@@ -1,23 +1,28 @@
-"""The process that runs one session's modules: ``python -m remote.server.worker``.
+"""The processes that run sessions' modules (``python -m remote.server.worker``).
 
-The device server starts one per session, hands it a listening socket and the
-session's data token, and watches it. Everything the client does often — runs,
-tensor copies, file transfers — goes straight to this process over its data
-connection (docs/sessions.md), so a module that crashes or hangs takes down
-only this process, never the server.
+The device server starts one of these as a *zygote*: it imports numpy, minirt
+and the protocol once, then waits on a control socket. For each session the
+server sends it the client's connection, the session's control socket and an
+output pipe, and the zygote forks a child that serves that connection. A fork
+of a process that has already imported everything takes a millisecond or two
+where starting Python and numpy takes a third of a second (seconds on a Pi),
+so opening a session never waits for an interpreter.
 
-Its stdout carries one line for the server when it ends on purpose:
-``<error class>\\t<reason>``.
+Everything a session does happens in its child (docs/sessions.md): a module
+that crashes or hangs takes down only that process, never the server. The
+child tells the server why it ends (``end<TAB>class<TAB>reason``) and asks it
+to end the session when the client closes it (``close``, answered
+``released`` once the board is back in the tracker's pool).
 """
 from __future__ import annotations
 
 import argparse
-import hmac
 import json
 import os
+import select
 import shutil
+import signal
 import socket
-import ssl
 import subprocess
 import sys
 import tarfile
@@ -34,19 +39,23 @@ from remote import errors
 from remote.proto import pb
 from remote.proto.frames import (CHUNK_BYTES, Checksum, FrameSocket, PeerClosed, error_frame,
                                  frame_bytes, little_endian, recv_array_chunks, recv_tensors,
-                                 send_array_chunks, tensor_header)
+                                 send_array_chunks, tensor_dtype, tensor_header)
 from remote.server.workspace import Workspace
 
 EXIT_RUN_TIMEOUT = 3
 _OK = frame_bytes(pb.DataFrame(op="ok"))
 
 
+# The session's control socket to the server (set in the session's child).
+_CONTROL = None
+
+
 def report_end(error_class: str, reason: str) -> None:
     """Tell the server why this process is about to end."""
+    text = f"end\t{error_class}\t{reason}".replace("\n", " ")
     try:
-        sys.stdout.write(f"{error_class}\t{reason}\n")
-        sys.stdout.flush()
-    except (OSError, ValueError):
+        _CONTROL.sendall(text.encode("utf-8", "replace") + b"\n")
+    except (OSError, AttributeError):
         pass  # the server is gone; nobody is left to tell
 
 
@@ -64,11 +73,18 @@ def peak_rss_bytes() -> int:
 
 
 class Watchdog:
-    """Ends the process when a module call outlives its timeout.
+    """Ends the process when a module call outlives its timeout, or when the
+    client closes the connection while the call runs.
 
     ctypes releases the GIL while the module runs, so this thread gets to run
-    even when the module spins forever.
+    even when the module spins forever. A session's calls are answered in
+    order on one connection, so nothing else reads it during a call: a client
+    that gives up (Ctrl-C, its process killed) is seen only here, and its
+    board is freed at once instead of when the module returns.
     """
+
+    # How often a running call's connection is looked at.
+    PEER_CHECK_S = 0.25
 
     def __init__(self):
         self._cond = threading.Condition()
@@ -79,10 +95,8 @@ class Watchdog:
         threading.Thread(target=self._loop, name="watchdog", daemon=True).start()
 
     def arm(self, timeout_s: float, what: str, fs: FrameSocket) -> None:
-        if timeout_s <= 0:
-            return
         with self._cond:
-            self._deadline = time.monotonic() + timeout_s
+            self._deadline = time.monotonic() + timeout_s if timeout_s > 0 else float("inf")
             self._what, self._timeout, self._fs = what, timeout_s, fs
             self._cond.notify()
 
@@ -92,28 +106,62 @@ class Watchdog:
                 self._deadline = None
 
     def _loop(self):
-        with self._cond:
-            while True:
-                if self._deadline is None:
+        while True:
+            with self._cond:
+                while self._deadline is None:
                     self._cond.wait()
-                    continue
-                left = self._deadline - time.monotonic()
-                if left > 0:
-                    self._cond.wait(left)
-                    continue
-                message = (f"{self._what} did not finish within {self._timeout:g} s; the device "
-                           "stopped the module and ended the session")
-                report_end("RunTimeout", message)
-                try:
-                    self._fs.sock.settimeout(1.0)
-                    self._fs.send(error_frame("RunTimeout", message))
-                except OSError:
-                    pass
-                os._exit(EXIT_RUN_TIMEOUT)
+                deadline, what, fs = self._deadline, self._what, self._fs
+            left = deadline - time.monotonic()
+            if left > 0:
+                if _peer_closed(fs.sock, min(left, self.PEER_CHECK_S)):
+                    with self._cond:
+                        if self._deadline is deadline:
+                            report_end("SessionEnded", f"the client closed its connection "
+                                                       f"during the {what}")
+                            os._exit(0)
+                continue
+            with self._cond:
+                if self._deadline is not deadline:
+                    continue  # the call finished meanwhile
+            message = (f"{what} did not finish within {self._timeout:g} s; the device "
+                       "stopped the module and ended the session")
+            report_end("RunTimeout", message)
+            try:
+                fs.sock.settimeout(1.0)
+                fs.send(error_frame("RunTimeout", message))
+            except OSError:
+                pass
+            os._exit(EXIT_RUN_TIMEOUT)
 
 
-def link_objects(tar_path: str, name: str, workspace: Workspace, cc: str) -> str:
-    """Link the object files in a module .tar with the board's C compiler; returns the .so."""
+def _peer_closed(sock: socket.socket, wait_s: float) -> bool:
+    """Whether the other end has closed ``sock``, waiting up to ``wait_s`` to see."""
+    try:
+        readable, _, _ = select.select([sock], [], [], wait_s)
+        if not readable:
+            return False
+        if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+            time.sleep(wait_s)  # the client sent more; it is read after this call
+            return False
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+# gzip, bzip2, xz, zstd: an archive that unpacks to far more than was uploaded.
+COMPRESSED_MAGIC = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd")
+EXTRACT_DEADLINE_S = 120.0
+
+
+def link_objects(tar_path: str, name: str, workspace: Workspace, cc: str,
+                 max_bytes: int) -> str:
+    """Link the object files in a module .tar with the board's C compiler; returns the .so.
+
+    The archive is unpacked inside the session's workspace, uncompressed
+    archives only, at most ``max_bytes`` in all and within EXTRACT_DEADLINE_S.
+    """
     stem = name[:-4]
     compiler = shutil.which(cc)
     if compiler is None:
@@ -121,12 +169,20 @@ def link_objects(tar_path: str, name: str, workspace: Workspace, cc: str) -> str
             f"{name} holds object files that must be linked on the board, but the C compiler "
             f"{cc!r} is not on this board's PATH; install one (e.g. apt install gcc) or "
             "upload a linked module (.so from export_library)")
-    folder = tempfile.mkdtemp(prefix="tether-link-")
+    with open(tar_path, "rb") as f:
+        magic = f.read(6)
+    if any(magic.startswith(m) for m in COMPRESSED_MAGIC):
+        raise errors.ModuleLoadError(
+            f"{name} is a compressed archive; the board takes uncompressed .tar files only "
+            "(export_library writes one)")
+    folder = tempfile.mkdtemp(prefix=".link-", dir=workspace.root)
+    deadline = time.monotonic() + EXTRACT_DEADLINE_S
     try:
         objects = []
+        unpacked = 0
         try:
-            with tarfile.open(tar_path) as tar:
-                for member in tar.getmembers():
+            with tarfile.open(tar_path, "r:") as tar:
+                for member in tar:
                     base = os.path.basename(member.name)
                     if member.isdir():
                         continue
@@ -136,6 +192,14 @@ def link_objects(tar_path: str, name: str, workspace: Workspace, cc: str) -> str
                             "archive holds only .o files and metadata.json")
                     if not base.endswith(".o"):
                         continue
+                    unpacked += member.size
+                    if unpacked > max_bytes:
+                        raise errors.ModuleLoadError(
+                            f"{name} unpacks to more than {max_bytes} bytes, this device's "
+                            "limit for a session's files (server option --max-upload-bytes)")
+                    if time.monotonic() > deadline:
+                        raise errors.ModuleLoadError(
+                            f"{name} took more than {EXTRACT_DEADLINE_S:g} s to unpack")
                     target = os.path.join(folder, base)
                     if os.path.exists(target):
                         raise errors.ModuleLoadError(f"{name}: two members are named {base!r}")
@@ -172,10 +236,8 @@ def link_objects(tar_path: str, name: str, workspace: Workspace, cc: str) -> str
 class Worker:
     """The state of one session on the board: files, tensors left there, loaded modules."""
 
-    def __init__(self, workspace: Workspace, token: str, max_bytes: int, cc: str,
-                 idle_timeout_s: float):
+    def __init__(self, workspace: Workspace, max_bytes: int, cc: str, idle_timeout_s: float):
         self.workspace = workspace
-        self.token = token
         self.max_bytes = max_bytes
         self.cc = cc
         self.idle_timeout_s = idle_timeout_s
@@ -188,23 +250,18 @@ class Worker:
 
     # --------------------------------------------------------- connection --
     def serve(self, conn: socket.socket) -> None:
+        """Serve the session's connection until it ends; then this process ends."""
         fs = FrameSocket(conn)
-        primary = False
         try:
-            conn.settimeout(30.0)
-            hello = fs.recv_header()
-            if hello.op != "hello" or not hmac.compare_digest(hello.token, self.token):
-                fs.send(error_frame("AuthenticationError",
-                                    "wrong data token for this session's data connection"))
-                return
-            primary = hello.primary
             conn.settimeout(None)
-            if primary and self.idle_timeout_s:
+            if self.idle_timeout_s:
                 threading.Thread(target=self._idle_watch, name="idle", daemon=True).start()
             while True:
                 header = fs.recv_header()
                 if header.op == "ping":
                     fs.send_raw(_OK)  # touches no state: no lock, no dispatch
+                elif header.op == "close":
+                    self.close(fs)
                 else:
                     self.dispatch(fs, header)
                 self.last_active = time.monotonic()
@@ -212,9 +269,18 @@ class Worker:
             pass
         finally:
             fs.close()
-            if primary:
-                report_end("SessionEnded", "the client closed its connection")
-                os._exit(0)
+            report_end("SessionEnded", "the client closed its connection")
+            os._exit(0)
+
+    def close(self, fs: FrameSocket) -> None:
+        """The client ends the session: answered once the server has given the
+        board back, so it is free again when the client's ``with`` block ends."""
+        self.workspace.close()
+        released = _ask_server("close")
+        fs.send(pb.DataFrame(op="ok") if released else error_frame(
+            "RemoteError", "the device server did not confirm the end of the session"))
+        fs.close()
+        os._exit(0)
 
     def _idle_watch(self):
         while True:
@@ -243,8 +309,19 @@ class Worker:
         except ValueError as exc:
             fs.send(error_frame("InvalidArgument", str(exc)))
         except Exception as exc:  # noqa: BLE001 - the client gets the traceback
-            fs.send(error_frame("RemoteError", f"{header.op} failed on the device: {exc!r}\n"
-                                               f"{traceback.format_exc()}"))
+            # The client knows its files by their names in the workspace.
+            text = (f"{header.op} failed on the device: {exc!r}\n{traceback.format_exc()}"
+                    ).replace(self.workspace.root + os.sep, "")
+            fs.send(error_frame("RemoteError", text))
+
+    def _drop(self, fs: FrameSocket, error_class: str, message: str) -> None:
+        """Answer with an error and end the session: the connection is out of step."""
+        try:
+            fs.send(error_frame(error_class, message))
+        except OSError:
+            pass
+        report_end(error_class, message)
+        os._exit(0)
 
     def _check_size(self, what: str, size: int) -> None:
         if size > self.max_bytes:
@@ -257,11 +334,18 @@ class Worker:
         name = header.name
         partial = None
         end = None
+        if fs.body_left != header.size or fs.body_left > self.max_bytes:
+            # Reading past what was announced (or allowed) to stay in step is
+            # what a hostile client wants: refuse, and end the connection.
+            self._drop(fs, "InvalidArgument",
+                       f"upload of {name!r} announces {header.size} bytes and carries "
+                       f"{fs.body_left}; this device accepts at most {self.max_bytes} "
+                       "(server option --max-upload-bytes)")
         try:
-            self._check_size(f"upload of {name!r}", header.size)
             target = self.workspace.path(name)
             os.makedirs(os.path.dirname(target), exist_ok=True)
-            partial = target + ".part"
+            # A name of its own: a file the session calls "x.part" is not touched.
+            partial = f"{target}.{os.getpid()}-{int(time.monotonic() * 1e6)}.part"
             checksum = Checksum()
             buffer = memoryview(bytearray(CHUNK_BYTES))
             with open(partial, "wb") as f:
@@ -312,6 +396,15 @@ class Worker:
                 left -= n
         fs.send(pb.DataFrame(op="end", checksum=checksum.text()))
 
+    def op_list(self, fs, header):
+        files = [pb.FileInfo(name=n, size=os.path.getsize(self.workspace.path(n)))
+                 for n in self.workspace.listdir()]
+        fs.send(pb.DataFrame(op="ok", files=files))
+
+    def op_remove(self, fs, header):
+        self.workspace.remove(header.name)
+        fs.send(pb.DataFrame(op="ok"))
+
     # ------------------------------------------------------------ tensors --
     def op_put_tensor(self, fs, header):
         try:
@@ -333,10 +426,9 @@ class Worker:
             raise errors.InvalidArgument("put_tensor carries exactly one tensor")
         desc = header.tensors[0]
         try:
-            array = np.empty(tuple(desc.shape), dtype=np.dtype(desc.dtype).newbyteorder("<"))
-        except TypeError:
-            raise errors.InvalidArgument(f"tensor {header.name!r} has unknown dtype "
-                                         f"{desc.dtype!r}") from None
+            array = np.empty(tuple(desc.shape), dtype=tensor_dtype(header.name, desc.dtype))
+        except ValueError as exc:
+            raise errors.InvalidArgument(str(exc)) from None
         if array.nbytes != fs.body_left:
             raise errors.InvalidArgument(f"tensor {header.name!r} of shape {tuple(desc.shape)} "
                                          f"{desc.dtype} needs {array.nbytes} bytes, "
@@ -367,7 +459,7 @@ class Worker:
         path = self.workspace.existing(name)
         start = time.perf_counter()
         if name.endswith(".tar"):
-            path = link_objects(path, name, self.workspace, self.cc)
+            path = link_objects(path, name, self.workspace, self.cc, self.max_bytes)
         try:
             module = minirt.load(path)
         except minirt.ModuleLoadError as exc:
@@ -448,59 +540,127 @@ class Worker:
                              text=json.dumps({"rows": rows, "number": header.number or 10})))
 
 
-def _follow_server(workspace: Workspace) -> None:
-    """End with the server: it holds our stdin open for as long as it runs, so
-    end of file there means it is gone (even killed with SIGKILL), and nobody
-    is left to end this session or clean up after it."""
+_released = threading.Event()
+
+
+def _ask_server(request: str, timeout: float = 60.0) -> bool:
+    """Send ``request`` on the control socket and wait for the server's ``released``."""
     try:
-        while sys.stdin.buffer.read(4096):
-            pass
-    except (OSError, ValueError):
+        _CONTROL.sendall(request.encode() + b"\n")
+    except OSError:
+        return False
+    return _released.wait(timeout)
+
+
+def _follow_server(workspace: Workspace) -> None:
+    """Read the server's answers; end with the server. It holds the other end
+    of the control socket for as long as it runs, so end of file means it is
+    gone (even killed with SIGKILL), and nobody is left to end this session or
+    clean up after it."""
+    buffered = b""
+    try:
+        while True:
+            data = _CONTROL.recv(4096)
+            if not data:
+                break
+            buffered += data
+            while b"\n" in buffered:
+                line, buffered = buffered.split(b"\n", 1)
+                if line == b"released":
+                    _released.set()
+    except OSError:
         pass
     workspace.close()
     os._exit(0)
 
 
+def run_session(fds, workspace_root: str, args) -> None:
+    """The forked child of one session: serve its connection, then exit."""
+    global _CONTROL
+    conn_fd, control_fd, output_fd = fds
+    # The module's prints go to a pipe whose tail the server keeps.
+    os.dup2(output_fd, 1)
+    os.dup2(output_fd, 2)
+    os.close(output_fd)
+    _CONTROL = socket.socket(fileno=control_fd)
+    conn = socket.socket(fileno=conn_fd)
+    worker = Worker(Workspace(root=workspace_root), args.max_bytes, args.cc, args.idle_timeout)
+    threading.Thread(target=_follow_server, args=(worker.workspace,), name="lifeline",
+                     daemon=True).start()
+    worker.serve(conn)
+    os._exit(0)
+
+
+def zygote(control: socket.socket, args) -> int:
+    """Fork one child per session the server sends; report each child's end.
+
+    Single-threaded, so forking is safe. Messages are packets on a
+    SOCK_SEQPACKET socket: ``spawn <session id> <workspace>`` with three file
+    descriptors from the server; ``ready``, ``started <id> <pid>`` and
+    ``exit <id> <wait status as exit code>`` back.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C on the server's terminal
+    wake_r, wake_w = socket.socketpair()
+    wake_r.setblocking(False)
+    wake_w.setblocking(False)
+    signal.set_wakeup_fd(wake_w.fileno())
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    children = {}
+    server = os.getppid()
+    control.send(b"ready")
+    while True:
+        ready, _, _ = select.select([control, wake_r], [], [], 1.0)
+        if os.getppid() != server:
+            return 0  # the server is gone (its end of the control socket may linger in flight)
+        if wake_r in ready:
+            try:
+                while wake_r.recv(512):
+                    pass
+            except BlockingIOError:
+                pass
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            session_id = children.pop(pid, "?")
+            control.send(f"exit {session_id} {os.waitstatus_to_exitcode(status)}".encode())
+        if control not in ready:
+            continue
+        try:
+            message, fds, _, _ = socket.recv_fds(control, 65536, 3)
+        except OSError:
+            message = b""
+        if not message:
+            # The server is gone; each child sees its own control socket close.
+            return 0
+        _, session_id, workspace_root = message.decode().split(" ", 2)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                for s in (control, wake_r, wake_w):
+                    s.close()
+                run_session(fds, workspace_root, args)
+            finally:
+                os._exit(1)
+        for fd in fds:
+            os.close(fd)
+        children[pid] = session_id
+        control.send(f"started {session_id} {pid}".encode())
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m remote.server.worker")
-    parser.add_argument("--listen-fd", type=int, required=True)
+    parser.add_argument("--control-fd", type=int, required=True)
     parser.add_argument("--max-bytes", type=int, required=True)
     parser.add_argument("--cc", default="cc")
     parser.add_argument("--idle-timeout", type=float, default=0.0)
-    parser.add_argument("--tls-cert", default="")
-    parser.add_argument("--tls-key", default="")
     args = parser.parse_args(argv)
-    # Started ahead of need: the session (token, then workspace folder) arrives on stdin.
-    token = sys.stdin.readline().strip()
-    workspace = sys.stdin.readline().strip()
-    if not token or not workspace:
-        return 0  # the server stopped before this worker was needed
-    listener = socket.socket(fileno=args.listen_fd)
-    tls_context = None
-    if args.tls_cert:
-        tls_context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        tls_context.load_cert_chain(args.tls_cert, args.tls_key)
-    worker = Worker(Workspace(root=workspace), token, args.max_bytes, args.cc,
-                    args.idle_timeout)
-    threading.Thread(target=_follow_server, args=(worker.workspace,), name="lifeline",
-                     daemon=True).start()
-    if args.idle_timeout:
-        listener.settimeout(args.idle_timeout)
-    while True:
-        try:
-            conn, _ = listener.accept()
-        except socket.timeout:
-            report_end("SessionEnded", f"no client connected within {args.idle_timeout:g} s")
-            return 0
-        listener.settimeout(None)  # the idle limit now applies to the client's connection
-        conn.settimeout(None)
-        if tls_context is not None:
-            try:
-                conn = tls_context.wrap_socket(conn, server_side=True)
-            except (ssl.SSLError, OSError):
-                conn.close()  # a plaintext or untrusting client; the session goes on
-                continue
-        threading.Thread(target=worker.serve, args=(conn,), daemon=True).start()
+    return zygote(socket.socket(fileno=args.control_fd), args)
 
 
 if __name__ == "__main__":

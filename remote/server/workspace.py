@@ -8,6 +8,11 @@ import tempfile
 from remote.errors import InvalidArgument
 
 
+# Longer or deeper names are refused before the file system sees them.
+MAX_NAME_CHARS = 1024
+MAX_NAME_DEPTH = 32
+
+
 class Workspace:
     """One folder per session, removed with ``close()``.
 
@@ -28,6 +33,10 @@ class Workspace:
     def path(self, name: str) -> str:
         """The absolute path of ``name`` inside the workspace, or InvalidArgument."""
         parts = name.replace("\\", "/").split("/")
+        if len(name) > MAX_NAME_CHARS or len(parts) > MAX_NAME_DEPTH:
+            raise InvalidArgument(
+                f"file name of {len(name)} characters and {len(parts)} folders is too long: "
+                f"at most {MAX_NAME_CHARS} characters and {MAX_NAME_DEPTH} folders deep")
         if (not name or name.startswith("/") or "\x00" in name
                 or any(p in ("", ".", "..") for p in parts)):
             raise InvalidArgument(
@@ -53,10 +62,15 @@ class Workspace:
         os.remove(full)
 
     def listdir(self):
+        """Names of the regular files inside the workspace; a symlink that leads
+        out of it is left out (it cannot be read, downloaded or loaded)."""
         names = []
         for folder, _, files in os.walk(self.root):
             for f in files:
-                names.append(os.path.relpath(os.path.join(folder, f), self.root))
+                full = os.path.join(folder, f)
+                real = os.path.realpath(full)
+                if real.startswith(self.root + os.sep) and os.path.isfile(real):
+                    names.append(os.path.relpath(full, self.root))
         return sorted(names)
 
     def close(self):

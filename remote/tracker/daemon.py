@@ -20,7 +20,7 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     parser.add_argument("--farm-secret", default=os.environ.get(FARM_SECRET_ENV, ""),
                         help=f"secret servers and clients must present (default ${FARM_SECRET_ENV})")
     parser.add_argument("--eviction-window", type=float, default=EVICTION_WINDOW_S,
-                        help="seconds without a heartbeat before a device is dropped "
+                        help="seconds a board may stay silent on its link before it is dropped "
                              f"(default {EVICTION_WINDOW_S:g})")
     parser.add_argument("--unused-lease-timeout", type=float, default=UNUSED_LEASE_S,
                         help="seconds a granted lease may go unredeemed before the device "
@@ -32,15 +32,30 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     return parser
 
 
+def _allow_many_links() -> None:
+    """Every board keeps a connection open: raise the open-file limit to what
+    the system allows (distributions start processes at 1,024)."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        wanted = hard if hard != resource.RLIM_INFINITY else 1 << 20
+        if soft != resource.RLIM_INFINITY and soft < wanted:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    except (ImportError, ValueError, OSError):
+        pass
+
+
 def run(args) -> int:
     start_logging()
-    server, service, port = serve(args.host, args.port, farm_secret=args.farm_secret,
-                                  eviction_window_s=args.eviction_window,
-                                  unused_lease_s=args.unused_lease_timeout,
-                                  tls_cert=args.tls_cert, tls_key=args.tls_key)
+    _allow_many_links()
+    tracker = serve(args.host, args.port, farm_secret=args.farm_secret,
+                    eviction_window_s=args.eviction_window,
+                    unused_lease_s=args.unused_lease_timeout,
+                    tls_cert=args.tls_cert, tls_key=args.tls_key)
     mode = "TLS" if args.tls_cert else "plaintext"
-    print(f"tether tracker listening on {args.host}:{port} ({mode})", flush=True)
+    print(f"tether tracker listening on {args.host}:{tracker.port} ({mode}; clients and "
+          "boards alike)", flush=True)
     wait_for_stop_signal()
-    service.close()
-    server.stop(1.0)
+    tracker.stop(1.0)
     return 0

@@ -69,6 +69,10 @@ class Scheduler:
         self.unused_lease_s = unused_lease_s
         self.devices: Dict[str, Device] = {}
         self.leases: Dict[str, Lease] = {}
+        # Free devices per key, longest free first (dicts keep insertion order):
+        # a grant looks at the few devices at the front, not the whole farm.
+        self._free: Dict[str, Dict[str, Device]] = {}
+        self._per_key: Dict[str, int] = {}  # devices registered under each key
         self._waiting: Dict[str, Tuple[int, Request]] = {}  # request_id -> (seq, request)
         self._seq = itertools.count()
 
@@ -92,8 +96,34 @@ class Scheduler:
         if device.lease is None and live_tokens:
             lease = Lease(live_tokens[0], device_id, RESUMED_HOLDER, now, redeemed_at=now)
             self.leases[lease.token] = device.lease = lease
+        if old is not None:
+            self._taken(old)
+            self._count(old.key, -1)
         self.devices[device_id] = device
+        self._count(key, +1)
+        if device.lease is None:
+            self._freed(device)
         return device
+
+    def _count(self, key: str, change: int) -> None:
+        count = self._per_key.get(key, 0) + change
+        if count:
+            self._per_key[key] = count
+        else:
+            self._per_key.pop(key, None)
+
+    def serves(self, key: str) -> bool:
+        return key in self._per_key
+
+    def _freed(self, device: Device) -> None:
+        self._free.setdefault(device.key, {})[device.device_id] = device
+
+    def _taken(self, device: Device) -> None:
+        pool = self._free.get(device.key)
+        if pool is not None and pool.get(device.device_id) is device:
+            del pool[device.device_id]
+            if not pool:
+                del self._free[device.key]
 
     def heartbeat(self, device_id: str, now: float) -> bool:
         device = self.devices.get(device_id)
@@ -104,8 +134,11 @@ class Scheduler:
 
     def remove(self, device_id: str) -> Optional[Device]:
         device = self.devices.pop(device_id, None)
-        if device is not None and device.lease is not None:
-            self.leases.pop(device.lease.token, None)
+        if device is not None:
+            self._taken(device)
+            self._count(device.key, -1)
+            if device.lease is not None:
+                self.leases.pop(device.lease.token, None)
         return device
 
     def evict_silent(self, now: float, window_s: float) -> List[Device]:
@@ -116,7 +149,7 @@ class Scheduler:
         return silent
 
     def served_keys(self) -> List[str]:
-        return sorted({d.key for d in self.devices.values()})
+        return sorted(self._per_key)
 
     # ----------------------------------------------------------- requests --
     def enqueue(self, request: Request) -> None:
@@ -136,19 +169,15 @@ class Scheduler:
         if not self._waiting:
             return granted
         # The device idle longest goes first, so use spreads over the pool.
-        free: Dict[str, List[Device]] = {}
-        for d in sorted(self.devices.values(), key=lambda d: d.free_since):
-            if d.lease is None:
-                free.setdefault(d.key, []).append(d)
         for request in self.waiting():
-            pool = free.get(request.key)
+            pool = self._free.get(request.key)
             if not pool:
                 continue
-            device = next((d for d in pool if all(
+            device = next((d for d in pool.values() if all(
                 d.attributes.get(k) == v for k, v in request.filters.items())), None)
             if device is None:
                 continue
-            pool.remove(device)
+            self._taken(device)
             lease = Lease(self._new_token(), device.device_id, request.client, now)
             device.lease = lease
             self.leases[lease.token] = lease
@@ -176,6 +205,7 @@ class Scheduler:
         if device is not None and device.lease is lease:
             device.lease = None
             device.free_since = now
+            self._freed(device)
         return device
 
     def expire_unused(self, now: float) -> List[Lease]:

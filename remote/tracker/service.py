@@ -1,8 +1,10 @@
-"""The tracker's gRPC shell around the pure scheduler.
+"""The tracker's shell around the pure scheduler: gRPC for users, links for boards.
 
 One lock guards the scheduler. A ``RequestDevice`` call enqueues a request and
 waits on its own event until the scheduler grants a lease, the deadline passes,
-or the client goes away (then the request leaves the queue).
+or the client goes away (then the request leaves the queue). Boards reach the
+``board_*`` methods through their links on the tracker's port
+(remote/tracker/boards.py).
 """
 from __future__ import annotations
 
@@ -11,31 +13,41 @@ import itertools
 import logging
 import os
 import secrets
+import shutil
+import tempfile
 import threading
 import time
 from concurrent import futures
-from typing import Dict, Optional
+from typing import Dict, Optional, Set
 
 import grpc
 
 from remote import errors, tls
 from remote.defaults import FARM_SECRET_ENV, TRACKER_PORT
-from remote.errors import AuthenticationError, NoSuchKey, RequestTimeout, abort
-from remote.proto import CHANNEL_OPTIONS, add_servicer, pb
+from remote.client.grpc_layer import SERVER_OPTIONS, abort, add_servicer
+from remote.errors import AuthenticationError, DeviceBusy, NoSuchKey, RequestTimeout
+from remote.proto import pb
+from remote.tls import server_context
+from remote.tracker.boards import FrontDoor
 from remote.tracker.scheduler import LeaseRefused, Request, Scheduler
 
 log = logging.getLogger("tether.tracker")
 
-EVICTION_WINDOW_S = 5.0
+# A board pings every second; one silent for the window is dropped.
+EVICTION_WINDOW_S = 2.5
 UNUSED_LEASE_S = 30.0
+# Requests waiting for a device, at most, in all and per client name.
+MAX_WAITING = 512
+MAX_WAITING_PER_CLIENT = 64
 # Each waiting RequestDevice call holds one worker thread, so the pool is large;
 # threads are only started as calls arrive.
 MAX_WORKERS = 1024
 
 
 def heartbeat_interval(eviction_window_s: float) -> float:
-    """Heartbeat often enough that a live device misses several before eviction."""
-    return max(0.05, min(1.0, eviction_window_s / 4))
+    """Ping often enough that a live device misses two before eviction, and no
+    more often than once a second (ten thousand boards ping a tracker)."""
+    return max(0.05, min(1.0, eviction_window_s / 2.5))
 
 
 class _Waiter:
@@ -55,8 +67,12 @@ class TrackerService:
                                     unused_lease_s=unused_lease_s)
         self._infos: Dict[str, object] = {}       # device_id -> pb.DeviceInfo
         self._waiters: Dict[str, _Waiter] = {}    # request_id -> waiter
+        self._waiting_by: Dict[str, int] = {}     # client -> requests waiting
         self._ids = itertools.count(1)
         self._farm_secret = farm_secret
+        self._relayed: Set[str] = set()           # devices reached through the relay
+        self._credentials: Dict[str, str] = {}    # device_id -> the board's credential
+        self.door: Optional[FrontDoor] = None
         self.eviction_window_s = eviction_window_s
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="tracker-reaper", daemon=True)
@@ -66,10 +82,16 @@ class TrackerService:
         self._stop.set()
 
     # ---------------------------------------------------------- plumbing --
-    def _check_secret(self, context, given: str):
+    def check_secret(self, given: str) -> None:
         if self._farm_secret and not hmac.compare_digest(given.encode(), self._farm_secret.encode()):
-            abort(context, AuthenticationError(
-                f"wrong or missing farm secret; pass --farm-secret or set {FARM_SECRET_ENV}"))
+            raise AuthenticationError(
+                f"wrong or missing farm secret; pass --farm-secret or set {FARM_SECRET_ENV}")
+
+    def _check_secret(self, context, given: str):
+        try:
+            self.check_secret(given)
+        except AuthenticationError as exc:
+            abort(context, exc)
 
     def _dispatch_locked(self):
         for request, lease in self._scheduler.assign(self._clock()):
@@ -81,51 +103,148 @@ class TrackerService:
             waiter.event.set()
 
     def _reap_loop(self):
-        while not self._stop.wait(min(0.5, self.eviction_window_s / 4)):
+        while not self._stop.wait(min(0.25, self.eviction_window_s / 4)):
+            now = self._clock()
+            # Found without the lock (ten thousand boards take a while to look
+            # at), evicted under it once it is known there are any.
+            silent = any(now - d.last_seen > self.eviction_window_s
+                         for d in list(self._scheduler.devices.values()))
             with self._lock:
                 now = self._clock()
-                for device in self._scheduler.evict_silent(now, self.eviction_window_s):
-                    log.warning("evicted %s (%s at %s): no heartbeat for %.1f s",
-                                device.device_id, device.key, device.address, now - device.last_seen)
+                evicted = (self._scheduler.evict_silent(now, self.eviction_window_s)
+                           if silent else [])
+                for device in evicted:
+                    log.warning("evicted %s (%s at %s): silent for %.1f s",
+                                device.device_id, device.key, device.address or "relay",
+                                now - device.last_seen)
                     self._infos.pop(device.device_id, None)
+                    self._relayed.discard(device.device_id)
                 for lease in self._scheduler.expire_unused(now):
                     log.info("lease on %s expired unused", lease.device_id)
                 self._dispatch_locked()
+            if self.door is not None:
+                for device in evicted:
+                    self.door.call(self.door.evicted, device.device_id)
+
+    # ------------------------------------------------------- board links --
+    def board_register(self, frame, relayed: bool):
+        """A board's link registered it (again); returns (device id, its credential,
+        ping interval).
+
+        A new board gets an id and a credential of its own; registering again
+        under that id (after a broken link, a tracker restart) needs the
+        credential, so knowing a board's id (Summary shows it) is not enough to
+        take its place. A tracker that restarted learns each credential from
+        the first board to come back with it.
+        """
+        self.check_secret(frame.farm_secret)
+        if not frame.key:
+            raise errors.InvalidArgument("registration needs a key")
+        with self._lock:
+            device_id = frame.device_id
+            if device_id:
+                known = self._credentials.get(device_id)
+                if known is not None and not hmac.compare_digest(known.encode(),
+                                                                 frame.token.encode()):
+                    raise AuthenticationError(
+                        f"device id {device_id} belongs to another board: a board registers "
+                        "again only with the credential the tracker gave it; register "
+                        "without a device id to join as a new board")
+                credential = frame.token or secrets.token_urlsafe(24)
+            else:
+                device_id = f"{frame.key}-{next(self._ids)}-{secrets.token_hex(3)}"
+                credential = secrets.token_urlsafe(24)
+            self._credentials[device_id] = credential
+            self._scheduler.register(device_id, frame.key, frame.address,
+                                     dict(frame.info.attributes), self._clock(),
+                                     live_tokens=list(frame.live_tokens))
+            self._infos[device_id] = frame.info
+            if relayed:
+                self._relayed.add(device_id)
+            else:
+                self._relayed.discard(device_id)
+            self._dispatch_locked()
+        log.info("registered %s (%s %s)", device_id, frame.key,
+                 "through the relay" if relayed else f"at {frame.address}")
+        return device_id, credential, heartbeat_interval(self.eviction_window_s)
+
+    def board_seen(self, device_id: str) -> None:
+        # One attribute store, atomic in Python: no lock for the most frequent call.
+        device = self._scheduler.devices.get(device_id)
+        if device is not None:
+            device.last_seen = self._clock()
+
+    def board_redeem(self, device_id: str, token: str) -> None:
+        with self._lock:
+            try:
+                self._scheduler.redeem(device_id, token, self._clock())
+            except LeaseRefused as exc:
+                raise AuthenticationError(str(exc)) from None
+
+    def board_release(self, token: str) -> None:
+        with self._lock:
+            self._scheduler.release(token, self._clock())
+            self._dispatch_locked()
+
+    def board_gone(self, device_id: str, why: str) -> None:
+        with self._lock:
+            device = self._scheduler.remove(device_id)
+            self._infos.pop(device_id, None)
+            self._relayed.discard(device_id)
+            self._dispatch_locked()
+        if device is not None:
+            log.warning("dropped %s (%s): %s", device_id, device.key, why)
+
+    def relay_target(self, token: str) -> str:
+        """The device a lease token is for, for a client reaching it through the relay."""
+        with self._lock:
+            lease = self._scheduler.leases.get(token)
+        if lease is None:
+            raise AuthenticationError("unknown or expired lease token; request a device again")
+        return lease.device_id
 
     # -------------------------------------------------------------- RPCs --
+    def _v1_board(self, context):
+        context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                      "this tracker speaks Tether board protocol v2 and this board protocol v1 "
+                      "(gRPC): update Tether on the board (tether bootstrap, or install the "
+                      "same version as the tracker)")
+
     def Register(self, request, context):
-        self._check_secret(context, request.farm_secret)
-        if not request.key or not request.address:
-            abort(context, errors.InvalidArgument("registration needs a key and an address"))
-        with self._lock:
-            device_id = request.device_id or f"{request.key}-{next(self._ids)}-{secrets.token_hex(3)}"
-            self._scheduler.register(device_id, request.key, request.address,
-                                     dict(request.info.attributes), self._clock(),
-                                     live_tokens=list(request.live_tokens))
-            self._infos[device_id] = request.info
-            self._dispatch_locked()
-        log.info("registered %s (%s at %s)", device_id, request.key, request.address)
-        return pb.RegisterReply(device_id=device_id, heartbeat_interval_s=heartbeat_interval(self.eviction_window_s))
+        self._v1_board(context)
 
     def Heartbeat(self, request, context):
-        self._check_secret(context, request.farm_secret)
-        with self._lock:
-            known = self._scheduler.heartbeat(request.device_id, self._clock())
-        return pb.HeartbeatReply(known=known)
+        self._v1_board(context)
+
+    def RedeemLease(self, request, context):
+        self._v1_board(context)
 
     def RequestDevice(self, request, context):
         self._check_secret(context, request.farm_secret)
         request_id = f"r{next(self._ids)}"
         waiter = _Waiter()
+        client = request.client or context.peer()
         with self._lock:
-            served = self._scheduler.served_keys()
-            if request.key not in served and not request.wait_for_key:
+            if not self._scheduler.serves(request.key) and not request.wait_for_key:
+                served = self._scheduler.served_keys()
                 abort(context, NoSuchKey(
                     f"no device registered under key {request.key!r}; registered keys: "
                     f"{', '.join(served) if served else '(none)'}"))
+            # Each waiting request holds one of the server's threads: bounded,
+            # so that requests parked by one client cannot starve the others.
+            if len(self._waiters) >= MAX_WAITING:
+                abort(context, DeviceBusy(
+                    f"{len(self._waiters)} requests are already waiting at this tracker, its "
+                    f"limit; try again later"))
+            mine = self._waiting_by.get(client, 0)
+            if mine >= MAX_WAITING_PER_CLIENT:
+                abort(context, DeviceBusy(
+                    f"{client} already has {mine} requests waiting, the most one client may "
+                    "have; wait for those (or cancel them) first"))
+            self._waiting_by[client] = mine + 1
             self._waiters[request_id] = waiter
             self._scheduler.enqueue(Request(request_id, request.key, request.priority,
-                                            request.client or context.peer(), self._clock(),
+                                            client, self._clock(),
                                             dict(request.filters)))
             self._dispatch_locked()
         # The client went away: stop waiting. add_callback returns False when the
@@ -135,6 +254,11 @@ class TrackerService:
         timeout = request.timeout_s if request.timeout_s > 0 else None
         waiter.event.wait(timeout)
         with self._lock:
+            left = self._waiting_by.get(client, 1) - 1
+            if left > 0:
+                self._waiting_by[client] = left
+            else:
+                self._waiting_by.pop(client, None)
             if waiter.lease is None:
                 self._waiters.pop(request_id, None)
                 self._scheduler.cancel(request_id)
@@ -154,20 +278,12 @@ class TrackerService:
                     abort(context, errors.ConnectionFailed(
                         f"device {lease.device_id} disappeared while being leased; request again"))
                 return pb.Lease()
-            reply = pb.Lease(token=lease.token, device_id=lease.device_id,
-                             address=device.address, key=device.key)
+            relayed = lease.device_id in self._relayed
+            reply = pb.Lease(token=lease.token, device_id=lease.device_id, key=device.key,
+                             address="" if relayed else device.address, relayed=relayed)
             if lease.device_id in self._infos:
                 reply.info.CopyFrom(self._infos[lease.device_id])
         return reply
-
-    def RedeemLease(self, request, context):
-        self._check_secret(context, request.farm_secret)
-        with self._lock:
-            try:
-                self._scheduler.redeem(request.device_id, request.token, self._clock())
-            except LeaseRefused as exc:
-                abort(context, AuthenticationError(str(exc)))
-        return pb.Empty()
 
     def ReleaseLease(self, request, context):
         self._check_secret(context, request.farm_secret)
@@ -182,7 +298,7 @@ class TrackerService:
             infos = dict(self._infos)
         reply = pb.TrackerSummary()
         for d in data["devices"]:
-            status = reply.devices.add(**d)
+            status = reply.devices.add(relayed=d["device_id"] in self._relayed, **d)
             if d["device_id"] in infos:
                 status.info.CopyFrom(infos[d["device_id"]])
         for k in data["keys"]:
@@ -192,28 +308,55 @@ class TrackerService:
         return reply
 
 
+class RunningTracker:
+    """A started tracker: its port, the service, and ``stop()``."""
+
+    def __init__(self, grpc_server, service: TrackerService, door: FrontDoor, folder: str):
+        self.grpc_server = grpc_server
+        self.service = service
+        self.door = door
+        self.port = door.port
+        self._folder = folder
+
+    def stop(self, grace: float = 1.0):
+        self.door.close()
+        self.service.close()
+        self.grpc_server.stop(grace)
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+
 def serve(host: str = "0.0.0.0", port: int = TRACKER_PORT, farm_secret: Optional[str] = None,
           eviction_window_s: float = EVICTION_WINDOW_S, unused_lease_s: float = UNUSED_LEASE_S,
-          tls_cert: str = "", tls_key: str = "", max_workers: int = MAX_WORKERS):
-    """Start a tracker; returns (grpc server, service, bound port).
+          tls_cert: str = "", tls_key: str = "", max_workers: int = MAX_WORKERS) -> RunningTracker:
+    """Start a tracker on one port: gRPC for users and tools, frames for boards.
 
     ``farm_secret=None`` reads ``$TETHER_FARM_SECRET``; ``tls_cert``/``tls_key``
-    (PEM files) switch on TLS.
+    (PEM files) switch on TLS for everything on the port.
 
-    >>> server, service, port = serve("127.0.0.1", 0)   # doctest: +SKIP
+    >>> tracker = serve("127.0.0.1", 0)   # doctest: +SKIP
     """
     if farm_secret is None:
         farm_secret = os.environ.get(FARM_SECRET_ENV, "")
+    context = server_context(tls_cert, tls_key)
     service = TrackerService(farm_secret=farm_secret, eviction_window_s=eviction_window_s,
                              unused_lease_s=unused_lease_s)
+    # The gRPC server listens on a Unix socket in a folder only this user can
+    # enter; the port's front door carries gRPC connections to it.
+    folder = tempfile.mkdtemp(prefix="tether-tracker-")
+    grpc_path = os.path.join(folder, "grpc.sock")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                     thread_name_prefix="tracker"),
-                         options=CHANNEL_OPTIONS)
+                         options=SERVER_OPTIONS)
     add_servicer(server, "Tracker", service)
     try:
-        bound = tls.add_port(server, f"{host}:{port}", tls_cert, tls_key)
+        if not server.add_insecure_port("unix:" + grpc_path):
+            raise OSError(f"cannot listen on the Unix socket {grpc_path}")
+        server.start()
+        door = FrontDoor(service, host, port, grpc_path, context)
     except BaseException:
         service.close()
+        server.stop(0)
+        shutil.rmtree(folder, ignore_errors=True)
         raise
-    server.start()
-    return server, service, bound
+    service.door = door
+    return RunningTracker(server, service, door, folder)

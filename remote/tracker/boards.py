@@ -1,0 +1,376 @@
+"""The tracker's port: gRPC for users, board links and the relay for boards.
+
+One port serves everyone, so a farm has one address. The first bytes of a
+connection tell who is calling: HTTP/2's preface (``PRI * HTTP/2.0``) is a
+gRPC client, carried unchanged to the tracker's gRPC server on a private
+Unix socket; anything else must be a frame of board protocol v2
+(docs/protocol.md):
+
+- ``register``: a board's link. It stays open; the board pings, redeems and
+  releases leases on it, and the tracker sends ``relay`` on it.
+- ``open`` or ``status`` from a client whose board is reached through the
+  tracker: the tracker asks the board (``relay``) to dial back, then carries
+  the client's bytes to that connection and back, untouched.
+- ``relay``: a board dialling back for such a client.
+
+Everything runs on one asyncio loop in its own thread, so ten thousand idle
+board links cost ten thousand sockets and no threads. TLS, when the tracker
+has a certificate, covers every connection on the port.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+import ssl
+import threading
+from typing import Dict, Optional
+
+from remote import errors
+from remote.proto import pb
+from remote.proto.frames import (PREFIX, PROTOCOL_VERSION, error_frame, frame_bytes, splice,
+                                 version_error)
+
+log = logging.getLogger("tether.tracker")
+
+# A frame on this port is small: registration with capabilities at most.
+MAX_FRAME_BYTES = 256 * 1024
+FIRST_FRAME_S = 10.0
+RELAY_CONNECT_S = 10.0
+REACH_TIMEOUT_S = 2.0
+WRITE_HIGH_WATER = 4 << 20
+_PONG = frame_bytes(pb.DataFrame(op="ok"))
+
+
+class Conn(asyncio.Protocol):
+    """One connection on the tracker's port; its role is set by its first bytes."""
+
+    def __init__(self, door: "FrontDoor"):
+        self.door = door
+        self.transport: Optional[asyncio.Transport] = None
+        self.buffer = bytearray()
+        self.role = "new"          # new, link, waiting, spliced
+        self.peer: Optional[Conn] = None
+        self.device_id = ""
+        self.peer_name = "?"
+        self._first_timer = None
+
+    # ----------------------------------------------------------- transport --
+    def connection_made(self, transport):
+        self.transport = transport
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        peer = transport.get_extra_info("peername")
+        self.peer_name = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        self._first_timer = self.door.loop.call_later(FIRST_FRAME_S, self._first_too_slow)
+
+    def _first_too_slow(self):
+        if self.role == "new":
+            self.transport.abort()
+
+    def connection_lost(self, exc):
+        if self._first_timer is not None:
+            self._first_timer.cancel()
+        if self.role == "link":
+            self.door.link_lost(self)
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.close()
+        self.door.forget_pending(self)
+
+    def pause_writing(self):
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.pause_reading()
+
+    def resume_writing(self):
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.resume_reading()
+
+    def data_received(self, data):
+        if self.role == "spliced":
+            self.peer.transport.write(data)
+            return
+        self.buffer += data
+        if self.role == "new" and len(self.buffer) >= 4 and self.buffer.startswith(b"PRI "):
+            self._first_timer.cancel()
+            self.role = "waiting"
+            self.door.loop.create_task(self.door.splice_grpc(self))
+            return
+        if self.role == "waiting":
+            return
+        while len(self.buffer) >= PREFIX.size:
+            head_len, body_len = PREFIX.unpack_from(self.buffer)
+            if head_len + body_len > MAX_FRAME_BYTES:
+                self.refuse("InvalidArgument", "frame too large for the tracker's port; "
+                            "is this a Tether board or client of the same version?")
+                return
+            end = PREFIX.size + head_len + body_len
+            if len(self.buffer) < end:
+                return
+            raw = bytes(self.buffer[:end])
+            del self.buffer[:end]
+            try:
+                frame = pb.DataFrame.FromString(raw[PREFIX.size:PREFIX.size + head_len])
+            except Exception:  # noqa: BLE001 - protobuf's DecodeError differs by version
+                self.refuse("InvalidArgument", "not a Tether frame")
+                return
+            try:
+                self.frame_received(frame, raw)
+            except errors.TetherError as exc:
+                self.refuse(type(exc).__name__, str(exc), id=frame.id)
+                return
+            if self.role in ("waiting", "spliced"):
+                return
+
+    # -------------------------------------------------------------- frames --
+    def send(self, frame) -> None:
+        self.transport.write(frame_bytes(frame))
+
+    def refuse(self, error_class: str, text: str, id: int = 0) -> None:
+        frame = error_frame(error_class, text)
+        frame.id = id
+        self.send(frame)
+        if self.role != "link" or not id:
+            self.transport.close()
+
+    def frame_received(self, frame, raw: bytes) -> None:
+        if self.role == "new":
+            self._first_timer.cancel()
+            if frame.version != PROTOCOL_VERSION:
+                raise errors.ConnectionFailed(version_error(frame.version, "caller"))
+            if frame.op == "register":
+                self.role = "waiting"
+                self.transport.pause_reading()
+                self.door.loop.create_task(self.door.register(self, frame))
+            elif frame.op in ("open", "status", "close"):
+                self.door.relay_client(self, frame, raw)
+            elif frame.op == "relay":
+                self.door.relay_board(self, frame)
+            else:
+                raise errors.InvalidArgument(f"a connection to the tracker's port begins with "
+                                             f"register, open, status, close or relay, "
+                                             f"not {frame.op!r}")
+            return
+        self.door.link_frame(self, frame)
+
+    def splice_to(self, other: "Conn", first: bytes = b"") -> None:
+        """From now on, bytes from either side go to the other unchanged."""
+        self.peer, other.peer = other, self
+        if first:
+            other.transport.write(first)
+        for a, b in ((self, other), (other, self)):
+            a.role = "spliced"
+            if a.buffer:
+                b.transport.write(bytes(a.buffer))
+                a.buffer.clear()
+        self.transport.resume_reading()
+        other.transport.resume_reading()
+
+
+def _detach(conn: Conn) -> socket.socket:
+    """The connection's socket, taken from the loop as a blocking socket."""
+    sock = conn.transport.get_extra_info("socket")
+    own = socket.socket(sock.family, sock.type, sock.proto, fileno=os.dup(sock.fileno()))
+    own.setblocking(True)
+    conn.role = "detached"
+    conn.transport.abort()  # closes the loop's descriptor; the connection lives on in ``own``
+    return own
+
+
+class _GrpcSide(asyncio.Protocol):
+    """The tracker's own gRPC server, as the far end of a spliced connection."""
+
+    def __init__(self, client: Conn):
+        self.conn = Conn(client.door)
+        self.conn.role = "spliced"
+
+    def connection_made(self, transport):
+        self.conn.transport = transport
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+
+    def data_received(self, data):
+        self.conn.peer.transport.write(data)
+
+    def connection_lost(self, exc):
+        if self.conn.peer is not None:
+            self.conn.peer.transport.close()
+
+    def pause_writing(self):
+        self.conn.pause_writing()
+
+    def resume_writing(self):
+        self.conn.resume_writing()
+
+
+class FrontDoor:
+    """The tracker's listening port and its asyncio loop (in a thread)."""
+
+    def __init__(self, service, host: str, port: int, grpc_path: str,
+                 tls: Optional[ssl.SSLContext]):
+        self.service = service
+        self.grpc_path = grpc_path
+        self.tls = tls
+        self.loop = asyncio.new_event_loop()
+        self.links: Dict[str, Conn] = {}           # device_id -> its link
+        self._pending: Dict[str, Conn] = {}        # relay id -> client waiting for its board
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            sock.close()
+            raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+        sock.listen(4096)
+        sock.setblocking(False)
+        self.port = sock.getsockname()[1]
+        self._server = self.loop.run_until_complete(self.loop.create_server(
+            lambda: Conn(self), sock=sock, ssl=tls, backlog=4096,
+            ssl_handshake_timeout=FIRST_FRAME_S if tls else None))
+        self._thread = threading.Thread(target=self.loop.run_forever, name="tracker-port",
+                                        daemon=True)
+        self._thread.start()
+
+    def close(self):
+        def stop():
+            self._server.close()
+            for conn in list(self.links.values()):
+                conn.transport.abort()
+            self.loop.stop()
+        self.loop.call_soon_threadsafe(stop)
+        self._thread.join(10)
+
+    def call(self, fn, *args):
+        """Run ``fn(*args)`` on the loop from another thread."""
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    # ----------------------------------------------------------------- gRPC --
+    async def splice_grpc(self, client: Conn):
+        try:
+            _, side = await self.loop.create_unix_connection(lambda: _GrpcSide(client),
+                                                             self.grpc_path)
+        except OSError as exc:
+            log.error("the tracker's gRPC server is unreachable: %s", exc)
+            client.transport.close()
+            return
+        client.splice_to(side.conn)
+
+    # --------------------------------------------------------------- links --
+    async def register(self, conn: Conn, frame) -> None:
+        reachable = not frame.relay and bool(frame.address) and await self._reachable(frame.address)
+        if conn.transport.is_closing():
+            return
+        try:
+            device_id, credential, interval = self.service.board_register(
+                frame, relayed=not reachable)
+        except errors.TetherError as exc:
+            conn.refuse(type(exc).__name__, str(exc))
+            return
+        old = self.links.get(device_id)
+        if old is not None and old is not conn:
+            old.role = "replaced"
+            old.transport.close()
+        conn.role = "link"
+        conn.device_id = device_id
+        self.links[device_id] = conn
+        conn.send(pb.DataFrame(op="ok", name=device_id, token=credential, seconds=interval))
+        conn.transport.resume_reading()
+        if conn.buffer:
+            conn.data_received(b"")
+
+    async def _reachable(self, address: str) -> bool:
+        """Whether the tracker can open a connection to a board's address; a
+        board it cannot reach gets its sessions through the relay."""
+        host, _, port = address.rpartition(":")
+        try:
+            _, writer = await asyncio.wait_for(
+                asyncio.open_connection(host.strip("[]"), int(port)), REACH_TIMEOUT_S)
+        except (OSError, ValueError, asyncio.TimeoutError):
+            log.info("cannot reach %s: its sessions go through this tracker", address)
+            return False
+        writer.close()
+        return True
+
+    def link_frame(self, conn: Conn, frame) -> None:
+        service = self.service
+        if frame.op == "ping":
+            service.board_seen(conn.device_id)
+            conn.transport.write(_PONG if not frame.id else frame_bytes(
+                pb.DataFrame(op="ok", id=frame.id)))
+            return
+        service.board_seen(conn.device_id)
+        if frame.op == "redeem":
+            service.board_redeem(conn.device_id, frame.token)
+        elif frame.op == "release":
+            service.board_release(frame.token)
+        elif frame.op in ("ok", "error"):
+            return
+        else:
+            raise errors.InvalidArgument(f"unknown request {frame.op!r} on a board link")
+        conn.send(pb.DataFrame(op="ok", id=frame.id))
+
+    def link_lost(self, conn: Conn) -> None:
+        if self.links.get(conn.device_id) is conn:
+            del self.links[conn.device_id]
+            self.service.board_gone(conn.device_id, "its link to the tracker closed")
+
+    def evicted(self, device_id: str) -> None:
+        """The service dropped a silent board: close its link too."""
+        conn = self.links.pop(device_id, None)
+        if conn is not None:
+            conn.role = "evicted"
+            conn.transport.close()
+
+    # --------------------------------------------------------------- relay --
+    def relay_client(self, conn: Conn, frame, raw: bytes) -> None:
+        if frame.op == "open":
+            device_id = self.service.relay_target(frame.token)
+        else:
+            device_id = frame.device_id
+        link = self.links.get(device_id)
+        if link is None:
+            raise errors.ConnectionFailed(
+                f"device {device_id or '(unknown)'} has no link to this tracker now; "
+                "request a device again")
+        relay_id = secrets.token_urlsafe(18)
+        conn.role = "waiting"
+        conn.transport.pause_reading()
+        conn.relay_first = raw
+        conn.relay_id = relay_id
+        self._pending[relay_id] = conn
+        link.send(pb.DataFrame(op="relay", name=relay_id))
+        self.loop.call_later(RELAY_CONNECT_S, self._relay_too_slow, relay_id, device_id)
+
+    def _relay_too_slow(self, relay_id: str, device_id: str):
+        conn = self._pending.pop(relay_id, None)
+        if conn is not None:
+            conn.role = "new"
+            conn.refuse("ConnectionFailed", f"device {device_id} did not connect back to the "
+                        f"tracker within {RELAY_CONNECT_S:g} s to carry this session")
+
+    def relay_board(self, conn: Conn, frame) -> None:
+        self.service.check_secret(frame.farm_secret)
+        client = self._pending.pop(frame.name, None)
+        if client is None:
+            raise errors.AuthenticationError("unknown or expired relay id")
+        if self.tls is not None:
+            client.splice_to(conn, first=client.relay_first)
+            return
+        # Plain TCP: the session's bytes go between two blocking sockets in two
+        # threads, off the loop that serves every board's pings; a relayed
+        # call then costs two thread wake-ups more than a direct one.
+        board_sock, client_sock = _detach(conn), _detach(client)
+        try:
+            board_sock.sendall(client.relay_first + bytes(client.buffer))
+            if conn.buffer:
+                client_sock.sendall(bytes(conn.buffer))
+        except OSError:
+            board_sock.close()
+            client_sock.close()
+            return
+        splice(client_sock, board_sock, "relay")
+
+    def forget_pending(self, conn: Conn) -> None:
+        relay_id = getattr(conn, "relay_id", None)
+        if relay_id is not None:
+            self._pending.pop(relay_id, None)

@@ -1,0 +1,259 @@
+"""Attacks on a board and a tracker, performed against real processes on loopback,
+and what must come of each: a clear refusal, bounded memory and time, and every
+other session going on (docs/security.md)."""
+import io
+import os
+import shutil
+import socket
+import tarfile
+import tempfile
+import threading
+
+import numpy as np
+import pytest
+
+from remote import errors
+from remote.proto import pb
+from remote.proto.frames import PROTOCOL_VERSION, FrameSocket
+from tests import session_modules
+from tests.test_sessions import _FOLDERS, connect, connect_when_free, start_server
+from tests.test_tracker import HANG_S, key_status, local_farm, wait_until
+
+pytestmark = pytest.mark.skipif(session_modules.C_COMPILER is None,
+                                reason="needs a C compiler (cc) to build test modules")
+LIMIT = 4 << 20
+
+
+@pytest.fixture(scope="module")
+def server():
+    child = start_server("--max-upload-bytes", str(LIMIT))
+    yield child
+    child.stop()
+
+
+@pytest.fixture(scope="module")
+def modules(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("hardmods"))
+    return {kind: session_modules.build(folder, kind) for kind in ("ok", "chatty")}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _remove_server_folders():
+    yield
+    while _FOLDERS:
+        shutil.rmtree(_FOLDERS.pop(), ignore_errors=True)
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    """Waits (up to HANG_S) for the other end to close ``sock``."""
+    sock.settimeout(HANG_S)
+    try:
+        while sock.recv(4096):
+            pass
+    except OSError:
+        pass
+    return True
+
+
+# ------------------------------------------------------- board connections --
+
+def test_idle_and_trickling_connections_do_not_hold_the_board(server):
+    # Sixteen connections that never send a first frame, and one that sends a
+    # byte at a time: sessions, status and close go on meanwhile.
+    idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(16)]
+    trickle = socket.create_connection(("127.0.0.1", server.port))
+    stop = threading.Event()
+
+    def drip():
+        try:
+            while not stop.wait(0.5):
+                trickle.sendall(b"\x01")
+        except OSError:
+            pass
+
+    dripper = threading.Thread(target=drip, daemon=True)
+    dripper.start()
+    try:
+        with connect(server) as sess:
+            sess.upload(b"fine", target="a.txt")
+            assert sess.listdir() == ["a.txt"]
+        # Each gets one deadline for its whole first frame, and is closed at it.
+        assert closed_by_peer(trickle) and closed_by_peer(idle[0])
+    finally:
+        stop.set()
+        for s in idle + [trickle]:
+            s.close()
+    with connect_when_free(server) as sess:
+        sess.ping()
+
+
+def test_an_upload_larger_than_announced_is_refused_and_nothing_is_written(server):
+    sess = connect(server)
+    fs = sess._data
+    fs.send_prefix(pb.DataFrame(op="upload", name="big.bin", size=16), 64 << 20)
+    try:
+        fs.send_raw(b"\0" * (1 << 20))
+    except OSError:
+        pass  # the board may already have hung up
+    reply = fs.recv_header()
+    assert reply.error == "InvalidArgument" and "announces 16 bytes" in reply.text
+    # The session ended with the connection; its workspace went with it.
+    with pytest.raises(errors.TetherError):
+        sess.ping()
+    sess.close()
+    assert not any(n.startswith("big.bin") for _, _, files in os.walk(server.workspaces)
+                   for n in files)
+    with connect_when_free(server) as again:
+        again.ping()
+
+
+@pytest.mark.parametrize("dtype", ["object", "U8", "V8", "M8[s]"])
+def test_tensors_of_non_numeric_dtypes_are_refused_and_the_session_goes_on(server, modules,
+                                                                          dtype):
+    with connect_when_free(server) as sess:
+        fs = sess._data
+        fs.send_prefix(pb.DataFrame(op="put_tensor", name="evil", tensors=[
+            pb.Tensor(name="evil", dtype=dtype, shape=[2])]), 16)
+        fs.send_raw(b"\x41" * 16)
+        fs.send(pb.DataFrame(op="end", checksum="x"))
+        reply = fs.recv_header()
+        assert reply.error == "InvalidArgument" and "numbers only" in reply.text
+        sess.upload(modules["ok"], target="addone.so")
+        mod = sess.load_module("addone.so")
+        fs.send(pb.DataFrame(op="run", name=mod.module_id, timeout_s=30, tensors=[
+            pb.Tensor(name="x", dtype=dtype, shape=[1, 4])]), [b"\x41" * 32])
+        reply = fs.recv_header()
+        assert reply.error in ("InvalidArgument", "InputError") and "numbers only" in reply.text
+        fs.skip(fs.body_left)
+        np.testing.assert_array_equal(mod.run({"x": np.ones((1, 4), np.float32)})[0], 2.0)
+
+
+def test_what_a_module_prints_is_kept_as_a_bounded_tail(server, modules):
+    with connect_when_free(server, session_timeout=HANG_S) as sess:
+        sess.upload(modules["chatty"], target="chatty.so")
+        mod = sess.load_module("chatty.so")
+        before = rss_bytes(server.proc.pid)
+        for _ in range(2):  # 128 MiB of output in all
+            np.testing.assert_array_equal(mod.run({"x": np.zeros((1, 4), np.float32)})[0], 1.0)
+        grown = rss_bytes(server.proc.pid) - before
+    assert grown < 16 << 20, f"the server grew {grown >> 20} MiB for 128 MiB of module output"
+
+
+def _tar(entries, compress=""):
+    data = io.BytesIO()
+    with tarfile.open(fileobj=data, mode="w:" + compress) as tar:
+        for name, payload in entries:
+            info = tarfile.TarInfo(name)
+            info.size = len(payload)
+            tar.addfile(info, io.BytesIO(payload))
+    return data.getvalue()
+
+
+def test_module_archives_are_uncompressed_bounded_and_unpacked_inside_the_workspace(server):
+    before = set(os.listdir(tempfile.gettempdir()))
+    with connect_when_free(server) as sess:
+        # 1.5 MiB of gzip that would unpack to far more than the 4 MiB limit.
+        bomb = _tar([("a.o", b"\0" * (64 << 20))], compress="gz")
+        assert len(bomb) < LIMIT
+        sess.upload(bomb, target="bomb.tar")
+        with pytest.raises(errors.ModuleLoadError, match="compressed archive"):
+            sess.load_module("bomb.tar")
+        big = _tar([("a.o", b"\0" * (3 << 20)), ("b.o", b"\0" * (3 << 20))])
+        with pytest.raises(errors.InvalidArgument, match="at most"):
+            sess.upload(big, target="big.tar")  # the archive alone is over the limit
+        parts = _tar([(f"p{i}.o", b"\0" * (1 << 20)) for i in range(3)])
+        sess.upload(parts, target="parts.tar")
+        with pytest.raises(errors.ModuleLoadError, match="ELF|link"):
+            sess.load_module("parts.tar")  # unpacked (3 MiB, inside the limit), then refused
+        sess.ping()
+    leftovers = [n for n in set(os.listdir(tempfile.gettempdir())) - before if "link" in n]
+    assert not leftovers, leftovers
+
+
+def test_workspace_names_and_listing_hold_against_odd_entries(server):
+    with connect_when_free(server) as sess:
+        deep = "/".join(["d"] * 2000) + "/f"
+        with pytest.raises(errors.InvalidArgument, match="too long"):
+            sess.upload(b"x", target=deep)
+        sess.upload(b"mine", target="x.part")
+        sess.upload(b"data", target="x")
+        assert sorted(sess.listdir()) == ["x", "x.part"]  # uploading x left x.part alone
+        assert sess.download("x.part") == b"mine"
+        (workspace,) = [os.path.join(server.workspaces, n) for n in os.listdir(server.workspaces)]
+        os.symlink("/etc/passwd", os.path.join(workspace, "out"))
+        assert sorted(sess.listdir()) == ["x", "x.part"]  # the symlink out is left out
+        with pytest.raises(errors.InvalidArgument) as caught:
+            sess.download("out")
+        assert server.workspaces not in str(caught.value)
+        with pytest.raises(errors.TetherError) as failed:
+            sess.load_module("x")
+        assert workspace not in str(failed.value)
+
+
+# -------------------------------------------------------------- tracker --
+
+def test_a_board_id_cannot_be_taken_over_by_another_registration():
+    with local_farm(keys=["k"], TETHER_FARM_SECRET="s3cret") as farm:
+        tracker = farm.client()
+        (device,) = tracker.summary()["devices"]
+        fs = FrameSocket(socket.create_connection(("127.0.0.1", farm.tracker[1])))
+        fs.send(pb.DataFrame(op="register", version=PROTOCOL_VERSION, key="k",
+                             address="127.0.0.1:1", device_id=device["device_id"],
+                             farm_secret="s3cret"))
+        reply = fs.recv_header()
+        fs.close()
+        assert reply.error == "AuthenticationError" and "belongs to another board" in reply.text
+        (still,) = tracker.summary()["devices"]
+        assert still["address"] == device["address"]
+        with tracker.request("k", timeout=HANG_S) as sess:
+            assert sess.address == device["address"]
+
+
+def test_parked_requests_are_capped_and_boards_stay_registered():
+    from remote.tracker.service import MAX_WAITING_PER_CLIENT
+    with local_farm(keys=["k"]) as farm:
+        tracker = farm.client()
+        holder = tracker.request("k", timeout=HANG_S, client="holder")
+        futures = []
+        try:
+            for _ in range(MAX_WAITING_PER_CLIENT):
+                request = pb.DeviceRequest(key="k", timeout_s=HANG_S, client="parker")
+                futures.append(tracker._stub.RequestDevice.future(request, timeout=HANG_S))
+            wait_until(lambda: key_status(tracker, "k")["pending"] == MAX_WAITING_PER_CLIENT,
+                       "every parked request queued")
+            with pytest.raises(errors.DeviceBusy, match="already has"):
+                tracker.lease("k", timeout=HANG_S, client="parker")
+            assert key_status(tracker, "k")["total"] == 1
+        finally:
+            for f in futures:
+                f.cancel()
+            holder.close()
+        with tracker.request("k", timeout=HANG_S, client="someone else") as sess:
+            sess.ping()
+
+
+def test_an_oversized_message_is_refused_before_it_is_held():
+    import grpc
+    with local_farm(keys=["k"], TETHER_FARM_SECRET="s3cret") as farm:
+        before = rss_bytes(farm.tracker_proc.proc.pid)
+        with grpc.insecure_channel(f"127.0.0.1:{farm.tracker[1]}", options=[
+                ("grpc.max_send_message_length", 256 << 20)]) as channel:
+            call = channel.unary_unary("/tether.v1.Tracker/RequestDevice",
+                                       request_serializer=lambda m: m.SerializeToString(),
+                                       response_deserializer=lambda b: b)
+            huge = pb.DeviceRequest(key="k", client="x" * (200 << 20), farm_secret="wrong")
+            with pytest.raises(grpc.RpcError) as caught:
+                call(huge, timeout=HANG_S)
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        grown = rss_bytes(farm.tracker_proc.proc.pid) - before
+        assert grown < 100 << 20, f"the tracker grew {grown >> 20} MiB for a refused message"
+        with farm.client().request("k", timeout=HANG_S) as sess:
+            sess.ping()
