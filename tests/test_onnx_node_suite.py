@@ -15,7 +15,8 @@ CLAIMED = {"Conv", "Gemm", "MatMul", "BatchNormalization", "Relu", "LeakyRelu", 
            "ReduceSumSquare", "ReduceLogSum", "ReduceLogSumExp", "Pow", "Sqrt", "Reciprocal", "Exp",
            "Log", "Abs", "Neg", "Erf", "Gelu", "LayerNormalization", "InstanceNormalization",
            "GroupNormalization", "LogSoftmax", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual",
-           "Not", "And", "Or", "Xor", "Where", "Gather", "Resize", "Upsample"}
+           "Not", "And", "Or", "Xor", "Where", "Gather", "Resize", "Upsample", "ConvTranspose", "TopK",
+           "ArgMax", "ArgMin", "CumSum", "GatherElements", "LSTM", "GRU", "RNN"}
 
 
 @pytest.fixture(scope="module")

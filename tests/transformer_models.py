@@ -6,7 +6,11 @@ torch.onnx.export writes them, with random weights:
   with GELU), as timm's ViT exports;
 - convnext_block: a ConvNeXt block (7x7 depthwise Conv, channels-last
   LayerNorm, pointwise MLP with GELU, layer scale, residual), then the
-  classifier head (mean over H and W, LayerNorm, Gemm).
+  classifier head (mean over H and W, LayerNorm, Gemm);
+- bert_encoder: a BERT-style encoder as transformers exports it: int64
+  token ids gathered from an embedding table, an int64 attention mask made
+  into an additive mask (Unsqueeze, Cast, Sub, Mul), post-norm layers with
+  the scores by MatMul or, as some models write them, by Einsum.
 
 Before opset 17 LayerNorm is spelled out (ReduceMean ... Div, Mul, Add);
 from 17 on it is one LayerNormalization node. GELU is spelled out with Erf
@@ -18,12 +22,12 @@ before opset 20 and is one Gelu node from 20 on.
 from __future__ import annotations
 
 import numpy as np
-from onnx import helper
+from onnx import TensorProto, helper
 
 from tests.onnx_models import make_model
 
 
-class _Builder:
+class GraphBuilder:
     """Nodes and initializers of one model, with fresh names per call."""
 
     def __init__(self, opset: int, seed: int):
@@ -81,14 +85,20 @@ class _Builder:
         inner = self.op("Mul", [x, self.op("Add", [erf, self.const(1.0)])])
         return self.op("Mul", [inner, self.const(0.5)])
 
-    def model(self, inputs, output, name):
+    def model(self, inputs, output, name, int64_inputs=()):
+        """The model with input shapes {name: shape} (float32, or int64 for
+        those named in int64_inputs) and output "y"."""
         self.nodes.append(helper.make_node("Identity", [output], ["y"], name="output"))
-        return make_model(self.nodes, inputs, {"y": None}, self.inits, opset=self.opset, name=name)
+        model = make_model(self.nodes, inputs, {"y": None}, self.inits, opset=self.opset, name=name)
+        for vi in model.graph.input:
+            if vi.name in int64_inputs:
+                vi.type.tensor_type.elem_type = TensorProto.INT64
+        return model
 
 
 def vit_block(tokens: int = 17, width: int = 64, heads: int = 4, opset: int = 13, seed: int = 0):
     """x + Attention(LN(x)), then + MLP(LN(.)), on input "x" (1, tokens, width)."""
-    b = _Builder(opset, seed)
+    b = GraphBuilder(opset, seed)
     head = width // heads
     h = b.layer_norm("x", width)
     qkv = b.linear(h, width, 3 * width)
@@ -107,7 +117,7 @@ def vit_block(tokens: int = 17, width: int = 64, heads: int = 4, opset: int = 13
 def convnext_block(channels: int = 32, size: int = 14, classes: int = 10, opset: int = 13, seed: int = 0):
     """x + gamma * MLP(LN(dwconv(x))) in channels-last, then mean over H and W,
     LayerNorm and a Gemm head, on input "x" (1, channels, size, size)."""
-    b = _Builder(opset, seed)
+    b = GraphBuilder(opset, seed)
     dw = b.op("Conv", ["x", b.weight(channels, 1, 7, 7, scale=1 / 7), b.weight(channels, scale=0.1)],
               group=channels, kernel_shape=[7, 7], pads=[3, 3, 3, 3])
     h = b.layer_norm(b.op("Transpose", [dw], perm=[0, 2, 3, 1]), channels)
@@ -117,3 +127,53 @@ def convnext_block(channels: int = 32, size: int = 14, classes: int = 10, opset:
     pooled = b.layer_norm(b.reduce_mean(x, [-2, -1], keepdims=0), channels)
     logits = b.op("Gemm", [pooled, b.weight(classes, channels), b.weight(classes, scale=0.1)], transB=1)
     return b.model({"x": (1, channels, size, size)}, logits, "convnext_block")
+
+
+def bert_encoder(tokens: int = 16, width: int = 32, heads: int = 4, layers: int = 2, vocab: int = 50,
+                 opset: int = 13, einsum: bool = False, seed: int = 0):
+    """Embeddings, then `layers` post-norm encoder layers, on int64 inputs
+    "input_ids" and "attention_mask" (1, tokens); output "y" (1, tokens, width)."""
+    b = GraphBuilder(opset, seed)
+    head = width // heads
+    words = b.op("Gather", [b.weight(vocab, width, scale=1.0, hint="word_embeddings"), "input_ids"], axis=0)
+    # Position and token type ids are constants: their Gathers fold at import.
+    positions = b.op("Gather", [b.weight(tokens, width, scale=0.1, hint="position_embeddings"),
+                                b.ints([list(range(tokens))])], axis=0)
+    types = b.op("Gather", [b.weight(2, width, scale=0.1, hint="token_type_embeddings"),
+                            b.ints([[0] * tokens])], axis=0)
+    h = b.layer_norm(b.op("Add", [b.op("Add", [words, types]), positions]), width)
+    mask = b.op("Cast", [b.op("Unsqueeze", ["attention_mask", b.ints([1, 2])])], to=TensorProto.FLOAT)
+    mask = b.op("Mul", [b.op("Sub", [b.const(1.0), mask]), b.const(np.finfo(np.float32).min)])
+
+    def split_heads(x):
+        x = b.op("Reshape", [x, b.ints([1, tokens, heads, head])])
+        return b.op("Transpose", [x], perm=[0, 2, 1, 3])           # (1, heads, tokens, head)
+    for _ in range(layers):
+        q, k, v = (split_heads(b.linear(h, width, width)) for _ in range(3))
+        if einsum:
+            scores = b.op("Einsum", [q, k], equation="bhid,bhjd->bhij")
+        else:
+            scores = b.op("MatMul", [q, b.op("Transpose", [k], perm=[0, 1, 3, 2])])
+        scores = b.op("Add", [b.op("Div", [scores, b.const(np.sqrt(head))]), mask])
+        probs = b.op("Softmax", [scores], axis=-1)
+        if einsum:
+            ctx = b.op("Einsum", [probs, v], equation="bhij,bhjd->bhid")
+        else:
+            ctx = b.op("MatMul", [probs, v])
+        ctx = b.op("Reshape", [b.op("Transpose", [ctx], perm=[0, 2, 1, 3]), b.ints([1, tokens, width])])
+        h = b.layer_norm(b.op("Add", [b.linear(ctx, width, width), h]), width)
+        ffn = b.linear(b.gelu(b.linear(h, width, 4 * width)), 4 * width, width)
+        h = b.layer_norm(b.op("Add", [ffn, h]), width)
+    return b.model({"input_ids": (1, tokens), "attention_mask": (1, tokens)}, h, "bert_encoder",
+                   int64_inputs=("input_ids", "attention_mask"))
+
+
+def bert_feeds(model, seed: int = 1) -> dict:
+    """Token ids across the vocabulary and a mask hiding the last quarter (padding)."""
+    (ids, _), = [(vi, 0) for vi in model.graph.input if vi.name == "input_ids"]
+    tokens = ids.type.tensor_type.shape.dim[1].dim_value
+    vocab = next(i.dims[0] for i in model.graph.initializer if i.name.startswith("word_embeddings"))
+    mask = np.ones((1, tokens), np.int64)
+    mask[:, tokens - tokens // 4:] = 0
+    return {"input_ids": np.random.default_rng(seed).integers(0, vocab, (1, tokens)).astype(np.int64),
+            "attention_mask": mask}

@@ -1,0 +1,42 @@
+"""A U-Net built with onnx.helper the way torch.onnx.export writes it,
+with random weights: two encoder stages of 3x3 Conv + Relu pairs and
+MaxPool, a bottleneck, then a decoder that upsamples once by ConvTranspose
+(kernel 2, stride 2) and once by bilinear Resize (nn.Upsample with
+align_corners=False: pytorch_half_pixel), each followed by a Concat with
+the encoder's skip connection, and a 1x1 Conv to the class scores.
+
+    from tests.segmentation_models import unet
+    model = unet()    # input "x" (1, 3, 32, 32) -> output "y" (1, 3, 32, 32)
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from tests.transformer_models import GraphBuilder
+
+
+def unet(size: int = 32, channels=(8, 16, 32), classes: int = 3, opset: int = 13, seed: int = 0):
+    b = GraphBuilder(opset, seed)
+
+    def conv(x, size_in, out, kernel=3, relu=True):
+        w = b.weight(out, size_in, kernel, kernel, scale=(size_in * kernel * kernel) ** -0.5)
+        y = b.op("Conv", [x, w, b.weight(out, scale=0.1)], kernel_shape=[kernel, kernel],
+                 pads=[kernel // 2] * 4)
+        return b.op("Relu", [y]) if relu else y
+
+    def double_conv(x, size_in, out):
+        return conv(conv(x, size_in, out), out, out)
+
+    def pool(x):
+        return b.op("MaxPool", [x], kernel_shape=[2, 2], strides=[2, 2])
+    c1, c2, c3 = channels
+    skip1 = double_conv("x", 3, c1)
+    skip2 = double_conv(pool(skip1), c1, c2)
+    bottom = double_conv(pool(skip2), c2, c3)
+    up = b.op("ConvTranspose", [bottom, b.weight(c3, c2, 2, 2, scale=(c3 * 4) ** -0.5), b.weight(c2, scale=0.1)],
+              kernel_shape=[2, 2], strides=[2, 2])
+    h = double_conv(b.op("Concat", [up, skip2], axis=1), 2 * c2, c2)
+    roi, scales = b.const(np.zeros(0), "roi"), b.const([1.0, 1.0, 2.0, 2.0], "scales")
+    up = b.op("Resize", [h, roi, scales], mode="linear", coordinate_transformation_mode="pytorch_half_pixel")
+    h = double_conv(b.op("Concat", [conv(up, c2, c1), skip1], axis=1), 2 * c1, c1)
+    return b.model({"x": (1, 3, size, size)}, conv(h, c1, classes, kernel=1, relu=False), "unet")
