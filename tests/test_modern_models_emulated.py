@@ -1,7 +1,9 @@
-"""The ViT and ConvNeXt blocks of tests/transformer_models.py compiled for
-rasp4b64 and rasp3b and run on emulated Debian bookworm boards (arm64 and
-armhf) through a real tracker, against onnxruntime on the host: the
-reductions, normalisations, erf and their vector forms on NEON.
+"""The ViT and ConvNeXt blocks of tests/transformer_models.py, and the
+BERT-style encoder, U-Net, LSTM keyword spotter and CTC speech model,
+compiled for rasp4b64 and rasp3b and run on emulated Debian bookworm
+boards (arm64 and armhf) through a real tracker, against onnxruntime on
+the host: the reductions, normalisations, erf and their vector forms on
+NEON, int64 token ids, ConvTranspose, Resize and the recurrent layers.
 
     pytest -m bookworm_arm64 tests/test_modern_models_emulated.py
 """
@@ -13,13 +15,18 @@ import crosscompile
 from deploy_recipes import emulate
 from remote import rpc
 from tests.emulated_boards import TARGET_FOR_ARCH, local_farm, running_board, skip_without_tools
+from tests.audio_models import kws_lstm, speech_ctc
 from tests.onnx_models import assert_zoo_close, reference, sample_input
-from tests.transformer_models import convnext_block, vit_block
+from tests.segmentation_models import unet
+from tests.transformer_models import bert_encoder, bert_feeds, convnext_block, vit_block
 
 RELEASE = "bookworm"
 # Far above what a block takes under qemu (seconds), so a hung module still ends the test.
 TIMEOUT_S = 600.0
 BLOCKS = {"vit": vit_block, "convnext": convnext_block}
+# Whole models: (builder, inputs for it).
+MODELS = {"bert": (bert_encoder, bert_feeds), "unet": (unet, sample_input), "kws_lstm": (kws_lstm, sample_input),
+          "speech_ctc": (speech_ctc, sample_input)}
 
 
 @pytest.fixture(scope="module", params=[
@@ -35,15 +42,24 @@ def board(request):
             yield farm.tracker, b.key, arch
 
 
+def run_on_board(board, tmp_path, name, model, feeds):
+    tracker, key, arch = board
+    path = crosscompile.build(model, target=TARGET_FOR_ARCH[arch]).export_library(os.path.join(tmp_path, f"{name}.so"))
+    with rpc.connect_tracker(*tracker).request(key, timeout=120) as sess:
+        sess.upload(path, target=f"{name}.so", timeout=TIMEOUT_S)
+        outputs = sess.load_module(f"{name}.so", timeout=TIMEOUT_S).run(feeds, timeout=TIMEOUT_S)
+    assert_zoo_close(outputs, reference(model, feeds))
+
+
 @pytest.mark.parametrize("opset", [13, 20])
 @pytest.mark.parametrize("block", sorted(BLOCKS))
 def test_block_matches_onnxruntime_on_emulated_board(board, tmp_path, block, opset):
-    tracker, key, arch = board
     model = BLOCKS[block](opset=opset)
-    feeds = sample_input(model)
-    path = crosscompile.build(model, target=TARGET_FOR_ARCH[arch]).export_library(
-        os.path.join(tmp_path, f"{block}.so"))
-    with rpc.connect_tracker(*tracker).request(key, timeout=120) as sess:
-        sess.upload(path, target=f"{block}.so", timeout=TIMEOUT_S)
-        outputs = sess.load_module(f"{block}.so", timeout=TIMEOUT_S).run(feeds, timeout=TIMEOUT_S)
-    assert_zoo_close(outputs, reference(model, feeds))
+    run_on_board(board, tmp_path, block, model, sample_input(model))
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_model_matches_onnxruntime_on_emulated_board(board, tmp_path, name):
+    build_model, make_feeds = MODELS[name]
+    model = build_model()
+    run_on_board(board, tmp_path, name, model, make_feeds(model))
