@@ -4,8 +4,9 @@ own aarch64 wheel, one thread each, in the same Debian root filesystem.
     python benchmarks/bench_arm.py [model ...] [--targets rasp4b64,rasp5,rasp3b] [--runs N]
 
 Models: squeezenet and resnet50 from the onnx package's light zoo (random
-parameters, as in tests/test_zoo.py), resnet18 built by tests/architectures.py;
-one 1 x 3 x 224 x 224 image each. Counts come from
+parameters, as in tests/test_zoo.py), resnet18, mobilenetv2 and
+efficientnet_b0 built by tests/architectures.py; one 1 x 3 x 224 x 224 image
+each. Counts come from
 deploy_recipes/instruction_count.py (a qemu plugin, R and R + N inferences).
 A count is exact and repeatable where wall time under emulation means
 nothing, but it is not a time: use the ratios, and confirm on a board.
@@ -37,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import crosscompile  # noqa: E402
 from deploy_recipes import emulate, instruction_count  # noqa: E402
 from remote.defaults import cache_dir  # noqa: E402
-from tests.architectures import resnet  # noqa: E402
+from tests.architectures import efficientnet_b0, mobilenet_v2, resnet  # noqa: E402
 from tests.onnx_models import zoo_model  # noqa: E402
 
 RELEASE = "bookworm"
@@ -45,6 +46,8 @@ MODELS = {
     "squeezenet": lambda: zoo_model("squeezenet", logits=False),
     "resnet18": lambda: resnet(18),
     "resnet50": lambda: zoo_model("resnet50", logits=False),
+    "mobilenetv2": mobilenet_v2,
+    "efficientnet_b0": efficientnet_b0,
 }
 # preset: (Debian architecture, qemu core, whether onnxruntime has a wheel for it).
 TARGETS = {
@@ -97,7 +100,7 @@ def main() -> int:
             parser.error(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
     site = None if args.no_ort else onnxruntime_site()
 
-    print(f"{'model':12} {'target':9} {'core':11} {'ours M':>9} {'ort M':>9} {'ours/ort':>8}")
+    print(f"{'model':15} {'target':9} {'core':11} {'ours M':>9} {'ort M':>9} {'ours/ort':>8}")
     with tempfile.TemporaryDirectory() as folder:
         for name in args.models:
             model = MODELS[name]()
@@ -119,7 +122,7 @@ def main() -> int:
                     theirs = peer[cpu]
                 ratio = f"{ours / theirs:8.2f}" if theirs else f"{'-':>8}"
                 their_text = f"{theirs / 1e6:9.1f}" if theirs else f"{'-':>9}"
-                print(f"{name:12} {target:9} {cpu:11} {ours / 1e6:9.1f} {their_text} {ratio}", flush=True)
+                print(f"{name:15} {target:9} {cpu:11} {ours / 1e6:9.1f} {their_text} {ratio}", flush=True)
     return 0
 
 

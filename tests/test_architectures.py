@@ -1,0 +1,20 @@
+"""The torchvision-like architectures of tests/architectures.py (the models
+benchmarks/bench_arm.py counts) compile for the host and agree with
+onnxruntime: depthwise and squeeze-and-excitation blocks, ReLU6 as Clip and
+SiLU as Sigmoid times its input, as torch exports them."""
+import pytest
+
+import crosscompile
+import minirt
+from tests.architectures import efficientnet_b0, mobilenet_v2
+from tests.onnx_models import assert_zoo_matches, reference, sample_input
+
+
+@pytest.mark.parametrize("build", [mobilenet_v2, efficientnet_b0], ids=lambda f: f.__name__)
+def test_architecture_matches_onnxruntime_on_host(tmp_path, build):
+    model = build()
+    feeds = sample_input(model)
+    module = minirt.load(crosscompile.build(model, target="host").export_library(tmp_path / "m.so"))
+    got = module.run(feeds)
+    assert got[0].shape == (1, 1000)
+    assert_zoo_matches(got, reference(model, feeds))
