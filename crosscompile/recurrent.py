@@ -86,7 +86,8 @@ class _Layer:
     state: dict       # "h", "c": the running states in scratch
     lengths: "ir.Value | None"
     projected: ir.Value  # X . W^T for every step: [rows, gates * hidden]
-    recurrent: ir.Value  # h . R^T: [batch, gates * hidden]
+    recurrent: ir.Value  # h . R^T: [batch, recurrent_columns]
+    recurrent_columns: int
     y: "ir.Value | None"
 
     def x_row(self, k: Kernel, t, b):
@@ -217,7 +218,7 @@ class _Recurrent(Op):
             layer = _Layer(steps, batch, hidden, attrs["layout"], directions, d,
                            attrs["direction"] == "reverse" or d == 1,
                            attrs["functions"][d * per_direction:(d + 1) * per_direction], attrs,
-                           weights, state, lengths, projected, recurrent, y)
+                           weights, state, lengths, projected, recurrent, self.recurrent_columns(attrs, hidden), y)
             emit_dot_rows(k, k.target.lanes, steps * batch, size, gh, given[0], weights["W"], projected)
             for i, name in enumerate(self.states):
                 initial = given.get(5 + i)
@@ -233,13 +234,21 @@ class _Recurrent(Op):
                         k.store(value, k.outputs[i + 1], layer.state_at(k, b, j))
         k.activated = True
 
+    def recurrent_columns(self, attrs, hidden) -> int:
+        """How many rows of R multiply the hidden state at the start of each step."""
+        return self.gates * hidden
+
     def step(self, k: Kernel, layer: _Layer, s, extra) -> None:
         """One time step: h . R^T for every batch element, then cell() for
         every hidden unit of the batch elements whose sequence goes on."""
-        h, hidden = layer.state["h"], layer.hidden
-        emit_dot_rows(k, k.target.lanes, layer.batch, hidden, self.gates * hidden, h, layer.weights["R"],
-                      layer.recurrent)
+        self.multiply_state(k, layer)
         self.each_unit(k, layer, s, lambda b, t, j: self.cell(k, layer, b, t, j))
+
+    @staticmethod
+    def multiply_state(k: Kernel, layer: _Layer) -> None:
+        """recurrent = H . R^T over the first recurrent_columns rows of R."""
+        emit_dot_rows(k, k.target.lanes, layer.batch, layer.hidden, layer.recurrent_columns, layer.state["h"],
+                      layer.weights["R"], layer.recurrent)
 
     def each_unit(self, k: Kernel, layer: _Layer, s, body, stores_h: bool = True) -> None:
         """body(b, t, j) for each batch element b still in its sequence at
@@ -266,7 +275,7 @@ class _Recurrent(Op):
         gh, column = self.gates * layer.hidden, k.index((j, 1), (gate * layer.hidden, 1))
         value = k.load(layer.projected, k.index((layer.x_row(k, t, b), gh), (column, 1)))
         if recurrent:
-            value = bld.fadd(value, k.load(layer.recurrent, k.index((b, gh), (column, 1))))
+            value = bld.fadd(value, k.load(layer.recurrent, k.index((b, layer.recurrent_columns), (column, 1))))
         bias = layer.weights.get("B")
         if bias is not None:
             value = bld.fadd(value, k.load(bias, column))
@@ -334,14 +343,20 @@ class GRU(_Recurrent):
         return dict(super().attributes(raw, constants, opset),
                     linear_before_reset=int(raw.get("linear_before_reset", 0)))
 
+    def recurrent_columns(self, attrs, hidden):
+        # Without linear_before_reset, Rh multiplies r * H, later in the step.
+        return 3 * hidden if attrs["linear_before_reset"] else 2 * hidden
+
     def step(self, k, layer, s, extra):
+        """Without linear_before_reset: z and r from H . [Rz Rr]^T (the
+        shared first product), then (r * H) . Rh^T, then the update."""
         if layer.attrs["linear_before_reset"]:
             super().step(k, layer, s, extra)
             return
+        self.multiply_state(k, layer)
         bld, hidden = k.builder, layer.hidden
         h = layer.state["h"]
         reset_h, product = extra
-        emit_dot_rows(k, k.target.lanes, layer.batch, hidden, 3 * hidden, h, layer.weights["R"], layer.recurrent)
 
         def reset(b, t, j):
             at = k.index((b, hidden), (j, 1))
