@@ -2,17 +2,25 @@
 which decoders (U-Net, FCN heads, audio upsamplers) use to upsample.
 
 Each input value is scattered into the output: output position
-o = i * stride + k * dilation - pad_begin along every spatial axis. The
-lowering runs over input rows and kernel taps, and along one input row
-with the weight held in a register; the output columns that row reaches
-for each kernel column are known at compile time, so padding and the
-output's edges never become a branch in the innermost loop.
+o = i * stride + k * dilation - pad_begin along every spatial axis. Per
+image and group, a run of input rows is first multiplied by the weights,
+columns[(output channel, tap), pixel] = W^T . X, a matrix product whose
+innermost loop runs along the pixels; then every column row is added into
+the output along input rows (col2im). The output columns an input row
+reaches for each kernel column are known at compile time, so padding and
+the output's edges never become a branch in the innermost loop. The runs
+of rows are as long as keeps the columns within SCRATCH_FLOATS.
 """
 from __future__ import annotations
 
 from .errors import BuildError, ShapeError
+from .gemm import divide
+from .matmul import strided_matmul
 from .op_base import Op, _ints
 from .window import _valid_range, _window_attributes
+
+# Floats of the columns of one run of input rows (256 KiB: an L2 share).
+SCRATCH_FLOATS = 64 * 1024
 
 
 def transpose_geometry(x_shape, w_shape, attrs):
@@ -103,52 +111,77 @@ class ConvTranspose(Op):
         out = transpose_geometry(x, w, attrs)[-1]
         return [(x[0], w[1] * group, *out[5 - len(x):])]
 
-    def lower(self, k, inputs, outputs, attrs):
+    def _plan(self, inputs, attrs):
+        """(geometry, group, input channels and output channels per group,
+        taps, input rows per run) of a lowering."""
         x, w = inputs[0].shape, inputs[1].shape
-        (dz, h, wd), (kz, kh_n, kw_n), (sz, sh, sw), (ddz, dh, dw), (pz, ph, pw), (oz, oh_n, ow_n) = \
-            transpose_geometry(x, w, attrs)
+        geometry = transpose_geometry(x, w, attrs)
+        (dz, h, wd), kernel = geometry[0], geometry[1]
         group = attrs["group"]
-        cg, mg = x[1] // group, w[1]
-        m_n = mg * group
-        # Output channels in blocks: each input value loaded feeds `block` rows.
-        block = next(b for b in (4, 2, 1) if mg % b == 0)
-        volume_in, volume_out, taps = dz * h * wd, oz * oh_n * ow_n, kz * kh_n * kw_n
+        taps = kernel[0] * kernel[1] * kernel[2]
+        rows = max(1, min(dz * h, SCRATCH_FLOATS // (w[1] * taps * wd)))
+        return geometry, group, x[1] // group, w[1], taps, rows
+
+    def scratch_bytes(self, inputs, outputs, attrs):
+        geometry, _, _, mg, taps, rows = self._plan(inputs, attrs)
+        return 4 * mg * taps * rows * geometry[0][2]
+
+    def lower(self, k, inputs, outputs, attrs):
+        geometry, group, cg, mg, taps, rows = self._plan(inputs, attrs)
+        (dz, h, wd), (kz, kh_n, kw_n), (sz, sh, sw), (ddz, dh, dw), (pz, ph, pw), (oz, oh_n, ow_n) = geometry
+        n_n, c_n, m_n = inputs[0].shape[0], inputs[0].shape[1], mg * group
+        volume_in, volume_out = dz * h * wd, oz * oh_n * ow_n
+        lines = dz * h  # input rows of one plane, depth and height together
         bld = k.builder
-        X, W, Y = k.inputs[0], k.inputs[1], k.outputs[0]
+        X, W, Y, cols = k.inputs[0], k.inputs[1], k.outputs[0], k.scratch
         bias = k.inputs[2] if len(inputs) == 3 else None
-        with k.loop(x[0]) as n, k.loop(group) as g, k.loop(mg // block) as mb:
-            oc = k.index((g, mg), (mb, block))
-            planes = [k.index((n, m_n * volume_out), (oc, volume_out), (b * volume_out, 1)) for b in range(block)]
-            for b, plane in enumerate(planes):
-                start = k.load(bias, bld.add(oc, k.i64(b))) if bias is not None else k.f32(0.0)
+        with k.loop(n_n) as n, k.loop(group) as g:
+            out_base = k.index((n, m_n * volume_out), (g, mg * volume_out))
+            with k.loop(mg) as m:
+                start = k.load(bias, k.index((g, mg), (m, 1))) if bias is not None else k.f32(0.0)
                 with k.loop(volume_out) as o:
-                    k.store(start, Y, bld.add(plane, o))
-            with k.loop(cg) as c, k.loop(dz) as iz, k.loop(kz) as kd:
-                z = k.index((iz, sz), (kd, ddz), (-pz, 1))
-                with bld.if_then(k.in_range(z, oz)), k.loop(h) as iy, k.loop(kh_n) as ky:
-                    y = k.index((iy, sh), (ky, dh), (-ph, 1))
-                    with bld.if_then(k.in_range(y, oh_n)):
-                        ic = k.index((g, cg), (c, 1))
-                        line = k.index((n, x[1] * volume_in), (ic, volume_in), (iz, h * wd), (iy, wd))
-                        out_line = k.index((z, oh_n * ow_n), (y, ow_n))
-                        # W[ic, oc - g * mg + b, kd, ky, kx]
-                        wbase = k.index((ic, mg * taps), (mb, block * taps), (kd, kh_n * kw_n), (ky, kw_n))
-                        for kx in range(kw_n):
-                            offset = kx * dw - pw
-                            lo, hi = _valid_range(offset, sw, ow_n, wd)
-                            if lo >= hi:
-                                continue
-                            weights = [k.load(W, k.index((wbase, 1), (b * taps + kx, 1))) for b in range(block)]
-                            with k.loop(hi, start=lo) as ix:
-                                src = k.load(X, bld.add(line, ix))
-                                column = k.index((out_line, 1), (ix, sw), (offset, 1))
-                                for plane, weight in zip(planes, weights):
-                                    at = bld.add(plane, column)
-                                    k.store(bld.fadd(k.load(Y, at), bld.fmul(weight, src)), Y, at)
+                    k.store(start, Y, k.index((out_base, 1), (m, volume_out), (o, 1)))
+            with k.loop(-(-lines // rows)) as run:
+                first = bld.mul(run, k.i64(rows))
+                count = k.smin(k.i64(rows), bld.sub(k.i64(lines), first))
+                pixels = rows * wd
+                # columns[m * taps + tap, p] = sum_c W[g * cg + c, m, tap] * X[n, g * cg + c, first row + p]
+                x_base = k.index((n, c_n * volume_in), (g, cg * volume_in), (first, wd))
+                strided_matmul(k, mg * taps, cg, pixels, (1, mg * taps), (volume_in, 1),
+                               (k.index((g, cg * mg * taps)), x_base, 0), operands=(W, X, cols))
+                with k.loop(count) as r:
+                    line = bld.add(first, r)
+                    iz = line if h == 1 else divide(k, line, h)
+                    iy = bld.sub(line, bld.mul(iz, k.i64(h)))
+                    self._add_columns(k, cols, Y, out_base, k.index((r, wd)), iz, iy, geometry, mg, pixels)
             if k.epilogue:
-                for plane in planes:
-                    with k.loop(volume_out) as o:
-                        at = bld.add(plane, o)
-                        k.store(k.activate(k.load(Y, at)), Y, at)
+                with k.loop(mg * volume_out) as o:
+                    at = k.index((out_base, 1), (o, 1))
+                    k.store(k.activate(k.load(Y, at)), Y, at)
         k.activated = True
+
+    @staticmethod
+    def _add_columns(k, cols, Y, out_base, pixel0, iz, iy, geometry, mg, pixels):
+        """Add the columns of one input row (pixels from pixel0 of each
+        column row) into the output positions it reaches."""
+        bld = k.builder
+        (_, _, wd), (kz, kh_n, kw_n), (sz, sh, sw), (ddz, dh, dw), (pz, ph, pw), (oz, oh_n, ow_n) = geometry
+        taps = kz * kh_n * kw_n
+        with k.loop(kz) as kd:
+            z = k.index((iz, sz), (kd, ddz), (-pz, 1))
+            with bld.if_then(k.in_range(z, oz)), k.loop(kh_n) as ky:
+                y = k.index((iy, sh), (ky, dh), (-ph, 1))
+                with bld.if_then(k.in_range(y, oh_n)), k.loop(mg) as m:
+                    out_line = k.index((out_base, 1), (m, oz * oh_n * ow_n), (z, oh_n * ow_n), (y, ow_n))
+                    row = k.index((m, taps), (kd, kh_n * kw_n), (ky, kw_n))
+                    for kx in range(kw_n):
+                        offset = kx * dw - pw
+                        lo, hi = _valid_range(offset, sw, ow_n, wd)
+                        if lo >= hi:
+                            continue
+                        src = k.index((row, pixels), (kx, pixels), (pixel0, 1))
+                        with k.loop(hi, start=lo) as ix:
+                            at = k.index((out_line, 1), (ix, sw), (offset, 1))
+                            value = k.load(cols, bld.add(src, ix))
+                            k.store(bld.fadd(k.load(Y, at), value), Y, at)
 

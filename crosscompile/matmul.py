@@ -6,14 +6,17 @@ from __future__ import annotations
 from .emit import Kernel
 
 
-def strided_matmul(k: Kernel, m: int, kdim: int, n: int, a_strides, b_strides, bases=(0, 0, 0)) -> None:
+def strided_matmul(k: Kernel, m: int, kdim: int, n: int, a_strides, b_strides, bases=(0, 0, 0),
+                   operands=None) -> None:
     """out[m, n] = sum_k A[m, k] * B[k, n], with A and B read through strides
-    from element offsets bases = (A, B, out) (ints or i64 values).
+    from element offsets bases = (A, B, out) (ints or i64 values). The
+    operands (A, B, out) are the kernel's two inputs and its output unless
+    given.
 
     The loop order keeps the innermost loop on unit stride: over n when B's
     rows are contiguous, otherwise over k as a dot product.
     """
-    a, b, out = k.inputs[0], k.inputs[1], k.outputs[0]
+    a, b, out = operands or (k.inputs[0], k.inputs[1], k.outputs[0])
     a0, b0, o0 = ((base, 1) for base in bases)
     bld = k.builder
     if b_strides[1] == 1:

@@ -55,6 +55,14 @@ def test_conv_transpose_3d_without_bias(tmp_path):
     run_host(conv_transpose_model((1, 2, 3, 4, 3), (2, 3, 2, 3, 2), bias=False, strides=[2, 1, 2]), tmp_path)
 
 
+def test_conv_transpose_in_runs_of_rows(tmp_path):
+    # Columns of 32 x 9 x 37 floats per input row: the 40 rows go in runs, the last one shorter.
+    from crosscompile.conv_transpose import SCRATCH_FLOATS
+    rows = SCRATCH_FLOATS // (32 * 9 * 37)
+    assert 1 < rows < 40 and 40 % rows
+    run_host(conv_transpose_model((1, 2, 40, 37), (2, 32, 3, 3), strides=[2, 2], pads=[1, 0, 1, 1]), tmp_path)
+
+
 def test_conv_transpose_runs_a_fused_relu(tmp_path):
     lib = run_host(conv_transpose_model((1, 4, 5, 5), (4, 4, 3, 3), relu=True, strides=[2, 2]), tmp_path)
     assert [step["op"] for step in lib.metadata["steps"]] == ["ConvTranspose"]
