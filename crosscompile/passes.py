@@ -38,10 +38,23 @@ def _consumers(graph: Graph) -> Counter:
     return uses
 
 
+def _scale_output_channels(conv: Node, weight: np.ndarray, a: np.ndarray) -> np.ndarray:
+    """weight with each output channel's filter scaled by a: a Conv's
+    output channels are axis 0 of its weight; a ConvTranspose's weight is
+    (input channels, output channels / group, ...), so output channel
+    g * (M / group) + j is column j of group g's rows."""
+    if conv.op_type == "Conv":
+        return weight * a.reshape((-1,) + (1,) * (weight.ndim - 1))
+    group = conv.attrs["group"]
+    per_input = np.repeat(a.reshape(group, -1), weight.shape[0] // group, axis=0)
+    return weight * per_input.reshape(per_input.shape + (1,) * (weight.ndim - 2))
+
+
 def fold_batchnorm(graph: Graph) -> Graph:
     """Fold each BatchNormalization with constant parameters into the Conv
-    that feeds it (when the Conv has constant weights and no other reader):
-    W' = W * a, B' = (B - mean) * a + beta with a = scale / sqrt(var + eps).
+    or ConvTranspose that feeds it (when it has constant weights and no
+    other reader): W' = W * a per output channel, B' = (B - mean) * a + beta
+    with a = scale / sqrt(var + eps).
     """
     producer = {out: node for node in graph.nodes for out in node.outputs}
     uses = _consumers(graph)
@@ -52,7 +65,7 @@ def fold_batchnorm(graph: Graph) -> Graph:
         if node.op_type != "BatchNormalization":
             continue
         conv = producer.get(node.inputs[0])
-        if (conv is None or conv.op_type != "Conv" or uses[node.inputs[0]] != 1
+        if (conv is None or conv.op_type not in ("Conv", "ConvTranspose") or uses[node.inputs[0]] != 1
                 or conv.name in replaced
                 or not all(t in constants for t in conv.inputs[1:] + node.inputs[1:])):
             continue
@@ -60,13 +73,13 @@ def fold_batchnorm(graph: Graph) -> Graph:
         a = scale / np.sqrt(var + node.attrs["epsilon"])
         weight = constants[conv.inputs[1]]
         bias = constants[conv.inputs[2]].astype(np.float64) if len(conv.inputs) == 3 else 0.0
-        new_w = (weight * a.reshape((-1,) + (1,) * (weight.ndim - 1))).astype(np.float32)
+        new_w = _scale_output_channels(conv, weight, a).astype(np.float32)
         new_b = ((bias - mean) * a + beta).astype(np.float32)
         w_name, b_name = f"{conv.name}/bn_weight", f"{conv.name}/bn_bias"
         for name, value in ((w_name, new_w), (b_name, new_b)):
             constants[name] = value
             tensors[name] = Tensor(name, value.shape, "float32")
-        replaced[conv.name] = Node("Conv", conv.name, [conv.inputs[0], w_name, b_name],
+        replaced[conv.name] = Node(conv.op_type, conv.name, [conv.inputs[0], w_name, b_name],
                                    list(node.outputs), dict(conv.attrs))
         dropped.add(node.name)
     if not replaced:

@@ -3,7 +3,7 @@ dilations, pads, output_padding, output_shape, the auto_pad forms and a
 fused activation."""
 import numpy as np
 import pytest
-from onnx import helper
+from onnx import helper, numpy_helper
 
 import crosscompile
 from tests.onnx_models import make_model, rand, run_host
@@ -66,6 +66,21 @@ def test_conv_transpose_in_runs_of_rows(tmp_path):
 def test_conv_transpose_runs_a_fused_relu(tmp_path):
     lib = run_host(conv_transpose_model((1, 4, 5, 5), (4, 4, 3, 3), relu=True, strides=[2, 2]), tmp_path)
     assert [step["op"] for step in lib.metadata["steps"]] == ["ConvTranspose"]
+
+
+@pytest.mark.parametrize("group,bias", [(1, True), (2, False)])
+def test_batch_norm_after_conv_transpose_folds_into_its_weights(tmp_path, group, bias):
+    # A DCGAN generator's block: ConvTranspose, BatchNormalization, Relu.
+    model = conv_transpose_model((1, 4, 5, 5), (4, 3, 4, 4), bias=bias, group=group, strides=[2, 2], pads=[1, 1, 1, 1])
+    model.graph.node[0].output[0] = "c"
+    channels = 3 * group
+    bn = {"scale": rand(channels, seed=3), "shift": rand(channels, seed=4), "mean": rand(channels, seed=5),
+          "var": np.abs(rand(channels, seed=6)) + 0.5}
+    model.graph.initializer.extend(numpy_helper.from_array(v, n) for n, v in bn.items())
+    model.graph.node.extend([helper.make_node("BatchNormalization", ["c", *bn], ["n"]),
+                             helper.make_node("Relu", ["n"], ["y"])])
+    lib = run_host(model, tmp_path)
+    assert lib.summary["folded_into_conv"] == 1 and lib.summary["kernels"] == 1
 
 
 def test_conv_transpose_weight_that_does_not_fit_is_refused():
