@@ -5,7 +5,8 @@ attention is often written ("bhid,bhjd->bhij" for the scores,
 The equation is resolved at compile time into one size and one element
 stride per subscript letter and operand. Two operands whose letters split
 into batch, row, column and one summed letter, with the output laid out
-batch, row, column, run as one matrix product per batch element; every
+batch, row, column, run as one matrix product per batch element (dot
+products of whole rows when both run along the summed letter); every
 other equation (a transpose, a trace, a sum over one operand, three
 operands) runs as a loop over the output with the summed letters inside.
 """
@@ -15,6 +16,7 @@ import string
 from dataclasses import dataclass
 
 from .errors import BuildError, ShapeError
+from .gemm import emit_dot_rows
 from .op_base import Op, _c_strides
 from .matmul import strided_matmul
 
@@ -144,10 +146,18 @@ def _lower_as_matmul(k, subscripts: Subscripts, strides) -> bool:
     a_strides, b_strides = strides
     block = sizes[m] * sizes[n]
     out_strides = _c_strides([sizes[c] for c in batch])
+    # Both operands' rows contiguous along the summed letter (attention's
+    # q . k): dot products of whole rows, in vector accumulators.
+    dot_rows = (a_strides[kk], b_strides[kk], a_strides[m], b_strides[n]) == (1, 1, sizes[kk], sizes[kk])
+    bld = k.builder
     with k.nested_loops([sizes[c] for c in batch]) as idx:
         bases = (k.index(*((i, a_strides[c]) for i, c in zip(idx, batch))),
                  k.index(*((i, b_strides[c]) for i, c in zip(idx, batch))),
                  k.index(*((i, s * block) for i, s in zip(idx, out_strides))))
-        strided_matmul(k, sizes[m], sizes[kk], sizes[n], (a_strides[m], a_strides[kk]),
-                (b_strides[kk], b_strides[n]), bases)
+        if dot_rows:
+            a_ptr, b_ptr, out_ptr = (bld.gep(ptr, [base]) for ptr, base in zip((*k.inputs, k.outputs[0]), bases))
+            emit_dot_rows(k, k.target.lanes, sizes[m], sizes[kk], sizes[n], a_ptr, b_ptr, out_ptr)
+        else:
+            strided_matmul(k, sizes[m], sizes[kk], sizes[n], (a_strides[m], a_strides[kk]),
+                           (b_strides[kk], b_strides[n]), bases)
     return True
