@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import os
 import socket
 import ssl
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Optional
 
 from remote.address import split_address
@@ -45,6 +48,10 @@ class Listener:
         self.service = service
         self.tls = tls
         self._pending = threading.BoundedSemaphore(MAX_PENDING)
+        # Threads are kept between connections: starting one per connection
+        # cost a good part of opening a session.
+        self._threads = ThreadPoolExecutor(MAX_PENDING, thread_name_prefix="first-frame")
+        self._deadlines = Deadlines()
         self._closed = False
         threading.Thread(target=self._accept_loop, name="accept", daemon=True).start()
 
@@ -61,33 +68,73 @@ class Listener:
                             peer[0], MAX_PENDING)
                 conn.close()
                 continue
-            threading.Thread(target=self._first_frame, args=(conn, peer), daemon=True).start()
+            self._threads.submit(self._first_frame, conn, peer)
 
     def _first_frame(self, conn: socket.socket, peer):
         where = f"{peer[0]}:{peer[1]}"
         # One deadline for the whole hello, not per recv: a peer that trickles
         # a byte at a time is cut off all the same.
-        timer = threading.Timer(HELLO_DEADLINE_S, _shut, args=(conn,))
-        timer.start()
+        key = self._deadlines.add(conn, HELLO_DEADLINE_S)
         try:
             if self.tls is not None:
+                # The handshake reads with a timeout of its own (wrapping takes
+                # the socket the deadline was set on).
+                conn.settimeout(HELLO_DEADLINE_S)
                 try:
                     conn = self.tls.wrap_socket(conn, server_side=True)
                 except (ssl.SSLError, OSError) as exc:
                     log.info("TLS handshake with %s failed: %s", where, exc)
                     conn.close()
                     return
-                timer.cancel()
-                timer = threading.Timer(HELLO_DEADLINE_S, _shut, args=(conn,))
-                timer.start()
-            self.service.handle(conn, where, timer.cancel)
+                conn.settimeout(None)
+                self._deadlines.replace(key, conn)
+            self.service.handle(conn, where, lambda: self._deadlines.remove(key))
+        except Exception:  # noqa: BLE001 - one connection's failure is logged, not fatal
+            log.exception("connection from %s", where)
         finally:
-            timer.cancel()
+            self._deadlines.remove(key)
             self._pending.release()
 
     def close(self):
         self._closed = True
         self.sock.close()
+        self._threads.shutdown(wait=False)
+
+
+class Deadlines:
+    """Shuts down sockets whose deadline passed, from one thread for all of them."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._pending = {}
+        self._keys = itertools.count()
+        threading.Thread(target=self._loop, name="deadlines", daemon=True).start()
+
+    def add(self, sock: socket.socket, seconds: float) -> int:
+        key = next(self._keys)
+        with self._lock:
+            self._pending[key] = (time.monotonic() + seconds, sock)
+        return key
+
+    def replace(self, key: int, sock: socket.socket) -> None:
+        """Apply ``key``'s deadline to another socket (the TLS one over it)."""
+        with self._lock:
+            if key in self._pending:
+                self._pending[key] = (self._pending[key][0], sock)
+
+    def remove(self, key: int) -> None:
+        with self._lock:
+            self._pending.pop(key, None)
+
+    def _loop(self):
+        while True:
+            time.sleep(0.25)
+            now = time.monotonic()
+            with self._lock:
+                late = [k for k, (deadline, _) in self._pending.items() if deadline < now]
+                socks = [self._pending.pop(k)[1] for k in late]
+            for sock in socks:
+                _shut(sock)
 
 
 def _shut(conn: socket.socket) -> None:

@@ -240,6 +240,7 @@ class Zygote:
             if words[0] == "started":
                 process.pid = int(words[2])
                 process.started.set()
+                log.info("session %s runs in process %d", process.session_id[:8], process.pid)
             elif words[0] == "exit":
                 threading.Thread(target=process.exited, args=(int(words[2]),),
                                  daemon=True).start()

@@ -227,16 +227,10 @@ class DeviceService:
         except BaseException:
             self._end(sid, "its process could not start", "RemoteError")
             raise
-        threading.Thread(target=self._log_open, args=(session,), daemon=True).start()
+        log.info("session %s opened by %s", sid[:8], session.client)
         if not isinstance(fs.sock, ssl.SSLSocket):
             fs.sock.close()  # the session's process has its own copy
         return True
-
-    def _log_open(self, session: Session):
-        log.info("session %s opened by %s", session.session_id[:8], session.client)
-        if session.process.started.wait(60.0):
-            log.info("session %s runs in process %d", session.session_id[:8],
-                     session.process.pid)
 
     def _status(self, session_id: str):
         session = self._sessions.get(session_id)

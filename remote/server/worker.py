@@ -17,6 +17,7 @@ to end the session when the client closes it (``close``, answered
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import select
@@ -598,6 +599,11 @@ def zygote(control: socket.socket, args) -> int:
     SOCK_SEQPACKET socket: ``spawn <session id> <workspace>`` with three file
     descriptors from the server; ``ready``, ``started <id> <pid>`` and
     ``exit <id> <wait status as exit code>`` back.
+
+    The next session's child is forked ahead of need and waits for its
+    session: a fresh fork spends milliseconds on its first steps (copying the
+    memory pages Python writes to, starting threads), which then happen
+    while no client waits.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C on the server's terminal
     wake_r, wake_w = socket.socketpair()
@@ -605,7 +611,10 @@ def zygote(control: socket.socket, args) -> int:
     wake_w.setblocking(False)
     signal.set_wakeup_fd(wake_w.fileno())
     signal.signal(signal.SIGCHLD, lambda *_: None)
+    gc.freeze()  # the collector then leaves the imported objects' pages alone in children
+    own = (control, wake_r, wake_w)
     children = {}
+    spare = _fork_spare(own, args)
     server = os.getppid()
     control.send(b"ready")
     while True:
@@ -618,13 +627,17 @@ def zygote(control: socket.socket, args) -> int:
                     pass
             except BlockingIOError:
                 pass
-        while children:
+        while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 break
             if pid == 0:
                 break
+            if spare is not None and pid == spare[0]:
+                spare[1].close()
+                spare = None  # it died waiting; another is forked when needed
+                continue
             session_id = children.pop(pid, "?")
             control.send(f"exit {session_id} {os.waitstatus_to_exitcode(status)}".encode())
         if control not in ready:
@@ -637,20 +650,37 @@ def zygote(control: socket.socket, args) -> int:
             # The server is gone; each child sees its own control socket close.
             return 0
         _, session_id, workspace_root = message.decode().split(" ", 2)
-        pid = os.fork()
-        if pid == 0:
-            try:
-                signal.set_wakeup_fd(-1)
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                for s in (control, wake_r, wake_w):
-                    s.close()
-                run_session(fds, workspace_root, args)
-            finally:
-                os._exit(1)
+        pid, door = spare if spare is not None else _fork_spare(own, args)
+        try:
+            socket.send_fds(door, [workspace_root.encode()], fds)
+        except OSError:
+            pass  # it died just now: the server hears of its exit and ends the session
+        door.close()
         for fd in fds:
             os.close(fd)
         children[pid] = session_id
         control.send(f"started {session_id} {pid}".encode())
+        spare = _fork_spare(own, args)
+
+
+def _fork_spare(own, args):
+    """Fork a child that waits for its session; returns (pid, the socket to send it on)."""
+    door, inside = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for s in own + (door,):
+                s.close()
+            message, fds, _, _ = socket.recv_fds(inside, 65536, 3)
+            if message and len(fds) == 3:
+                inside.close()
+                run_session(fds, message.decode(), args)
+        finally:
+            os._exit(1)
+    inside.close()
+    return pid, door
 
 
 def main(argv=None) -> int:
