@@ -21,6 +21,7 @@ from .matmul import strided_matmul
 from .op_base import (REGISTERED, AliasOp, Op, _axis, _broadcast_strides, _c_strides, _check_choice, _const_float,
                       _const_ints, _ints, _prod)
 from .reduce import broadcast_scalar, reduce_row
+from .vectors import horizontal_reduce, load_strided
 
 
 class Gemm(Op):
@@ -150,36 +151,9 @@ class Softmax(Op):
         return [inputs[0]]
 
     def lower(self, k, inputs, outputs, attrs):
-        shape = inputs[0].shape
-        axis = _axis(attrs["axis"], len(shape))
-        outer = _prod(shape[:axis])
-        if attrs["flatten"]:
-            length, inner = _prod(shape[axis:]), 1
-        else:
-            length, inner = shape[axis], _prod(shape[axis + 1:])
-        x, y, bld = k.inputs[0], k.outputs[0], k.builder
-        with k.loop(outer) as o, k.loop(inner) as r:
-            def at(j):
-                return k.index((o, length * inner), (j, inner), (r, 1))
-            peak = k.variable(k.f32(-math.inf))
-            with k.loop(length) as j:
-                bld.store(k.maximum(bld.load(peak), k.load(x, at(j))), peak)
-            total = k.variable(k.f32(0.0))
-            with k.loop(length) as j:
-                e = k.exp(bld.fsub(k.load(x, at(j)), bld.load(peak)))
-                k.store(e, y, at(j))
-                bld.store(bld.fadd(bld.load(total), e), total)
-            scale = bld.fdiv(k.f32(1.0), bld.load(total))
-            with k.loop(length) as j:
-                k.store(bld.fmul(k.load(y, at(j)), scale), y, at(j))
-
-
-class LogSoftmax(Softmax):
-    """y = (x - max) - log(sum(exp(x - max))) over the same axes as Softmax."""
-
-    op_type = "LogSoftmax"
-
-    def lower(self, k, inputs, outputs, attrs):
+        """Per row: its maximum, then the sum of exp(x - max), both in vector
+        accumulators when the row is contiguous, then one pass writing each
+        output (row_output)."""
         shape = inputs[0].shape
         axis = _axis(attrs["axis"], len(shape))
         if attrs["flatten"]:
@@ -193,12 +167,49 @@ class LogSoftmax(Softmax):
 
             def shifted_exp(value):
                 return k.exp(bld.fsub(value, broadcast_scalar(k, peak, value)))
-            log_total = safe_log(k, reduce_row(k, X, base, length, bld.fadd, 0.0, shifted_exp, stride=inner))
+            output = self.row_output(k, X, base, length, inner, peak, shifted_exp)
             with k.loop(length) as j:
                 at = k.index((base, 1), (j, inner))
-                # (x - max) first: exact near the maximum, where the result is small.
-                value = bld.fsub(bld.fsub(k.load(X, at), peak), log_total)
-                k.store(k.activate(value), k.outputs[0], at)
+                k.store(k.activate(output(at)), k.outputs[0], at)
+
+    def row_output(self, k: Kernel, X, base, length: int, inner: int, peak, shifted_exp):
+        """The function from the element offset of a row's value to its
+        output value. A contiguous row keeps its exponentials in the output
+        as it sums them, so that each is computed once; then it is scaled."""
+        bld, Y = k.builder, k.outputs[0]
+        lanes = k.target.lanes
+        if inner != 1 or lanes == 1 or length < lanes:
+            scale = bld.fdiv(k.f32(1.0), reduce_row(k, X, base, length, bld.fadd, 0.0, shifted_exp, stride=inner))
+            return lambda at: bld.fmul(shifted_exp(k.load(X, at)), scale)
+        full = length // lanes * lanes
+        with k.vector_constants(lanes):
+            acc = k.variable(k.f32(0.0))
+        with k.loop(length // lanes) as i:
+            at = k.index((base, 1), (i, lanes))
+            with k.vector_constants(lanes):
+                e = shifted_exp(load_strided(k, X, at, lanes, 1))
+                bld.store(bld.fadd(bld.load(acc), e), acc)
+            bld.store(e, bld.bitcast(bld.gep(Y, [at]), e.type.as_pointer()), align=4)
+        total = k.variable(horizontal_reduce(k, bld.load(acc)))
+        with k.loop(length, start=full) as j:
+            at = k.index((base, 1), (j, 1))
+            e = shifted_exp(k.load(X, at))
+            k.store(e, Y, at)
+            bld.store(bld.fadd(bld.load(total), e), total)
+        scale = bld.fdiv(k.f32(1.0), bld.load(total))
+        return lambda at: bld.fmul(k.load(Y, at), scale)
+
+
+class LogSoftmax(Softmax):
+    """y = (x - max) - log(sum(exp(x - max))) over the same axes as Softmax."""
+
+    op_type = "LogSoftmax"
+
+    def row_output(self, k, X, base, length, inner, peak, shifted_exp):
+        bld = k.builder
+        log_total = safe_log(k, reduce_row(k, X, base, length, bld.fadd, 0.0, shifted_exp, stride=inner))
+        # (x - max) first: exact near the maximum, where the result is small.
+        return lambda at: bld.fsub(bld.fsub(k.load(X, at), peak), log_total)
 
 
 class Flatten(AliasOp):
