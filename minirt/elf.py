@@ -3,6 +3,7 @@ load on this machine, so a module built for another board fails with a clear
 message instead of the dynamic loader's "wrong ELF class" or "cannot open"."""
 from __future__ import annotations
 
+import os
 import platform
 import struct
 import sys
@@ -51,6 +52,37 @@ def read_header(path: str) -> ElfHeader | None:
     flags_offset = 36 if bits == 32 else 48
     (flags,) = struct.unpack_from(endian + "I", ident, flags_offset)
     return ElfHeader(bits, machine, file_type, flags)
+
+
+def file_extent(path: str) -> tuple[int, int]:
+    """(bytes the ELF headers say the file holds, bytes it holds): the loaded
+    segments and the section header table must lie inside the file, or the
+    loader maps pages past its end and the process dies of SIGBUS."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+        size = os.fstat(f.fileno()).st_size
+        bits = 32 if head[4] == 1 else 64
+        endian = "<" if head[5] == 1 else ">"
+        if bits == 64:
+            phoff, shoff = struct.unpack_from(endian + "QQ", head, 32)
+            phentsize, phnum, shentsize, shnum = struct.unpack_from(endian + "HHHH", head, 54)
+        else:
+            phoff, shoff = struct.unpack_from(endian + "II", head, 28)
+            phentsize, phnum, shentsize, shnum = struct.unpack_from(endian + "HHHH", head, 42)
+        need = max(phoff + phentsize * phnum, shoff + shentsize * shnum if shoff else 0)
+        if need > size:
+            return need, size
+        f.seek(phoff)
+        table = f.read(phentsize * phnum)
+    for i in range(phnum):
+        entry = table[i * phentsize:(i + 1) * phentsize]
+        if bits == 64:
+            p_type, _flags, offset, _v, _p, filesz = struct.unpack_from(endian + "IIQQQQ", entry)
+        else:
+            p_type, offset, _v, _p, filesz = struct.unpack_from(endian + "IIIII", entry)
+        if p_type == 1:  # PT_LOAD
+            need = max(need, offset + filesz)
+    return need, size
 
 
 def host_machine() -> tuple[int, int] | None:

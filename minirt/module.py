@@ -94,6 +94,10 @@ def _check_elf(path: str) -> None:
             f"{path} is a {header.bits}-bit {header.machine_name} module, but this machine "
             f"runs {host[1]}-bit {this} code (platform.machine() = {platform.machine()!r}); "
             "build it for this board's target")
+    need, size = elf.file_extent(path)
+    if need > size:
+        raise ModuleLoadError(f"{path} is truncated: its headers describe {need} bytes, the file "
+                              f"has {size}; upload it again (or rebuild it)")
     float_abi = elf.running_float_abi()
     module_abi = header.flags & (elf.EF_ARM_ABI_FLOAT_SOFT | elf.EF_ARM_ABI_FLOAT_HARD)
     if header.machine == 40 and float_abi and module_abi and module_abi != float_abi:

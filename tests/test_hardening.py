@@ -198,7 +198,28 @@ def test_workspace_names_and_listing_hold_against_odd_entries(server):
         assert workspace not in str(failed.value)
 
 
+def test_a_truncated_module_is_a_load_error_not_a_crash(server, modules):
+    with connect_when_free(server) as sess:
+        whole = open(modules["ok"], "rb").read()
+        sess.upload(whole[:len(whole) // 2], target="cut.so")
+        with pytest.raises(errors.ModuleLoadError, match="truncated"):
+            sess.load_module("cut.so")
+        sess.upload(whole, target="whole.so")
+        np.testing.assert_array_equal(
+            sess.load_module("whole.so").run({"x": np.zeros((1, 4), np.float32)})[0], 1.0)
+
+
 # -------------------------------------------------------------- tracker --
+
+def test_client_names_cannot_write_to_the_terminal_of_who_reads_the_status():
+    with local_farm(keys=["k"]) as farm:
+        tracker = farm.client()
+        with tracker.request("k", timeout=HANG_S, client="evil\x1b[2J\x1b]0;owned\x07"):
+            (device,) = tracker.summary()["devices"]
+            text = tracker.text_summary()
+        assert "\x1b" not in device["holder"] and "\x1b" not in text
+        assert "evil\\x1b[2J" in device["holder"]
+
 
 def test_a_board_id_cannot_be_taken_over_by_another_registration():
     with local_farm(keys=["k"], TETHER_FARM_SECRET="s3cret") as farm:

@@ -44,6 +44,13 @@ MAX_WAITING_PER_CLIENT = 64
 MAX_WORKERS = 1024
 
 
+def printable(name: str, limit: int = 200) -> str:
+    """A name a client gave, as the summary may show it: control characters
+    (a terminal's escape sequences among them) escaped, and not too long."""
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in name)
+    return text[:limit]
+
+
 def heartbeat_interval(eviction_window_s: float) -> float:
     """Ping often enough that a live device misses two before eviction, and no
     more often than once a second (ten thousand boards ping a tracker)."""
@@ -223,7 +230,7 @@ class TrackerService:
         self._check_secret(context, request.farm_secret)
         request_id = f"r{next(self._ids)}"
         waiter = _Waiter()
-        client = request.client or context.peer()
+        client = printable(request.client or context.peer())
         with self._lock:
             if not self._scheduler.serves(request.key) and not request.wait_for_key:
                 served = self._scheduler.served_keys()
