@@ -61,6 +61,8 @@ def file_extent(path: str) -> tuple[int, int]:
     with open(path, "rb") as f:
         head = f.read(64)
         size = os.fstat(f.fileno()).st_size
+        if len(head) < 64:
+            return 64, size  # shorter than any shared object's headers
         bits = 32 if head[4] == 1 else 64
         endian = "<" if head[5] == 1 else ">"
         if bits == 64:
@@ -74,6 +76,8 @@ def file_extent(path: str) -> tuple[int, int]:
             return need, size
         f.seek(phoff)
         table = f.read(phentsize * phnum)
+    if phentsize < (56 if bits == 64 else 32):
+        return need, size  # no program headers to read; the loader refuses such a file
     for i in range(phnum):
         entry = table[i * phentsize:(i + 1) * phentsize]
         if bits == 64:
