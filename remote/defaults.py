@@ -23,6 +23,7 @@ TLS_KEY_ENV = "TETHER_TLS_KEY"          # its private key
 POLL_US_ENV = "TETHER_POLL_US"          # microseconds a frame reader polls before it sleeps
 
 # Read on the host only.
+TOKEN_ENV = "TETHER_TOKEN"              # a user's token for a tracker that requires one
 CACHE_ENV = "TETHER_CACHE"              # emulated boards' root filesystems, tuned tiles
 DEBIAN_MIRROR_ENV = "TETHER_DEBIAN_MIRROR"
 SSH_PASSWORD_ENV = "TETHER_SSH_PASSWORD"

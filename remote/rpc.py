@@ -32,11 +32,12 @@ def connect(host: str, port: int = SERVER_PORT, session_timeout: float = 0.0,
 
 def connect_tracker(host: Optional[str] = None, port: Optional[int] = None,
                     farm_secret: Optional[str] = None,
-                    tls_ca: Optional[str] = None) -> TrackerClient:
+                    tls_ca: Optional[str] = None, token: Optional[str] = None) -> TrackerClient:
     """Connect to a tracker; without arguments, to ``$TETHER_TRACKER``.
 
-    ``farm_secret`` defaults to ``$TETHER_FARM_SECRET`` and ``tls_ca`` (the PEM
-    certificate to trust for TLS) to ``$TETHER_TLS_CA``.
+    ``farm_secret`` defaults to ``$TETHER_FARM_SECRET``, ``tls_ca`` (the PEM
+    certificate to trust for TLS) to ``$TETHER_TLS_CA`` and ``token`` (a user
+    token, for a tracker that requires one) to ``$TETHER_TOKEN``.
     """
     if host is None:
         env = os.environ.get(TRACKER_ENV)
@@ -44,4 +45,4 @@ def connect_tracker(host: Optional[str] = None, port: Optional[int] = None,
             raise ValueError(f"no tracker address: pass host and port or set {TRACKER_ENV}=host:port")
         host, port = split_address(env, TRACKER_PORT)
     return TrackerClient(host, TRACKER_PORT if port is None else port, farm_secret=farm_secret,
-                         tls_ca=tls_ca)
+                         tls_ca=tls_ca, token=token)

@@ -278,3 +278,37 @@ def test_an_oversized_message_is_refused_before_it_is_held():
         assert grown < 100 << 20, f"the tracker grew {grown >> 20} MiB for a refused message"
         with farm.client().request("k", timeout=HANG_S) as sess:
             sess.ping()
+
+
+def test_user_tokens_name_the_holder_and_are_required_when_the_tracker_says_so(tmp_path):
+    import subprocess
+    import sys
+    tokens = tmp_path / "tokens.json"
+
+    def token(*args):
+        done = subprocess.run([sys.executable, "-m", "remote.cli", "token", *args,
+                               "--tokens", str(tokens)], capture_output=True, text=True,
+                              timeout=HANG_S)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    alice = token("add", "alice").splitlines()[-1]
+    bob = token("add", "bob").splitlines()[-1]
+    assert token("list").split() == ["alice", "bob"]
+    assert alice not in tokens.read_text()  # only digests are kept
+    with local_farm(keys=["k"], tracker_args=["--require-tokens", "--tokens", str(tokens)],
+                    TETHER_TOKEN=alice) as farm:
+        from remote.client.tracker import TrackerClient
+        anonymous = TrackerClient(*farm.tracker, token="")
+        with pytest.raises(errors.AuthenticationError, match="requires a user token"):
+            anonymous.lease("k", timeout=HANG_S)
+        with pytest.raises(errors.AuthenticationError, match="not known"):
+            TrackerClient(*farm.tracker, token="tt_guess").summary()
+        with TrackerClient(*farm.tracker, token=alice) as client:
+            with client.request("k", timeout=HANG_S, client="someone-else@pretending") as sess:
+                sess.ping()
+                (device,) = client.summary()["devices"]
+                assert device["holder"] == "alice"
+        token("remove", "bob")
+        with pytest.raises(errors.AuthenticationError):
+            TrackerClient(*farm.tracker, token=bob).summary()

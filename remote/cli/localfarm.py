@@ -19,7 +19,7 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from remote.client.tracker import TrackerClient
-from remote.defaults import FARM_SECRET_ENV, TLS_CA_ENV
+from remote.defaults import FARM_SECRET_ENV, TLS_CA_ENV, TOKEN_ENV
 
 STARTUP_TIMEOUT_S = 60.0
 
@@ -143,10 +143,11 @@ class LocalFarm:
         return child
 
     def client(self) -> TrackerClient:
-        """A client of this farm's tracker, with the farm's TLS trust (summary needs no secret)."""
+        """A client of this farm's tracker, with the farm's TLS trust, secret and token."""
         env = self.env if self.env is not None else os.environ
         return TrackerClient(*self.tracker, tls_ca=env.get(TLS_CA_ENV, ""),
-                             farm_secret=env.get(FARM_SECRET_ENV, ""))
+                             farm_secret=env.get(FARM_SECRET_ENV, ""),
+                             token=env.get(TOKEN_ENV, ""))
 
     def wait_for_devices(self, key: str, count: int, timeout: float = STARTUP_TIMEOUT_S):
         """Block until the tracker lists ``count`` devices of ``key``."""

@@ -11,7 +11,7 @@ import threading
 import traceback
 
 from remote.address import split_address
-from remote.defaults import TLS_CA_ENV, TRACKER_ENV, TRACKER_PORT
+from remote.defaults import TLS_CA_ENV, TOKEN_ENV, TRACKER_ENV, TRACKER_PORT
 
 DEFAULT_TRACKER = f"127.0.0.1:{TRACKER_PORT}"
 
@@ -36,6 +36,24 @@ def cmd_status(args):
     with TrackerClient(*_tracker_address(args.tracker), tls_ca=args.tls_ca) as client:
         data = client.summary()
     print(json.dumps(data, indent=2) if args.json else display.summary_text(data))
+    return 0
+
+
+def cmd_token(args):
+    from remote.tracker.tokens import TokenBook
+    book = TokenBook(args.tokens)
+    if args.action == "add":
+        token = book.add(args.name)
+        print(f"token for {args.name} (shown once; give it to them as {TOKEN_ENV}):")
+        print(token)
+    elif args.action == "remove":
+        try:
+            book.remove(args.name)
+        except KeyError as exc:
+            raise SystemExit(str(exc.args[0]))
+        print(f"removed {args.name}'s token from {args.tokens}")
+    else:
+        print("\n".join(book.names()) or f"no tokens in {args.tokens}")
     return 0
 
 
@@ -133,6 +151,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-ca", default=None,
                    help=f"PEM certificate to trust when the tracker serves TLS (default ${TLS_CA_ENV})")
     p.set_defaults(func=cmd_status)
+
+    from remote.tracker.tokens import DEFAULT_TOKENS_FILE
+    p = sub.add_parser("token", help="issue, list or remove users' tokens (tracker admin)",
+                       epilog="example: tether token add alice   (then: tether tracker "
+                              "--require-tokens)")
+    p.add_argument("action", choices=["add", "list", "remove"])
+    p.add_argument("name", nargs="?", help="who the token is for (add, remove)")
+    p.add_argument("--tokens", default=DEFAULT_TOKENS_FILE, metavar="FILE",
+                   help=f"the tracker's token file (default {DEFAULT_TOKENS_FILE})")
+    p.set_defaults(func=cmd_token)
 
     p = sub.add_parser("compile", help="cross-compile an ONNX model to a module .so",
                        epilog="example: tether compile model.onnx --target rasp4b64 -o net.so")

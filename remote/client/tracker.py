@@ -12,7 +12,7 @@ import grpc
 
 from remote import errors, tls
 from remote.client import display
-from remote.defaults import FARM_SECRET_ENV, TLS_CA_ENV
+from remote.defaults import FARM_SECRET_ENV, TLS_CA_ENV, TOKEN_ENV
 from remote.client.session import Session, device_info_dict
 from remote.client.grpc_layer import from_rpc_error, make_stub, open_channel
 from remote.proto import pb
@@ -47,12 +47,15 @@ class TrackerClient:
     """
 
     def __init__(self, host: str, port: int, farm_secret: Optional[str] = None,
-                 timeout: Optional[float] = 10.0, tls_ca: Optional[str] = None):
+                 timeout: Optional[float] = 10.0, tls_ca: Optional[str] = None,
+                 token: Optional[str] = None):
         self.address = f"{host}:{port}"
         self.timeout = timeout
         self.farm_secret = (os.environ.get(FARM_SECRET_ENV, "")
                             if farm_secret is None else farm_secret)
         self.tls_ca = tls.default_ca(tls_ca)
+        # A user token, for trackers that require one (default $TETHER_TOKEN).
+        self.token = os.environ.get(TOKEN_ENV, "") if token is None else token
         self._channel = open_channel(self.address, self.tls_ca)
         self._stub = make_stub(self._channel, "Tracker")
 
@@ -80,7 +83,7 @@ class TrackerClient:
         request = pb.DeviceRequest(key=key, priority=priority, timeout_s=timeout or 0.0,
                                    wait_for_key=wait_for_key, filters=filters or {},
                                    client=client or default_client_name(),
-                                   farm_secret=self.farm_secret)
+                                   farm_secret=self.farm_secret, user_token=self.token)
         # The tracker enforces the timeout; the deadline here only covers a lost tracker.
         deadline = None if timeout is None else timeout + 10.0
         call = self._stub.RequestDevice.future(request, timeout=deadline)
@@ -114,7 +117,7 @@ class TrackerClient:
     def release(self, lease: Lease) -> None:
         """Give a leased device back (a no-op when the lease has already ended)."""
         self._call(self._stub.ReleaseLease, pb.ReleaseRequest(
-            token=lease.token, farm_secret=self.farm_secret), self.timeout)
+            token=lease.token, farm_secret=self.farm_secret, user_token=self.token), self.timeout)
 
     def request(self, key: str, priority: int = 0, timeout: Optional[float] = None,
                 session_timeout: float = 0.0, wait_for_key: bool = False,
@@ -153,7 +156,8 @@ class TrackerClient:
         ``held_since`` (Unix time) and its capabilities; each waiting request
         its key, priority, client and seconds waited, in the order they will be served.
         """
-        reply = self._call(self._stub.Summary, pb.Empty(), self.timeout)
+        reply = self._call(self._stub.Summary, pb.SummaryRequest(user_token=self.token),
+                           self.timeout)
         now = time.time()
         devices = []
         for d in reply.devices:

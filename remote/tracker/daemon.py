@@ -8,6 +8,7 @@ from typing import Optional
 from remote.defaults import FARM_SECRET_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TRACKER_PORT
 from remote.lifecycle import start_logging, wait_for_stop_signal
 from remote.tracker.service import EVICTION_WINDOW_S, UNUSED_LEASE_S, serve
+from remote.tracker.tokens import DEFAULT_TOKENS_FILE
 
 
 def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
@@ -25,6 +26,11 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     parser.add_argument("--unused-lease-timeout", type=float, default=UNUSED_LEASE_S,
                         help="seconds a granted lease may go unredeemed before the device "
                              f"returns to the pool (default {UNUSED_LEASE_S:g})")
+    parser.add_argument("--require-tokens", action="store_true",
+                        help="users need a token of their own (tether token add NAME) to request, "
+                             "release and see the pool; the holder shown is the token's name")
+    parser.add_argument("--tokens", default=DEFAULT_TOKENS_FILE, metavar="FILE",
+                        help=f"the token file (default {DEFAULT_TOKENS_FILE})")
     parser.add_argument("--tls-cert", default=os.environ.get(TLS_CERT_ENV, ""),
                         help=f"PEM certificate: serve over TLS (default ${TLS_CERT_ENV})")
     parser.add_argument("--tls-key", default=os.environ.get(TLS_KEY_ENV, ""),
@@ -52,7 +58,8 @@ def run(args) -> int:
     tracker = serve(args.host, args.port, farm_secret=args.farm_secret,
                     eviction_window_s=args.eviction_window,
                     unused_lease_s=args.unused_lease_timeout,
-                    tls_cert=args.tls_cert, tls_key=args.tls_key)
+                    tls_cert=args.tls_cert, tls_key=args.tls_key,
+                    tokens_file=args.tokens if args.require_tokens else None)
     mode = "TLS" if args.tls_cert else "plaintext"
     print(f"tether tracker listening on {args.host}:{tracker.port} ({mode}; clients and "
           "boards alike)", flush=True)

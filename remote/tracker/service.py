@@ -23,13 +23,14 @@ from typing import Dict, Optional, Set
 import grpc
 
 from remote import errors, tls
-from remote.defaults import FARM_SECRET_ENV, TRACKER_PORT
+from remote.defaults import FARM_SECRET_ENV, TOKEN_ENV, TRACKER_PORT
 from remote.client.grpc_layer import SERVER_OPTIONS, abort, add_servicer
 from remote.errors import AuthenticationError, DeviceBusy, NoSuchKey, RequestTimeout
 from remote.proto import pb
 from remote.tls import server_context
 from remote.tracker.boards import FrontDoor
 from remote.tracker.scheduler import LeaseRefused, Request, Scheduler
+from remote.tracker.tokens import TokenBook
 
 log = logging.getLogger("tether.tracker")
 
@@ -67,8 +68,10 @@ class TrackerService:
     """Implements the tether.v1.Tracker service."""
 
     def __init__(self, farm_secret: str = "", eviction_window_s: float = EVICTION_WINDOW_S,
-                 unused_lease_s: float = UNUSED_LEASE_S, clock=time.monotonic):
+                 unused_lease_s: float = UNUSED_LEASE_S, clock=time.monotonic,
+                 tokens: Optional[TokenBook] = None):
         self._clock = clock
+        self._tokens = tokens  # set: users need a token (--require-tokens)
         self._lock = threading.Lock()
         self._scheduler = Scheduler(new_token=lambda: secrets.token_urlsafe(24),
                                     unused_lease_s=unused_lease_s)
@@ -99,6 +102,24 @@ class TrackerService:
             self.check_secret(given)
         except AuthenticationError as exc:
             abort(context, exc)
+
+    def _user(self, context, request) -> Optional[str]:
+        """Who calls: with --require-tokens the name of the caller's token
+        (anything else is refused), otherwise None after the farm secret check."""
+        if self._tokens is None:
+            self._check_secret(context, request.farm_secret)
+            return None
+        try:
+            name = self._tokens.name_of(request.user_token)
+        except ValueError as exc:
+            log.error("%s", exc)
+            name = None
+        if name is None:
+            abort(context, AuthenticationError(
+                "this tracker requires a user token: ask its admin for one "
+                f"(tether token add NAME) and set {TOKEN_ENV}"
+                + (" (the one given is not known)" if request.user_token else "")))
+        return name
 
     def _dispatch_locked(self):
         for request, lease in self._scheduler.assign(self._clock()):
@@ -227,10 +248,10 @@ class TrackerService:
         self._v1_board(context)
 
     def RequestDevice(self, request, context):
-        self._check_secret(context, request.farm_secret)
+        user = self._user(context, request)
         request_id = f"r{next(self._ids)}"
         waiter = _Waiter()
-        client = printable(request.client or context.peer())
+        client = user or printable(request.client or context.peer())
         with self._lock:
             if not self._scheduler.serves(request.key) and not request.wait_for_key:
                 served = self._scheduler.served_keys()
@@ -293,13 +314,15 @@ class TrackerService:
         return reply
 
     def ReleaseLease(self, request, context):
-        self._check_secret(context, request.farm_secret)
+        self._user(context, request)
         with self._lock:
             self._scheduler.release(request.token, self._clock())
             self._dispatch_locked()
         return pb.Empty()
 
     def Summary(self, request, context):
+        if self._tokens is not None:
+            self._user(context, request)
         with self._lock:
             data = self._scheduler.summary(self._clock())
             infos = dict(self._infos)
@@ -334,11 +357,13 @@ class RunningTracker:
 
 def serve(host: str = "0.0.0.0", port: int = TRACKER_PORT, farm_secret: Optional[str] = None,
           eviction_window_s: float = EVICTION_WINDOW_S, unused_lease_s: float = UNUSED_LEASE_S,
-          tls_cert: str = "", tls_key: str = "", max_workers: int = MAX_WORKERS) -> RunningTracker:
+          tls_cert: str = "", tls_key: str = "", max_workers: int = MAX_WORKERS,
+          tokens_file: Optional[str] = None) -> RunningTracker:
     """Start a tracker on one port: gRPC for users and tools, frames for boards.
 
     ``farm_secret=None`` reads ``$TETHER_FARM_SECRET``; ``tls_cert``/``tls_key``
-    (PEM files) switch on TLS for everything on the port.
+    (PEM files) switch on TLS for everything on the port; ``tokens_file`` makes
+    users' requests, releases and summaries need a token from that file.
 
     >>> tracker = serve("127.0.0.1", 0)   # doctest: +SKIP
     """
@@ -346,7 +371,8 @@ def serve(host: str = "0.0.0.0", port: int = TRACKER_PORT, farm_secret: Optional
         farm_secret = os.environ.get(FARM_SECRET_ENV, "")
     context = server_context(tls_cert, tls_key)
     service = TrackerService(farm_secret=farm_secret, eviction_window_s=eviction_window_s,
-                             unused_lease_s=unused_lease_s)
+                             unused_lease_s=unused_lease_s,
+                             tokens=None if tokens_file is None else TokenBook(tokens_file))
     # The gRPC server listens on a Unix socket in a folder only this user can
     # enter; the port's front door carries gRPC connections to it.
     folder = tempfile.mkdtemp(prefix="tether-tracker-")
