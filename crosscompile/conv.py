@@ -351,13 +351,37 @@ def _copy_padded(k: Kernel, plan: _DirectPlan, x_base) -> None:
     """Copy one image and group of the input into scratch as the plan's
     padded (phase-split) planes, zero tail included; threads split the
     channels and meet at a barrier after."""
+    bld, buf = k.builder, k.scratch
+    plane = plan.hq * plan.wq
+    n_planes = len(plan.planes)
+    c_lo, c_hi = k.part(plan.channels)
+    if n_planes > UNROLLED_PLANES:
+        _copy_phases(k, plan, x_base, (c_lo, c_hi))
+    else:
+        _copy_planes(k, plan, x_base, (c_lo, c_hi))
+    tail_lo, tail_hi = k.part(plan.buffer_floats - plan.channels * n_planes * plane)
+    base = plan.channels * n_planes * plane
+    with k.loop(tail_hi, start=tail_lo) as i:
+        k.store(k.f32(0.0), buf, bld.add(i, k.i64(base)))
+    k.barrier()  # the GEMM's windows cross the channels other threads copied
+
+
+# Planes (stride phases) whose copy loops are written out one by one, each
+# with its valid columns known at compile time: strides up to 2. A patch
+# embedding's stride 8 has 64 phases, and O3 took minutes over the 134
+# loops of one function that writing them out made; past this count one
+# loop runs over the phases and tests each column.
+UNROLLED_PLANES = 4
+
+
+def _copy_planes(k: Kernel, plan: _DirectPlan, x_base, chans) -> None:
+    """_copy_padded's copy of channels [chans), a loop nest per plane."""
     (_, h, wd), _, (_, sh, sw), _, (_, ph, pw), _, _ = plan.geometry
     bld, X = k.builder, k.inputs[0]
     buf = k.scratch
     plane = plan.hq * plan.wq
     n_planes = len(plan.planes)
-    c_lo, c_hi = k.part(plan.channels)
-    with k.loop(c_hi, start=c_lo) as c:
+    with k.loop(chans[1], start=chans[0]) as c:
         src_plane = k.index((x_base, 1), (c, h * wd))
         for index, (rh, rw) in enumerate(plan.planes):
             dst_plane = k.index((c, n_planes * plane), (index * plane, 1))
@@ -377,11 +401,28 @@ def _copy_padded(k: Kernel, plan: _DirectPlan, x_base) -> None:
                         else:
                             value = k.f32(0.0)
                         k.store(value, buf, bld.add(dst, x))
-    tail_lo, tail_hi = k.part(plan.buffer_floats - plan.channels * n_planes * plane)
-    base = plan.channels * n_planes * plane
-    with k.loop(tail_hi, start=tail_lo) as i:
-        k.store(k.f32(0.0), buf, bld.add(i, k.i64(base)))
-    k.barrier()  # the GEMM's windows cross the channels other threads copied
+
+
+def _copy_phases(k: Kernel, plan: _DirectPlan, x_base, chans) -> None:
+    """_copy_padded's copy of channels [chans), one loop nest over all
+    planes: each plane's phase comes from a table, each column is tested."""
+    (_, h, wd), _, (_, sh, sw), _, (_, ph, pw), _, _ = plan.geometry
+    bld, X = k.builder, k.inputs[0]
+    plane = plan.hq * plan.wq
+    phases = [_i32_table(k, tuple(phase[axis] for phase in plan.planes)) for axis in (0, 1)]
+    with k.loop(chans[1], start=chans[0]) as c, k.loop(len(plan.planes)) as p:
+        src_plane = k.index((x_base, 1), (c, h * wd))
+        rh, rw = (bld.sext(k.load(table, p), ir.IntType(64)) for table in phases)
+        dst_plane = k.index((c, len(plan.planes) * plane), (p, plane))
+        with k.loop(plan.hq) as y:
+            iy = k.index((y, sh), (rh, 1), (-ph, 1))
+            row_inside = k.in_range(iy, h)
+            dst = k.index((dst_plane, 1), (y, plan.wq))
+            with k.loop(plan.wq) as x:
+                ix = k.index((x, sw), (rw, 1), (-pw, 1))
+                inside = bld.and_(row_inside, k.in_range(ix, wd))
+                src = bld.select(inside, k.index((src_plane, 1), (iy, wd), (ix, 1)), src_plane)
+                k.store(bld.select(inside, k.load(X, src), k.f32(0.0)), k.scratch, bld.add(dst, x))
 
 
 def _i32_table(k: Kernel, offsets: tuple) -> ir.Value:
