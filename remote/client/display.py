@@ -20,14 +20,22 @@ STATS = ("mean", "median", "p90", "p99", "std", "min", "max")
 
 
 def ms(seconds: float) -> str:
-    """A time in milliseconds with four significant figures (0.01234 ms, 12.34 ms),
-    whole milliseconds from 10 s on (10170 ms, never 1.017e+04 ms)."""
-    value = seconds * 1e3
-    if value == 0:
+    """A time in the unit a person reads it in, four significant figures:
+    12.34 µs under a millisecond, 12.34 ms under ten seconds, 12.34 s beyond
+    (never 1.017e+04 ms).
+
+    >>> ms(0.00001234), ms(0.01234), ms(10.17), ms(0)
+    ('12.34 µs', '12.34 ms', '10.17 s', '0 ms')
+    """
+    if seconds == 0:
         return "0 ms"
-    if value >= 1e4:
-        return f"{value:.0f} ms"
-    return f"{value:.4g} ms"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.4g} µs"
+    if seconds >= 1000:
+        return f"{seconds:.0f} s"
+    if seconds >= 10:
+        return f"{seconds:.4g} s"
+    return f"{seconds * 1e3:.4g} ms"
 
 
 def size(n_bytes: int) -> str:

@@ -61,7 +61,7 @@ def board_call(address: str, first, ca: str, timeout: Optional[float], what: str
                     f"this client protocol v{PROTOCOL_VERSION}; update Tether on the board "
                     "(tether bootstrap) to the version here") from None
             hint = ("" if ca else f"; if it serves TLS, give the certificate to trust "
-                    f"(--tls-ca, tls_ca=, or {TLS_CA_ENV})")
+                    f"(--tls-ca FILE on the command line, tls_ca= in Python, or {TLS_CA_ENV})")
             raise errors.ConnectionFailed(f"{what} at {address} closed the connection: "
                                           f"{exc}{hint}") from None
         if reply.op == "error":

@@ -66,7 +66,8 @@ class TrackerClient:
             error = from_rpc_error(exc, f"tracker {self.address}")
         if isinstance(error, errors.ConnectionFailed):
             # A TLS/plaintext mismatch shows up only as a dropped connection.
-            hint = (f"if the tracker serves TLS, pass tls_ca= (--tls-ca) or set {TLS_CA_ENV}"
+            hint = ("if the tracker serves TLS, give the certificate to trust: --tls-ca FILE on "
+                    f"the command line, tls_ca= in Python, or {TLS_CA_ENV}"
                     if not self.tls_ca else
                     f"is the tracker serving TLS with a certificate {self.tls_ca!r} trusts?")
             error = type(error)(f"{error}; {hint}")
