@@ -126,6 +126,7 @@ class _Recurrent(Op):
     gates = 1
     default_activations: tuple = ()
     states = ("h",)  # running states; initial_h (and initial_c) follow sequence_lens
+    extra_rows = 0  # more [batch, hidden] scratch rows a subclass's step needs
 
     def attributes(self, raw, constants, opset):
         direction = raw.get("direction", "forward")
@@ -175,15 +176,12 @@ class _Recurrent(Op):
                                  f"expected {wanted}")
         return "float32"
 
-    def _scratch_floats(self, steps, batch, hidden) -> int:
-        gh = self.gates * hidden
-        return steps * batch * gh + batch * gh + (len(self.states) + self.extra_rows) * batch * hidden
-
-    extra_rows = 0  # more [batch, hidden] scratch rows a subclass's cell needs
-
     def scratch_bytes(self, inputs, outputs, attrs):
+        """The input projection of every step, one step's H . R^T, the
+        running states and the subclass's extra rows (see lower())."""
         steps, batch, _, hidden, _ = self._geometry([t.shape for t in inputs], attrs)
-        return 4 * self._scratch_floats(steps, batch, hidden)
+        gh = self.gates * hidden
+        return 4 * (steps * batch * gh + batch * gh + (len(self.states) + self.extra_rows) * batch * hidden)
 
     def lower(self, k, inputs, outputs, attrs):
         steps, batch, size, hidden, directions = self._geometry([t.shape for t in inputs], attrs)
@@ -259,7 +257,10 @@ class _Recurrent(Op):
             if layer.lengths is None:
                 valid, t = None, bld.sub(k.i64(layer.steps - 1), s) if layer.reverse else s
             else:
+                # A length outside [0, steps] is clamped (onnxruntime fails the
+                # run instead), so that no step reads outside X.
                 length = bld.sext(k.load(k.typed(layer.lengths, "int32"), b), I64)
+                length = k.smin(k.smax(length, k.i64(0)), k.i64(layer.steps))
                 valid = bld.icmp_signed("<", s, length)
                 t = bld.sub(bld.sub(length, k.i64(1)), s) if layer.reverse else s
             with (bld.if_then(valid) if valid is not None else nullcontext()):
