@@ -217,4 +217,59 @@ def resolve_target(target: "str | Target") -> Target:
         raise BuildError(f"target must be a preset name, a triple string or a Target, not {type(target).__name__}")
     if target in TARGETS:
         return TARGETS[target]
+    if "-" not in target.split("/")[0]:
+        raise BuildError(f"unknown target {target!r}: the presets are {', '.join(TARGETS)}; "
+                         "or give 'triple[/cpu[/features]]', e.g. aarch64-linux-gnu/cortex-a72")
     return Target.parse(target)
+
+
+# ARM's CPU part numbers (/proc/cpuinfo "CPU part") of the cores boards carry.
+ARM_PARTS = {"0xd03": "cortex-a53", "0xd04": "cortex-a35", "0xd05": "cortex-a55",
+             "0xd07": "cortex-a57", "0xd08": "cortex-a72", "0xd09": "cortex-a73",
+             "0xd0a": "cortex-a75", "0xd0b": "cortex-a76", "0xd0d": "cortex-a77",
+             "0xd41": "cortex-a78", "0xd46": "cortex-a510", "0xd47": "cortex-a710"}
+
+
+def target_for_board(info: dict) -> str:
+    """The preset (or 'triple/cpu/features') that fits a board as the tracker
+    describes it (``device_info()``: triple, cpu_model, cpu_features, and the
+    ``cpu_part`` attribute a board reports from /proc/cpuinfo).
+
+    >>> target_for_board({"triple": "aarch64-unknown-linux-gnu", "cpu_model": "",
+    ...                   "attributes": {"cpu_part": "0xd0b"}})
+    'rasp5'
+    >>> target_for_board({"triple": "armv7l-unknown-linux-gnueabihf", "cpu_model": "BCM2835"})
+    'rasp3b'
+    """
+    triple = normalize_triple(info.get("triple") or "")
+    arch = triple.split("-")[0]
+    attributes = info.get("attributes") or {}
+    cpu = ARM_PARTS.get(str(attributes.get("cpu_part", "")).lower(), "")
+    model = (info.get("cpu_model") or "").lower()
+    for name in ARM_PARTS.values():
+        if not cpu and name in model.replace(" ", "-"):
+            cpu = name
+    host = TARGETS["host"]
+    if arch == "aarch64":
+        if "android" in triple:
+            return "android-arm64"
+        return {"cortex-a76": "rasp5", "cortex-a72": "rasp4b64", "": "rasp4b64"}.get(
+            cpu, f"{triple}/{cpu}/+neon")
+    if arch.startswith("arm"):
+        if "android" in triple:
+            return "android-armv7"
+        return "rasp4b" if cpu == "cortex-a72" else "rasp3b"
+    if triple == host.triple and set(info.get("cpu_features") or ()) >= _host_flags():
+        return "host"
+    flags = set(info.get("cpu_features") or ())
+    if arch == "x86_64" and "avx512f" in flags:
+        return f"{triple}/x86-64-v4/+avx512f,+avx512bw,+avx512dq,+avx512vl,+avx2,+fma"
+    if arch == "x86_64" and "avx2" in flags:
+        return f"{triple}/x86-64-v3/+avx2,+fma"
+    return triple
+
+
+def _host_flags() -> set:
+    """The host's vector flags, as /proc/cpuinfo spells them."""
+    features = TARGETS["host"].features.split(",")
+    return {f[1:] for f in features if f.startswith("+") and f[1:] in ("avx2", "avx512f", "fma")}

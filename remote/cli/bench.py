@@ -93,11 +93,12 @@ class Farm:
 class BoardRun(threading.Thread):
     """Everything done on one board, in its own thread."""
 
-    def __init__(self, index: int, farm: Farm, module: modelfile.ModuleFile, args):
+    def __init__(self, index: int, farm: Farm, modules: modelfile.ModuleChoice, args):
         super().__init__(name=f"board-{index}", daemon=True)
         self.index = index
         self.farm = farm
-        self.module = module
+        self.modules = modules
+        self.module: Optional[modelfile.ModuleFile] = None
         self.args = args
         self.lease: Optional[Lease] = None
         self.record: Optional[dict] = None
@@ -120,17 +121,19 @@ class BoardRun(threading.Thread):
         say(f"{label} leased {lease.address}")
         sess = Session(lease.address, lease_token=lease.token, client=client,
                        timeout=args.timeout, tls_ca=farm.tracker.tls_ca,
-                       on_close=lambda: farm.give_back(lease))
+                       on_close=lambda: farm.give_back(lease), device_id=lease.device_id,
+                       relayed=lease.relayed)
         farm.hold_session(sess)
         with sess:
             info = sess.device_info()
+            self.module = self.modules.for_board(info)
             bar = ByteBar(f"{label} upload {os.path.basename(self.module.path)}",
                           position=self.index)
             try:
                 name = sess.upload(self.module.path, progress=bar)
             finally:
                 bar.close()
-            cold = sess.load_module(name)
+            cold = modelfile.load_for_board(sess, name, info)
             warm = sess.load_module(name)  # the library is on the board and mapped now
             self.metadata = cold.metadata
             say(f"{label} benchmarking: {args.repeat} samples"
@@ -286,14 +289,15 @@ def profile_table(record: dict) -> str:
         .splitlines())
 
 
-def build_report(args, module: modelfile.ModuleFile, runs: List[BoardRun], tracker: str) -> dict:
+def build_report(args, modules: modelfile.ModuleChoice, runs: List[BoardRun],
+                 tracker: str) -> dict:
     metadata = next((r.metadata for r in runs if r.metadata), {})
     return {
         "schema": SCHEMA,
         "tool": {"name": "tether", "version": tool_version(), "python": platform.python_version()},
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": ["tether", *sys.argv[1:]],
-        "model": module.describe(),
+        "model": next((r.module for r in runs if r.module), modules.first).describe(),
         "target": metadata.get("target", {"name": args.target}),
         "module": {"inputs": metadata.get("inputs", []), "outputs": metadata.get("outputs", [])},
         "options": {"key": args.key, "devices": args.devices, "number": args.number,
@@ -345,9 +349,9 @@ def write_plot(path: str, report: dict, old: Optional[dict]) -> None:
 def run_bench(args, tracker_address) -> int:
     _check_options(args)
     old = load_report(args.vs) if args.vs else None
-    module = modelfile.prepare(args.model, args.target,
-                               modelfile.parse_input_shapes(args.input_shape),
-                               tuned=not args.no_tuning)
+    modules = modelfile.ModuleChoice(args.model, args.target,
+                                     modelfile.parse_input_shapes(args.input_shape),
+                                     tuned=not args.no_tuning, say=say)
     host, port = tracker_address
     tracker = TrackerClient(host, port, tls_ca=args.tls_ca)
     waiter = TrackerClient(host, port, tls_ca=args.tls_ca)
@@ -355,7 +359,7 @@ def run_bench(args, tracker_address) -> int:
     try:
         count = _device_count(tracker, args.key, args.devices)
         say(f"benchmarking on {count} board(s) of key {args.key!r}")
-        runs = [BoardRun(i, farm, module, args) for i in range(count)]
+        runs = [BoardRun(i, farm, modules, args) for i in range(count)]
         try:
             for run in runs:
                 run.start()
@@ -368,11 +372,11 @@ def run_bench(args, tracker_address) -> int:
                 run.join(5.0)
             say(f"interrupted: closed the sessions and returned {held} board(s)")
             raise
-        report = build_report(args, module, runs, tracker.address)
+        report = build_report(args, modules, runs, tracker.address)
     finally:
         waiter.close()
         tracker.close()
-        module.cleanup()
+        modules.cleanup()
 
     old_results = old["results"] if old else None
     for i, record in enumerate(report["results"]):
@@ -410,9 +414,9 @@ def add_farm_arguments(p, timeout_help: str) -> None:
 
 def add_arguments(p) -> None:
     p.add_argument("model", help="ONNX model (compiled for --target) or a built module .so")
-    p.add_argument("--target", default="host",
+    p.add_argument("--target", default=None,
                    help="preset or triple[/cpu[/features]] to compile an ONNX model for "
-                        "(default host)")
+                        "(default: the preset that fits each leased board)")
     p.add_argument("--key", required=True, help="device key of the boards to use")
     p.add_argument("--devices", default="1", metavar="N|all",
                    help="how many boards of the key to use at once (default 1)")

@@ -7,6 +7,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
@@ -83,4 +84,62 @@ def prepare(model: str, target: str, input_shapes=None, tuned: bool = True) -> M
         return ModuleFile(out, model, "onnx", sha256(model), sha256(out), os.path.getsize(out))
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
+def board_target(info: dict) -> str:
+    """The compile target that fits a board, from what it reported."""
+    from crosscompile.target import target_for_board
+
+    return target_for_board(info)
+
+
+class ModuleChoice:
+    """The module each board gets: built for ``--target``, or, without it, for
+    the preset that fits each board of the key (one build per distinct preset,
+    made the first time a board of it is leased)."""
+
+    def __init__(self, model: str, target: Optional[str], input_shapes=None, tuned: bool = True,
+                 say=lambda message: None):
+        self.model = model
+        self.target = target
+        self._options = dict(input_shapes=input_shapes, tuned=tuned)
+        self._say = say
+        self._built: Dict[str, ModuleFile] = {}
+        self._lock = threading.Lock()
+        self.fixed = target is not None or model.endswith(MODULE_SUFFIXES)
+        if self.fixed:
+            self._built[target or ""] = prepare(model, target or "host", **self._options)
+
+    def for_board(self, info: dict) -> ModuleFile:
+        if self.fixed:
+            return next(iter(self._built.values()))
+        target = board_target(info)
+        with self._lock:
+            if target not in self._built:
+                self._say(f"compiling for {target}: the preset that fits {info.get('triple')}, "
+                          f"{info.get('cpu_model') or 'its CPU'} (--target to choose another)")
+                self._built[target] = prepare(self.model, target, **self._options)
+            return self._built[target]
+
+    @property
+    def first(self) -> Optional[ModuleFile]:
+        return next(iter(self._built.values()), None)
+
+    def cleanup(self) -> None:
+        for module in self._built.values():
+            module.cleanup()
+
+
+def load_for_board(sess, name: str, info: dict):
+    """``sess.load_module(name)``; a module built for another machine is refused
+    with the preset that fits this board named."""
+    from remote import errors
+
+    try:
+        return sess.load_module(name)
+    except errors.ModuleLoadError as exc:
+        if "build it for this board's target" in str(exc):
+            raise errors.ModuleLoadError(f"{exc} (this board fits --target {board_target(info)})") \
+                from None
         raise

@@ -95,19 +95,20 @@ def describe_output(name: str, array: np.ndarray, k: Optional[int]) -> str:
 def run_once(args, tracker_address) -> int:
     if bool(args.input) == bool(args.random):
         raise ValueError("give the inputs: --input x.npy (or NAME=x.npy, or a .npz) or --random")
-    module = modelfile.prepare(args.model, args.target,
-                               modelfile.parse_input_shapes(args.input_shape))
+    modules = modelfile.ModuleChoice(args.model, args.target,
+                                     modelfile.parse_input_shapes(args.input_shape), say=say)
     try:
         with TrackerClient(*tracker_address, tls_ca=args.tls_ca) as tracker:
             with tracker.request(args.key, timeout=args.wait) as sess:
                 info = sess.device_info()
                 say(f"leased {sess.address}: {info['machine']}, {info['cpu_model']}")
+                module = modules.for_board(info)
                 bar = ByteBar(f"upload {os.path.basename(module.path)}")
                 try:
                     name = sess.upload(module.path, progress=bar)
                 finally:
                     bar.close()
-                mod = sess.load_module(name)
+                mod = modelfile.load_for_board(sess, name, info)
                 spec = mod.metadata["inputs"]
                 inputs = (random_inputs(spec, args.seed) if args.random
                           else read_inputs(args.input, spec))
@@ -116,7 +117,7 @@ def run_once(args, tracker_address) -> int:
                 round_trip = time.perf_counter() - start
                 device_s = mod.last_run_s
     finally:
-        module.cleanup()
+        modules.cleanup()
     for name, array in zip(mod.output_names, outputs):
         print(describe_output(name, array, args.top_k))
     print(f"latency: {display.ms(device_s)} on the board, {display.ms(round_trip)} round trip")
@@ -129,7 +130,9 @@ def run_once(args, tracker_address) -> int:
 def add_arguments(p) -> None:
     p.add_argument("model", help="ONNX model (compiled for --target) or a built module .so")
     p.add_argument("--key", required=True, help="device key of the board to use")
-    p.add_argument("--target", default="host", help="preset to compile an ONNX model for")
+    p.add_argument("--target", default=None,
+                   help="preset to compile an ONNX model for (default: the one that fits the "
+                        "leased board)")
     p.add_argument("--input", action="append", default=[], metavar="[NAME=]FILE.npy",
                    help="input values (.npy per input, or one .npz by input name)")
     p.add_argument("--random", action="store_true", help="random inputs of the right shapes")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 from remote.cli.bench import add_farm_arguments
-from remote.cli.modelfile import parse_input_shapes
+from remote.cli.modelfile import board_target, parse_input_shapes
 from remote.cli.progress import say
 from remote.client import display
 from remote.client.tracker import TrackerClient
@@ -37,16 +37,21 @@ def run_tune(args, tracker_address) -> int:
     options = dict(progress=say, number=args.number, repeat=args.repeat, force=args.force,
                    input_shapes=shapes, timeout=args.timeout)
     if args.key is None:
-        if args.target != "host":
+        if args.target not in (None, "host"):
             raise ValueError(f"--target {args.target}: give --key of a board to tune on "
                              "(only host can be tuned on this machine)")
         say("tuning on this machine")
-        result = tuning.tune(args.model, args.target, None, **options)
+        result = tuning.tune(args.model, "host", None, **options)
     else:
         with TrackerClient(*tracker_address, tls_ca=args.tls_ca) as tracker:
             with tracker.request(args.key, timeout=args.wait) as sess:
+                target = args.target
+                if target is None:
+                    target = board_target(sess.device_info())
+                    say(f"tuning for {target}, the preset that fits this board "
+                        "(--target to choose another)")
                 say(f"tuning on {sess.address} (key {args.key})")
-                result = tuning.tune(args.model, args.target, sess, **options)
+                result = tuning.tune(args.model, target, sess, **options)
     if args.json:
         print(json.dumps(result.as_dict(), indent=2))
     else:
@@ -60,8 +65,9 @@ def run_tune(args, tracker_address) -> int:
 
 def add_arguments(p) -> None:
     p.add_argument("model", help="ONNX model whose convolutions are tuned")
-    p.add_argument("--target", default="host",
-                   help="preset or triple[/cpu[/features]] the boards of --key run (default host)")
+    p.add_argument("--target", default=None,
+                   help="preset or triple[/cpu[/features]] the boards of --key run (default: "
+                        "the one that fits the leased board; host without --key)")
     p.add_argument("--key", default=None,
                    help="device key of the board to tune on (without it, --target host is "
                         "tuned on this machine)")

@@ -30,7 +30,7 @@ def _read(path: str) -> str:
 
 
 def _cpuinfo():
-    model, features = "", []
+    model, features, part = "", [], ""
     for line in _read("/proc/cpuinfo").splitlines():
         name, _, value = line.partition(":")
         name, value = name.strip().lower(), value.strip()
@@ -39,9 +39,11 @@ def _cpuinfo():
             model = value
         elif name in ("flags", "features") and not features:
             features = value.split()
+        elif name == "cpu part" and not part:
+            part = value  # ARM cores: which core (0xd08 is a Cortex-A72)
     if not model:
         model = platform.processor() or platform.machine()
-    return model, features
+    return model, features, part
 
 
 def _memory_bytes() -> int:
@@ -80,11 +82,14 @@ def collect(attributes=None) -> "pb.DeviceInfo":
     'rpi4'
     """
     machine = platform.machine()
-    model, features = _cpuinfo()
+    model, features, part = _cpuinfo()
+    attributes = dict(attributes or {})
+    if part and machine.startswith(("arm", "aarch")):
+        attributes.setdefault("cpu_part", part)
     return pb.DeviceInfo(
         triple=_triple(machine), machine=machine, cpu_model=model, cpu_features=features,
         cores=os.cpu_count() or 1, memory_bytes=_memory_bytes(), os=_os_name(),
         python_version=platform.python_version(), numpy_version=np.__version__,
         grpcio_version=_version("grpc"), protobuf_version=_version("google.protobuf"),
-        attributes=dict(attributes or {}), server_version=remote.__version__,
+        attributes=attributes, server_version=remote.__version__,
     )
