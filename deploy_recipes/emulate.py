@@ -32,7 +32,7 @@ import time
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 
 from deploy_recipes.devicecode import PROJECT_ROOT, copy_device_files
-from remote.defaults import DEBIAN_MIRROR_ENV, FARM_SECRET_ENV, TRACKER_ENV, cache_dir
+from remote.defaults import DEBIAN_MIRROR_ENV, EMULATED_ENV, FARM_SECRET_ENV, TRACKER_ENV, cache_dir
 from remote.errors import TetherError
 
 RELEASES = ("bullseye", "bookworm", "trixie")

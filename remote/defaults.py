@@ -21,6 +21,7 @@ TLS_CA_ENV = "TETHER_TLS_CA"            # PEM certificate a client trusts
 TLS_CERT_ENV = "TETHER_TLS_CERT"        # PEM certificate a server presents
 TLS_KEY_ENV = "TETHER_TLS_KEY"          # its private key
 POLL_US_ENV = "TETHER_POLL_US"          # microseconds a frame reader polls before it sleeps
+EMULATED_ENV = "TETHER_EMULATED"        # set by `tether emulate`: how the board is emulated
 
 # Read on the host only.
 TOKEN_ENV = "TETHER_TOKEN"              # a user's token for a tracker that requires one

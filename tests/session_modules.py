@@ -21,7 +21,7 @@ METADATA = {
 
 SOURCE = r"""
 #include <stdint.h>
-#if defined(CHATTY)
+#if defined(CHATTY) || defined(SLOW)
 #include <string.h>
 #include <unistd.h>
 #endif
@@ -36,6 +36,8 @@ int32_t tether_run(void *const *inputs, void *const *outputs, void *workspace) {
 #elif defined(HANG)
     volatile unsigned long spin = 0;
     for (;;) spin++;
+#elif defined(SLOW)
+    usleep(300000);   /* a board that needs 0.3 s per run */
 #elif defined(CHATTY)
     static char line[1 << 16];
     memset(line, 'x', sizeof line);
@@ -60,10 +62,11 @@ def _write_source(folder: str) -> str:
 
 def build(folder: str, kind: str = "ok", compiler: str = None) -> str:
     """A shared object: kind 'ok' (y = x + 1), 'crash' (segfaults), 'hang' (spins) or
-    'chatty' (prints 64 MiB to stdout, then y = x + 1)."""
+    'chatty' (prints 64 MiB to stdout, then y = x + 1) or 'slow' (0.3 s a run)."""
     source = _write_source(folder)
     out = os.path.join(folder, f"{kind}.so")
-    flags = {"ok": [], "crash": ["-DCRASH"], "hang": ["-DHANG"], "chatty": ["-DCHATTY"]}[kind]
+    flags = {"ok": [], "crash": ["-DCRASH"], "hang": ["-DHANG"], "chatty": ["-DCHATTY"],
+             "slow": ["-DSLOW"]}[kind]
     subprocess.run([compiler or C_COMPILER, "-shared", "-fPIC", "-O1", *flags, "-o", out, source],
                    check=True)
     return out

@@ -105,8 +105,11 @@ def test_emulated_board_reports_its_arm_system(system, board, tracker):
     assert info["triple"].startswith("aarch64-" if arch == "arm64" else "armv7l-")
     assert info["python"].startswith(python + ".")
     assert info["numpy"].startswith(numpy_version + ".")
-    assert info["grpcio"] and info["protobuf"]
+    assert info["protobuf"]  # boards need no grpcio (protocol v2)
     assert "Debian" in info["os"]
+    assert info["emulated"].startswith(emulate.ARCHES[arch].qemu) and release in info["emulated"]
+    from crosscompile.target import target_for_board
+    assert target_for_board(info) == ("rasp4b64" if arch == "arm64" else "rasp3b")
 
 
 def test_model_compiled_for_the_board_matches_onnxruntime(system, board, tracker, arm_modules):

@@ -406,6 +406,16 @@ def test_benchmark_runs_on_the_board(server, modules):
             mod.benchmark(repeat=0)
 
 
+def test_benchmark_without_number_or_timeout_sizes_itself_from_a_first_run(server, tmp_path):
+    slow = session_modules.build(str(tmp_path), "slow")
+    with connect_when_free(server, timeout=5.0) as sess:  # calls get 5 s: less than the loop
+        sess.upload(slow, target="slow.so")
+        mod = sess.load_module("slow.so")
+        res = mod.benchmark(repeat=4)  # 0.3 s a run: 10 per sample would be 12 s
+        assert 1 <= res.number < 10 and res.repeat == 4
+        assert min(res.samples) >= 0.29
+
+
 def test_device_info_names_the_board_and_its_runtime(server):
     import grpc
     import platform
@@ -414,6 +424,7 @@ def test_device_info_names_the_board_and_its_runtime(server):
     assert info["triple"].startswith(platform.machine()) and info["cores"] >= 1
     assert info["grpcio"] == grpc.__version__ and info["numpy"] == np.__version__
     assert info["python"] == platform.python_version() and info["memory_bytes"] > 0
+    assert info["emulated"] == ""  # a real machine; `tether emulate` boards say how
 
 
 # ------------------------------------------------------------------ errors --

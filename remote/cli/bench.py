@@ -120,7 +120,7 @@ class BoardRun(threading.Thread):
         label = f"[{lease.device_id}]"
         say(f"{label} leased {lease.address}")
         sess = Session(lease.address, lease_token=lease.token, client=client,
-                       timeout=args.timeout, tls_ca=farm.tracker.tls_ca,
+                       timeout=args.timeout or DEFAULT_CALL_TIMEOUT_S, tls_ca=farm.tracker.tls_ca,
                        on_close=lambda: farm.give_back(lease), device_id=lease.device_id,
                        relayed=lease.relayed)
         farm.hold_session(sess)
@@ -143,9 +143,9 @@ class BoardRun(threading.Thread):
                                  timeout=_benchmark_timeout(args))
             extra = {}
             if args.profile:
-                say(f"{label} profiling each layer: {args.number} runs")
+                say(f"{label} profiling each layer: {res.number} runs")
                 try:
-                    profile = cold.profile(number=args.number, timeout=_benchmark_timeout(args))
+                    profile = cold.profile(number=res.number, timeout=_benchmark_timeout(args))
                     extra["profile"] = profile.as_dict()["rows"]
                 except errors.ModuleLoadError as exc:  # built without tether_run_profiled
                     say(f"{label} --profile: {exc}")
@@ -159,10 +159,10 @@ class BoardRun(threading.Thread):
         }
 
 
-def _benchmark_timeout(args) -> float:
-    """Long enough for the whole timing loop, even on a slow board."""
-    planned = args.repeat * (args.min_repeat_ms + args.cooldown_ms) / 1e3
-    return max(args.timeout or 0.0, 60.0 + 3 * planned)
+def _benchmark_timeout(args) -> Optional[float]:
+    """--timeout when given; otherwise None: the benchmark derives one from a
+    first timed run on the board, so a slow (emulated) board gets the time it needs."""
+    return args.timeout
 
 
 def _device_count(tracker: TrackerClient, key: str, wanted: str) -> int:
@@ -186,7 +186,7 @@ def _device_count(tracker: TrackerClient, key: str, wanted: str) -> int:
 
 
 def _check_options(args) -> None:
-    if args.number < 1 or args.repeat < 1:
+    if (args.number is not None and args.number < 1) or args.repeat < 1:
         raise ValueError(f"--number ({args.number}) and --repeat ({args.repeat}) must be at "
                          "least 1")
     if args.min_repeat_ms < 0 or args.cooldown_ms < 0:
@@ -402,11 +402,15 @@ def run_bench(args, tracker_address) -> int:
     return 1 if report["failures"] else 0
 
 
+# How long one call on a board may take when --timeout is not given.
+DEFAULT_CALL_TIMEOUT_S = 60.0
+
+
 def add_farm_arguments(p, timeout_help: str) -> None:
     """Where the farm is and how long to wait on it: the same for bench and run."""
     p.add_argument("--wait", type=float, default=300.0,
                    help="seconds to wait for a free board (default 300)")
-    p.add_argument("--timeout", type=float, default=60.0, help=timeout_help)
+    p.add_argument("--timeout", type=float, default=None, help=timeout_help)
     p.add_argument("--tracker", help=f"HOST:PORT (default ${TRACKER_ENV})")
     p.add_argument("--tls-ca", default=None,
                    help="PEM certificate to trust when the farm serves TLS")
@@ -420,7 +424,9 @@ def add_arguments(p) -> None:
     p.add_argument("--key", required=True, help="device key of the boards to use")
     p.add_argument("--devices", default="1", metavar="N|all",
                    help="how many boards of the key to use at once (default 1)")
-    p.add_argument("--number", type=int, default=10, help="runs averaged into one sample")
+    p.add_argument("--number", type=int, default=None,
+                   help="runs averaged into one sample (default 10, fewer when one run takes "
+                        "long: chosen from a first timed run)")
     p.add_argument("--repeat", type=int, default=10, help="samples to take (default 10)")
     p.add_argument("--min-repeat-ms", type=float, default=0.0,
                    help="grow --number until one sample lasts at least this long")
@@ -438,4 +444,5 @@ def add_arguments(p) -> None:
     p.add_argument("--profile", action="store_true",
                    help="also time each layer (kernel call) on one thread and show the "
                         "slowest; the --json file keeps every layer")
-    add_farm_arguments(p, "seconds any one call on a board may take (default 60)")
+    add_farm_arguments(p, "seconds any one call on a board may take (default 60; the "
+                          "benchmark's own limit comes from a first timed run)")

@@ -8,7 +8,7 @@ from typing import Optional
 import numpy as np
 
 from remote.cli import modelfile
-from remote.cli.bench import add_farm_arguments
+from remote.cli.bench import DEFAULT_CALL_TIMEOUT_S, add_farm_arguments
 from remote.cli.progress import ByteBar, say
 from remote.client import display
 from remote.client.tracker import TrackerClient
@@ -113,7 +113,7 @@ def run_once(args, tracker_address) -> int:
                 inputs = (random_inputs(spec, args.seed) if args.random
                           else read_inputs(args.input, spec))
                 start = time.perf_counter()
-                outputs = mod.run(inputs, timeout=args.timeout)
+                outputs = mod.run(inputs, timeout=args.timeout or DEFAULT_CALL_TIMEOUT_S)
                 round_trip = time.perf_counter() - start
                 device_s = mod.last_run_s
     finally:

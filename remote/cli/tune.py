@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from remote.cli.bench import add_farm_arguments
+from remote.cli.bench import DEFAULT_CALL_TIMEOUT_S, add_farm_arguments
 from remote.cli.modelfile import board_target, parse_input_shapes
 from remote.cli.progress import say
 from remote.client import display
@@ -35,7 +35,7 @@ def run_tune(args, tracker_address) -> int:
                          "least 1")
     shapes = parse_input_shapes(args.input_shape)
     options = dict(progress=say, number=args.number, repeat=args.repeat, force=args.force,
-                   input_shapes=shapes, timeout=args.timeout)
+                   input_shapes=shapes, timeout=args.timeout or DEFAULT_CALL_TIMEOUT_S)
     if args.key is None:
         if args.target not in (None, "host"):
             raise ValueError(f"--target {args.target}: give --key of a board to tune on "

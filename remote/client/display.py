@@ -89,7 +89,7 @@ def _device_rows(info: dict) -> List[Tuple[str, str]]:
         ("python", info.get("python") or "?"),
         ("numpy", info.get("numpy") or "?"),
         ("server", info.get("server_version") or "?"),
-    ]
+    ] + ([("emulated", info["emulated"])] if info.get("emulated") else [])
 
 
 def _session_rows(sess) -> List[Tuple[str, str]]:

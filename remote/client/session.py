@@ -24,6 +24,9 @@ from remote.proto.frames import (CHUNK_BYTES, PROTOCOL_VERSION, Checksum, FrameS
 Progress = Callable[[int, int], None]
 # The least time a board gets to end a session before the client returns the lease itself.
 CLOSE_TIMEOUT_S = 30.0
+# benchmark() without number: runs per sample, fewer when a sample would pass this long.
+AUTO_NUMBER = 10
+AUTO_SAMPLE_S = 1.0
 
 
 def board_call(address: str, first, ca: str, timeout: Optional[float], what: str):
@@ -86,6 +89,7 @@ def device_info_dict(info: pb.DeviceInfo) -> dict:
         "python": info.python_version, "numpy": info.numpy_version,
         "grpcio": info.grpcio_version, "protobuf": info.protobuf_version,
         "attributes": dict(info.attributes), "server_version": info.server_version,
+        "emulated": info.emulated,
     }
 
 
@@ -178,7 +182,8 @@ class Session:
                 raise errors.RequestTimeout(
                     f"{what} on {self.address} got no answer within "
                     f"{self.timeout if timeout is None else timeout:g} s; the session is "
-                    "closed") from None
+                    "closed. Give it more time (timeout=, or --timeout on the command line), "
+                    "or ask for less (number=/repeat=, --number/--repeat)") from None
             except OSError:
                 self._abandon()
                 raise self._why_ended(what) from None
@@ -659,27 +664,51 @@ class RemoteModule:
         return self.session._exchange(f"run of {self.module_id}", wait,
                                       lambda fs: fs.send(header, arrays), receive)
 
-    def benchmark(self, number: int = 10, repeat: int = 3, min_repeat_ms: float = 0,
+    def benchmark(self, number: Optional[int] = None, repeat: int = 3, min_repeat_ms: float = 0,
                   cooldown_ms: float = 0, inputs=None,
                   timeout: Optional[float] = None) -> BenchmarkResult:
         """Time the module on the board: ``repeat`` samples, each the mean of ``number`` runs.
 
         ``min_repeat_ms`` grows ``number`` until one sample lasts that long;
         ``cooldown_ms`` sleeps between samples. Inputs default to zeros.
+        Without ``number`` or ``timeout``, one run is timed on the board first:
+        ``number`` is then 10, or fewer so that a sample takes about a second
+        (1 on an emulated board that needs seconds per run), and the timeout
+        covers the whole loop three times over.
 
         >>> res = mod.benchmark(number=10, repeat=5)           # doctest: +SKIP
         >>> res.median, res.p99, res.load_s                    # doctest: +SKIP
         """
-        if number < 1 or repeat < 1:
+        if (number is not None and number < 1) or repeat < 1:
             raise ValueError(f"number ({number}) and repeat ({repeat}) must be at least 1")
         if min_repeat_ms < 0 or cooldown_ms < 0:
             raise ValueError("min_repeat_ms and cooldown_ms must not be negative")
+        if number is None or timeout is None:
+            run_s = self.probe(inputs)
+            if number is None:
+                number = AUTO_NUMBER if run_s * AUTO_NUMBER <= AUTO_SAMPLE_S else \
+                    max(1, int(AUTO_SAMPLE_S / max(run_s, 1e-9)))
+            if timeout is None:
+                planned = (run_s * (1 + number * repeat)
+                           + repeat * (min_repeat_ms * 2 + cooldown_ms) / 1e3)
+                timeout = max(self.session.timeout or 0.0, 3 * planned + 10.0)
         header, arrays, wait = self._request("benchmark", inputs, timeout)
         header.number, header.repeat = int(number), int(repeat)
         header.min_repeat_ms, header.cooldown_ms = float(min_repeat_ms), float(cooldown_ms)
         reply = self.session._exchange(f"benchmark of {self.module_id}", wait,
                                        lambda fs: fs.send(header, arrays))
         return BenchmarkResult(json.loads(reply.text))
+
+    def probe(self, inputs=None) -> float:
+        """Seconds one run takes on the board (the board's own clock); inputs
+        default to zeros."""
+        given = dict(inputs or {}) if isinstance(inputs, dict) or inputs is None else \
+            dict(zip(self.input_names, inputs))
+        for spec in self.metadata["inputs"]:
+            if spec["name"] not in given:
+                given[spec["name"]] = np.zeros(spec["shape"], dtype=spec["dtype"])
+        self.run(given)
+        return self.last_run_s or 0.0
 
     def profile(self, number: int = 10, inputs=None,
                 timeout: Optional[float] = None) -> ProfileResult:

@@ -7,6 +7,7 @@ import platform
 import numpy as np
 
 import remote
+from remote.defaults import EMULATED_ENV
 from remote.proto import pb
 
 # platform.machine() -> (LLVM arch, ABI suffix) of the triple the board runs.
@@ -92,4 +93,5 @@ def collect(attributes=None) -> "pb.DeviceInfo":
         python_version=platform.python_version(), numpy_version=np.__version__,
         grpcio_version=_version("grpc"), protobuf_version=_version("google.protobuf"),
         attributes=attributes, server_version=remote.__version__,
+        emulated=os.environ.get(EMULATED_ENV, ""),
     )

@@ -125,7 +125,9 @@ class Watchdog:
                 if self._deadline is not deadline:
                     continue  # the call finished meanwhile
             message = (f"{what} did not finish within {self._timeout:g} s; the device "
-                       "stopped the module and ended the session")
+                       "stopped the module and ended the session. Give it more time "
+                       "(timeout=, or --timeout on the command line) or ask for fewer runs "
+                       "(number=/repeat=, --number/--repeat)")
             report_end("RunTimeout", message)
             try:
                 fs.sock.settimeout(1.0)
