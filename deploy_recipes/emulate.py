@@ -155,13 +155,35 @@ def debian_mirror() -> str:
 
 
 def _run(argv: Sequence[str], what: str, cwd: Optional[str] = None,
-         env: Optional[Dict[str, str]] = None):
-    proc = subprocess.run(list(argv), cwd=cwd, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, universal_newlines=True)
+         env: Optional[Dict[str, str]] = None, every: Optional[Callable[[], None]] = None):
+    """Run a command to its end; ``every()`` is called every few seconds meanwhile."""
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(list(argv), cwd=cwd, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, universal_newlines=True)
+        while True:
+            try:
+                proc.wait(PROGRESS_EVERY_S)
+                break
+            except subprocess.TimeoutExpired:
+                if every is not None:
+                    every()
+        out.seek(0)
+        text = out.read()
     if proc.returncode != 0:
-        tail = "\n".join(proc.stdout.splitlines()[-15:])
-        raise _CommandFailed(f"{what} failed (exit {proc.returncode}):\n{tail}", proc.stdout)
-    return proc.stdout
+        tail = "\n".join(text.splitlines()[-15:])
+        raise _CommandFailed(f"{what} failed (exit {proc.returncode}):\n{tail}", text)
+    return text
+
+
+PROGRESS_EVERY_S = 3.0
+
+
+def _report_download(work: str, say) -> None:
+    """How far debootstrap's download has come: packages and bytes in its cache."""
+    debs = glob.glob(os.path.join(work, "var", "cache", "apt", "archives", "*.deb"))
+    if debs:
+        total = sum(os.path.getsize(d) for d in debs if os.path.exists(d))
+        say(f"  downloaded {len(debs)} packages, {total / (1 << 20):.1f} MiB")
 
 
 def _link_blas(root: str, arch: Arch):
@@ -417,7 +439,8 @@ def _build_into(work: str, suite: str, release: str, arch: Arch, progress: Progr
     argv[argv.index("debootstrap")] = shutil.which("debootstrap", path=env_path) or "debootstrap"
     wgetrc = _wget_settings(work + ".wgetrc")
     try:
-        _run(argv, f"debootstrap of {release} {arch.debian}", env={**os.environ, "WGETRC": wgetrc})
+        _run(argv, f"debootstrap of {release} {arch.debian}", env={**os.environ, "WGETRC": wgetrc},
+             every=lambda: _report_download(work, say))
     finally:
         os.unlink(wgetrc)
     # The second stage would run maintainer scripts under emulation (minutes);

@@ -105,3 +105,20 @@ def test_a_broken_mirror_is_retried_then_named_with_the_way_to_choose_another(
     assert sum("trying again" in line for line in said) == emulate.MIRROR_ATTEMPTS - 1
     # Every attempt's partial download is gone; only the build lock remains.
     assert os.listdir(tmp_path / "rootfs") == ["bookworm-arm64.lock"]
+
+
+def test_a_long_download_reports_its_progress(tmp_path, monkeypatch):
+    """debootstrap is silent for a minute or more; the packages in its cache are counted."""
+    archives = tmp_path / "var" / "cache" / "apt" / "archives"
+    archives.mkdir(parents=True)
+    (archives / "a.deb").write_bytes(b"x" * (3 << 20))
+    (archives / "b.deb").write_bytes(b"x" * (1 << 20))
+    said = []
+    emulate._report_download(str(tmp_path), said.append)
+    assert said == ["  downloaded 2 packages, 4.0 MiB"]
+    # A command that runs for a while gets the callback meanwhile, and its output back.
+    monkeypatch.setattr(emulate, "PROGRESS_EVERY_S", 0.05)
+    ticks = []
+    out = emulate._run(["sh", "-c", "sleep 0.5; echo done"], "a wait",
+                       every=lambda: ticks.append(1))
+    assert out.strip() == "done" and len(ticks) >= 2
