@@ -492,6 +492,7 @@ class EmulatedBoard:
     def __init__(self, release: str = "bookworm", arch: str = "arm64", progress: Progress = None):
         self.spec = _check(release, arch)
         self.release, self.arch = release, arch
+        self.registration = ""  # the server's own words: registered with ..., or still trying
         self.progress = progress
         self.proc: Optional[subprocess.Popen] = None
         self.port: Optional[int] = None
@@ -564,6 +565,10 @@ class EmulatedBoard:
             if ready:
                 line = self.proc.stdout.readline()
                 if b"listening on" in line:
+                    # What the server says of its tracker: registered, or still trying.
+                    text = line.decode("utf-8", "replace").strip()
+                    self.registration = text[text.find("(") + 1:text.rfind(")")] \
+                        if "(" in text else ""
                     return int(line.split(b"listening on", 1)[1].split()[0].rsplit(b":", 1)[1])
                 if not line:  # end of output: the server is exiting
                     break
@@ -646,7 +651,7 @@ def run_emulated_board(args) -> int:
     exited = False
     try:
         print(f"emulated {args.release} {args.arch} board listening on {args.host}:{port} "
-              f"(registered with {args.tracker} as {key}; log {board.log_path})", flush=True)
+              f"({board.registration or 'standalone'}; log {board.log_path})", flush=True)
         code = board.wait()
         exited = True
     except KeyboardInterrupt:

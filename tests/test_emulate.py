@@ -5,6 +5,7 @@ be picked alone:  pytest -m bookworm_arm64 tests/test_emulate.py
 Root filesystems are cached in $TETHER_CACHE (default ~/.cache/tether).
 """
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -175,6 +176,9 @@ def test_tether_emulate_command_serves_until_stopped(tracker, rootfs_builds):
     try:
         line = proc.stdout.readline()
         assert "emulated bookworm arm64 board listening on 127.0.0.1:" in line, proc.stderr.read()
+        # Said as the server found it: registered, or still trying (never claimed early).
+        assert re.search(rf"\((registered|not yet registered) with 127\.0\.0\.1:{tracker.tracker[1]}",
+                         line), line
         tracker.wait_for_devices("emu-cli", 1, timeout=HANG_S)
         with rpc.connect_tracker(*tracker.tracker).request("emu-cli", timeout=HANG_S,
                                                            call_timeout=HANG_S) as sess:

@@ -15,7 +15,7 @@ from remote import errors
 from remote.proto import pb
 from remote.proto.frames import PROTOCOL_VERSION, FrameSocket
 from tests import session_modules
-from tests.test_tracker import HANG_S, key_status, local_farm, wait_until
+from tests.test_tracker import HANG_S, child_env, key_status, local_farm, wait_until
 
 pytestmark = pytest.mark.skipif(session_modules.C_COMPILER is None,
                                 reason="needs a C compiler (cc) to build test modules")
@@ -142,3 +142,23 @@ def test_a_protocol_v1_board_is_told_the_versions_differ():
                 register(pb.RegisterRequest(key="old", address="127.0.0.1:1"), timeout=30)
         assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
         assert "protocol v2" in caught.value.details() and "protocol v1" in caught.value.details()
+
+
+def test_a_server_says_it_registered_only_once_it_has():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nobody = s.getsockname()[1]  # bound, never listening: connections are refused
+        proc = subprocess.Popen([sys.executable, "-m", "remote.server", "--host", "127.0.0.1",
+                                 "--port", "0", "--tracker", f"127.0.0.1:{nobody}", "--key", "k"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=child_env())
+        try:
+            line = proc.stdout.readline()
+        finally:
+            proc.terminate()
+            proc.wait(HANG_S)
+            proc.stdout.close()
+            proc.stderr.close()
+    assert "listening on 127.0.0.1:" in line
+    assert f"not yet registered with 127.0.0.1:{nobody}: connection refused" in line, line
+    assert "retrying" in line
