@@ -3,14 +3,14 @@
 #   bash tests/run.sh [pytest args...]
 # It makes (or reuses) the project's virtual environment .venv with the test
 # extras (deploy_recipes/venv.sh) and runs pytest from it. As root it also
-# installs the Debian packages the emulated-ARM and SSH tests need; as another
+# installs the Debian packages the emulated-ARM, SSH and farm-page tests need; as another
 # user those tests skip with a message naming what to install.
 # The whole emulated model zoo is left out unless --full-zoo is given:
 #   bash tests/run.sh --full-zoo tests/test_zoo_emulated.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-debian_packages=(gcc qemu-user debootstrap openssh-server openssh-client gcc-aarch64-linux-gnu gcc-arm-linux-gnueabihf libc6-dev-arm64-cross libc6-dev-armhf-cross)
+debian_packages=(gcc qemu-user debootstrap openssh-server openssh-client gcc-aarch64-linux-gnu gcc-arm-linux-gnueabihf libc6-dev-arm64-cross libc6-dev-armhf-cross chromium fonts-dejavu-core)
 missing=()
 for p in "${debian_packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

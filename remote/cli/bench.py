@@ -159,6 +159,22 @@ class BoardRun(threading.Thread):
         }
 
 
+def post_report(url: str, report: dict) -> None:
+    """Send a report to a farm page's /api/bench."""
+    import urllib.error
+    import urllib.request
+
+    target = url.rstrip("/") + "/api/bench"
+    request = urllib.request.Request(target, data=json.dumps(report).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            reply.read()
+    except (urllib.error.URLError, OSError) as exc:
+        raise ValueError(f"--post {url}: the farm page did not take the report ({exc}); is "
+                         "the tracker started with --http?") from None
+
+
 def _benchmark_timeout(args) -> Optional[float]:
     """--timeout when given; otherwise None: the benchmark derives one from a
     first timed run on the board, so a slow (emulated) board gets the time it needs."""
@@ -386,6 +402,9 @@ def run_bench(args, tracker_address) -> int:
         print()
     for failure in report["failures"]:
         say(f"tether bench: board {failure['device_id'] or '?'} failed: {failure['error']}")
+    if args.post:
+        post_report(args.post, report)
+        say(f"posted the report to {args.post}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
@@ -437,6 +456,9 @@ def add_arguments(p) -> None:
                    help="compile with the default register tiles, not those `tether tune` "
                         "cached for --target")
     p.add_argument("--json", metavar="FILE", help="write raw samples and run conditions here")
+    p.add_argument("--post", metavar="URL",
+                   help="post the report to a tracker's farm page (tether tracker --http), "
+                        "e.g. http://farm.local:9180/ ; it is plotted there per model and board")
     p.add_argument("--csv", metavar="FILE", help="write one summary row per board here")
     p.add_argument("--vs", metavar="OLD.json", help="print ratios against an earlier --json")
     p.add_argument("--plot", metavar="FILE.png",

@@ -54,6 +54,7 @@ class Child:
             self.stop()
             raise ProcessStartError(f"{self.name} did not start (log {self.log_path}): "
                                     f"{self.log_tail()}")
+        self.first_line = line.decode("utf-8", "replace").strip()
         return int(line.split(b"listening on", 1)[1].split()[0].rsplit(b":", 1)[1])
 
     def log_text(self) -> str:

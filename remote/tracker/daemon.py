@@ -26,6 +26,9 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     parser.add_argument("--unused-lease-timeout", type=float, default=UNUSED_LEASE_S,
                         help="seconds a granted lease may go unredeemed before the device "
                              f"returns to the pool (default {UNUSED_LEASE_S:g})")
+    parser.add_argument("--http", type=int, default=None, metavar="PORT",
+                        help="serve the farm page and Prometheus /metrics on this port "
+                             "(0 picks a free one)")
     parser.add_argument("--require-tokens", action="store_true",
                         help="users need a token of their own (tether token add NAME) to request, "
                              "release and see the pool; the holder shown is the token's name")
@@ -61,8 +64,15 @@ def run(args) -> int:
                     tls_cert=args.tls_cert, tls_key=args.tls_key,
                     tokens_file=args.tokens if args.require_tokens else None)
     mode = "TLS" if args.tls_cert else "plaintext"
+    page = None
+    if args.http is not None:
+        from remote.tracker.web import FarmPage
+        page = FarmPage(tracker.service, args.host, args.http)
+    where = f"; farm page {page.url} and {page.url}metrics" if page else ""
     print(f"tether tracker listening on {args.host}:{tracker.port} ({mode}; clients and "
-          "boards alike)", flush=True)
+          f"boards alike){where}", flush=True)
     wait_for_stop_signal()
+    if page is not None:
+        page.close()
     tracker.stop(1.0)
     return 0

@@ -29,6 +29,7 @@ from remote.errors import AuthenticationError, DeviceBusy, NoSuchKey, RequestTim
 from remote.proto import pb
 from remote.tls import server_context
 from remote.tracker.boards import FrontDoor
+from remote.tracker.farmlog import FarmLog
 from remote.tracker.scheduler import LeaseRefused, Request, Scheduler
 from remote.tracker.tokens import TokenBook
 
@@ -72,6 +73,7 @@ class TrackerService:
                  tokens: Optional[TokenBook] = None):
         self._clock = clock
         self._tokens = tokens  # set: users need a token (--require-tokens)
+        self.log = FarmLog()   # recent events and the counts /metrics shows
         self._lock = threading.Lock()
         self._scheduler = Scheduler(new_token=lambda: secrets.token_urlsafe(24),
                                     unused_lease_s=unused_lease_s)
@@ -122,13 +124,24 @@ class TrackerService:
         return name
 
     def _dispatch_locked(self):
-        for request, lease in self._scheduler.assign(self._clock()):
+        now = self._clock()
+        for request, lease in self._scheduler.assign(now):
             waiter = self._waiters.pop(request.request_id, None)
             if waiter is None:  # the requester left between enqueue and grant
-                self._scheduler.release(lease.token, self._clock())
+                self._scheduler.release(lease.token, now)
                 continue
+            self.log.granted(request.key, now - request.enqueued_at)
             waiter.lease = lease
             waiter.event.set()
+
+    def _release_locked(self, token: str, how: str) -> None:
+        """End a lease (recording how long it was held) and serve the queue."""
+        lease = self._scheduler.leases.get(token)
+        device = self._scheduler.release(token, self._clock())
+        if lease is not None and device is not None:
+            self.log.ended(device.key, lease.device_id, lease.client,
+                           self._clock() - lease.granted_at, how)
+        self._dispatch_locked()
 
     def _reap_loop(self):
         while not self._stop.wait(min(0.25, self.eviction_window_s / 4)):
@@ -145,10 +158,14 @@ class TrackerService:
                     log.warning("evicted %s (%s at %s): silent for %.1f s",
                                 device.device_id, device.key, device.address or "relay",
                                 now - device.last_seen)
+                    self.log.evicted(device.key, device.device_id,
+                                     f"silent for {now - device.last_seen:.1f} s")
                     self._infos.pop(device.device_id, None)
                     self._relayed.discard(device.device_id)
                 for lease in self._scheduler.expire_unused(now):
                     log.info("lease on %s expired unused", lease.device_id)
+                    self.log.event("expired", f"lease on {lease.device_id} for {lease.client} "
+                                              "expired unused")
                 self._dispatch_locked()
             if self.door is not None:
                 for device in evicted:
@@ -194,6 +211,8 @@ class TrackerService:
             self._dispatch_locked()
         log.info("registered %s (%s %s)", device_id, frame.key,
                  "through the relay" if relayed else f"at {frame.address}")
+        self.log.event("registered", f"{device_id} ({frame.key}) "
+                       + ("through the relay" if relayed else f"at {frame.address}"))
         return device_id, credential, heartbeat_interval(self.eviction_window_s)
 
     def board_seen(self, device_id: str) -> None:
@@ -211,8 +230,7 @@ class TrackerService:
 
     def board_release(self, token: str) -> None:
         with self._lock:
-            self._scheduler.release(token, self._clock())
-            self._dispatch_locked()
+            self._release_locked(token, "session ended on the board")
 
     def board_gone(self, device_id: str, why: str) -> None:
         with self._lock:
@@ -222,6 +240,7 @@ class TrackerService:
             self._dispatch_locked()
         if device is not None:
             log.warning("dropped %s (%s): %s", device_id, device.key, why)
+            self.log.evicted(device.key, device_id, why)
 
     def relay_target(self, token: str) -> str:
         """The device a lease token is for, for a client reaching it through the relay."""
@@ -316,13 +335,16 @@ class TrackerService:
     def ReleaseLease(self, request, context):
         self._user(context, request)
         with self._lock:
-            self._scheduler.release(request.token, self._clock())
-            self._dispatch_locked()
+            self._release_locked(request.token, "given back by the client")
         return pb.Empty()
 
     def Summary(self, request, context):
         if self._tokens is not None:
             self._user(context, request)
+        return self.summary_reply()
+
+    def summary_reply(self):
+        """The pool as the Summary call answers it (no check of who asks)."""
         with self._lock:
             data = self._scheduler.summary(self._clock())
             infos = dict(self._infos)
