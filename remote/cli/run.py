@@ -120,7 +120,9 @@ def run_once(args, tracker_address) -> int:
         modules.cleanup()
     for name, array in zip(mod.output_names, outputs):
         print(describe_output(name, array, args.top_k))
-    print(f"latency: {display.ms(device_s)} on the board, {display.ms(round_trip)} round trip")
+    print(f"latency: {display.ms(device_s)} on the board, {display.ms(round_trip)} round trip "
+          "(one cold run: the module's first, with caches and memory not yet warm; "
+          "tether bench times warm runs)")
     if args.output:
         np.savez(args.output, **dict(zip(mod.output_names, outputs)))
         say(f"wrote {args.output}")
