@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from llvmlite import ir
 
+from . import winograd
 from .emit import Kernel
 from .errors import BuildError, ShapeError
 from .gemm import divide, emit_channel_gemm, emit_gemm, panel_offset, splits_columns
@@ -61,6 +62,8 @@ class Conv(Op):
             return 0
         x, w = inputs[0].shape, attrs["weight_shape"]
         geometry = _resolve_window(x, tuple(w[2:]), attrs, what="convolution")
+        if attrs.get("winograd"):
+            return 4 * winograd.plan(geometry, x[1], w[0]).scratch_floats
         if self._pointwise(geometry):
             return 0
         pixels = getattr(attrs.get("gemm_tile"), "pixels", 0)
@@ -174,6 +177,14 @@ class Conv(Op):
         # and __aeabi_memcpy4: symbols its loader does not promise. llvmlite
         # does not know this string attribute, hence the set's own add().
         set.add(k.function.attributes, '"no-builtins"')
+        if attrs.get("winograd"):
+            plan = winograd.plan(geometry, cg, m)
+            with k.loop(x[0]) as image:
+                winograd.emit(k, tile, plan, k.index((image, x[1] * volume_in)), k.index((image, w[0] * n)),
+                              k.inputs[1], k.inputs[2] if has_bias else None,
+                              k.inputs[-1] if residual_at is not None else None, residual_at)
+            k.activated = True
+            return
         pointwise = self._pointwise(geometry)
         direct = None if pointwise else _direct_plan(geometry, cg, m, attrs, any_grid=bool(tile.pixels))
         if tile.pixels and not pointwise and direct is None:

@@ -30,7 +30,8 @@ def module_metadata(imported: Graph, graph: Graph, plan: MemoryPlan, target, pro
         "ops": sorted({node.op_type for node in imported.nodes}),
         "steps": describe_steps(imported, graph, plan),
         "gemm_tiles": [{"node": node.name, "shape": node.attrs["conv_shape"].key,
-                        "tile": node.attrs["gemm_tile"].spec, "tuned": node.attrs["tile_tuned"]}
+                        "tile": node.attrs["gemm_tile"].spec, "tuned": node.attrs["tile_tuned"],
+                        "winograd": bool(node.attrs.get("winograd"))}
                        for node in gemm_convs(imported, graph)],
         "producer": producer,
     }

@@ -219,10 +219,12 @@ def pack_conv_weights(graph: Graph) -> Graph:
     pack_weights(W_g, tile.mr) (the GEMM micro-kernel's layout) per group g,
     concatenated, and mark the node with attrs["packed_mr"].
 
-    The packed constant is a new tensor, so a weight another node also
-    reads stays as it was. Depthwise convolutions are marked
+    A Conv marked attrs["winograd"] stores its weights transformed and
+    packed instead (winograd.transform_weights). The packed constant is a
+    new tensor, so a weight another node also reads stays as it was. Depthwise convolutions are marked
     attrs["depthwise"] instead (they run a direct kernel).
     """
+    from . import winograd
     from .gemm import pack_weights
     constants, tensors = dict(graph.constants), dict(graph.tensors)
     nodes = []
@@ -230,10 +232,12 @@ def pack_conv_weights(graph: Graph) -> Graph:
         tile = node.attrs.get("gemm_tile") if node.op_type == "Conv" else None
         if tile is not None:
             group = node.attrs.get("group", 1)
-            name = f"{node.inputs[1]}/packed{tile.mr}"
+            wino = node.attrs.get("winograd")
+            name = f"{node.inputs[1]}/{'winograd' if wino else 'packed'}{tile.mr}"
             if name not in constants:
-                constants[name] = np.concatenate(
-                    [pack_weights(w, tile.mr) for w in np.split(constants[node.inputs[1]], group)])
+                weight = constants[node.inputs[1]]
+                constants[name] = (winograd.transform_weights(weight, tile.mr) if wino else np.concatenate(
+                    [pack_weights(w, tile.mr) for w in np.split(weight, group)]))
                 tensors[name] = Tensor(name, constants[name].shape, "float32")
             attrs = dict(node.attrs, packed_mr=tile.mr,
                          weight_shape=tuple(graph.tensors[node.inputs[1]].shape))

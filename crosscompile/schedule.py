@@ -20,10 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional
 
+from . import winograd
 from .errors import BuildError
 from .gemm import GemmTile, channel_tile, tile_for
 from .ir import Node
 from .passes import runs_as_gemm
+from .window import _resolve_window
 
 # Rows of one register tile at most: past this the broadcasts of A, not
 # the loads of B, bound the inner loop, and the tile's tail grows.
@@ -255,8 +257,10 @@ def assign_tiles(graph, target, table: Mapping):
     fused residual (attrs["residual_at"]) is known, not predicted.
 
     Each such Conv gets attrs["gemm_tile"] (the GemmTile), attrs["conv_shape"]
-    (its ConvShape) and attrs["tile_tuned"] (whether the table chose it),
-    which weight packing, the lowering and the module metadata read.
+    (its ConvShape), attrs["tile_tuned"] (whether the table chose it) and
+    attrs["winograd"] (whether it runs as Winograd F(2x2, 3x3), where that
+    pays and no tuned tile was chosen for it), which weight packing, the
+    lowering and the module metadata read.
 
     >>> from crosscompile.target import resolve_target
     >>> graph = assign_tiles(graph, resolve_target("rasp4b64"), {})  # doctest: +SKIP
@@ -271,8 +275,13 @@ def assign_tiles(graph, target, table: Mapping):
             shape = conv_shape(graph, node)
             tile, tuned = _scheduled_tile(target, table, node, shape,
                                           _adds_residual(graph, node, readers))
+            geometry = _resolve_window(shape.x, shape.w[2:], node.attrs, what="convolution")
+            transformed = not tuned and winograd.pays(target, geometry, shape.x[1], shape.w[0], shape.group)
+            if transformed and tile.pixels:
+                tile = tile_for(target)  # the 16 products are plain GEMMs of rows
             node = Node(node.op_type, node.name, list(node.inputs), list(node.outputs),
-                        dict(node.attrs, gemm_tile=tile, conv_shape=shape, tile_tuned=tuned))
+                        dict(node.attrs, gemm_tile=tile, conv_shape=shape, tile_tuned=tuned,
+                             winograd=transformed))
         nodes.append(node)
     return replace(graph, nodes=nodes)
 

@@ -90,6 +90,18 @@ class Target:
         return self.arch in ("aarch64", "arm")
 
     @property
+    def winograd(self) -> bool:
+        """Whether dense 3x3 stride-1 convolutions may run as Winograd
+        F(2x2, 3x3) where crosscompile.winograd.pays says it saves work:
+        on ARM, where instruction counts on emulated cores measured it.
+        x86 keeps the direct GEMM until it is measured there.
+
+        >>> resolve_target("rasp4b64").winograd
+        True
+        """
+        return self.multiplies_by_lane
+
+    @property
     def reduction_unroll(self) -> int:
         """Steps per trip of a GEMM micro-kernel's reduction loop. Two on
         ARM, where the loop's counter, compare and branch were a sixth of a

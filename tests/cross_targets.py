@@ -3,10 +3,13 @@ ELF file must be, and how to run a module under qemu user-mode emulation
 (a small C driver, a cross compiler and the target's sysroot).
 
     qemu, gcc, sysroot = emulated_tools("rasp4b64")   # skips the test without them
+    y = run_emulated(lib, "rasp4b64", x, (1, 1000), tmp_path)
 """
 import os
 import shutil
+import subprocess
 
+import numpy as np
 import pytest
 
 ALLOWED_UNDEFINED = {"memcpy", "memset", "memmove"}
@@ -67,3 +70,21 @@ def emulated_tools(preset):
         pytest.skip(f"needs {qemu}, {gcc} and {sysroot}: "
                     "apt-get install qemu-user gcc-aarch64-linux-gnu gcc-arm-linux-gnueabihf")
     return qemu, gcc, sysroot
+
+
+def run_emulated(lib, preset: str, x: np.ndarray, out_shape, folder) -> np.ndarray:
+    """Run a compiled module of one float32 input and output (lib, from
+    crosscompile.build for preset) under qemu with DRIVER_C; its output.
+    Skips the test without the tools."""
+    qemu, gcc, sysroot = emulated_tools(preset)
+    so = lib.export_library(os.path.join(folder, "module.so"))
+    driver, data_in, data_out = (os.path.join(folder, name) for name in ("driver", "in.bin", "out.bin"))
+    with open(driver + ".c", "w") as f:
+        f.write(DRIVER_C)
+    subprocess.run([gcc, "-O1", "-o", driver, driver + ".c", "-ldl"], check=True, capture_output=True)
+    np.ascontiguousarray(x, np.float32).tofile(data_in)
+    size = int(np.prod(out_shape))
+    proc = subprocess.run([qemu, "-L", sysroot, driver, so, str(lib.metadata["workspace_bytes"]), data_in,
+                           str(x.size), data_out, str(size)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return np.fromfile(data_out, dtype=np.float32).reshape(out_shape)

@@ -4,15 +4,13 @@ emulated boards, against onnxruntime on the same input.
 The tolerance (tests.onnx_models.ZOO_RTOL / ZOO_ATOL_SCALE) is explained there.
 tests/test_zoo_emulated.py runs every model on emulated boards through a tracker.
 """
-import subprocess
 import time
 
-import numpy as np
 import pytest
 
 import crosscompile
 import minirt
-from tests.cross_targets import DRIVER_C, emulated_tools
+from tests.cross_targets import emulated_tools, run_emulated
 from tests.onnx_models import (ZOO, assert_zoo_close, assert_zoo_matches, reference, zoo_input,
                                zoo_model)
 
@@ -32,21 +30,10 @@ def test_zoo_model_matches_onnxruntime_on_host(tmp_path, name):
 
 @pytest.mark.parametrize("preset", ["rasp4b64", "rasp3b"])
 def test_squeezenet_runs_on_emulated_boards(tmp_path, preset):
-    qemu, gcc, sysroot = emulated_tools(preset)
+    emulated_tools(preset)
     model = zoo_model("squeezenet", logits=False)
     feeds = zoo_input(model)
     (x,) = feeds.values()
     want = reference(model, feeds)[0]
-    lib = crosscompile.build(model, target=preset)
-    so = lib.export_library(tmp_path / "squeezenet.so")
-    (tmp_path / "driver.c").write_text(DRIVER_C)
-    subprocess.run([gcc, "-O1", "-o", str(tmp_path / "driver"), str(tmp_path / "driver.c"), "-ldl"],
-                   check=True, capture_output=True)
-    x.tofile(tmp_path / "in.bin")
-    proc = subprocess.run([qemu, "-L", sysroot, str(tmp_path / "driver"), so,
-                           str(lib.metadata["workspace_bytes"]), str(tmp_path / "in.bin"),
-                           str(x.size), str(tmp_path / "out.bin"), str(want.size)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    got = np.fromfile(tmp_path / "out.bin", dtype=np.float32).reshape(want.shape)
+    got = run_emulated(crosscompile.build(model, target=preset), preset, x, want.shape, tmp_path)
     assert_zoo_close([got], [want])
