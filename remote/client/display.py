@@ -138,7 +138,13 @@ def benchmark_rows(result) -> List[Tuple[str, str]]:
     rows.append(("load", ms(result.load_s)))
     rows.append(("peak memory", size(getattr(result, "peak_rss_bytes", 0))))
     rows.append(("runs", f"{result.repeat} x {result.number}"))
+    rows.append(("threads", threads(getattr(result, "threads", 0))))
     return rows
+
+
+def threads(count: int) -> str:
+    """Threads per run as results show them; 0 is a board that did not say."""
+    return str(count) if count else "not reported"
 
 
 def benchmark_text(result) -> str:
@@ -184,7 +190,9 @@ def _since(unix_time: float) -> str:
 
 
 def _capabilities(d: dict) -> str:
-    parts = [d["triple"] or "?", d["cpu_model"] or "?", f"{d['cores']} cores"]
+    # An emulated board reports the host's CPU; say it is emulated first.
+    cpu = f"emulated by {d['emulated']}" if d.get("emulated") else d["cpu_model"] or "?"
+    parts = [d["triple"] or "?", cpu, f"{d['cores']} cores"]
     if d["memory_bytes"]:
         parts.append(f"{d['memory_bytes'] / 2**30:.1f} GiB")
     if d["os"]:
