@@ -99,6 +99,8 @@ def test_bench_prints_a_table_and_writes_reproducible_json(first_run, onnx_path)
         assert re.fullmatch(r"[\d.]+ (µs|ms|s)", table[name][0]), (name, table[name])
     assert re.fullmatch(r"[\d.]+ (KiB|MiB|GiB)", table["peak memory"][0])
     assert table["runs"] == ["4 x 3"]
+    # Timed as run() runs it on the board: one thread per core of the (local) board.
+    assert table["threads"] == [str(os.cpu_count() or 1)]
 
     with open(out_json) as f:
         report = json.load(f)
@@ -118,6 +120,7 @@ def test_bench_prints_a_table_and_writes_reproducible_json(first_run, onnx_path)
     assert len(result["samples_s"]) == 4 and all(isinstance(s, float) and s > 0
                                                  for s in result["samples_s"])
     assert result["number"] == 3 and result["repeat"] == 4
+    assert result["threads"] == (os.cpu_count() or 1)
     stats = result["stats_s"]
     assert set(stats) == set(STATS)
     assert stats["min"] == min(result["samples_s"]) and stats["max"] == max(result["samples_s"])

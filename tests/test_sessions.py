@@ -397,6 +397,8 @@ def test_benchmark_runs_on_the_board(server, modules):
         assert res.mean == pytest.approx(np.mean(res.samples))
         assert res.std == pytest.approx(np.std(res.samples))
         assert res.load_s == pytest.approx(mod.load_s)
+        assert res.threads == 1  # a module without tether_run_parallel runs on one
+        assert "threads" in str(res) and res.as_dict()["threads"] == 1
         grown = mod.benchmark(number=1, repeat=2, min_repeat_ms=20, cooldown_ms=5,
                               inputs={"x": np.ones((1, 4), np.float32)})
         # number grew until one repeat took about min_repeat_ms; timing noise on a shared

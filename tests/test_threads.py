@@ -2,6 +2,7 @@
 results for any thread count, and old modules still run on one thread."""
 import os
 import subprocess
+import threading
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from onnx import helper
 import crosscompile
 import minirt
 from minirt import InputError
+from minirt.timing import time_module
 from tests.cross_targets import emulated_tools
 from tests.onnx_models import make_model, rand, reference
 
@@ -50,6 +52,20 @@ def test_any_thread_count_gives_the_single_thread_result(cnn_module, threads):
     for _ in range(20):  # races would show as differing runs
         got = module.run({"x": x})[0]
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_timing_runs_on_the_threads_run_uses(tmp_path):
+    """minirt.timing (what RemoteModule.benchmark runs on the board) takes
+    run()'s path: a module set to 3 threads starts its 2 workers when timed."""
+    def workers():
+        return sum(t.name.startswith("minirt-worker-") for t in threading.enumerate())
+
+    module = minirt.load(crosscompile.build(small_cnn(batch=1)).export_library(tmp_path / "m.so"), threads=3)
+    before = workers()
+    samples, _ = time_module(module, {"x": rand(1, 3, 37, 41, seed=9)}, number=2, repeat=2)
+    assert len(samples) == 2
+    assert workers() == before + 2
+    module.close()
 
 
 def test_default_thread_count_is_the_number_of_cores(cnn_module, tmp_path):

@@ -155,7 +155,7 @@ class BoardRun(threading.Thread):
             "device": info, "samples_s": res.samples, "number": res.number,
             "repeat": res.repeat, "stats_s": {name: getattr(res, name) for name in display.STATS},
             "cold_load_s": cold.load_s, "warm_load_s": warm.load_s,
-            "peak_rss_bytes": res.peak_rss_bytes, **extra,
+            "peak_rss_bytes": res.peak_rss_bytes, "threads": res.threads, **extra,
         }
 
 
@@ -285,6 +285,7 @@ def board_table(record: dict, old: Optional[dict] = None) -> str:
     rows.append(("peak memory", display.size(record["peak_rss_bytes"]))
                 + (("", "") if old else ()))
     rows.append(("runs", f"{record['repeat']} x {record['number']}") + (("", "") if old else ()))
+    rows.append(("threads", display.threads(record.get("threads", 0))) + (("", "") if old else ()))
     headers = ("STATISTIC", "VALUE") + (("BEFORE", "RATIO") if old else ())
     return _headline(record) + "\n" + "\n".join(
         "  " + line for line in display.text_table(headers, rows).splitlines())

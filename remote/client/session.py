@@ -550,11 +550,13 @@ class BenchmarkResult:
         self.load_s: float = data["load_s"]
         #: the most memory the session's process on the board held (0: not reported)
         self.peak_rss_bytes: int = int(data.get("peak_rss_bytes", 0))
+        #: threads each timed run used, as run() does on the board (0: not reported)
+        self.threads: int = int(data.get("threads", 0))
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in (
             "samples", "number", "repeat", "mean", "median", "std", "min", "max", "p90",
-            "p99", "load_s", "peak_rss_bytes")}
+            "p99", "load_s", "peak_rss_bytes", "threads")}
 
     def __str__(self) -> str:
         return display.benchmark_text(self)

@@ -524,6 +524,7 @@ class Worker:
             self.watchdog.disarm()
         result = {"samples": samples, "number": number, "repeat": len(samples),
                   "load_s": self.load_s[header.name], "peak_rss_bytes": peak_rss_bytes(),
+                  "threads": module.threads,
                   **timing.summarize(samples)}
         fs.send(pb.DataFrame(op="ok", text=json.dumps(result)))
 
