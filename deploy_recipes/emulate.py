@@ -519,7 +519,8 @@ class EmulatedBoard:
 
     def environment(self) -> Dict[str, str]:
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
-               "PYTHONPATH": self.code_dir, "PYTHONUNBUFFERED": "1"}
+               "PYTHONPATH": self.code_dir, "PYTHONUNBUFFERED": "1",
+               EMULATED_ENV: f"{ARCHES[self.arch].qemu}, Debian {self.release} {self.arch}"}
         if FARM_SECRET_ENV in os.environ:
             env[FARM_SECRET_ENV] = os.environ[FARM_SECRET_ENV]
         return env
