@@ -16,6 +16,8 @@ import time
 
 import numpy as np
 
+from remote.client import display
+
 DEMO_LAYERS = (784, 256, 128, 10)
 
 
@@ -109,21 +111,21 @@ def _run_on_the_board(farm, key, model_path, so_path, runs):
               f"cores, {info['os']})")
         sess.upload(so_path, progress=_progress_bar("upload mlp.so"))
         mod = sess.load_module("mlp.so")
-        print(f"   loaded on the device in {mod.load_s * 1e3:.2f} ms")
+        print(f"   loaded on the device in {display.ms(mod.load_s)}")
         (probs,) = mod.run({"input": x})
         top = np.argsort(probs[0])[::-1][:3]
         print("5. output: top-3 classes " +
               ", ".join(f"{c} ({probs[0][c]:.3f})" for c in top))
         _compare_with_onnxruntime(model_path, x, probs)
-        round_trip_ms = []
+        round_trips = []
         for _ in range(runs):
             t0 = time.perf_counter()
             mod.run({"input": x})
-            round_trip_ms.append((time.perf_counter() - t0) * 1e3)
+            round_trips.append(time.perf_counter() - t0)
         res = mod.benchmark(number=100, repeat=runs)  # the timing loop runs on the board
         print(f"6. latency on the device over {runs} repeats of 100 runs: median "
-              f"{res.median * 1e3:.4f} ms, p99 {res.p99 * 1e3:.4f} ms; one inference "
-              f"round trip from here: median {statistics.median(round_trip_ms):.3f} ms")
+              f"{display.ms(res.median)}, p99 {display.ms(res.p99)}; one inference "
+              f"round trip from here: median {display.ms(statistics.median(round_trips))}")
     print("\n" + tracker.text_summary())
     tracker.close()
 
