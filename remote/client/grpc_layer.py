@@ -9,6 +9,7 @@ Boards never import this module: they speak frames (remote/proto/frames.py).
 from __future__ import annotations
 
 import types
+from typing import Optional
 
 import grpc
 

@@ -6,7 +6,6 @@ import os
 import socket
 import ssl
 import threading
-import time
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import numpy as np

@@ -22,7 +22,7 @@ from typing import Dict, Optional, Set
 
 import grpc
 
-from remote import errors, tls
+from remote import errors
 from remote.defaults import FARM_SECRET_ENV, TOKEN_ENV, TRACKER_PORT
 from remote.client.grpc_layer import SERVER_OPTIONS, abort, add_servicer
 from remote.errors import AuthenticationError, DeviceBusy, NoSuchKey, RequestTimeout
