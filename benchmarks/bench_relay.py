@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
-import time
 
 import numpy as np
 
@@ -24,17 +22,10 @@ sys.path.insert(0, ROOT)
 
 from remote.cli.localfarm import LocalFarm  # noqa: E402
 
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from bench_transfer import median_time  # noqa: E402  (the same timing as the direct figures)
+
 MIB = 1 << 20
-
-
-def median_time(fn, repeat: int) -> float:
-    fn()  # warm up
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def figures(sess, path: str, array: np.ndarray, repeat: int) -> dict:
