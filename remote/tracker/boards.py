@@ -26,6 +26,7 @@ import secrets
 import socket
 import ssl
 import threading
+import time
 from typing import Dict, Optional
 
 from remote import errors
@@ -227,9 +228,17 @@ class FrontDoor:
         self._server = self.loop.run_until_complete(self.loop.create_server(
             lambda: Conn(self), sock=sock, ssl=tls, backlog=4096,
             ssl_handshake_timeout=FIRST_FRAME_S if tls else None))
+        # Stamped by the loop itself every tick: when it is busy the stamp ages,
+        # and the service does not take the boards' unread pings for silence.
+        self.last_tick = time.monotonic()
+        self.loop.call_soon(self._tick)
         self._thread = threading.Thread(target=self.loop.run_forever, name="tracker-port",
                                         daemon=True)
         self._thread.start()
+
+    def _tick(self):
+        self.last_tick = time.monotonic()
+        self.loop.call_later(0.1, self._tick)
 
     def close(self):
         def stop():

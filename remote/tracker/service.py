@@ -38,6 +38,8 @@ log = logging.getLogger("tether.tracker")
 # A board pings every second; one silent for the window is dropped.
 EVICTION_WINDOW_S = 2.5
 UNUSED_LEASE_S = 30.0
+# How often the tracker's port loop marks itself as caught up (FrontDoor.last_tick).
+LOOP_TICK_S = 0.1
 # Requests waiting for a device, at most, in all and per client name.
 MAX_WAITING = 512
 MAX_WAITING_PER_CLIENT = 64
@@ -143,15 +145,24 @@ class TrackerService:
                            self._clock() - lease.granted_at, how)
         self._dispatch_locked()
 
+    def _judged_now(self) -> float:
+        """The time up to which boards' silence can be judged: the last moment
+        the tracker's port was read. A loop that is behind (a burst of work)
+        has pings waiting in its sockets; their boards are not silent."""
+        now = self._clock()
+        if self.door is None:
+            return now
+        return min(now, self.door.last_tick + LOOP_TICK_S)
+
     def _reap_loop(self):
         while not self._stop.wait(min(0.25, self.eviction_window_s / 4)):
-            now = self._clock()
+            now = self._judged_now()
             # Found without the lock (ten thousand boards take a while to look
             # at), evicted under it once it is known there are any.
             silent = any(now - d.last_seen > self.eviction_window_s
                          for d in list(self._scheduler.devices.values()))
             with self._lock:
-                now = self._clock()
+                now = self._judged_now()
                 evicted = (self._scheduler.evict_silent(now, self.eviction_window_s)
                            if silent else [])
                 for device in evicted:
