@@ -1,0 +1,765 @@
+// tether-server: the board server in C++ for boards without Python
+// (docs/boards.md). It speaks board protocol v2 exactly as
+// `python -m remote.server` does and takes the same options; every session
+// runs in a process of its own, forked from this one.
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <set>
+#include <netdb.h>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "devinfo.hpp"
+#include "session.hpp"
+#include "tracker_link.hpp"
+#include "wire.hpp"
+#include "workspace.hpp"
+
+namespace tether {
+namespace {
+
+constexpr int kServerPort = 9090;
+// Connections that have not yet sent their first frame, at most; more are
+// refused at once. Each must send it within kHelloDeadlineMs.
+constexpr int kMaxPending = 64;
+constexpr int kHelloDeadlineMs = 10000;
+constexpr int kRegisterWaitMs = 5000;
+// What a session's process printed, kept for its end reason.
+constexpr size_t kOutputTailBytes = 16 * 1024;
+// Ended sessions whose reason a client may still ask for.
+constexpr size_t kEndedKept = 256;
+
+struct Options {
+  std::string host = "0.0.0.0";
+  int port = kServerPort;
+  std::string tracker, key, advertise, farm_secret, workspace_dir, cc = "cc";
+  bool relay = false, advertise_given = false;
+  StringPairs attributes;
+  int max_sessions = 1;
+  double idle_timeout_s = 300.0;
+  int64_t max_upload_bytes = int64_t(1) << 30;
+  double session_queue_s = 0;
+};
+
+const char kUsage[] =
+    "usage: tether-server [--host HOST] [--port PORT] [--tracker HOST:PORT] [--key KEY]\n"
+    "                     [--advertise HOST[:PORT]] [--relay] [--farm-secret SECRET]\n"
+    "                     [--attr NAME=VALUE]... [--max-sessions N] [--idle-timeout SECONDS]\n"
+    "                     [--max-upload-bytes N] [--session-queue SECONDS]\n"
+    "                     [--workspace-dir DIR] [--cc CC] [--version]\n"
+    "\n"
+    "Run a Tether device server on this board (the native build: no Python needed).\n"
+    "Environment: TETHER_TRACKER, TETHER_FARM_SECRET as defaults of --tracker, --farm-secret.\n";
+
+[[noreturn]] void usage_error(const std::string& message) {
+  std::fprintf(stderr, "%stether-server: error: %s\n", kUsage, message.c_str());
+  std::exit(2);
+}
+
+bool parse_number(const std::string& text, double* out) {
+  char* end = nullptr;
+  *out = std::strtod(text.c_str(), &end);
+  return !text.empty() && end && *end == '\0';
+}
+
+Options parse_options(int argc, char** argv) {
+  Options o;
+  if (const char* t = ::getenv("TETHER_TRACKER")) o.tracker = t;
+  if (const char* s = ::getenv("TETHER_FARM_SECRET")) o.farm_secret = s;
+  if (const char* cc = ::getenv("CC")) o.cc = cc;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i], value;
+    size_t eq = arg.find('=');
+    bool inline_value = arg.compare(0, 2, "--") == 0 && eq != std::string::npos;
+    if (inline_value) {
+      value = arg.substr(eq + 1);
+      arg = arg.substr(0, eq);
+    }
+    auto next = [&]() -> std::string {
+      if (inline_value) return value;
+      if (i + 1 >= argc) usage_error("argument " + arg + ": expected one argument");
+      return argv[++i];
+    };
+    auto number = [&](double low) {
+      std::string text = next();
+      double v;
+      if (!parse_number(text, &v) || v < low) usage_error("argument " + arg + ": invalid value '" + text + "'");
+      return v;
+    };
+    if (arg == "--help" || arg == "-h") {
+      std::fputs(kUsage, stdout);
+      std::exit(0);
+    } else if (arg == "--version") {
+      std::printf("tether-server %s (native, board protocol v%d)\n", kServerVersion, kProtocolVersion);
+      std::exit(0);
+    } else if (arg == "--host") o.host = next();
+    else if (arg == "--port") o.port = static_cast<int>(number(0));
+    else if (arg == "--tracker") o.tracker = next();
+    else if (arg == "--key") o.key = next();
+    else if (arg == "--advertise") { o.advertise = next(); o.advertise_given = true; }
+    else if (arg == "--relay") o.relay = true;
+    else if (arg == "--farm-secret") o.farm_secret = next();
+    else if (arg == "--attr") {
+      std::string text = next();
+      size_t sep = text.find('=');
+      if (sep == std::string::npos || sep == 0) usage_error("attribute '" + text + "' must look like name=value");
+      o.attributes.emplace_back(text.substr(0, sep), text.substr(sep + 1));
+    } else if (arg == "--max-sessions") o.max_sessions = static_cast<int>(number(1));
+    else if (arg == "--idle-timeout") o.idle_timeout_s = number(0);
+    else if (arg == "--max-upload-bytes") o.max_upload_bytes = static_cast<int64_t>(number(1));
+    else if (arg == "--session-queue") o.session_queue_s = number(0);
+    else if (arg == "--workspace-dir") o.workspace_dir = next();
+    else if (arg == "--cc") o.cc = next();
+    else if (arg == "--tls-cert" || arg == "--tls-key" || arg == "--tls-ca") {
+      usage_error(arg + ": this native server has no TLS library; use the Python server "
+                        "(python -m remote.server) where sessions or the tracker link need TLS");
+    } else {
+      usage_error("unrecognized argument: " + std::string(argv[i]));
+    }
+  }
+  if (!o.key.empty() && o.tracker.empty()) usage_error("--key needs --tracker HOST:PORT (or set TETHER_TRACKER)");
+  if (o.key.empty()) o.tracker.clear();
+  if (o.relay && o.tracker.empty()) usage_error("--relay needs a tracker to relay through (--tracker, --key)");
+  return o;
+}
+
+std::string new_session_id() {
+  static const char kAlphabet[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+  std::random_device random;
+  std::string id;
+  for (int i = 0; i < 22; ++i) id += kAlphabet[random() % 64];
+  return id;
+}
+
+std::string signal_name(int sig) {
+  switch (sig) {
+    case SIGSEGV: return "SIGSEGV";
+    case SIGBUS: return "SIGBUS";
+    case SIGILL: return "SIGILL";
+    case SIGFPE: return "SIGFPE";
+    case SIGABRT: return "SIGABRT";
+    case SIGKILL: return "SIGKILL";
+    case SIGTERM: return "SIGTERM";
+    case SIGTRAP: return "SIGTRAP";
+    default: return "signal " + std::to_string(sig);
+  }
+}
+
+std::string fmt_g(double v) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", v);
+  return text;
+}
+
+// One session, as the server sees it: its process, why it ended, the tail of
+// what it printed.
+struct Session {
+  std::string id, client, lease_token;
+  double timeout_s = 0;
+  int64_t opened_ms = 0;
+  Workspace workspace;
+  pid_t pid = 0;
+  int control = -1;
+  std::string stop_class, stop_reason, own_class, own_reason, tail;
+  bool gone = false, reported = false;
+};
+
+class DeviceService {
+ public:
+  DeviceService(const Options& options, DeviceInfo info) : options_(options), info_(std::move(info)) {}
+
+  void attach(TrackerLink* link) { link_ = link; }
+  const DeviceInfo* info() const { return &info_; }
+
+  std::vector<std::string> live_tokens() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::vector<std::string> tokens;
+    for (const auto& kv : sessions_) if (!kv.second->lease_token.empty()) tokens.push_back(kv.second->lease_token);
+    return tokens;
+  }
+
+  void start_expiry() {
+    std::thread([this] {
+      for (;;) {
+        std::this_thread::sleep_for(std::chrono::seconds(1));
+        std::vector<std::pair<std::string, double>> late;
+        {
+          std::lock_guard<std::mutex> lock(mutex_);
+          int64_t now = monotonic_ms();
+          for (const auto& kv : sessions_) {
+            const Session& s = *kv.second;
+            if (s.timeout_s > 0 && now - s.opened_ms > s.timeout_s * 1000) late.emplace_back(s.id, s.timeout_s);
+          }
+        }
+        for (const auto& s : late)
+          end(s.first, "its session timeout of " + fmt_g(s.second) + " s was reached", "SessionEnded", true);
+      }
+    }).detach();
+  }
+
+  void stop_all() {
+    std::vector<std::string> ids;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+      for (const auto& kv : sessions_) ids.push_back(kv.first);
+      slot_free_.notify_all();
+    }
+    for (const auto& id : ids) end(id, "server stopping", "SessionEnded", true);
+  }
+
+  // A new connection: its first frame decides what it is.
+  void handle(int fd, const std::string& peer, int64_t deadline_ms) {
+    FrameConn conn(fd);
+    Frame first;
+    ReadStatus status = conn.read_header(&first, deadline_ms, 64 * 1024);
+    bool handed_over = false;
+    if (status == ReadStatus::kOk) {
+      if (first.version != kProtocolVersion) {
+        std::string named = first.version ? "protocol v" + std::to_string(first.version)
+                                          : "an older protocol (v1)";
+        conn.send(error_frame("ConnectionFailed", "this peer speaks Tether board protocol v" +
+                                                      std::to_string(kProtocolVersion) + " and the client " +
+                                                      named + "; run the same Tether version on both ends"));
+      } else if (first.op == "open") {
+        handed_over = open(&conn, first, peer);
+      } else if (first.op == "status") {
+        conn.send(status_of(first.name));
+      } else if (first.op == "close") {
+        // From a new connection, when the session's own is busy or stuck;
+        // the unguessable session id is what entitles the caller.
+        end(first.name, "closed by the client", "SessionEnded", true);
+        Frame ok;
+        ok.op = "ok";
+        conn.send(ok);
+      } else if (first.op == "info") {
+        Frame ok;
+        ok.op = "ok";
+        ok.info = &info_;
+        conn.send(ok);
+      } else {
+        conn.send(error_frame("InvalidArgument", "a connection must begin with open, status, close or info, not " +
+                                                     quote(first.op)));
+      }
+    } else if (status == ReadStatus::kNotFrames && conn.seen().compare(0, 4, "PRI ") == 0) {
+      log_line("a protocol v1 (gRPC) client at %s was turned away: this board speaks protocol v2", peer.c_str());
+    } else if (status != ReadStatus::kClosed) {
+      log_line("connection from %s dropped before a session", peer.c_str());
+    }
+    if (!handed_over) conn.close();
+  }
+
+ private:
+  bool open(FrameConn* conn, const Frame& request, const std::string& peer) {
+    if (conn->buffered()) {
+      conn->send(error_frame("InvalidArgument", "send nothing after open before its answer"));
+      return false;
+    }
+    if (link_ != nullptr) {
+      if (request.token.empty()) {
+        conn->send(error_frame("AuthenticationError",
+                               "this device is behind a tracker: request it through the tracker "
+                               "(rpc.connect_tracker(...).request(key)) instead of connecting directly"));
+        return false;
+      }
+      LinkError error;
+      if (!link_->redeem(request.token, &error)) {
+        conn->send(error_frame(error.error_class, error.text));
+        return false;
+      }
+    }
+    std::shared_ptr<Session> session;
+    std::string refused;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      auto deadline = std::chrono::steady_clock::now() +
+                      std::chrono::milliseconds(static_cast<int64_t>(options_.session_queue_s * 1000));
+      while (static_cast<int>(sessions_.size()) >= options_.max_sessions) {
+        if (stopping_ || slot_free_.wait_until(lock, deadline) == std::cv_status::timeout) {
+          if (static_cast<int>(sessions_.size()) < options_.max_sessions && !stopping_) break;
+          std::string waited = options_.session_queue_s > 0 ? " after waiting " + fmt_g(options_.session_queue_s) + " s" : "";
+          refused = "device busy: " + std::to_string(sessions_.size()) + " session(s) open, at most " +
+                    std::to_string(options_.max_sessions) + waited +
+                    "; try again later or use a tracker to queue (server options --max-sessions, --session-queue)";
+          break;
+        }
+      }
+      if (refused.empty()) {
+        session = std::make_shared<Session>();
+        session->id = new_session_id();
+        session->client = request.client.empty() ? peer : request.client;
+        session->lease_token = request.token;
+        session->timeout_s = request.session_timeout_s;
+        session->opened_ms = monotonic_ms();
+        sessions_[session->id] = session;
+      }
+    }
+    if (!refused.empty()) {
+      conn->send(error_frame("DeviceBusy", refused));
+      if (link_ != nullptr) {
+        LinkError ignored;
+        link_->release(request.token, &ignored);
+      }
+      return false;
+    }
+    std::string error;
+    session->workspace = Workspace::make(options_.workspace_dir, &error);
+    if (session->workspace.root().empty() || !spawn(session, conn->fd(), &error)) {
+      end(session->id, "its process could not start: " + error, "RemoteError", false);
+      conn->send(error_frame("RemoteError", "the session could not start on the device: " + error));
+      return false;
+    }
+    Frame ok;
+    ok.op = "ok";
+    ok.name = session->id;
+    ok.info = &info_;
+    ok.size = options_.max_upload_bytes;
+    conn->send(ok);
+    log_line("session %.8s opened by %s", session->id.c_str(), session->client.c_str());
+    ::close(conn->fd());  // the session's process has its own copy
+    return true;
+  }
+
+  // Forks the session's process; it serves `conn_fd` from then on.
+  bool spawn(const std::shared_ptr<Session>& session, int conn_fd, std::string* error) {
+    int control[2], output[2];
+    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, control) != 0) {
+      *error = std::strerror(errno);
+      return false;
+    }
+    if (::pipe2(output, O_CLOEXEC) != 0) {
+      *error = std::strerror(errno);
+      ::close(control[0]);
+      ::close(control[1]);
+      return false;
+    }
+    SessionSettings settings;
+    settings.conn_fd = conn_fd;
+    settings.control_fd = control[1];
+    settings.workspace = session->workspace.root();
+    settings.max_bytes = options_.max_upload_bytes;
+    settings.idle_timeout_s = options_.idle_timeout_s;
+    settings.cc = options_.cc;
+    pid_t pid = ::fork();
+    if (pid < 0) {
+      *error = std::string("fork failed: ") + std::strerror(errno);
+      for (int fd : {control[0], control[1], output[0], output[1]}) ::close(fd);
+      return false;
+    }
+    if (pid == 0) {
+      // The child keeps only its connection, its control socket and its
+      // output: a copy of another session's connection held here would keep
+      // that connection open after its own process ended.
+      ::dup2(output[1], 1);
+      ::dup2(output[1], 2);
+      close_other_fds({0, 1, 2, conn_fd, control[1]});
+      sigset_t all;
+      sigemptyset(&all);
+      ::sigprocmask(SIG_SETMASK, &all, nullptr);
+      ::signal(SIGINT, SIG_IGN);  // Ctrl-C on the server's terminal is the server's
+      serve_session(settings);
+    }
+    ::close(control[1]);
+    ::close(output[1]);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      session->pid = pid;
+      session->control = control[0];
+    }
+    std::thread([this, session, control_fd = control[0], output_fd = output[0]] {
+      watch(session, control_fd, output_fd);
+    }).detach();
+    return true;
+  }
+
+  static void close_other_fds(std::initializer_list<int> keep) {
+    DIR* dir = ::opendir("/proc/self/fd");
+    std::vector<int> open_fds;
+    if (dir != nullptr) {
+      while (dirent* entry = ::readdir(dir)) {
+        if (entry->d_name[0] >= '0' && entry->d_name[0] <= '9') open_fds.push_back(std::atoi(entry->d_name));
+      }
+      ::closedir(dir);
+    } else {
+      for (int fd = 3; fd < 4096; ++fd) open_fds.push_back(fd);
+    }
+    for (int fd : open_fds) {
+      bool kept = false;
+      for (int k : keep) kept = kept || k == fd;
+      if (!kept) ::close(fd);
+    }
+  }
+
+  // Follows one session's process: its messages, its output, its end.
+  void watch(std::shared_ptr<Session> session, int control_fd, int output_fd) {
+    std::string lines;
+    bool control_open = true, output_open = true;
+    while (control_open || output_open) {
+      pollfd fds[2] = {{control_open ? control_fd : -1, POLLIN, 0}, {output_open ? output_fd : -1, POLLIN, 0}};
+      // Once the process has closed its control socket, its output gets a
+      // moment to drain (a grandchild could hold the pipe).
+      int ready = ::poll(fds, 2, control_open ? -1 : 2000);
+      if (ready < 0 && errno == EINTR) continue;
+      if (ready == 0) break;
+      char data[65536];
+      if (fds[0].revents) {
+        ssize_t n = ::recv(control_fd, data, sizeof data, 0);
+        if (n <= 0) {
+          control_open = false;
+        } else {
+          lines.append(data, static_cast<size_t>(n));
+          for (size_t nl; (nl = lines.find('\n')) != std::string::npos;) {
+            std::string line = lines.substr(0, nl);
+            lines.erase(0, nl + 1);
+            message(session, line);
+          }
+        }
+      }
+      if (fds[1].revents) {
+        ssize_t n = ::read(output_fd, data, sizeof data);
+        if (n <= 0) {
+          output_open = false;
+        } else {
+          std::lock_guard<std::mutex> lock(mutex_);
+          session->tail.append(data, static_cast<size_t>(n));
+          if (session->tail.size() > kOutputTailBytes) session->tail.erase(0, session->tail.size() - kOutputTailBytes);
+        }
+      }
+    }
+    ::close(output_fd);
+    int status = 0;
+    while (::waitpid(session->pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    std::string error_class, reason;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      session->gone = true;
+      describe(*session, status, &error_class, &reason);
+      ::close(control_fd);
+      session->control = -1;
+    }
+    end(session->id, reason, error_class, false);
+    std::lock_guard<std::mutex> lock(mutex_);
+    session->reported = true;
+    changed_.notify_all();
+  }
+
+  void message(const std::shared_ptr<Session>& session, const std::string& line) {
+    if (line.compare(0, 4, "end\t") == 0) {
+      size_t tab = line.find('\t', 4);
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (session->own_class.empty()) {
+        session->own_class = line.substr(4, tab == std::string::npos ? std::string::npos : tab - 4);
+        session->own_reason = tab == std::string::npos ? "" : line.substr(tab + 1);
+      }
+    } else if (line == "close") {
+      end(session->id, "closed by the client", "SessionEnded", false);
+      send_all(session->control, "released\n", 9);
+    }
+  }
+
+  static void describe(const Session& s, int status, std::string* error_class, std::string* reason) {
+    if (!s.stop_class.empty()) {
+      *error_class = s.stop_class;
+      *reason = s.stop_reason;
+      return;
+    }
+    if (!s.own_class.empty()) {
+      *error_class = s.own_class;
+      *reason = s.own_reason;
+      return;
+    }
+    std::string note;
+    std::string text = s.tail;
+    while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
+    if (!text.empty()) {
+      std::vector<std::string> lines;
+      size_t start = 0;
+      while (start <= text.size()) {
+        size_t nl = text.find('\n', start);
+        if (nl == std::string::npos) nl = text.size();
+        std::string line = text.substr(start, nl - start);
+        if (line.size() > 300) line = line.substr(line.size() - 300);
+        lines.push_back(line);
+        start = nl + 1;
+      }
+      size_t first = lines.size() > 5 ? lines.size() - 5 : 0;
+      note = "; its last output: ";
+      for (size_t i = first; i < lines.size(); ++i) note += (i > first ? " | " : "") + lines[i];
+    }
+    if (WIFSIGNALED(status)) {
+      *error_class = "ModuleCrashed";
+      *reason = "the process running this session's modules was killed by " + signal_name(WTERMSIG(status)) +
+                "; a module it ran crashed (or it ran out of memory)" + note;
+    } else {
+      *error_class = "SessionEnded";
+      *reason = "the process running this session's modules exited with code " +
+                std::to_string(WIFEXITED(status) ? WEXITSTATUS(status) : -1) + note;
+    }
+  }
+
+ public:
+  // Ends a session (idempotent): its process is stopped when `stop_process`,
+  // its folder removed and its lease given back; returns once that is done,
+  // whichever thread does it.
+  void end(const std::string& id, const std::string& why, const std::string& error_class, bool stop_process) {
+    std::shared_ptr<Session> session;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      auto it = sessions_.find(id);
+      if (it == sessions_.end()) {
+        changed_.wait_for(lock, std::chrono::seconds(30), [&] { return !ending_.count(id); });
+        return;
+      }
+      session = it->second;
+      sessions_.erase(it);
+      ending_.insert(id);
+      ended_[id] = {error_class, why};
+      ended_order_.push_back(id);
+      while (ended_order_.size() > kEndedKept) {
+        ended_.erase(ended_order_.front());
+        ended_order_.pop_front();
+      }
+      if (stop_process && session->pid && !session->gone) {
+        if (session->stop_class.empty()) {
+          session->stop_class = error_class;
+          session->stop_reason = why;
+        }
+        ::kill(session->pid, SIGKILL);
+        changed_.wait_for(lock, std::chrono::seconds(10), [&] { return session->gone; });
+      }
+    }
+    session->workspace.remove_all();
+    log_line("session %.8s of %s ended: %s", session->id.c_str(), session->client.c_str(), why.c_str());
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      slot_free_.notify_all();
+    }
+    if (!session->lease_token.empty() && link_ != nullptr) {
+      LinkError error;
+      if (!link_->release(session->lease_token, &error))
+        log_line("could not return the lease to the tracker: %s", error.text.c_str());
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    ending_.erase(id);
+    changed_.notify_all();
+  }
+
+ private:
+  Frame status_of(const std::string& id) {
+    Frame reply;
+    reply.op = "ok";
+    std::unique_lock<std::mutex> lock(mutex_);
+    auto it = sessions_.find(id);
+    if (it != sessions_.end()) {
+      // A client asks when its connection broke: give a dying process a
+      // moment to be reaped so the answer says why.
+      std::shared_ptr<Session> session = it->second;
+      if (!changed_.wait_for(lock, std::chrono::seconds(3), [&] { return session->reported; })) {
+        reply.open = true;
+        return reply;
+      }
+    }
+    auto ended = ended_.find(id);
+    if (ended == ended_.end()) {
+      reply.open = sessions_.count(id) != 0;
+      reply.text = "unknown session";
+      reply.error = "SessionError";
+      return reply;
+    }
+    reply.error = ended->second.first;
+    reply.text = ended->second.second;
+    return reply;
+  }
+
+  const Options& options_;
+  DeviceInfo info_;
+  TrackerLink* link_ = nullptr;
+  std::mutex mutex_;
+  std::condition_variable slot_free_, changed_;
+  std::map<std::string, std::shared_ptr<Session>> sessions_;
+  std::map<std::string, std::pair<std::string, std::string>> ended_;
+  std::deque<std::string> ended_order_;
+  std::set<std::string> ending_;
+  bool stopping_ = false;
+};
+
+int listen_on(const std::string& host, int port, int* bound_port) {
+  bool v6 = host.find(':') != std::string::npos;
+  int fd = ::socket(v6 ? AF_INET6 : AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  sockaddr_storage addr = {};
+  socklen_t len;
+  if (v6) {
+    auto* a = reinterpret_cast<sockaddr_in6*>(&addr);
+    a->sin6_family = AF_INET6;
+    a->sin6_port = htons(static_cast<uint16_t>(port));
+    if (::inet_pton(AF_INET6, host.c_str(), &a->sin6_addr) != 1) return -1;
+    len = sizeof *a;
+  } else {
+    auto* a = reinterpret_cast<sockaddr_in*>(&addr);
+    a->sin_family = AF_INET;
+    a->sin_port = htons(static_cast<uint16_t>(port));
+    if (::inet_pton(AF_INET, host.c_str(), &a->sin_addr) != 1) return -1;
+    len = sizeof *a;
+  }
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0 || ::listen(fd, 128) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  *bound_port = ntohs(v6 ? reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port
+                         : reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+  return fd;
+}
+
+// The local address this machine would use to reach `host` (no packet is sent).
+std::string local_address_towards(const std::string& tracker) {
+  std::string host = tracker.substr(0, tracker.rfind(':'));
+  addrinfo hints = {};
+  hints.ai_socktype = SOCK_DGRAM;
+  hints.ai_family = AF_INET;
+  addrinfo* found = nullptr;
+  std::string result = "127.0.0.1";
+  if (::getaddrinfo(host.c_str(), "9", &hints, &found) == 0) {
+    int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd >= 0 && ::connect(fd, found->ai_addr, found->ai_addrlen) == 0) {
+      sockaddr_in local = {};
+      socklen_t len = sizeof local;
+      char text[INET_ADDRSTRLEN];
+      if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0 &&
+          ::inet_ntop(AF_INET, &local.sin_addr, text, sizeof text))
+        result = text;
+    }
+    if (fd >= 0) ::close(fd);
+    ::freeaddrinfo(found);
+  }
+  return result;
+}
+
+}  // namespace
+}  // namespace tether
+
+int main(int argc, char** argv) {
+  using namespace tether;
+  Options options = parse_options(argc, argv);
+  ::signal(SIGPIPE, SIG_IGN);
+  // Every thread inherits this mask, so SIGINT/SIGTERM reach sigwait below.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  ::sigprocmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  int port = 0;
+  int listener = listen_on(options.host, options.port, &port);
+  if (listener < 0) {
+    std::fprintf(stderr, "tether-server: cannot listen on %s:%d: %s\n", options.host.c_str(), options.port,
+                 std::strerror(errno));
+    return 1;
+  }
+  DeviceService service(options, collect_device_info(options.attributes));
+  service.start_expiry();
+  std::unique_ptr<TrackerLink> link;
+  if (!options.tracker.empty()) {
+    std::string advertise = options.advertise;
+    if (options.relay) {
+      advertise.clear();
+    } else if (!options.advertise_given) {
+      std::string local = options.host != "0.0.0.0" && options.host != "::" && !options.host.empty()
+                              ? options.host : local_address_towards(options.tracker);
+      advertise = local + ":" + std::to_string(port);
+    } else if (advertise.find(':') == std::string::npos) {
+      advertise += ":" + std::to_string(port);
+    }
+    link.reset(new TrackerLink(
+        options.tracker, options.key, advertise, service.info(), options.farm_secret,
+        [&service, tracker = options.tracker](int fd) {
+          service.handle(fd, "relay via " + tracker, monotonic_ms() + kHelloDeadlineMs);
+        },
+        [&service] { return service.live_tokens(); }));
+    service.attach(link.get());
+    link->start();
+  }
+
+  std::atomic<int> pending(0);
+  std::thread([&] {
+    for (;;) {
+      sockaddr_storage peer = {};
+      socklen_t len = sizeof peer;
+      int fd = ::accept4(listener, reinterpret_cast<sockaddr*>(&peer), &len, SOCK_CLOEXEC);
+      if (fd < 0) {
+        if (errno == EBADF || errno == EINVAL) return;
+        continue;
+      }
+      char text[INET6_ADDRSTRLEN] = "?";
+      int peer_port = 0;
+      if (peer.ss_family == AF_INET6) {
+        auto* a = reinterpret_cast<sockaddr_in6*>(&peer);
+        ::inet_ntop(AF_INET6, &a->sin6_addr, text, sizeof text);
+        peer_port = ntohs(a->sin6_port);
+      } else {
+        auto* a = reinterpret_cast<sockaddr_in*>(&peer);
+        ::inet_ntop(AF_INET, &a->sin_addr, text, sizeof text);
+        peer_port = ntohs(a->sin_port);
+      }
+      std::string where = std::string(text) + ":" + std::to_string(peer_port);
+      if (pending.load() >= kMaxPending) {
+        log_line("refused a connection from %s: %d connections are still opening", text, kMaxPending);
+        ::close(fd);
+        continue;
+      }
+      int one = 1;
+      ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+      ++pending;
+      std::thread([&service, &pending, fd, where] {
+        service.handle(fd, where, monotonic_ms() + kHelloDeadlineMs);
+        --pending;
+      }).detach();
+    }
+  }).detach();
+
+  std::string where = "standalone";
+  if (link) {
+    if (link->wait_registered(kRegisterWaitMs)) {
+      where = "registered with " + options.tracker + " as " + options.key;
+    } else {
+      std::string error = link->last_error();
+      where = "not yet registered with " + options.tracker + ": " + (error.empty() ? "no answer" : error) +
+              "; retrying in the background";
+    }
+  }
+  std::printf("tether device server listening on %s:%d (%s)\n", options.host.c_str(), port, where.c_str());
+  std::fflush(stdout);
+
+  int sig = 0;
+  ::sigwait(&stop_signals, &sig);
+  ::shutdown(listener, SHUT_RDWR);
+  ::close(listener);
+  if (link) link->stop();
+  service.stop_all();
+  return 0;
+}
