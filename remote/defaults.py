@@ -25,11 +25,14 @@ EMULATED_ENV = "TETHER_EMULATED"        # set by `tether emulate`: how the board
 
 # Read on the host only.
 TOKEN_ENV = "TETHER_TOKEN"              # a user's token for a tracker that requires one
-CACHE_ENV = "TETHER_CACHE"              # emulated boards' root filesystems, tuned tiles
+CACHE_ENV = "TETHER_CACHE"              # emulated boards' root filesystems, tuned tiles, native servers
 DEBIAN_MIRROR_ENV = "TETHER_DEBIAN_MIRROR"
 SSH_PASSWORD_ENV = "TETHER_SSH_PASSWORD"
 
 
 def cache_dir() -> str:
-    """``$TETHER_CACHE`` or ``~/.cache/tether``."""
-    return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "tether")
+    """``$TETHER_CACHE``, else ``$XDG_CACHE_HOME/tether``, else ``~/.cache/tether``."""
+    if os.environ.get(CACHE_ENV):
+        return os.environ[CACHE_ENV]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tether")
