@@ -25,7 +25,7 @@ EMULATED_ENV = "TETHER_EMULATED"        # set by `tether emulate`: how the board
 
 # Read on the host only.
 TOKEN_ENV = "TETHER_TOKEN"              # a user's token for a tracker that requires one
-CACHE_ENV = "TETHER_CACHE"              # emulated boards' root filesystems, tuned tiles, native servers
+CACHE_ENV = "TETHER_CACHE"              # root filesystems, tuned tiles, native servers
 DEBIAN_MIRROR_ENV = "TETHER_DEBIAN_MIRROR"
 SSH_PASSWORD_ENV = "TETHER_SSH_PASSWORD"
 
