@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from remote import errors, rpc
-from remote.cli.localfarm import Child, python_argv
-from tests import session_modules
+from remote.cli.localfarm import Child
+from tests import board_servers, session_modules
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -26,11 +26,14 @@ pytestmark = pytest.mark.skipif(session_modules.C_COMPILER is None,
 
 # Every server's workspaces and log, removed when the module's tests are done.
 _FOLDERS = []
+# The device server these tests start: each test runs against both kinds.
+_COMMAND = []
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _remove_server_folders():
-    yield
+@pytest.fixture(scope="module", autouse=True, params=board_servers.KINDS)
+def kind(request):
+    _COMMAND[:] = board_servers.command(request.param)
+    yield request.param
     while _FOLDERS:
         shutil.rmtree(_FOLDERS.pop(), ignore_errors=True)
 
@@ -40,15 +43,14 @@ def start_server(*extra):
     _FOLDERS.append(folder)
     workspaces = os.path.join(folder, "workspaces")
     os.mkdir(workspaces)
-    child = Child("server", python_argv(
-        "remote.server", "--host", "127.0.0.1", "--port", "0", "--workspace-dir", workspaces,
-        *extra), folder, ENV)
+    child = Child("server", [*_COMMAND, "--host", "127.0.0.1", "--port", "0",
+                             "--workspace-dir", workspaces, *extra], folder, ENV)
     child.workspaces = workspaces
     return child
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(kind):
     child = start_server("--max-upload-bytes", str(MAX_UPLOAD))
     yield child
     child.stop()
@@ -418,22 +420,28 @@ def test_benchmark_without_number_or_timeout_sizes_itself_from_a_first_run(serve
         assert min(res.samples) >= 0.29
 
 
-def test_device_info_names_the_board_and_its_runtime(server):
-    import grpc
+def test_device_info_names_the_board_and_its_runtime(server, kind):
     import platform
     with connect(server) as sess:
         info = sess.device_info()
     assert info["triple"].startswith(platform.machine()) and info["cores"] >= 1
-    assert info["grpcio"] == grpc.__version__ and info["numpy"] == np.__version__
-    assert info["python"] == platform.python_version() and info["memory_bytes"] > 0
+    assert info["memory_bytes"] > 0 and info["server_version"]
     assert info["emulated"] == ""  # a real machine; `tether emulate` boards say how
+    if kind == "python":
+        assert info["numpy"] == np.__version__ and info["python"] == platform.python_version()
+        assert "server" not in info["attributes"]
+    else:  # no Python on the board: the attribute lets a client ask for such boards
+        assert info["python"] == info["numpy"] == info["grpcio"] == ""
+        assert info["attributes"]["server"] == "native"
 
 
 # ------------------------------------------------------------------ errors --
-def test_remote_failure_carries_the_device_traceback(server):
+def test_remote_failure_says_what_failed_on_the_device(server, kind):
+    # The Python server adds its traceback; the native one names the system error.
+    detail = "Traceback" if kind == "python" else "Not a directory"
     with connect(server) as sess:
         sess.upload(b"file", target="plain")
-        with pytest.raises(errors.RemoteError, match="(?s)upload failed on the device.*Traceback"):
+        with pytest.raises(errors.RemoteError, match=f"(?s)upload failed on the device.*{detail}"):
             sess.upload(b"x", target="plain/inside")
         sess.ping()
 

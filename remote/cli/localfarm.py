@@ -92,12 +92,17 @@ def python_argv(module: str, *args: str) -> List[str]:
 
 
 class LocalFarm:
-    """A tracker plus one device server per key, all on 127.0.0.1."""
+    """A tracker plus one device server per key, all on 127.0.0.1.
+
+    ``server_command`` starts a device server (default: the Python one,
+    ``python -m remote.server``); the native one is its executable's path.
+    """
 
     def __init__(self, keys: Sequence[str] = ("local",), host: str = "127.0.0.1",
                  tracker_args: Sequence[str] = (), server_args: Sequence[str] = (),
-                 env=None):
+                 env=None, server_command: Optional[Sequence[str]] = None):
         self.keys = list(keys)
+        self.server_command = list(server_command or python_argv("remote.server"))
         self.host = host
         self.tracker_args = list(tracker_args)
         self.server_args = list(server_args)
@@ -133,10 +138,10 @@ class LocalFarm:
 
     def add_server(self, key: str, name: Optional[str] = None, extra: Sequence[str] = (),
                    wait: bool = True) -> Child:
-        child = Child(name or f"server-{len(self.servers)}-{key}", python_argv(
-            "remote.server", "--host", self.host, "--port", "0",
+        child = Child(name or f"server-{len(self.servers)}-{key}", [
+            *self.server_command, "--host", self.host, "--port", "0",
             "--tracker", f"{self.host}:{self.tracker_proc.port}", "--key", key,
-            *self.server_args, *extra), self.log_dir, self.env)
+            *self.server_args, *extra], self.log_dir, self.env)
         self.servers.append(child)
         self._per_key[key] = self._per_key.get(key, 0) + 1
         if wait:

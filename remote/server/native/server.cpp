@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "devinfo.hpp"
+#include "http2_refusal.hpp"
 #include "session.hpp"
 #include "tracker_link.hpp"
 #include "wire.hpp"
@@ -264,7 +265,8 @@ class DeviceService {
                                                      quote(first.op)));
       }
     } else if (status == ReadStatus::kNotFrames && conn.seen().compare(0, 4, "PRI ") == 0) {
-      log_line("a protocol v1 (gRPC) client at %s was turned away: this board speaks protocol v2", peer.c_str());
+      refuse_grpc(fd, conn.unread(), "this board speaks Tether board protocol v2 and this client protocol v1 "
+                                     "(gRPC); update Tether on this computer");
     } else if (status != ReadStatus::kClosed) {
       log_line("connection from %s dropped before a session", peer.c_str());
     }

@@ -415,9 +415,16 @@ class SessionServer {
     }
     std::string error;
     std::string target = workspace_.path(name, &error);
-    if (target.empty() || !make_parents(target)) {
+    if (target.empty()) {
       skip_transfer();
-      *failure = {"InvalidArgument", target.empty() ? error : "cannot make the folders of " + quote(name)};
+      *failure = {"InvalidArgument", error};
+      return false;
+    }
+    if (!make_parents(target)) {
+      error = std::strerror(errno);
+      skip_transfer();
+      *failure = {"RemoteError", "upload failed on the device: cannot make the folders of " + quote(name) +
+                                     ": " + error};
       return false;
     }
     // A name of its own: a file the session calls "x.part" is not touched.

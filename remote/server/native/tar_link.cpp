@@ -117,8 +117,11 @@ std::string link_module_tar(const std::string& tar_path, const std::string& name
   int64_t unpacked = 0;
   char header[kBlock];
   std::vector<char> chunk(1 << 20);
-  for (;;) {
-    if (!read_exact(fd, header, kBlock)) break;  // end of the archive
+  for (bool first = true;; first = false) {
+    if (!read_exact(fd, header, kBlock)) {  // the end of the archive, unless nothing came before
+      if (first) *error = name + " is not a readable tar archive: it is shorter than one tar header";
+      break;
+    }
     bool zero = true;
     for (char c : header) zero = zero && c == 0;
     if (zero) break;
@@ -196,7 +199,9 @@ std::string link_module_tar(const std::string& tar_path, const std::string& name
     remove_folder(folder, objects);
     return "";
   }
-  std::vector<std::string> args = {compiler, "-shared", "-o", output};
+  // No C library and no start files: this server loads modules itself and
+  // takes them only as the module ABI has them (no DT_NEEDED, no DT_INIT).
+  std::vector<std::string> args = {compiler, "-shared", "-nostdlib", "-o", output};
   args.insert(args.end(), objects.begin(), objects.end());
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(&a[0]);

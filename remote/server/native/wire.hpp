@@ -104,6 +104,10 @@ class FrameConn {
   size_t buffered() const { return end_ - start_; }
   // The first bytes of what was not a frame (to tell an HTTP/2 peer).
   const std::string& seen() const { return seen_; }
+  // Every byte received and not yet read as frames.
+  std::string unread() const {
+    return std::string(reinterpret_cast<const char*>(buffer_.data()) + start_, end_ - start_);
+  }
 
   bool send(const Frame& frame);
   bool send(const Frame& frame, const std::vector<std::pair<const void*, size_t>>& body);
