@@ -18,6 +18,7 @@ import onnx
 import pytest
 
 from remote.cli.localfarm import LocalFarm
+from tests import board_servers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -26,9 +27,10 @@ STATS = ("mean", "median", "p90", "p99", "std", "min", "max")
 HANG_S = 600.0
 
 
-@pytest.fixture(scope="module")
-def farm2():
-    with LocalFarm(keys=["host", "host"], env=ENV) as running:
+@pytest.fixture(scope="module", params=board_servers.KINDS)
+def farm2(request):
+    with LocalFarm(keys=["host", "host"], env=ENV,
+                   server_command=board_servers.command(request.param)) as running:
         yield running
 
 

@@ -429,10 +429,8 @@ def test_device_info_names_the_board_and_its_runtime(server, kind):
     assert info["emulated"] == ""  # a real machine; `tether emulate` boards say how
     if kind == "python":
         assert info["numpy"] == np.__version__ and info["python"] == platform.python_version()
-        assert "server" not in info["attributes"]
-    else:  # no Python on the board: the attribute lets a client ask for such boards
+    else:  # no Python on the board
         assert info["python"] == info["numpy"] == info["grpcio"] == ""
-        assert info["attributes"]["server"] == "native"
 
 
 # ------------------------------------------------------------------ errors --

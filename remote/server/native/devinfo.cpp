@@ -136,8 +136,6 @@ DeviceInfo collect_device_info(const StringPairs& attributes) {
       !has("cpu_part")) {
     info.attributes.emplace_back("cpu_part", part);
   }
-  // Lets a client ask for, or avoid, boards served by this program.
-  if (!has("server")) info.attributes.emplace_back("server", "native");
   return info;
 }
 
