@@ -16,6 +16,8 @@ from remote.proto import pb
 from remote.proto.frames import PROTOCOL_VERSION, FrameSocket
 from tests import session_modules
 from tests.test_tracker import HANG_S, child_env, key_status, local_farm, wait_until
+# The fixture that runs every test here with both board servers, as in test_tracker.
+from tests.test_tracker import kind  # noqa: F401
 
 pytestmark = pytest.mark.skipif(session_modules.C_COMPILER is None,
                                 reason="needs a C compiler (cc) to build test modules")
