@@ -111,6 +111,12 @@ constexpr int64_t kTagAndroidRela = 0x60000011;  // DT_ANDROID_RELA
 // larger count is a corrupt header rather than a real file.
 constexpr unsigned kMaxProgramHeaders = 256;
 
+// The largest address range a module's segments may span. Real modules
+// hold their parameters, so they are as large as the model; 2 GiB is more
+// than a board's memory, and refusing larger spans keeps a corrupt size
+// from reserving a terabyte.
+constexpr uint64_t kMaxSpanBytes = uint64_t{2} << 30;
+
 struct Import {
   const char* name;
   uintptr_t address;
@@ -158,6 +164,21 @@ bool read_at(int fd, uint64_t offset, void* out, size_t size) {
     size -= static_cast<size_t>(n);
   }
   return true;
+}
+
+// A name from the file, fit for a message: a corrupt file's bytes need not
+// be text, and the message travels in a protobuf string (UTF-8 only).
+std::string printable(const char* name) {
+  std::string out;
+  for (const char* p = name; *p; ++p) {
+    if (p - name == 80) {
+      out += "...";
+      break;
+    }
+    unsigned char c = static_cast<unsigned char>(*p);
+    out += c >= 0x20 && c < 0x7f ? std::string(1, static_cast<char>(c)) : string_printf("\\x%02x", c);
+  }
+  return out;
 }
 
 int segment_prot(uint32_t flags) {
@@ -302,6 +323,10 @@ class ElfImageBuilder {
     }
     if (loads_.empty()) return refuse("has no loadable segment");
     size_t span = high - low;
+    if (uint64_t{span} > kMaxSpanBytes) {
+      return refuse(string_printf("has loadable segments spanning %llu bytes, more than a module can",
+                                  static_cast<unsigned long long>(span)));
+    }
     // One reservation for the whole span keeps the segments at their
     // distances from each other, as the code's PC-relative addressing needs.
     size_t reserve = span + align - page;
@@ -421,7 +446,7 @@ class ElfImageBuilder {
       std::string names;
       for (uint64_t offset : needed) {
         names += names.empty() ? "" : ", ";
-        names += offset < strsz_ ? strings_ + offset : "?";
+        names += offset < strsz_ ? printable(strings_ + offset) : "?";
       }
       const char* libraries = needed.size() > 1 ? "libraries " : "library ";
       return refuse_board_link("needs the shared " + (libraries + names) +
@@ -495,15 +520,15 @@ class ElfImageBuilder {
             found = true;
           }
         }
-        if (!found) missing.push_back(name);
+        if (!found) missing.push_back(printable(name));
         continue;
       }
       values_[i] = sym.st_shndx == SHN_ABS ? sym.st_value : bias_ + sym.st_value;
       unsigned bind = ELF64_ST_BIND(sym.st_info);  // same encoding in both classes
       if (*name && (bind == STB_GLOBAL || bind == STB_WEAK) && sym.st_shndx != SHN_ABS) {
         if (!at(sym.st_value & kCodeAddressMask, 1)) {
-          return refuse(string_printf("exports %s at 0x%llx, outside its loadable segments", name,
-                                      static_cast<unsigned long long>(sym.st_value)));
+          return refuse(string_printf("exports %s at 0x%llx, outside its loadable segments",
+                                      printable(name).c_str(), static_cast<unsigned long long>(sym.st_value)));
         }
         so_->exports_.emplace_back(name, static_cast<uintptr_t>(values_[i]));
       }

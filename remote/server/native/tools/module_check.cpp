@@ -7,7 +7,8 @@
 // times (default 1) and writes output i to out/y<i>.bin. Prints "threads N"
 // and, with --profile, one "step I OP NAME SECONDS" line per step of a
 // tether_run_profiled pass. --null-inputs passes NULL for every input, to
-// see the module's error code reported. Errors go to stderr with exit code 2.
+// see the module's error code reported; --map-only stops after the ELF
+// loader, before any module code runs. Errors go to stderr with exit code 2.
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -15,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "../elf_loader.hpp"
 #include "../module.hpp"
 
 namespace {
@@ -52,11 +54,11 @@ bool write_file(const std::string& path, const std::vector<unsigned char>& data,
 
 int main(int argc, char** argv) {
   const char* usage = "usage: module_check MODULE.so [INPUT.bin ...] -o OUTPUT_PREFIX [--threads N] "
-                      "[--repeat N] [--profile] [--null-inputs]";
+                      "[--repeat N] [--profile] [--null-inputs] [--map-only]";
   std::string module_path, prefix;
   std::vector<std::string> input_paths;
   int threads = 1, repeat = 1;
-  bool profile = false, null_inputs = false;
+  bool profile = false, null_inputs = false, map_only = false;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     if ((arg == "-o" || arg == "--threads" || arg == "--repeat") && i + 1 < argc) {
@@ -68,6 +70,8 @@ int main(int argc, char** argv) {
       profile = true;
     } else if (arg == "--null-inputs") {
       null_inputs = true;
+    } else if (arg == "--map-only") {
+      map_only = true;
     } else if (!arg.empty() && arg[0] == '-') {
       return fail(usage);
     } else if (module_path.empty()) {
@@ -76,9 +80,15 @@ int main(int argc, char** argv) {
       input_paths.push_back(arg);
     }
   }
-  if (module_path.empty() || prefix.empty() || repeat < 1) return fail(usage);
+  if (module_path.empty() || (prefix.empty() && !map_only) || repeat < 1) return fail(usage);
 
   std::string error;
+  if (map_only) {
+    std::unique_ptr<tether::SharedObject> object = tether::SharedObject::load(module_path, &error);
+    if (!object) return fail(error);
+    printf("mapped %s\n", module_path.c_str());
+    return 0;
+  }
   std::unique_ptr<tether::Module> module = tether::Module::load(module_path, threads, &error);
   if (!module) return fail(error);
   if (input_paths.size() != module->inputs().size()) {
