@@ -1,8 +1,9 @@
 """Compile time and one-thread latency of ours and onnxruntime side by side
 for the modern model families the tests build (tests/transformer_models.py,
 tests/segmentation_models.py, tests/audio_models.py): a ViT block, a
-ConvNeXt block, BERT-style encoders (16 and 128 tokens, scores by MatMul
-and by Einsum), a U-Net, an LSTM keyword spotter and a CTC speech model.
+ConvNeXt block, a pair of Swin blocks (windows, then shifted windows),
+BERT-style encoders (16 and 128 tokens, scores by MatMul and by Einsum),
+a U-Net, an LSTM keyword spotter and a CTC speech model.
 
     python benchmarks/bench_modern.py [model ...] [--repeat N]
 
@@ -26,12 +27,13 @@ from benchmarks.bench_models import interleaved_medians, ort_session  # noqa: E4
 from tests.audio_models import kws_lstm, speech_ctc  # noqa: E402
 from tests.onnx_models import sample_input  # noqa: E402
 from tests.segmentation_models import unet  # noqa: E402
-from tests.transformer_models import bert_encoder, bert_feeds, convnext_block, vit_block  # noqa: E402
+from tests.transformer_models import bert_encoder, bert_feeds, convnext_block, swin_block, vit_block  # noqa: E402
 
 # name -> (model builder, inputs for the model)
 MODELS = {
     "vit_block": (lambda: vit_block(opset=17), sample_input),
     "convnext_block": (lambda: convnext_block(opset=17), sample_input),
+    "swin_block": (lambda: swin_block(opset=17), sample_input),
     "bert16": (bert_encoder, bert_feeds),
     "bert16_einsum": (lambda: bert_encoder(einsum=True), bert_feeds),
     "bert128": (lambda: bert_encoder(tokens=128, width=64), bert_feeds),

@@ -58,6 +58,9 @@ class Conv(Op):
         return [(x[0], w[0], *out)]
 
     def scratch_bytes(self, inputs, outputs, attrs):
+        if attrs.get("padded_planes"):
+            hq, wq = attrs["padded_planes"]
+            return 4 * inputs[0].shape[1] * hq * wq
         if "packed_mr" not in attrs:
             return 0
         x, w = inputs[0].shape, attrs["weight_shape"]
@@ -93,7 +96,11 @@ class Conv(Op):
                 volume_in, volume_out = _prod(geometry[0]), _prod(geometry[-1])
                 x = k.builder.gep(k.inputs[0], [k.index((image, c_n * volume_in))])
                 y = k.builder.gep(k.outputs[0], [k.index((image, c_n * volume_out))])
-                emit_depthwise(k, lanes, c_n, geometry, x, y, k.inputs[2] if len(inputs) == 3 else None, epilogue)
+                bias = k.inputs[2] if len(inputs) == 3 else None
+                if attrs.get("padded_planes"):
+                    emit_depthwise_padded(k, lanes, c_n, geometry, attrs["padded_planes"], x, y, bias, epilogue)
+                else:
+                    emit_depthwise(k, lanes, c_n, geometry, x, y, bias, epilogue)
             k.activated = epilogue or not k.epilogue
             return
         x, w = inputs[0].shape, inputs[1].shape
@@ -565,3 +572,112 @@ def emit_depthwise(k: Kernel, lanes: int, channels: int, geometry, X: ir.Value, 
                     if vector_epilogue:
                         acc = k.activate(acc)
                     k.store(acc, Y, b.add(out_row, ow))
+
+
+def depthwise_pieces(count: int, lanes: int) -> list:
+    """(first, width, stored) vectors covering output columns [0, count):
+    whole vectors of `lanes`, then halves down to 4, then one vector of 4
+    (or `lanes` if fewer) of which only the first `stored` lanes are kept.
+
+    >>> depthwise_pieces(14, 8)
+    [(0, 8, 8), (8, 4, 4), (12, 4, 2)]
+    """
+    pieces, at, width = [], 0, lanes
+    while width >= min(4, lanes):
+        while count - at >= width:
+            pieces.append((at, width, width))
+            at += width
+        width //= 2
+    if at < count:
+        pieces.append((at, min(4, lanes), count - at))
+    return pieces
+
+
+def depthwise_planes(geometry, lanes: int) -> "tuple | None":
+    """(rows, columns) of the zero-padded copy of one channel a depthwise
+    convolution reads with emit_depthwise_padded, or None where
+    emit_depthwise reads the input in place at no more cost: there every
+    column whose window crosses the left or right padding takes a scalar
+    path testing each tap, which for a 7x7 kernel on 14 columns is 6 of
+    them, for a 3x3 kernel on 7 columns 3. The copy (a plane's worth of
+    loads and stores) pays once more than one column in 16 is such.
+
+    >>> from crosscompile.window import _resolve_window, _window_attributes
+    >>> attrs = _window_attributes({"pads": (3, 3, 3, 3)})
+    >>> depthwise_planes(_resolve_window((1, 32, 14, 14), (7, 7), attrs), 8)
+    (20, 22)
+    """
+    (_, h, wd), (_, kh_n, kw_n), (_, sh, sw), (_, dh, dw), (_, ph, pw), _, (_, oh_n, ow_n) = geometry
+    if sw > 2 or kw_n * kh_n == 1:
+        return None
+    lo = max(-(-(pw - kw * dw) // sw) if pw > kw * dw else 0 for kw in range(kw_n))
+    hi = max(lo, min(min((wd - 1 - kw * dw + pw) // sw + 1 for kw in range(kw_n)), ow_n))
+    _, vec_end = row_pieces(lo, hi, lanes, sw)
+    if 16 * (lo + ow_n - vec_end) <= ow_n:
+        return None
+    first, width, _ = depthwise_pieces(ow_n, lanes)[-1]
+    return (oh_n - 1) * sh + (kh_n - 1) * dh + 1, (first + width) * sw + (kw_n - 1) * dw
+
+
+def emit_depthwise_padded(k: Kernel, lanes: int, channels: int, geometry, planes: tuple, X: ir.Value,
+                          Y: ir.Value, bias: "ir.Value | None", vector_epilogue: bool) -> None:
+    """Depthwise convolution over a zero-padded copy of each channel (in
+    scratch, planes = (rows, columns) of it, see depthwise_planes): every
+    output row is whole vectors of columns accumulating all kh x kw taps
+    (depthwise_pieces; the last vector's extra lanes are not stored), with
+    no padding tests left. Channels are split between threads, each
+    copying the channels it computes."""
+    (_, h, wd), (_, kh_n, kw_n), (_, sh, sw), (_, dh, dw), (_, ph, pw), _, (_, oh_n, ow_n) = geometry
+    hq, wq = planes
+    b = k.builder
+    W = k.inputs[1]
+    i32 = ir.IntType(32)
+    c_lo, c_hi = k.part(channels)
+    with k.loop(c_hi, start=c_lo) as c:
+        buf = k.index((c, hq * wq))
+        src_plane = k.index((c, h * wd))
+        lo, hi = pw, min(pw + wd, wq)
+        with k.loop(hq) as y:
+            iy = b.sub(y, k.i64(ph))
+            inside = k.in_range(iy, h)
+            line = b.select(inside, k.index((src_plane, 1), (iy, wd), (-pw, 1)), src_plane)
+            dst = k.index((buf, 1), (y, wq))
+            for first, last, copy in ((0, lo, False), (lo, hi, True), (hi, wq, False)):
+                if first >= last:
+                    continue
+                with k.loop(last, start=first) as x:
+                    if copy:
+                        value = b.select(inside, k.load(X, b.select(inside, b.add(line, x), src_plane)), k.f32(0.0))
+                    else:
+                        value = k.f32(0.0)
+                    k.store(value, k.scratch, b.add(dst, x))
+        taps = [[k.load(W, k.index((c, kh_n * kw_n), (kh * kw_n + kw, 1))) for kw in range(kw_n)]
+                for kh in range(kh_n)]
+        start = k.load(bias, c) if bias is not None else k.f32(0.0)
+        with k.loop(oh_n) as oh:
+            rows = [k.index((buf, 1), (oh, sh * wq), (kh * dh * wq, 1)) for kh in range(kh_n)]
+            out_row = k.index((c, oh_n * ow_n), (oh, ow_n))
+            pieces = depthwise_pieces(ow_n, lanes)
+            for at in range(0, len(pieces), DEPTHWISE_CHAINS):
+                # A few vectors of the row at once, tap by tap: independent
+                # chains of FMAs, where one vector's 49 taps of a 7x7 kernel
+                # would each wait for the one before.
+                group = pieces[at:at + DEPTHWISE_CHAINS]
+                accs = [splat(k, start, width) for _, width, _ in group]
+                for line, row_taps in zip(rows, taps):
+                    for kw, weight in enumerate(row_taps):
+                        for i, (first, width, _) in enumerate(group):
+                            x = load_strided(k, k.scratch, b.add(line, k.i64(first * sw + kw * dw)), width, sw,
+                                             spare=sw - 1)
+                            accs[i] = _fmuladd(k, x, splat(k, weight, width), accs[i])
+                for acc, (first, width, stored) in zip(accs, group):
+                    if vector_epilogue:
+                        with k.vector_constants(width):
+                            acc = k.activate(acc)
+                    if stored < width:
+                        acc = b.shuffle_vector(acc, acc, ir.Constant(ir.VectorType(i32, stored), list(range(stored))))
+                    b.store(acc, _vector_ptr(k, Y, b.add(out_row, k.i64(first)), stored), align=4)
+
+
+# Vectors of an output row a depthwise convolution accumulates at once.
+DEPTHWISE_CHAINS = 4

@@ -84,14 +84,32 @@ def pack_weights(weight: np.ndarray, mr: int) -> np.ndarray:
     return np.ascontiguousarray(padded.reshape(blocks, mr, -1).transpose(0, 2, 1))
 
 
+def pack_columns(weight: np.ndarray, nr: int) -> np.ndarray:
+    """[K, N] -> the column-panel layout emit_gemm reads with b_panels (see
+    panel_offset): each full panel of nr columns as a [K][nr] block, then
+    the last N % nr columns as a [K][N % nr] block.
+
+    >>> pack_columns(np.arange(6, dtype=np.float32).reshape(2, 3), 2).tolist()
+    [0.0, 1.0, 3.0, 4.0, 2.0, 5.0]
+    """
+    kdim, n = weight.shape
+    full = n // nr * nr
+    panels = weight[:, :full].reshape(kdim, n // nr, nr).transpose(1, 0, 2).reshape(-1)
+    return np.ascontiguousarray(np.concatenate([panels, weight[:, full:].reshape(-1)]), np.float32)
+
+
 def emit_gemm(k: Kernel, tile: GemmTile, m: int, kdim: int, n: int,
               a_packed: ir.Value, b_ptr: ir.Value, b_base, ldb: int,
               c_ptr: ir.Value, c_base, bias: "ir.Value | None", vector_epilogue: bool,
               residual: "ir.Value | None" = None, residual_at: int = 0,
-              b_panels: bool = False, pack=None, b_offsets: "ir.Value | None" = None) -> None:
+              b_panels: bool = False, pack=None, b_offsets: "ir.Value | None" = None,
+              lda: "int | None" = None, bias_columns: bool = False) -> None:
     """C[c_base + i * n + j] = epilogue(bias[i] + sum_p A[i, p] * B[b_base + p * ldb + j]).
 
-    a_packed is laid out by pack_weights(A, tile.mr). With vector_epilogue
+    a_packed is laid out by pack_weights(A, tile.mr), or with lda given it
+    is A itself, row-major with rows lda apart (each value is broadcast on
+    its own then, as x86 does from memory anyway). With bias_columns the
+    bias is per column (bias[j], a Linear layer's) rather than per row. With vector_epilogue
     the kernel's fused element-wise ops are applied in registers; a residual
     (laid out like C) is added after the first residual_at of them.
 
@@ -125,7 +143,7 @@ def emit_gemm(k: Kernel, tile: GemmTile, m: int, kdim: int, n: int,
     if pack is None:
         _emit_panels(k, tile, kdim, n, col_blocks, row_blocks, col_lo, col_hi, row_lo, row_hi,
                      a_packed, b_ptr, b_base, ldb, c_ptr, c_base, bias, vector_epilogue,
-                     residual, residual_at, b_panels, b_offsets)
+                     residual, residual_at, b_panels, b_offsets, lda, bias_columns)
         return
     if not split_columns:
         raise ValueError("pack needs the columns split between threads")
@@ -161,7 +179,7 @@ def splits_columns(tile: GemmTile, m: int, n: int) -> bool:
 
 def _emit_panels(k, tile, kdim, n, col_blocks, row_blocks, col_lo, col_hi, row_lo, row_hi,
                  a_packed, b_ptr, b_base, ldb, c_ptr, c_base, bias, vector_epilogue,
-                 residual, residual_at, b_panels, b_offsets=None) -> None:
+                 residual, residual_at, b_panels, b_offsets=None, lda=None, bias_columns=False) -> None:
     """Every register tile of column panels [col_lo, col_hi) and row blocks [row_lo, row_hi)."""
     b = k.builder
     for n_count, n_first, widths in col_blocks:
@@ -180,20 +198,25 @@ def _emit_panels(k, tile, kdim, n, col_blocks, row_blocks, col_lo, col_hi, row_l
             for m_count, m_first, rows in row_blocks:
                 if not m_count:
                     continue
-                fn = _tile_function(k, tile, rows, widths, bias is not None, vector_epilogue,
-                                    residual_at if residual is not None else None, b_offsets is not None)
+                bias_kind = ("columns" if bias_columns else "rows") if bias is not None else None
+                fn = _tile_function(k, tile, rows, widths, bias_kind, vector_epilogue,
+                                    residual_at if residual is not None else None, b_offsets is not None,
+                                    lda is not None)
                 m_lo = k.smax(row_lo, k.i64(m_first))
                 m_hi = k.smin(row_hi, k.i64(m_first + m_count))
                 with k.loop(m_hi, start=m_lo) as block:
                     row0 = b.mul(block, k.i64(tile.mr))
-                    a = b.gep(a_packed, [b.mul(block, k.i64(kdim * tile.mr))])
+                    a_step = kdim * tile.mr if lda is None else lda * tile.mr
+                    a = b.gep(a_packed, [b.mul(block, k.i64(a_step))])
                     c_offset = b.add(c_base, b.add(b.mul(row0, k.i64(n)), col0))
                     c = b.gep(c_ptr, [c_offset])
                     null = ir.Constant(F32.as_pointer(), None)
-                    bias_row = b.gep(bias, [row0]) if bias is not None else null
+                    bias_at = col0 if bias_columns else row0
+                    bias_row = b.gep(bias, [bias_at]) if bias is not None else null
                     res = b.gep(residual, [c_offset]) if residual is not None else null
                     offsets = b_offsets if b_offsets is not None else ir.Constant(I32.as_pointer(), None)
-                    b.call(fn, [a, b_col, c, bias_row, res, k.i64(kdim), b_ld, k.i64(n), offsets])
+                    extra = [k.i64(lda)] if lda is not None else []
+                    b.call(fn, [a, b_col, c, bias_row, res, k.i64(kdim), b_ld, k.i64(n), offsets] + extra)
 
 
 def panel_offset(k: Kernel, tile: GemmTile, kdim: int, n: int, row: ir.Value, panel: ir.Value) -> ir.Value:
@@ -215,22 +238,26 @@ def _split(count: int, lanes: int) -> list[int]:
     return widths + ([count % lanes] if count % lanes else [])
 
 
-def _tile_function(k: Kernel, tile: GemmTile, rows: int, widths: tuple, has_bias: bool,
-                   vector_epilogue: bool, residual_at: "int | None", row_table: bool = False) -> ir.Function:
+def _tile_function(k: Kernel, tile: GemmTile, rows: int, widths: tuple, bias_kind: "str | None",
+                   vector_epilogue: bool, residual_at: "int | None", row_table: bool = False,
+                   rows_apart: bool = False) -> ir.Function:
     """The micro-kernel for one register-tile shape, as a function shared by
     every convolution of the module with that shape and epilogue:
-    void(a, b, c, bias, residual, kdim, ldb, ldc, b_offsets). Sharing keeps code size and compile
+    void(a, b, c, bias, residual, kdim, ldb, ldc, b_offsets[, lda]). Sharing keeps code size and compile
     time independent of the number of distinct layers. With row_table, row p
-    of B starts at b_offsets[p] rather than p * ldb."""
-    key = (tile.mr, rows, widths, has_bias, k.epilogue_key if vector_epilogue else None, residual_at,
-           row_table)
+    of B starts at b_offsets[p] rather than p * ldb. bias_kind is None,
+    "rows" (bias[r] added to row r) or "columns" (bias[j] to column j).
+    With rows_apart, A is read in place, row r at a + r * lda, instead of
+    packed."""
+    key = (tile.mr, rows, widths, bias_kind, k.epilogue_key if vector_epilogue else None, residual_at,
+           row_table, rows_apart)
     i64 = ir.IntType(64)
     t = _new_tile_kernel(k, key, f"tile{{}}_{rows}x{sum(widths)}", vector_epilogue, residual_at,
-                         (i64, i64, i64, I32.as_pointer()))
+                         (i64, i64, i64, I32.as_pointer()) + ((i64,) if rows_apart else ()))
     if not isinstance(t, Kernel):
         return t
     a_ptr, b_ptr, c_ptr, bias, res_ptr = t.inputs
-    kdim, ldb, ldc, b_offsets = t.extra
+    kdim, ldb, ldc, b_offsets = t.extra[:4]
     b = t.builder
     offsets = [sum(widths[:v]) for v in range(len(widths))]
     if residual_at is not None:
@@ -242,21 +269,30 @@ def _tile_function(k: Kernel, tile: GemmTile, rows: int, widths: tuple, has_bias
     accs = [[t.variable(ir.Constant(ir.VectorType(F32, w), [0.0] * w)) for w in widths]
             for _ in range(rows)]
 
+    if rows_apart:
+        a_rows = [b.gep(a_ptr, [b.mul(t.i64(r), t.extra[4])]) for r in range(rows)]
+
     def step(p):
         brow = b.sext(t.load(b_offsets, p), i64) if row_table else b.mul(p, ldb)
         bvecs = [b.load(_vector_ptr(t, b_ptr, b.add(brow, t.i64(off)), w), align=4)
                  for off, w in zip(offsets, widths)]
-        a = broadcast_sources(t, a_ptr, b.mul(p, t.i64(tile.mr)), rows)
+        if rows_apart:
+            def a(r, w):
+                return splat(t, t.load(a_rows[r], p), w)
+        else:
+            a = broadcast_sources(t, a_ptr, b.mul(p, t.i64(tile.mr)), rows)
         for r in range(rows):
             for v, w in enumerate(widths):
                 b.store(_fmuladd(t, a(r, w), bvecs[v], b.load(accs[r][v])), accs[r][v])
     _reduction_loop(t, kdim, step)
     for r in range(rows):
-        start = t.load(bias, t.i64(r)) if has_bias else None
+        start = t.load(bias, t.i64(r)) if bias_kind == "rows" else None
         for v, w in enumerate(widths):
             value = b.load(accs[r][v])
             if start is not None:
                 value = b.fadd(value, splat(t, start, w))
+            elif bias_kind == "columns":
+                value = b.fadd(value, b.load(_vector_ptr(t, bias, t.i64(offsets[v]), w), align=4))
             out = b.add(b.mul(t.i64(r), ldc), t.i64(offsets[v]))
             with t.vector_constants(w):
                 for pos, fn in enumerate(t.epilogue):

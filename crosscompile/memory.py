@@ -138,7 +138,7 @@ def _slice_concats(graph: Graph, views: _Views, sliced: list) -> set:
 
 
 def _overwrite_residuals(graph: Graph, views: _Views, in_concat: set) -> None:
-    """A Conv adding a residual that nothing reads afterwards writes its
+    """A Conv (or MatMul) adding a residual that nothing reads afterwards writes its
     output over the residual (each element is read just before the same
     element is written): one tensor's worth less memory traffic."""
     last_read: dict[str, int] = {}
@@ -146,7 +146,7 @@ def _overwrite_residuals(graph: Graph, views: _Views, in_concat: set) -> None:
         for name in node.inputs:
             last_read[views.root(name)] = pos
     for pos, node in enumerate(graph.nodes):
-        if node.op_type != "Conv" or node.attrs.get("residual_at") is None:
+        if node.op_type not in ("Conv", "MatMul") or node.attrs.get("residual_at") is None:
             continue
         src, out = views.root(node.inputs[-1]), node.outputs[0]
         if (views.fixed(src) or src in in_concat or out in in_concat

@@ -17,14 +17,33 @@ from .emit import I64, Kernel
 from .errors import BuildError, ShapeError
 from .elementwise import safe_log
 from .gemm import emit_dot_rows
-from .matmul import strided_matmul
+from .matmul import lower_tiled, packed_rows_floats, strided_matmul, tiled_geometry
 from .op_base import (REGISTERED, AliasOp, Op, _axis, _broadcast_strides, _c_strides, _check_choice, _const_float,
                       _const_ints, _ints, _prod)
 from .reduce import broadcast_scalar, reduce_row
 from .vectors import horizontal_reduce, load_strided
 
 
-class Gemm(Op):
+class TiledProduct(Op):
+    """What MatMul and Gemm share once schedule.assign_tiles has given them
+    a register tile (attrs["matmul_tile"]): they run on the GEMM
+    micro-kernel (matmul.lower_tiled), split between threads."""
+
+    def scratch_bytes(self, inputs, outputs, attrs):
+        tile = attrs.get("matmul_tile")
+        if tile is None:
+            return 0
+        b_shape = attrs.get("weight_shape") or inputs[1].shape
+        m, kdim, _, a_strides, _ = tiled_geometry(self.op_type, inputs[0].shape, b_shape, attrs)
+        if attrs.get("pack_rows") or a_strides[1] != 1:
+            return 4 * packed_rows_floats(m, kdim, tile)
+        return 0
+
+    def parallel(self, attrs):
+        return "matmul_tile" in attrs
+
+
+class Gemm(TiledProduct):
     op_type = "Gemm"
 
     def attributes(self, raw, constants, opset):
@@ -45,6 +64,9 @@ class Gemm(Op):
         return [(m, n)]
 
     def lower(self, k, inputs, outputs, attrs):
+        if "matmul_tile" in attrs:
+            lower_tiled(k, self.op_type, inputs, attrs)
+            return
         # Strides are (along M, along K) for A and (along K, along N) for B.
         (a_rows, a_cols), (_, b_cols) = inputs[0].shape, inputs[1].shape
         a_strides = (1, a_cols) if attrs["transA"] else (a_cols, 1)
@@ -72,7 +94,7 @@ class Gemm(Op):
                 k.store(k.activate(value), out, o)
 
 
-class MatMul(Op):
+class MatMul(TiledProduct):
     """numpy matmul: 1-D operands are promoted and the added axis dropped;
     batch dimensions broadcast."""
 
@@ -97,6 +119,9 @@ class MatMul(Op):
         return [self._geometry(*inputs)[3]]
 
     def lower(self, k, inputs, outputs, attrs):
+        if "matmul_tile" in attrs:
+            lower_tiled(k, self.op_type, inputs, attrs)
+            return
         a2, b2, batch, _ = self._geometry(inputs[0].shape, inputs[1].shape)
         m, kdim, n = a2[-2], a2[-1], b2[-1]
         if not batch:

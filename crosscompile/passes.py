@@ -88,14 +88,17 @@ def fold_batchnorm(graph: Graph) -> Graph:
     return eliminate_dead_code(replace(graph, nodes=nodes, constants=constants, tensors=tensors))
 
 
-def fold_channel_affine(graph: Graph) -> Graph:
-    """Fold a Mul or Add by a per-channel constant (shape (M, 1, 1), (1, M, 1, 1),
-    scalar, ...) into the Conv that feeds it: Mul scales W and B, Add shifts B.
-    Exporters write BatchNorm this way (e.g. Inception v2)."""
+def _fold_affine(graph: Graph, op_type: str, fold) -> Graph:
+    """The walk fold_channel_affine and fuse_matmul_affine share: for each
+    Mul or Add of one runtime and one constant input whose runtime input is
+    the output of an op_type node that nothing else reads, fold(node,
+    producer, constant name, constants, tensors) returns the producer's new
+    form computing the Mul's or Add's output (adding what constants it
+    needs to the two dicts), or None to leave it."""
     producer = {out: node for node in graph.nodes for out in node.outputs}
     uses = _consumers(graph)
     constants, tensors = dict(graph.constants), dict(graph.tensors)
-    current: dict[str, Node] = {}  # conv name -> its latest folded form
+    current: dict[str, Node] = {}  # producer name -> its latest folded form
     dropped = set()
     for node in graph.nodes:
         if node.op_type not in ("Mul", "Add") or len(node.inputs) != 2:
@@ -104,20 +107,41 @@ def fold_channel_affine(graph: Graph) -> Graph:
         if len(data) != 1:
             continue
         (const_name,) = [t for t in node.inputs if t in constants]
-        conv = producer.get(data[0])
-        conv = current.get(conv.name, conv) if conv is not None else None
-        if (conv is None or conv.op_type != "Conv" or uses[data[0]] != 1
-                or data[0] != conv.outputs[0] or conv.attrs.get("epilogue")
-                or not all(t in constants for t in conv.inputs[1:])):
+        source = producer.get(data[0])
+        source = current.get(source.name, source) if source is not None else None
+        if source is None or source.op_type != op_type or uses[data[0]] != 1 or data[0] != source.outputs[0]:
             continue
+        folded = fold(node, source, const_name, constants, tensors)
+        if folded is None:
+            continue
+        current[source.name] = producer[node.outputs[0]] = folded
+        dropped.add(node.name)
+    if not current:
+        return graph
+    nodes = [current.get(n.name, n) for n in graph.nodes if n.name not in dropped]
+    return eliminate_dead_code(replace(graph, nodes=nodes, constants=constants, tensors=tensors))
+
+
+def _add_constant(constants: dict, tensors: dict, name: str, array: np.ndarray) -> None:
+    constants[name] = array
+    tensors[name] = Tensor(name, array.shape, "float32")
+
+
+def fold_channel_affine(graph: Graph) -> Graph:
+    """Fold a Mul or Add by a per-channel constant (shape (M, 1, 1), (1, M, 1, 1),
+    scalar, ...) into the Conv that feeds it: Mul scales W and B, Add shifts B.
+    Exporters write BatchNorm this way (e.g. Inception v2)."""
+    def fold(node, conv, const_name, constants, tensors):
+        if conv.attrs.get("epilogue") or not all(t in constants for t in conv.inputs[1:]):
+            return None
         out_shape = tensors[conv.outputs[0]].shape
         value = constants[const_name]
         if value.ndim > len(out_shape) or value.dtype != np.float32:
-            continue
+            return None
         padded = value.reshape((1,) * (len(out_shape) - value.ndim) + value.shape)
         m = out_shape[1]
         if any(d != 1 for i, d in enumerate(padded.shape) if i != 1) or padded.shape[1] not in (1, m):
-            continue
+            return None
         per_channel = np.broadcast_to(padded.reshape(-1), (m,)).astype(np.float64)
         weight = constants[conv.inputs[1]]
         bias = constants[conv.inputs[2]].astype(np.float64) if len(conv.inputs) == 3 else np.zeros(m)
@@ -127,17 +151,10 @@ def fold_channel_affine(graph: Graph) -> Graph:
         else:
             bias = bias + per_channel
         w_name, b_name = f"{node.name}/folded_weight", f"{node.name}/folded_bias"
-        for name, array in ((w_name, weight.astype(np.float32)), (b_name, bias.astype(np.float32))):
-            constants[name] = array
-            tensors[name] = Tensor(name, array.shape, "float32")
-        current[conv.name] = Node("Conv", conv.name, [conv.inputs[0], w_name, b_name],
-                                  list(node.outputs), dict(conv.attrs))
-        producer[node.outputs[0]] = current[conv.name]
-        dropped.add(node.name)
-    if not current:
-        return graph
-    nodes = [current.get(n.name, n) for n in graph.nodes if n.name not in dropped]
-    return eliminate_dead_code(replace(graph, nodes=nodes, constants=constants, tensors=tensors))
+        _add_constant(constants, tensors, w_name, weight.astype(np.float32))
+        _add_constant(constants, tensors, b_name, bias.astype(np.float32))
+        return Node("Conv", conv.name, [conv.inputs[0], w_name, b_name], list(node.outputs), dict(conv.attrs))
+    return _fold_affine(graph, "Conv", fold)
 
 
 def fuse_elementwise(graph: Graph) -> Graph:
@@ -213,6 +230,97 @@ def runs_as_gemm(graph: Graph, node: Node) -> bool:
             and graph.tensors[node.inputs[1]].shape[0] // node.attrs.get("group", 1) >= MIN_GEMM_ROWS)
 
 
+def runs_as_tiled_product(graph: Graph, node: Node) -> bool:
+    """Whether a MatMul or Gemm runs on the GEMM micro-kernel
+    (matmul.lower_tiled): a MatMul whose right-hand side is a matrix or a
+    batch of them (constant or not), a Gemm with constant B and a C that is
+    one row or a scalar (it becomes a bias per column) - except one row
+    times transposed weights, the fully connected layer of a classifier,
+    which the matrix-vector kernel gemm.emit_dot_rows streams."""
+    shapes = [graph.tensors[t].shape for t in node.inputs]
+    if node.op_type == "MatMul":
+        return len(shapes[1]) >= 2
+    if node.op_type != "Gemm" or node.inputs[1] not in graph.constants:
+        return False
+    attrs = node.attrs
+    m = shapes[0][1] if attrs["transA"] else shapes[0][0]
+    n = shapes[1][0] if attrs["transB"] else shapes[1][1]
+    if attrs["transB"] and not attrs["transA"] and m == 1:
+        return False
+    if len(node.inputs) < 3 or attrs["beta"] == 0.0:
+        return True
+    c = tuple(shapes[2])
+    return node.inputs[2] in graph.constants and (len(c) < 2 or c[0] == 1) and c[-1:] in ((), (1,), (n,))
+
+
+def fuse_matmul_affine(graph: Graph) -> Graph:
+    """Fold an Add of a constant row (a Linear layer's bias) and a Mul by
+    one (a layer scale, scaling each output column) into the MatMul with
+    constant weights that feeds it, when nothing else reads the product:
+    Add becomes the MatMul's bias per column (attrs["bias"], input 2), Mul
+    scales the weights' columns and the bias. The Gelu or other activation
+    that follows then fuses into the MatMul too (fuse_elementwise)."""
+    def fold(node, matmul, const_name, constants, tensors):
+        weight = constants.get(matmul.inputs[1])
+        if weight is None or weight.ndim != 2 or weight.dtype != np.float32:
+            return None
+        n = weight.shape[1]
+        value = constants[const_name]
+        if (value.dtype != np.float32 or value.ndim > len(tensors[matmul.outputs[0]].shape)
+                or any(d != 1 for d in value.shape[:-1]) or value.shape[-1:] not in ((), (1,), (n,))):
+            return None
+        row = np.broadcast_to(value.reshape(-1), (n,)).astype(np.float64)
+        has_bias = matmul.attrs.get("bias", False)
+        bias = constants[matmul.inputs[2]].astype(np.float64) if has_bias else np.zeros(n)
+        inputs = list(matmul.inputs[:2])
+        if node.op_type == "Mul":
+            inputs[1] = f"{node.name}/scaled_weight"
+            _add_constant(constants, tensors, inputs[1], (weight * row).astype(np.float32))
+            bias = bias * row
+        else:
+            bias, has_bias = bias + row, True
+        if has_bias:
+            inputs.append(f"{node.name}/bias")
+            _add_constant(constants, tensors, inputs[2], bias.astype(np.float32))
+        return Node("MatMul", matmul.name, inputs, list(node.outputs), dict(matmul.attrs, bias=has_bias))
+    return _fold_affine(graph, "MatMul", fold)
+
+
+def pack_matmul_weights(graph: Graph) -> Graph:
+    """Store the constant weights of each MatMul and Gemm that has a
+    register tile (attrs["matmul_tile"], written by schedule.assign_tiles)
+    as gemm.pack_columns(W, tile.nr), the panels the micro-kernel reads,
+    and mark it attrs["packed_weights"] with attrs["weight_shape"] = (K, N).
+    A Gemm's transB and alpha go into the packed weights and beta * C
+    becomes its bias per column (attrs["bias"])."""
+    from .gemm import pack_columns
+    constants, tensors = dict(graph.constants), dict(graph.tensors)
+    nodes = []
+    for node in graph.nodes:
+        tile = node.attrs.get("matmul_tile")
+        weight = constants.get(node.inputs[1]) if tile is not None else None
+        if weight is None or weight.ndim != 2:
+            nodes.append(node)
+            continue
+        attrs = dict(node.attrs, packed_weights=True)
+        extra = list(node.inputs[2:])
+        if node.op_type == "Gemm":
+            weight = (weight.T if node.attrs["transB"] else weight) * np.float32(node.attrs["alpha"])
+            extra = []
+            if len(node.inputs) == 3 and node.attrs["beta"] != 0.0:
+                bias = np.broadcast_to(constants[node.inputs[2]].reshape(-1), (weight.shape[1],))
+                extra = [f"{node.name}/bias"]
+                _add_constant(constants, tensors, extra[0], (bias * np.float32(node.attrs["beta"])).astype(np.float32))
+            attrs["bias"] = bool(extra)
+        # A Gemm's packed weights carry its transB and alpha: its own.
+        name = f"{node.name if node.op_type == 'Gemm' else node.inputs[1]}/panels{tile.nr}"
+        if name not in constants:
+            _add_constant(constants, tensors, name, pack_columns(np.asarray(weight, np.float32), tile.nr))
+        attrs["weight_shape"] = tuple(weight.shape)
+        nodes.append(Node(node.op_type, node.name, [node.inputs[0], name, *extra], list(node.outputs), attrs))
+    return eliminate_dead_code(replace(graph, nodes=nodes, constants=constants, tensors=tensors))
+
+
 def pack_conv_weights(graph: Graph) -> Graph:
     """Store the constant weight of each Conv that has a register tile
     (attrs["gemm_tile"], written by schedule.assign_tiles) as
@@ -251,8 +359,8 @@ def pack_conv_weights(graph: Graph) -> Graph:
 
 
 def fuse_residual_add(graph: Graph) -> Graph:
-    """Fold `Add(conv, r)` (or a two-input Sum) into a GEMM Conv that only
-    the Add reads: the Conv gains r as its last input and adds it in its
+    """Fold `Add(conv, r)` (or a two-input Sum) into a GEMM Conv (or a
+    MatMul that runs on the micro-kernel) that only the Add reads: the Conv gains r as its last input and adds it in its
     epilogue (attrs["residual_at"]: after that many of its own fused ops,
     followed by the Add's), saving a pass over both tensors. The fused node
     takes the Add's place, where r is already computed. Only when every
@@ -275,14 +383,15 @@ def fuse_residual_add(graph: Graph) -> Graph:
         for pos, name in enumerate(node.inputs):
             conv = producer.get(name)
             other = node.inputs[1 - pos]
-            if (conv is None or not runs_as_gemm(graph, conv)
+            if (conv is None or not (runs_as_gemm(graph, conv) or (
+                    conv.op_type == "MatMul" and runs_as_tiled_product(graph, conv)))
                     or conv.name in dropped or uses[name] != 1 or other == name
                     or not vectorizable(conv) or other in graph.constants):
                 continue
             own = tuple(conv.attrs.get("epilogue", ()))
             attrs = dict(conv.attrs, residual_at=len(own),
                          epilogue=own + tuple(node.attrs.get("epilogue", ())))
-            fused[node.name] = Node("Conv", conv.name, conv.inputs + [other], list(node.outputs), attrs)
+            fused[node.name] = Node(conv.op_type, conv.name, conv.inputs + [other], list(node.outputs), attrs)
             dropped.add(conv.name)
             break
     if not fused:

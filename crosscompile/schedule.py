@@ -24,7 +24,8 @@ from . import winograd
 from .errors import BuildError
 from .gemm import GemmTile, channel_tile, tile_for
 from .ir import Node
-from .passes import runs_as_gemm
+from .conv import depthwise_planes
+from .passes import _is_depthwise, runs_as_gemm, runs_as_tiled_product
 from .window import _resolve_window
 
 # Rows of one register tile at most: past this the broadcasts of A, not
@@ -260,7 +261,14 @@ def assign_tiles(graph, target, table: Mapping):
     (its ConvShape), attrs["tile_tuned"] (whether the table chose it) and
     attrs["winograd"] (whether it runs as Winograd F(2x2, 3x3), where that
     pays and no tuned tile was chosen for it), which weight packing, the
-    lowering and the module metadata read.
+    lowering and the module metadata read. Each MatMul and Gemm that runs
+    on the micro-kernel (passes.runs_as_tiled_product) gets the target's
+    tile of rows as attrs["matmul_tile"], and attrs["pack_rows"] where the
+    target loads the values it broadcasts a vector at a time
+    (Target.multiplies_by_lane), so that A is first packed like weights.
+    A depthwise convolution that reads a zero-padded copy of its input
+    (conv.depthwise_planes, for the target's vector width) gets the copy's
+    (rows, columns) as attrs["padded_planes"].
 
     >>> from crosscompile.target import resolve_target
     >>> graph = assign_tiles(graph, resolve_target("rasp4b64"), {})  # doctest: +SKIP
@@ -282,6 +290,16 @@ def assign_tiles(graph, target, table: Mapping):
             node = Node(node.op_type, node.name, list(node.inputs), list(node.outputs),
                         dict(node.attrs, gemm_tile=tile, conv_shape=shape, tile_tuned=tuned,
                              winograd=transformed))
+        elif node.op_type == "Conv" and _is_depthwise(graph, node):
+            shape = conv_shape(graph, node)
+            planes = depthwise_planes(_resolve_window(shape.x, shape.w[2:], node.attrs, what="convolution"),
+                                      target.lanes)
+            if planes is not None:
+                node = Node(node.op_type, node.name, list(node.inputs), list(node.outputs),
+                            dict(node.attrs, padded_planes=planes))
+        elif runs_as_tiled_product(graph, node):
+            node = Node(node.op_type, node.name, list(node.inputs), list(node.outputs),
+                        dict(node.attrs, matmul_tile=tile_for(target), pack_rows=target.multiplies_by_lane))
         nodes.append(node)
     return replace(graph, nodes=nodes)
 

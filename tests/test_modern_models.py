@@ -3,7 +3,8 @@ compiled for the host and compared with onnxruntime, in the opset forms
 torch exports them in: LayerNorm and GELU spelled out (opset 13), one
 LayerNormalization node (17), ReduceMean's axes as an input (18) and one
 Gelu node (20). The spelled-out forms must compile to the same kernels as
-the single ops. Then whole small models of the families people deploy: a
+the single ops; Swin's shifted windows (torch.roll as Slice and Concat,
+window partitions as Reshape and Transpose). Then whole small models of the families people deploy: a
 BERT-style encoder on token ids and a mask, a U-Net
 (tests/segmentation_models.py), an LSTM keyword spotter and a CTC speech
 model ending in LogSoftmax (tests/audio_models.py)."""
@@ -14,7 +15,7 @@ import minirt
 from tests.audio_models import kws_lstm, speech_ctc
 from tests.onnx_models import assert_zoo_close, reference, sample_input
 from tests.segmentation_models import unet
-from tests.transformer_models import bert_encoder, bert_feeds, convnext_block, vit_block
+from tests.transformer_models import bert_encoder, bert_feeds, convnext_block, swin_block, vit_block
 
 
 def run_and_compare(model, tmp_path, feeds=None):
@@ -44,6 +45,13 @@ def test_convnext_block_matches_onnxruntime(tmp_path, opset):
     ops = kernel_ops(lib)
     assert ops.count("LayerNormalization") == 2 and ops.count("ReduceMean") == 1
     assert not {"Pow", "Sqrt", "Erf", "Gelu"} & set(ops), ops
+
+
+@pytest.mark.parametrize("opset", [13, 17])
+def test_swin_blocks_with_shifted_windows_match_onnxruntime(tmp_path, opset):
+    lib = run_and_compare(swin_block(opset=opset), tmp_path)
+    ops = kernel_ops(lib)
+    assert ops.count("LayerNormalization") == 4 and ops.count("Softmax") == 2
 
 
 def test_spelled_out_and_single_op_forms_compile_to_the_same_kernels():

@@ -1,4 +1,4 @@
-"""The ViT and ConvNeXt blocks of tests/transformer_models.py, and the
+"""The ViT, ConvNeXt and Swin blocks of tests/transformer_models.py, and the
 BERT-style encoder, U-Net, LSTM keyword spotter and CTC speech model,
 compiled for rasp4b64 and rasp3b and run on emulated Debian bookworm
 boards (arm64 and armhf) through a real tracker, against onnxruntime on
@@ -22,12 +22,12 @@ from tests.audio_models import kws_lstm, speech_ctc
 from tests.onnx_models import assert_zoo_close, rand, reference, sample_input
 from tests.segmentation_models import unet
 from tests.test_ops_logic import typed_model
-from tests.transformer_models import bert_encoder, bert_feeds, convnext_block, vit_block
+from tests.transformer_models import bert_encoder, bert_feeds, convnext_block, swin_block, vit_block
 
 RELEASE = "bookworm"
 # Far above what a block takes under qemu (seconds), so a hung module still ends the test.
 TIMEOUT_S = 600.0
-BLOCKS = {"vit": vit_block, "convnext": convnext_block}
+BLOCKS = {"vit": vit_block, "convnext": convnext_block, "swin": swin_block}
 # Whole models: (builder, inputs for it).
 MODELS = {"bert": (bert_encoder, bert_feeds), "unet": (unet, sample_input), "kws_lstm": (kws_lstm, sample_input),
           "speech_ctc": (speech_ctc, sample_input)}

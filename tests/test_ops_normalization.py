@@ -124,14 +124,14 @@ def test_decomposed_layer_norm_whose_centred_values_are_also_read_elsewhere_stay
 
 
 @pytest.mark.parametrize("half_first", [False, True])
-def test_decomposed_gelu_is_one_op_fused_into_the_matmul_bias(tmp_path, half_first):
+def test_decomposed_gelu_is_one_op_fused_into_the_matmul_with_its_bias(tmp_path, half_first):
     nodes = [helper.make_node("MatMul", ["x", "w"], ["mm"]), helper.make_node("Add", ["mm", "bias"], ["h"])]
     nodes += decomposed_gelu("h", "", half_first)
     model = make_model(nodes, {"x": (5, 12)}, {"out": None},
                        dict(PATTERN_CONSTANTS, w=rand(12, 20, seed=2) / 3, bias=rand(20, seed=3)))
     lib = run_host(model, tmp_path)
-    fused = [step["fused"] for step in lib.metadata["steps"] if step["op"] == "Add"]
-    assert fused and "Erf" in fused[0] and lib.summary["kernels"] == 2
+    (step,) = lib.metadata["steps"]
+    assert step["op"] == "MatMul" and "Add" in step["fused"] and "Erf" in step["fused"]
 
 
 def test_layer_normalization_mean_and_inverse_std_outputs(tmp_path):
@@ -166,15 +166,14 @@ TANH_CONSTANTS = dict(PATTERN_CONSTANTS, three=np.array(3.0, np.float32),
 
 
 @pytest.mark.parametrize("cube,half_first", [("Mul", False), ("Pow", True), ("Pow", False)])
-def test_decomposed_tanh_gelu_is_one_op_fused_into_the_matmul_bias(tmp_path, cube, half_first):
+def test_decomposed_tanh_gelu_is_one_op_fused_into_the_matmul_with_its_bias(tmp_path, cube, half_first):
     nodes = [helper.make_node("MatMul", ["x", "w"], ["mm"]), helper.make_node("Add", ["mm", "bias"], ["h"])]
     nodes += decomposed_tanh_gelu("h", "", cube, half_first)
     model = make_model(nodes, {"x": (5, 12)}, {"out": None},
                        dict(TANH_CONSTANTS, w=rand(12, 20, seed=2) / 3, bias=rand(20, seed=3)))
     lib = run_host(model, tmp_path)
-    fused = [step["fused"] for step in lib.metadata["steps"] if step["op"] == "Add"]
-    assert fused and "Tanh" in fused[0] and lib.summary["kernels"] == 2
-    assert not {"Tanh", "Pow", "Mul"} & {step["op"] for step in lib.metadata["steps"]}
+    (step,) = lib.metadata["steps"]
+    assert step["op"] == "MatMul" and "Add" in step["fused"] and "Tanh" in step["fused"]
 
 
 def test_tanh_gelu_with_another_constant_is_left_as_written(tmp_path):

@@ -7,6 +7,11 @@ torch.onnx.export writes them, with random weights:
 - convnext_block: a ConvNeXt block (7x7 depthwise Conv, channels-last
   LayerNorm, pointwise MLP with GELU, layer scale, residual), then the
   classifier head (mean over H and W, LayerNorm, Gemm);
+- swin_block: a pair of Swin Transformer blocks (windows, then shifted
+  windows) as torch exports them: torch.roll as Slice and Concat, the
+  window partition and its reverse as Reshape and Transpose, a relative
+  position bias per head and the shifted windows' attention mask added to
+  the scores;
 - bert_encoder: a BERT-style encoder as transformers exports it: int64
   token ids gathered from an embedding table, an int64 attention mask made
   into an additive mask (Unsqueeze, Cast, Sub, Mul), post-norm layers with
@@ -127,6 +132,67 @@ def convnext_block(channels: int = 32, size: int = 14, classes: int = 10, opset:
     pooled = b.layer_norm(b.reduce_mean(x, [-2, -1], keepdims=0), channels)
     logits = b.op("Gemm", [pooled, b.weight(classes, channels), b.weight(classes, scale=0.1)], transB=1)
     return b.model({"x": (1, channels, size, size)}, logits, "convnext_block")
+
+
+def swin_block(size: int = 8, window: int = 4, width: int = 32, heads: int = 2, opset: int = 13, seed: int = 0):
+    """Two Swin blocks on input "x" (1, size * size, width): window attention
+    (pre-norm, residual), an MLP, then the same with the windows shifted by
+    half a window."""
+    b = GraphBuilder(opset, seed)
+    head, tokens, count = width // heads, window * window, (size // window) ** 2
+    x = "x"
+    for shift in (0, window // 2):
+        h = b.op("Reshape", [b.layer_norm(x, width), b.ints([1, size, size, width])])
+        if shift:
+            h = _roll(b, _roll(b, h, -shift, 1, size), -shift, 2, size)
+        # Window partition: (1, H/ws, ws, W/ws, ws, C) -> (windows, ws * ws, C).
+        h = b.op("Reshape", [h, b.ints([1, size // window, window, size // window, window, width])])
+        h = b.op("Transpose", [h], perm=[0, 1, 3, 2, 4, 5])
+        h = b.op("Reshape", [h, b.ints([count, tokens, width])])
+        qkv = b.op("Reshape", [b.linear(h, width, 3 * width), b.ints([count, tokens, 3, heads, head])])
+        qkv = b.op("Transpose", [qkv], perm=[2, 0, 3, 1, 4])    # (3, windows, heads, tokens, head)
+        q, k, v = (b.op("Gather", [qkv, b.ints(i)], axis=0) for i in range(3))
+        q = b.op("Mul", [q, b.const(head ** -0.5)])
+        scores = b.op("MatMul", [q, b.op("Transpose", [k], perm=[0, 1, 3, 2])])
+        scores = b.op("Add", [scores, b.weight(heads, tokens, tokens, scale=0.5, hint="relative_position_bias")])
+        if shift:
+            scores = b.op("Add", [scores, b.const(_shifted_window_mask(size, window, shift), "attn_mask")])
+        ctx = b.op("Transpose", [b.op("MatMul", [b.op("Softmax", [scores], axis=-1), v])], perm=[0, 2, 1, 3])
+        h = b.linear(b.op("Reshape", [ctx, b.ints([count, tokens, width])]), width, width)
+        # Window reverse, then the shift undone.
+        h = b.op("Reshape", [h, b.ints([1, size // window, size // window, window, window, width])])
+        h = b.op("Reshape", [b.op("Transpose", [h], perm=[0, 1, 3, 2, 4, 5]), b.ints([1, size, size, width])])
+        if shift:
+            h = _roll(b, _roll(b, h, shift, 1, size), shift, 2, size)
+        x = b.op("Add", [x, b.op("Reshape", [h, b.ints([1, size * size, width])])])
+        mlp = b.linear(b.gelu(b.linear(b.layer_norm(x, width), width, 4 * width)), 4 * width, width)
+        x = b.op("Add", [x, mlp])
+    return b.model({"x": (1, size * size, width)}, x, "swin_block")
+
+
+def _roll(b: GraphBuilder, x: str, shift: int, axis: int, size: int) -> str:
+    """torch.roll(x, shift, axis) as torch.onnx.export writes it: two Slices and a Concat."""
+    cut = -shift % size
+
+    def part(start, end):
+        return b.op("Slice", [x, b.ints([start]), b.ints([end]), b.ints([axis])])
+    return b.op("Concat", [part(cut, size), part(0, cut)], axis=axis)
+
+
+def _shifted_window_mask(size: int, window: int, shift: int) -> np.ndarray:
+    """(windows, 1, tokens, tokens): -100 between tokens of a shifted window
+    that came from different regions of the image, 0 elsewhere (Swin's)."""
+    regions = np.zeros((size, size))
+    bounds = (slice(0, -window), slice(-window, -shift), slice(-shift, None))
+    label = 0
+    for rows in bounds:
+        for cols in bounds:
+            regions[rows, cols] = label
+            label += 1
+    per_window = regions.reshape(size // window, window, size // window, window).transpose(0, 2, 1, 3)
+    per_window = per_window.reshape(-1, window * window)
+    mask = np.where(per_window[:, None, :] != per_window[:, :, None], -100.0, 0.0)
+    return mask[:, None].astype(np.float32)
 
 
 def bert_encoder(tokens: int = 16, width: int = 32, heads: int = 4, layers: int = 2, vocab: int = 50,
