@@ -255,13 +255,18 @@ def test_another_abi_version(drivers, module_for, tmp_path):
     assert "uses module ABI version 2, but this server supports version 1" in message
 
 
-def test_metadata_without_a_workspace_size(drivers, module_for, tmp_path):
-    def misspell(data, found):
+@pytest.mark.parametrize("text,replacement,cause", [
+    (b'"workspace_bytes"', b'"workspace_bytez"', 'no "workspace_bytes" count'),
+    (b'"producer":"t', b'"producer":"\xff', "invalid UTF-8 in string"),
+    (b'"outputs"', b'"outputz"', 'no "outputs" list'),
+], ids=["no-workspace-size", "not-utf8", "no-outputs"])
+def test_unreadable_metadata(drivers, module_for, tmp_path, text, replacement, cause):
+    def rewrite(data, found):
         _, offset, size = found[".rodata"]
-        at = data.index(b'"workspace_bytes"', offset, offset + size)
-        data[at + 15] = ord("z")
-    message = refusal(drivers, patched(module_for, tmp_path, "mlp", misspell))
-    assert 'has unreadable metadata: no "workspace_bytes" count' in message
+        at = data.index(text, offset, offset + size)
+        data[at:at + len(text)] = replacement
+    message = refusal(drivers, patched(module_for, tmp_path, "mlp", rewrite))
+    assert f"has unreadable metadata: {cause}" in message and "rebuild it with crosscompile" in message
 
 
 def test_corrupt_headers_and_tables_never_crash_the_loader(drivers, module_for, tmp_path):

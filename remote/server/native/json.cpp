@@ -165,13 +165,43 @@ class Reader {
     }
   }
 
+  // One multi-byte UTF-8 character, checked (JSON text is UTF-8, and the
+  // strings end up in protobuf messages, which must be).
+  bool utf8_sequence(std::string* out) {
+    unsigned char lead = static_cast<unsigned char>(s_[pos_]);
+    size_t length = 0;
+    if (lead >= 0xC2 && lead <= 0xDF) length = 2;
+    else if (lead >= 0xE0 && lead <= 0xEF) length = 3;
+    else if (lead >= 0xF0 && lead <= 0xF4) length = 4;
+    if (length == 0 || pos_ + length > s_.size()) return fail("invalid UTF-8 in string");
+    uint32_t cp = lead & (0x7F >> length);
+    for (size_t i = 1; i < length; ++i) {
+      unsigned char next = static_cast<unsigned char>(s_[pos_ + i]);
+      if ((next & 0xC0) != 0x80) return fail("invalid UTF-8 in string");
+      cp = (cp << 6) | (next & 0x3F);
+    }
+    static const uint32_t kLeast[] = {0, 0, 0x80, 0x800, 0x10000};
+    if (cp < kLeast[length] || cp > 0x10FFFF || (cp >= 0xD800 && cp < 0xE000)) {
+      return fail("invalid UTF-8 in string");
+    }
+    out->append(s_, pos_, length);
+    pos_ += length;
+    return true;
+  }
+
   bool string(std::string* out) {
     ++pos_;  // opening quote
     while (true) {
       if (pos_ >= s_.size()) return fail("unterminated string");
       char c = s_[pos_++];
       if (c == '"') return true;
-      if (static_cast<unsigned char>(c) < 0x20) return fail("control character in string");
+      unsigned char byte = static_cast<unsigned char>(c);
+      if (byte < 0x20) return fail("control character in string");
+      if (byte >= 0x80) {
+        --pos_;
+        if (!utf8_sequence(out)) return false;
+        continue;
+      }
       if (c != '\\') {
         out->push_back(c);
         continue;
