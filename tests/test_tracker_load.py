@@ -8,6 +8,8 @@ import threading
 
 from remote import errors
 from tests.test_tracker import local_farm
+# The fixture that runs the test with both board servers, as in test_tracker.
+from tests.test_tracker import kind  # noqa: F401
 
 SERVERS, CLIENTS, REQUESTS = 20, 50, 1000
 
