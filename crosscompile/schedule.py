@@ -136,8 +136,13 @@ POINTWISE_CHANNEL_DEPTH = 512
 # default tile stores runs of 6. Measured in SqueezeNet and ResNet-50: the
 # stems (27 and 147 deep) 0.64 -> 0.50 ms and 2.42 -> 2.23 ms, SqueezeNet's
 # 144-deep 3x3 0.53 -> 0.50 ms; deeper convolutions lost up to 10 % with
-# it (one weight vector per 16 FMAs).
+# it (one weight vector per 16 FMAs). Only where a vector is a whole cache
+# line (16 lanes): with AVX2's 8 lanes the square tile holds 8 accumulators
+# and spends 9 loads on 8 FMAs, and SqueezeNet's stem and 144-deep 3x3s
+# took 1.26 / 1.41 ms with it against 0.83 / 0.66 ms with the channel tile
+# (one thread, AMD EPYC Zen 3, interleaved per-layer profiles).
 SQUARE_TILE_DEPTH = 256
+CACHE_LINE_BYTES = 64
 
 
 def reads_windows(shape: ConvShape) -> bool:
@@ -155,7 +160,8 @@ def default_tile(target, shape: ConvShape, residual: bool = False) -> GemmTile:
     Deep enough convolutions (see WINDOW_CHANNEL_DEPTH) take a transposed
     tile (vectors of output channels by pixels, gemm.emit_channel_gemm):
     channel_tile(tile_for(target)), or below SQUARE_TILE_DEPTH on targets
-    of 8 lanes or more one vector of channels by a vector's worth of pixels.
+    whose vector is a cache line (16 lanes) one vector of channels by a
+    vector's worth of pixels.
     For those reading windows the tile of rows would read a padded copy of
     the input whose rows are wider than the output's, spending a share of
     its FMAs on the padding columns (1/8 at 14 x 14, 2/9 at 7 x 7), and
@@ -178,7 +184,7 @@ def default_tile(target, shape: ConvShape, residual: bool = False) -> GemmTile:
     if depth < threshold or residual or target.multiplies_by_lane:
         return tile
     square = GemmTile(tile.lanes, tile.lanes, 1, tile.lanes)
-    if depth < SQUARE_TILE_DEPTH and tile.lanes >= 8 and fits(target, square.pixels, square.nv):
+    if depth < SQUARE_TILE_DEPTH and 4 * tile.lanes >= CACHE_LINE_BYTES and fits(target, square.pixels, square.nv):
         return square
     return channel_tile(tile)
 

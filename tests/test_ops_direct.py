@@ -96,8 +96,8 @@ def test_default_tile_follows_kernel_and_depth(x_shape, w_shape, pads, kind, tar
     model = conv_relu_model(x_shape, w_shape, {"pads": [pads] * 4})
     (shape,) = conv_shapes(model)
     rows = tile_for(target)
-    # default_tile takes the square tile on targets of 8 lanes or more only.
-    square = GemmTile(rows.lanes, rows.lanes, 1, rows.lanes) if rows.lanes >= 8 else channel_tile(rows)
+    # default_tile takes the square tile where a vector is a 64-byte line only.
+    square = GemmTile(rows.lanes, rows.lanes, 1, rows.lanes) if rows.lanes >= 16 else channel_tile(rows)
     want = {"rows": rows, "channels": channel_tile(rows), "square": square}[kind]
     if target.multiplies_by_lane:
         # ARM: every convolution keeps the tile of rows (instruction counts, schedule.py).
