@@ -4,7 +4,9 @@
 missing packages when allowed, starts the server as a systemd unit (or as a
 background process with a pid file where systemd is absent) and waits until
 the tracker lists the board. Running it again upgrades in place;
-``uninstall`` removes everything it put there.
+``uninstall`` removes everything it put there. With ``native=True`` the board
+needs no Python: it is probed with POSIX sh alone and gets the static C++
+server built for its architecture (remote/cli/native.py) instead.
 
     >>> report = bootstrap("pi@192.168.1.20", tracker="192.168.1.2:9190",
     ...                    key="rasp4b64", install_deps=True)      # doctest: +SKIP
@@ -13,13 +15,14 @@ the tracker lists the board. Running it again upgrades in place;
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import posixpath
 import shlex
 import socket
 import time
-from typing import Callable, Dict, List, NamedTuple, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional, Union
 
 from deploy_recipes.devicecode import PROJECT_ROOT, device_files
 from remote.address import split_address
@@ -88,6 +91,39 @@ except Exception as exc:
     out["tracker"] = str(exc) or type(exc).__name__
 print(json.dumps(out))
 '''
+
+# The same facts from POSIX sh alone, for boards without Python (key=value lines).
+# bash's /dev/tcp tests the tracker's port where bash exists; elsewhere the
+# server's own log says whether it reached the tracker.
+SHELL_PROBE = r"""
+echo "machine=$(uname -m)"
+echo "uid=$(id -u)"
+echo "home=$HOME"
+if [ -d /run/systemd/system ]; then echo systemd=1; else echo systemd=0; fi
+if [ -n "$ANDROID_ROOT" ]; then echo android=1; else echo android=0; fi
+if [ -r /etc/os-release ]; then
+  (. /etc/os-release; echo "os=${PRETTY_NAME:-$NAME}"; echo "os_id=$ID")
+fi
+if [ -r /proc/device-tree/model ]; then
+  echo "board_model=$(tr -d '\000' < /proc/device-tree/model)"
+fi
+cpu() {
+  grep -i "^$1[[:space:]]*:" /proc/cpuinfo 2>/dev/null | head -n 1 | sed 's/^[^:]*:[[:space:]]*//'
+}
+model=$(cpu 'model name')
+[ -n "$model" ] || model=$(cpu hardware)
+[ -n "$model" ] || model=$(cpu 'cpu model')
+echo "cpu_model=$model"
+echo "cpu_part=$(cpu 'cpu part')"
+if command -v sha256sum >/dev/null 2>&1; then echo sha256sum=1; else echo sha256sum=0; fi
+if command -v bash >/dev/null 2>&1; then
+  limit=; if command -v timeout >/dev/null 2>&1; then limit="timeout 5"; fi
+  if out=$($limit bash -c 'exec 3<>"/dev/tcp/$0/$1"' "$1" "$2" 2>&1); then echo tracker=ok
+  else echo "tracker=$(echo "${out:-no answer within 5 s}" | tail -n 1 | sed 's/.*: //')"; fi
+else
+  echo tracker=unchecked
+fi
+"""
 
 # "CPU part" numbers of ARM cores in /proc/cpuinfo.
 _CPU_PARTS = {"0xd03": "cortex-a53", "0xd08": "cortex-a72", "0xd0b": "cortex-a76",
@@ -206,7 +242,7 @@ class Board:
                 raise
             raise BootstrapError(f"cannot reach {where} over SSH: {exc}") from None
 
-    def run(self, command: str, stdin: Optional[str] = None, timeout: float = 600.0):
+    def run(self, command: str, stdin: Union[str, bytes, None] = None, timeout: float = 600.0):
         """(exit status, stdout, stderr) of a shell command on the board."""
         chan_in, chan_out, chan_err = self.client.exec_command(command, timeout=timeout)
         if stdin is not None:
@@ -238,13 +274,17 @@ class Board:
             sftp.close()
 
     def write_file(self, path: str, text: str, mode: int = 0o644):
-        sftp = self.client.open_sftp()
-        try:
-            with sftp.open(path, "w") as f:
-                f.write(text)
-            sftp.chmod(path, mode)
-        finally:
-            sftp.close()
+        self.write_bytes(path, text.encode(), mode)
+
+    def write_bytes(self, path: str, data: bytes, mode: int = 0o644):
+        """Write ``data`` through the shell (boards with dropbear often lack SFTP);
+        a running executable at ``path`` is replaced, not overwritten."""
+        part = shlex.quote(path + ".part")
+        status, out, err = self.run(f"cat > {part} && chmod {mode:o} {part} && "
+                                    f"mv -f {part} {shlex.quote(path)}", stdin=data)
+        if status != 0:
+            raise BootstrapError(f"writing {path} failed on {self.login.host} (exit {status}): "
+                                 f"{(err or out).strip()[-2000:]}")
 
     def close(self):
         self.client.close()
@@ -280,16 +320,22 @@ def _layout(probe: Dict, remote_dir: str, service: str) -> Layout:
                   unit, user_unit)
 
 
-def server_command(python: str, layout: Layout, tracker: str, key: str, port: int,
+def server_command(program: List[str], tracker: str, key: str, port: int,
                    advertise: Optional[str]) -> List[str]:
-    argv = [python, "-m", "remote.server", "--host", "0.0.0.0", "--port", str(port),
-            "--tracker", tracker, "--key", key]
+    """``program`` (``[python, "-m", "remote.server"]`` or the native executable)
+    with the options both servers take."""
+    argv = [*program, "--host", "0.0.0.0", "--port", str(port), "--tracker", tracker, "--key", key]
     if advertise:
         argv += ["--advertise", advertise]
     return argv
 
 
-def systemd_unit(argv: List[str], layout: Layout) -> str:
+def python_environment(layout: Layout) -> Dict[str, str]:
+    """What the Python server needs in its environment (the native one needs nothing)."""
+    return {"PYTHONPATH": layout.code, "PYTHONUNBUFFERED": "1"}
+
+
+def systemd_unit(argv: List[str], layout: Layout, env: Dict[str, str]) -> str:
     """The unit file that keeps the server running (see deploy_recipes/tether-server.service)."""
     return (
         "[Unit]\n"
@@ -297,8 +343,7 @@ def systemd_unit(argv: List[str], layout: Layout) -> str:
         "Wants=network-online.target\n"
         "After=network-online.target\n\n"
         "[Service]\n"
-        f"Environment=PYTHONPATH={layout.code}\n"
-        "Environment=PYTHONUNBUFFERED=1\n"
+        + "".join(f"Environment={name}={value}\n" for name, value in env.items()) +
         f"WorkingDirectory={layout.root}\n"
         f"ExecStart={' '.join(shlex.quote(a) for a in argv)}\n"
         "Restart=always\n"
@@ -307,7 +352,7 @@ def systemd_unit(argv: List[str], layout: Layout) -> str:
         f"WantedBy={'default.target' if layout.user_unit else 'multi-user.target'}\n")
 
 
-def _stop_commands(layout: Layout) -> str:
+def stop_commands(layout: Layout) -> str:
     """Shell that stops whatever an earlier bootstrap started (systemd unit or pid file)."""
     pid = shlex.quote(layout.pid)
     parts = [f"if [ -f {pid} ]; then p=$(cat {pid}); kill $p 2>/dev/null; "
@@ -326,6 +371,7 @@ class BootstrapReport(NamedTuple):
     layout: Layout
     service: str
     device: Dict
+    installed: Dict  # what the manifest records of the install (files, or the native build)
 
 
 def _probe(board: Board, python: str, tracker: str) -> Dict:
@@ -377,28 +423,34 @@ def bootstrap(board: str, tracker: str, key: Optional[str] = None, *,
               service: str = "auto", install_deps: bool = False, python: str = "python3",
               remote_dir: str = "~/.tether", port: int = SERVER_PORT, advertise: Optional[str] = None,
               tracker_from_here: Optional[str] = None, timeout: float = 60.0,
-              progress: Progress = None) -> BootstrapReport:
-    """Install (or upgrade) and start the device server on ``board``; wait for the tracker."""
+              native: bool = False, progress: Progress = None) -> BootstrapReport:
+    """Install (or upgrade) and start the device server on ``board``; wait for the tracker.
+
+    ``native``: the board needs no Python; it gets the static C++ server instead.
+    """
     say = progress or (lambda _msg: None)
     login = parse_board(board)
     say(f"connecting to {login.host}:{login.port}")
     conn = Board(login, identity, password, known_hosts, accept_new_host_key)
     try:
-        probe = _probe(conn, python, tracker)
-        _check_python(probe, python)
-        target = suggest_target(probe)
+        if native:
+            probe = _probe_shell(conn, tracker)
+            target = suggest_target(probe)
+            say(f"board: {probe['machine']}, {probe['os'] or 'unknown OS'}, CPU "
+                f"{probe['board_model'] or probe['cpu_model'] or '?'} -> target {target}; "
+                f"the native server needs no Python")
+        else:
+            probe = _probe(conn, python, tracker)
+            _check_python(probe, python)
+            target = suggest_target(probe)
+            say(f"board: {probe['machine']}, {probe['os']}, Python {probe['python']}, "
+                f"CPU {probe['board_model'] or probe['cpu_model'] or '?'} -> target {target}")
+            _check_modules(conn, probe, python, install_deps, say)
         key = key or target.split("/")[0]
-        say(f"board: {probe['machine']}, {probe['os']}, Python {probe['python']}, "
-            f"CPU {probe['board_model'] or probe['cpu_model'] or '?'} -> target {target}")
-        missing = _missing_modules(probe)
-        if missing:
-            if not install_deps:
-                debs = " ".join(DEPENDENCIES[m][0] for m in missing)
-                raise BoardNotReady(
-                    f"the board's Python lacks {', '.join(missing)}; run again with "
-                    f"--install-deps, or on the board: sudo apt-get install {debs}")
-            _install_deps(conn, probe, python, missing, say)
-        if probe["tracker"] != "ok":
+        if probe["tracker"] == "unchecked":
+            say("the board has no bash to test the tracker's port with; the server's log "
+                "will say whether it reached the tracker")
+        elif probe["tracker"] != "ok":
             raise BoardNotReady(
                 f"the board cannot reach the tracker at {tracker} ({probe['tracker']}); start "
                 f"the tracker with --host 0.0.0.0 and pass the address the board sees")
@@ -410,28 +462,94 @@ def bootstrap(board: str, tracker: str, key: Optional[str] = None, *,
         previous = _read_manifest(conn, layout)
         if previous:
             say("stopping the server installed earlier")
-            conn.run(_stop_commands(_layout(probe, remote_dir, previous.get("service", service))))
-        files = device_files()
-        say(f"copying {len(files)} device-side files to {layout.code}")
-        conn.check(f"rm -rf {shlex.quote(layout.code)} && mkdir -p {shlex.quote(layout.code)}",
-                   "preparing the install folder")
-        conn.put_files(PROJECT_ROOT, files, layout.code)
-        python_path = probe["python_path"] or python
-        argv = server_command(python_path, layout, tracker, key, port, advertise)
-        if service == "systemd":
-            _start_systemd(conn, layout, argv)
+            conn.run(stop_commands(_layout(probe, remote_dir, previous.get("service", service))))
+        if native:
+            program, env, installed = _install_native(conn, probe, layout, say)
         else:
-            _start_background(conn, layout, argv)
+            program, env, installed = _install_python(conn, probe, layout, python, say)
+        argv = server_command(program, tracker, key, port, advertise)
+        if service == "systemd":
+            _start_systemd(conn, layout, argv, env)
+        else:
+            start_background(conn, layout, argv, env)
         conn.write_file(layout.manifest, json.dumps({
             "service": service, "unit": layout.unit, "user_unit": layout.user_unit,
-            "key": key, "tracker": tracker, "port": port, "files": files,
+            "key": key, "tracker": tracker, "port": port, **installed,
             "installed": time.time()}, indent=1))
         say(f"server started ({service}); waiting for the tracker to list it")
         device = _wait_for_tracker(tracker_from_here or tracker, key, login.host, port,
                                    timeout, lambda: _server_log(conn, layout))
-        return BootstrapReport(probe, target, key, layout, service, device)
+        return BootstrapReport(probe, target, key, layout, service, device, installed)
     finally:
         conn.close()
+
+
+def _probe_shell(board: Board, tracker: str) -> Dict:
+    """What ``_probe`` finds, found with POSIX sh (no Python on the board)."""
+    host, port = split_address(tracker, TRACKER_PORT)
+    status, out, err = board.run(f"sh -s {shlex.quote(host)} {port}", stdin=SHELL_PROBE,
+                                 timeout=60)
+    facts = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    if status != 0 or not facts.get("machine"):
+        raise BoardNotReady(f"probing {board.login.host} with sh failed "
+                            f"(exit {status}): {(err or out).strip()[-1000:]}")
+    flags = {name: facts.get(name) == "1" for name in ("systemd", "android", "sha256sum")}
+    texts = {name: facts.get(name, "") for name in ("os", "os_id", "board_model", "cpu_model",
+                                                     "cpu_part")}
+    return {**facts, **texts, **flags, "uid": int(facts["uid"]), "python": None, "modules": {}}
+
+
+def _check_modules(conn: Board, probe: Dict, python: str, install_deps: bool, say):
+    missing = _missing_modules(probe)
+    if missing:
+        if not install_deps:
+            debs = " ".join(DEPENDENCIES[m][0] for m in missing)
+            raise BoardNotReady(
+                f"the board's Python lacks {', '.join(missing)}; run again with "
+                f"--install-deps, or on the board: sudo apt-get install {debs}")
+        _install_deps(conn, probe, python, missing, say)
+
+
+def native_binary(layout: Layout) -> str:
+    """Where ``bootstrap(native=True)`` puts the server's executable."""
+    return posixpath.join(layout.root, "tether-server")
+
+
+def _install_python(conn: Board, probe: Dict, layout: Layout, python: str, say):
+    """Copy the device-side files; (program, environment, manifest entries)."""
+    files = device_files()
+    say(f"copying {len(files)} device-side files to {layout.code}")
+    conn.check(f"rm -f {shlex.quote(native_binary(layout))} && rm -rf {shlex.quote(layout.code)} "
+               f"&& mkdir -p {shlex.quote(layout.code)}", "preparing the install folder")
+    conn.put_files(PROJECT_ROOT, files, layout.code)
+    program = [probe["python_path"] or python, "-m", "remote.server"]
+    return program, python_environment(layout), {"files": files}
+
+
+def _install_native(conn: Board, probe: Dict, layout: Layout, say):
+    """Build the native server for the board's machine and upload it, checked by its
+    sha256 where the board has sha256sum; (program, environment, manifest entries)."""
+    from remote.cli.native import build_native, musl_triple
+    triple = musl_triple(probe["machine"])
+    # The connection idles while the server builds (minutes, the first time).
+    conn.client.get_transport().set_keepalive(30)
+    with open(build_native(triple, progress=say), "rb") as f:
+        data = f.read()
+    digest = hashlib.sha256(data).hexdigest()
+    binary = native_binary(layout)
+    say(f"uploading the native server ({len(data) / 1024:.0f} KiB, {triple}) to {binary}")
+    conn.check(f"rm -rf {shlex.quote(layout.code)} && mkdir -p {shlex.quote(layout.root)}",
+               "preparing the install folder")
+    conn.write_bytes(binary, data, 0o755)
+    if probe["sha256sum"]:
+        found = conn.check(f"sha256sum {shlex.quote(binary)}", "sha256sum").split()[:1]
+        if found != [digest]:
+            raise BootstrapError(f"the server arrived damaged on {conn.login.host} (sha256 "
+                                 f"{found[0] if found else '?'}, sent {digest}); run again")
+        say(f"sha256 checked on the board: {digest[:16]}…")
+    else:
+        say("the board has no sha256sum: the upload was not checked")
+    return [binary], {}, {"native": triple, "sha256": digest}
 
 
 def _read_manifest(conn: Board, layout: Layout) -> Optional[Dict]:
@@ -444,10 +562,10 @@ def _read_manifest(conn: Board, layout: Layout) -> Optional[Dict]:
         return {}
 
 
-def _start_systemd(conn: Board, layout: Layout, argv: List[str]):
+def _start_systemd(conn: Board, layout: Layout, argv: List[str], env: Dict[str, str]):
     ctl = "systemctl --user" if layout.user_unit else "systemctl"
     conn.check(f"mkdir -p {shlex.quote(posixpath.dirname(layout.unit))}", "mkdir")
-    conn.write_file(layout.unit, systemd_unit(argv, layout))
+    conn.write_file(layout.unit, systemd_unit(argv, layout, env))
     conn.check(f"{ctl} daemon-reload && {ctl} enable {UNIT_NAME} && {ctl} restart {UNIT_NAME}",
                "starting the systemd unit")
     if layout.user_unit:
@@ -455,11 +573,12 @@ def _start_systemd(conn: Board, layout: Layout, argv: List[str]):
         conn.run("loginctl enable-linger \"$(id -un)\"")
 
 
-def _start_background(conn: Board, layout: Layout, argv: List[str]):
+def start_background(conn: Board, layout: Layout, argv: List[str], env: Dict[str, str]):
     command = " ".join(shlex.quote(a) for a in argv)
+    assignments = "".join(f"{name}={shlex.quote(value)} " for name, value in env.items())
     conn.check(
-        f"cd {shlex.quote(layout.root)} || exit 1; PYTHONPATH={shlex.quote(layout.code)} "
-        f"PYTHONUNBUFFERED=1 nohup {command} > {shlex.quote(layout.log)} 2>&1 < /dev/null & "
+        f"cd {shlex.quote(layout.root)} || exit 1; {assignments}"
+        f"nohup {command} > {shlex.quote(layout.log)} 2>&1 < /dev/null & "
         f"echo $! > {shlex.quote(layout.pid)}", "starting the server")
 
 
@@ -472,24 +591,34 @@ def _server_log(conn: Board, layout: Layout) -> str:
 
 def _wait_for_tracker(tracker: str, key: str, board_host: str, port: int, timeout: float,
                       server_log: Callable[[], str]) -> Dict:
-    from remote.client.tracker import TrackerClient
-    host, tport = split_address(tracker, TRACKER_PORT)
     try:
         board_ips = {info[4][0] for info in socket.getaddrinfo(board_host, None)}
     except OSError:
         board_ips = {board_host}
     loopback = any(ip.startswith("127.") or ip == "::1" for ip in board_ips)
+
+    def ours(device: Dict) -> bool:
+        address_host, address_port = split_address(device["address"], 0)
+        return device["key"] == key and address_port == port and (
+            loopback or address_host in board_ips or address_host == board_host)
+
+    return wait_for_device(tracker, ours, f"the board under key {key!r}", timeout, server_log)
+
+
+def wait_for_device(tracker: str, ours: Callable[[Dict], bool], what: str, timeout: float,
+                    server_log: Callable[[], str]) -> Dict:
+    """The first device of the tracker's summary for which ``ours`` holds, once it is listed."""
+    from remote.client.tracker import TrackerClient
+    host, tport = split_address(tracker, TRACKER_PORT)
     deadline = time.monotonic() + timeout
     with TrackerClient(host, tport) as client:
         while time.monotonic() < deadline:
             for device in client.summary()["devices"]:
-                address_host, address_port = split_address(device["address"], 0)
-                if device["key"] == key and address_port == port and (
-                        loopback or address_host in board_ips or address_host == board_host):
+                if ours(device):
                     return device
             time.sleep(0.5)
-    raise BootstrapError(f"the tracker {tracker} did not list the board under key {key!r} "
-                         f"within {timeout:g} s; the server's log says:\n{server_log()}")
+    raise BootstrapError(f"the tracker {tracker} did not list {what} within {timeout:g} s; "
+                         f"the server's log says:\n{server_log()}")
 
 
 def uninstall(board: str, *, identity: Optional[str] = None, password: Optional[str] = None,
@@ -509,7 +638,7 @@ def uninstall(board: str, *, identity: Optional[str] = None, password: Optional[
         if manifest.get("unit"):
             layout = layout._replace(unit=manifest["unit"], user_unit=manifest.get("user_unit"))
         say("stopping the server")
-        conn.run(_stop_commands(layout))
+        conn.run(stop_commands(layout))
         removed = [layout.root]
         if layout.unit:
             ctl = "systemctl --user" if layout.user_unit else "systemctl"
@@ -538,12 +667,20 @@ def run_bootstrap(args) -> int:
         return 0
     if not args.tracker:
         raise ValueError(f"--tracker HOST:PORT is needed (or set {TRACKER_ENV})")
+    if args.native and args.install_deps:
+        raise ValueError("--install-deps is for the Python server; the native one needs nothing")
     report = bootstrap(args.board, args.tracker, args.key, accept_new_host_key=args.accept_new_host_key,
                        service=args.service, install_deps=args.install_deps, port=args.port,
-                       advertise=args.advertise, timeout=args.timeout, **common)
+                       advertise=args.advertise, timeout=args.timeout, native=args.native,
+                       **common)
     p = report.probe
-    mods = ", ".join(f"{m} {v}" for m, v in p["modules"].items())
-    print(f"board {args.board}: {p['machine']}, {p['os']}, Python {p['python']} ({mods})")
+    if args.native:
+        built = report.installed
+        print(f"board {args.board}: {p['machine']}, {p['os'] or 'unknown OS'}; native server "
+              f"({built['native']}, sha256 {built['sha256'][:16]}…)")
+    else:
+        mods = ", ".join(f"{m} {v}" for m, v in p["modules"].items())
+        print(f"board {args.board}: {p['machine']}, {p['os']}, Python {p['python']} ({mods})")
     print(f"cpu: {p['board_model'] or p['cpu_model'] or 'unknown'}; suggested target: {report.target}")
     print(f"installed in {report.layout.root} as a {report.service} service")
     d = report.device

@@ -35,6 +35,9 @@ def add_bootstrap_arguments(p):
                    help="how the server keeps running (auto: systemd when the board has it)")
     p.add_argument("--install-deps", action="store_true",
                    help="install missing numpy/protobuf (apt as root, else pip --user)")
+    p.add_argument("--native", action="store_true",
+                   help="install the static C++ server built for the board's architecture "
+                        "(for boards without Python; needs only sh on the board)")
     p.add_argument("--uninstall", action="store_true", help="stop the server and remove it")
     p.add_argument("--python", default="python3", help="Python on the board (default python3)")
     p.add_argument("--remote-dir", default="~/.tether", help="where the server lives on the board")
@@ -42,3 +45,21 @@ def add_bootstrap_arguments(p):
     p.add_argument("--advertise", help="HOST[:PORT] clients should dial (default: found)")
     p.add_argument("--timeout", type=float, default=60.0,
                    help="seconds to wait for the board to appear at the tracker")
+
+
+def add_adb_arguments(p):
+    p.add_argument("--serial", "-s", help="the phone, as adb devices lists it (default: the one)")
+    p.add_argument("--tracker", default=os.environ.get(TRACKER_ENV),
+                   help=f"tracker HOST:PORT (default ${TRACKER_ENV}); with --reverse it runs "
+                        f"on this machine")
+    p.add_argument("--key", help="device key to register the phone under, e.g. android-arm64")
+    p.add_argument("--adb", default="adb", help="the adb program (default adb on PATH)")
+    p.add_argument("--reverse", action="store_true",
+                   help="reach the tracker through the USB cable (adb reverse) and take "
+                        "sessions through the tracker's relay")
+    p.add_argument("--port", type=int, default=SERVER_PORT,
+                   help="port the server listens on (without --reverse)")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds to wait for the phone to appear at the tracker")
+    p.add_argument("--uninstall", action="store_true",
+                   help="stop the phone's server and remove it (and the reverse with --reverse)")

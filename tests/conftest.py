@@ -17,6 +17,33 @@ def farm():
         yield running
 
 
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    """A real sshd on 127.0.0.1 standing for a board (tests/ssh_board.py)."""
+    import shutil
+
+    from tests.ssh_board import SSHD, SSHServer
+    if SSHD is None or shutil.which("ssh-keygen") is None:
+        pytest.skip("the bootstrap tests need OpenSSH: apt-get install openssh-server "
+                    "openssh-client")
+    server = SSHServer(tmp_path_factory.mktemp("sshd")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def stop_leftover_server(tmp_path):
+    """Stops the server a failed bootstrap test left running on the "board" (installed
+    with --remote-dir TMP_PATH/board-home/.tether)."""
+    yield
+    pid_file = tmp_path / "board-home" / ".tether" / "server.pid"
+    if pid_file.exists():
+        try:
+            os.kill(int(pid_file.read_text()), 15)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
 @pytest.fixture(scope="session")
 def mlp_module(tmp_path_factory):
     """(onnx model path, compiled host .so path) of the test MLP."""

@@ -1,8 +1,6 @@
 """tether bootstrap against a real OpenSSH server on loopback; the "board" is this machine."""
 import getpass
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -11,84 +9,14 @@ import pytest
 
 from deploy_recipes import bootstrap as bs
 from deploy_recipes.devicecode import device_files
+from tests.ssh_board import free_port, known_hosts_line, pid_alive
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SSHD = shutil.which("sshd", path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _keygen(path):
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
-
-
-class SSHServer:
-    """sshd on 127.0.0.1 with its own host key, config and authorized_keys."""
-
-    def __init__(self, folder):
-        self.folder = folder
-        self.port = _free_port()
-        self.host_key = folder / "host_key"
-        self.user_key = folder / "user_key"
-        self.other_key = folder / "other_key"
-        for key in (self.host_key, self.user_key, self.other_key):
-            _keygen(key)
-        (folder / "authorized_keys").write_text((folder / "user_key.pub").read_text())
-        (folder / "sshd_config").write_text(
-            f"Port {self.port}\nListenAddress 127.0.0.1\nHostKey {self.host_key}\n"
-            f"PidFile {folder}/sshd.pid\nUsePAM no\nStrictModes no\n"
-            f"AuthorizedKeysFile {folder}/authorized_keys\nPasswordAuthentication no\n"
-            "KbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\n"
-            "PermitUserEnvironment no\nSubsystem sftp internal-sftp\nLogLevel VERBOSE\n")
-        self.proc = None
-
-    def start(self):
-        if os.getuid() == 0:
-            os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege separation directory
-        self.log = open(self.folder / "sshd.log", "wb")
-        self.proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(self.folder / "sshd_config")],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), 1).close()
-                return self
-            except OSError:
-                if self.proc.poll() is not None:
-                    break
-                time.sleep(0.1)
-        raise RuntimeError(f"sshd did not start: {(self.folder / 'sshd.log').read_text()}")
-
-    def stop(self):
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
-        self.log.close()
-
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory):
-    if SSHD is None or shutil.which("ssh-keygen") is None:
-        pytest.skip("the bootstrap test needs OpenSSH: apt-get install openssh-server openssh-client")
-    server = SSHServer(tmp_path_factory.mktemp("sshd")).start()
-    yield server
-    server.stop()
-
-
 @pytest.fixture(scope="module")
 def tracker():
     from remote.cli.localfarm import LocalFarm
     with LocalFarm(keys=[], env={**os.environ, "PYTHONPATH": ROOT}) as farm:
         yield farm
-
-
-def _known_hosts_line(sshd) -> str:
-    kind, key = (sshd.host_key.parent / "host_key.pub").read_text().split()[:2]
-    return f"[127.0.0.1]:{sshd.port} {kind} {key}\n"
 
 
 def _cli(*args, env=None):
@@ -97,33 +25,11 @@ def _cli(*args, env=None):
                           env={**os.environ, "PYTHONPATH": ROOT, **(env or {})}, timeout=300)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie of an exited server still answers kill 0
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[-1].split()[0] != "Z"
-
-
-@pytest.fixture
-def stop_leftover_server(tmp_path):
-    """Stops the server a failed test left running on the "board"."""
-    yield
-    pid_file = tmp_path / "board-home" / ".tether" / "server.pid"
-    if pid_file.exists():
-        try:
-            os.kill(int(pid_file.read_text()), 15)
-        except (ProcessLookupError, ValueError):
-            pass
-
-
 def test_install_upgrade_and_uninstall_over_ssh(sshd, tracker, tmp_path, stop_leftover_server):
     known = tmp_path / "known_hosts"
-    known.write_text(_known_hosts_line(sshd))
+    known.write_text(known_hosts_line(sshd))
     remote_dir = tmp_path / "board-home" / ".tether"
-    port = _free_port()
+    port = free_port()
     args = [f"{getpass.getuser()}@127.0.0.1:{sshd.port}", "--tracker",
             f"127.0.0.1:{tracker.tracker[1]}", "--key", "ssh-board", "--identity", str(sshd.user_key),
             "--known-hosts", str(known), "--service", "background", "--python", sys.executable,
@@ -138,7 +44,7 @@ def test_install_upgrade_and_uninstall_over_ssh(sshd, tracker, tmp_path, stop_le
     assert installed == device_files()
     assert not (remote_dir / "code" / "crosscompile").exists()
     pid = int((remote_dir / "server.pid").read_text())
-    assert _pid_alive(pid)
+    assert pid_alive(pid)
 
     # the installed server really serves through the tracker
     from remote import rpc
@@ -151,7 +57,7 @@ def test_install_upgrade_and_uninstall_over_ssh(sshd, tracker, tmp_path, stop_le
     assert second.returncode == 0, second.stderr
     assert not (remote_dir / "code" / "stale.py").exists()
     new_pid = int((remote_dir / "server.pid").read_text())
-    assert new_pid != pid and not _pid_alive(pid) and _pid_alive(new_pid)
+    assert new_pid != pid and not pid_alive(pid) and pid_alive(new_pid)
     time.sleep(6)  # past the tracker's eviction window: the old server is gone for good
     devices = [d for d in tracker_summary(tracker)["devices"] if d["key"] == "ssh-board"]
     assert len(devices) == 1 and devices[0]["address"] == f"127.0.0.1:{port}"
@@ -160,7 +66,7 @@ def test_install_upgrade_and_uninstall_over_ssh(sshd, tracker, tmp_path, stop_le
     assert gone.returncode == 0, gone.stderr
     assert "uninstalled" in gone.stdout
     assert not remote_dir.exists()
-    assert not _pid_alive(new_pid)
+    assert not pid_alive(new_pid)
 
 
 def tracker_summary(farm):
@@ -179,7 +85,7 @@ def _args(sshd, tracker, tmp_path, known, identity=None, extra=()):
 
 def test_wrong_key_is_an_authentication_failure(sshd, tracker, tmp_path):
     known = tmp_path / "known_hosts"
-    known.write_text(_known_hosts_line(sshd))
+    known.write_text(known_hosts_line(sshd))
     out = _cli("bootstrap", *_args(sshd, tracker, tmp_path, known, identity=sshd.other_key))
     assert out.returncode == 1
     assert "refused the login" in out.stderr and "other_key" in out.stderr
@@ -216,8 +122,8 @@ def test_changed_host_key_is_refused(sshd, tracker, tmp_path):
 
 def test_unreachable_tracker_is_reported_from_the_board(sshd, tmp_path):
     known = tmp_path / "known_hosts"
-    known.write_text(_known_hosts_line(sshd))
-    closed = _free_port()
+    known.write_text(known_hosts_line(sshd))
+    closed = free_port()
     out = _cli("bootstrap", f"{getpass.getuser()}@127.0.0.1:{sshd.port}",
                "--tracker", f"127.0.0.1:{closed}", "--identity", str(sshd.user_key),
                "--known-hosts", str(known), "--python", sys.executable,

@@ -122,6 +122,16 @@ def cmd_bootstrap(args):
     return run_bootstrap(args)
 
 
+def cmd_adb(args):
+    from deploy_recipes.adb import run_adb
+    return run_adb(args)
+
+
+def cmd_native(args):
+    from remote.cli.native import run_native
+    return run_native(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tether",
@@ -218,6 +228,19 @@ def build_parser() -> argparse.ArgumentParser:
     from deploy_recipes.cli import add_bootstrap_arguments
     add_bootstrap_arguments(p)
     p.set_defaults(func=cmd_bootstrap)
+
+    p = sub.add_parser("adb", help="start the native server on an Android phone over adb",
+                       epilog="example: tether adb --tracker 127.0.0.1:9190 --key android-arm64 "
+                              "--reverse")
+    from deploy_recipes.cli import add_adb_arguments
+    add_adb_arguments(p)
+    p.set_defaults(func=cmd_adb)
+
+    p = sub.add_parser("native", help="build the C++ board server for boards without Python",
+                       epilog="example: tether native build --target rasp4b64")
+    from remote.cli.native import add_arguments as add_native_arguments
+    add_native_arguments(p)
+    p.set_defaults(func=cmd_native)
 
     p = sub.add_parser("demo", help="run one model end to end on a local farm",
                        epilog="example: tether demo")
