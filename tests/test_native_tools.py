@@ -289,10 +289,16 @@ def test_bootstrap_native_installs_serves_and_uninstalls(builds, sshd, tracker, 
 
     _session_works(tracker, "ssh-native")
 
+    # again: the server is replaced by a new process
+    again = _cli("bootstrap", *args)
+    assert again.returncode == 0, again.stderr
+    new_pid = int((remote_dir / "server.pid").read_text())
+    assert new_pid != pid and not pid_alive(pid) and pid_alive(new_pid)
+
     gone = _cli("bootstrap", "--uninstall", *args)
     assert gone.returncode == 0, gone.stderr
     assert not remote_dir.exists()
-    assert not pid_alive(pid)
+    assert not pid_alive(new_pid)
 
 
 def test_bootstrap_native_reports_an_unreachable_tracker(sshd, tmp_path):
