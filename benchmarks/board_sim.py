@@ -7,14 +7,24 @@ registers as a relayed board with its capabilities, pings at the interval
 the tracker asks for, and answers nothing else: what a tracker holds for a
 farm of idle boards. It prints ``registered N`` once all are registered and
 ``pings P`` every few seconds, and runs until stopped.
+
+The boards stand for machines of their own, so the simulator spends as little
+of the tracker's host as it can: no event loop and no protobuf after
+registration. The boards' pings are spread evenly over the interval, one
+slice of boards every few milliseconds, and each board reads what the
+tracker sent it (its pongs, relay requests it leaves unanswered) just before
+its next ping. A board whose link the tracker closes is counted as dropped.
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import resource
+import selectors
+import socket
 import sys
+import threading
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -23,63 +33,107 @@ from remote.address import split_address  # noqa: E402
 from remote.proto import pb  # noqa: E402
 from remote.proto.frames import PREFIX, PROTOCOL_VERSION, frame_bytes  # noqa: E402
 
-PINGS = [0]
+BATCH = 500        # boards registering at once, as a farm's boards come up over a few seconds
+SLICES = 200       # groups of boards pinging at different moments within each interval
 
 
-async def read_frame(reader):
-    head_len, body_len = PREFIX.unpack(await reader.readexactly(PREFIX.size))
-    frame = pb.DataFrame.FromString(await reader.readexactly(head_len))
-    if body_len:
-        await reader.readexactly(body_len)
-    return frame
+def register_batch(host: str, port: int, key: str, first: int, count: int,
+                   secret: str) -> tuple:
+    """Register boards ``first``..``first + count - 1``; their sockets and the ping interval."""
+    selector = selectors.DefaultSelector()
+    replies = []
+    for index in range(first, first + count):
+        sock = socket.create_connection((host, port))
+        info = pb.DeviceInfo(triple="aarch64-unknown-linux-gnu", machine="aarch64", cores=4,
+                             cpu_model="simulated Cortex-A72", attributes={"sim": str(index)})
+        sock.sendall(frame_bytes(pb.DataFrame(op="register", version=PROTOCOL_VERSION,
+                                              key=key, info=info, relay=True,
+                                              farm_secret=secret)))
+        sock.setblocking(False)
+        selector.register(sock, selectors.EVENT_READ, bytearray())
+    interval = 1.0
+    while len(replies) < count:
+        ready = selector.select(30)
+        if not ready:
+            raise SystemExit(f"the tracker left {count - len(replies)} registrations "
+                             "unanswered for 30 s")
+        for selected, _ in ready:
+            sock, data = selected.fileobj, selected.data
+            chunk = sock.recv(65536)
+            if not chunk:
+                raise SystemExit("the tracker closed a link before answering its registration")
+            data += chunk
+            if len(data) < PREFIX.size:
+                continue
+            head_len, body_len = PREFIX.unpack_from(data)
+            if len(data) < PREFIX.size + head_len + body_len:
+                continue
+            reply = pb.DataFrame.FromString(bytes(data[PREFIX.size:PREFIX.size + head_len]))
+            if reply.op != "ok":
+                raise SystemExit(f"a board was refused: {reply.text}")
+            interval = reply.seconds or 1.0
+            selector.unregister(sock)
+            replies.append(sock)
+    selector.close()
+    return replies, interval
 
 
-async def board(host, port, key, index, registered, secret):
-    reader, writer = await asyncio.open_connection(host, port)
-    info = pb.DeviceInfo(triple="aarch64-unknown-linux-gnu", machine="aarch64", cores=4,
-                         cpu_model="simulated Cortex-A72", attributes={"sim": str(index)})
-    writer.write(frame_bytes(pb.DataFrame(op="register", version=PROTOCOL_VERSION, key=key,
-                                          info=info, relay=True, farm_secret=secret)))
-    reply = await read_frame(reader)
-    if reply.op != "ok":
-        raise SystemExit(f"board {index} was refused: {reply.text}")
-    registered.append(index)
-    interval = reply.seconds or 1.0
-    ping = frame_bytes(pb.DataFrame(op="ping"))
+class Pinger:
+    """Pings every board it holds once per interval, a slice of them at a time."""
 
-    async def pinger():
+    def __init__(self):
+        self.slices = [[] for _ in range(SLICES)]
+        self.count = 0
+        self.interval = 1.0
+        self.report = False  # "pings P" lines only after "registered N"
+
+    def add(self, socks: list, interval: float) -> None:
+        self.interval = interval
+        for sock in socks:
+            self.slices[self.count % SLICES].append(sock)
+            self.count += 1
+
+    def run(self) -> None:
+        ping = frame_bytes(pb.DataFrame(op="ping"))
+        scratch = bytearray(65536)
+        pings = dropped = 0
+        next_report = time.monotonic() + 2.0
+        due = time.monotonic()
         while True:
-            await asyncio.sleep(interval)
-            writer.write(ping)
-            PINGS[0] += 1
-
-    task = asyncio.ensure_future(pinger())
-    try:
-        while True:
-            await read_frame(reader)  # pongs (and relay requests, left unanswered)
-    finally:
-        task.cancel()
-
-
-async def main_async(args):
-    host, port = split_address(args.tracker, 9190)
-    registered = []
-    secret = os.environ.get("TETHER_FARM_SECRET", "")
-    tasks = []
-    # Registered in batches, as a farm's boards come up over a few seconds.
-    for start in range(0, args.boards, 500):
-        for i in range(start, min(start + 500, args.boards)):
-            tasks.append(asyncio.ensure_future(board(host, port, args.key, i, registered,
-                                                     secret)))
-        while len(registered) < min(start + 500, args.boards):
-            await asyncio.sleep(0.01)
-            for t in tasks:
-                if t.done() and t.exception():
-                    raise t.exception()
-    print(f"registered {len(registered)}", flush=True)
-    while True:
-        await asyncio.sleep(2.0)
-        print(f"pings {PINGS[0]}", flush=True)
+            for group in self.slices:
+                due += self.interval / SLICES
+                for i, sock in enumerate(group):
+                    if sock is None:
+                        continue
+                    try:
+                        while True:
+                            n = sock.recv_into(scratch)
+                            if n < len(scratch):
+                                break
+                        alive = n > 0
+                    except BlockingIOError:
+                        alive = True
+                    except OSError:
+                        alive = False
+                    if alive:
+                        try:
+                            sock.send(ping)
+                            pings += 1
+                            continue
+                        except OSError:
+                            pass
+                    group[i] = None
+                    sock.close()
+                    dropped += 1
+                now = time.monotonic()
+                if self.report and now >= next_report:
+                    print(f"pings {pings}" + (f" dropped {dropped}" if dropped else ""),
+                          flush=True)
+                    next_report = now + 2.0
+                if due > now:
+                    time.sleep(due - now)
+                elif due < now - self.interval:
+                    due = now  # fell behind (registering takes the CPU): no burst to catch up
 
 
 def main(argv=None):
@@ -90,7 +144,17 @@ def main(argv=None):
     args = parser.parse_args(argv)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, args.boards + 1000)), hard))
-    asyncio.run(main_async(args))
+    host, port = split_address(args.tracker, 9190)
+    secret = os.environ.get("TETHER_FARM_SECRET", "")
+    pinger = Pinger()
+    # Boards registered so far ping while the rest register.
+    threading.Thread(target=pinger.run, daemon=True).start()
+    for first in range(0, args.boards, BATCH):
+        pinger.add(*register_batch(host, port, args.key, first,
+                                   min(BATCH, args.boards - first), secret))
+    print(f"registered {pinger.count}", flush=True)
+    pinger.report = True
+    threading.Event().wait()
 
 
 if __name__ == "__main__":
