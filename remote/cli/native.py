@@ -75,11 +75,14 @@ def musl_triple(target: str) -> str:
         arch = resolve_target(target).arch
     except BuildError:
         arch = None
-    if arch not in _ARCH_TRIPLES:
+    if arch is None:
         raise NativeBuildError(
             f"unknown target {target!r} for the native server: give a preset "
             f"({', '.join(TARGETS)}), a board's machine name ({', '.join(MACHINES)}), "
             f"or a triple of {', '.join(sorted(_ARCH_TRIPLES))}")
+    if arch not in _ARCH_TRIPLES:
+        raise NativeBuildError(f"the native server is built for "
+                               f"{', '.join(sorted(_ARCH_TRIPLES))}; target {target!r} is {arch}")
     return _ARCH_TRIPLES[arch]
 
 
