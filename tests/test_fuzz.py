@@ -29,7 +29,7 @@ from remote.proto import pb  # noqa: E402
 from remote.proto.frames import (PREFIX, PROTOCOL_VERSION, FrameSocket, PeerClosed,  # noqa: E402
                                  frame_bytes)
 from remote.server.workspace import Workspace  # noqa: E402
-from tests import session_modules  # noqa: E402
+from tests import board_servers, session_modules, test_sessions  # noqa: E402
 from tests.test_sessions import _FOLDERS, connect_when_free, start_server  # noqa: E402
 from tests.test_tracker import local_farm  # noqa: E402
 
@@ -59,8 +59,10 @@ frames = st.builds(
     refs=st.dictionaries(names, names, max_size=2))
 
 
-@pytest.fixture(scope="module")
-def server():
+@pytest.fixture(scope="module", params=board_servers.KINDS[:2])
+def server(request):
+    """The Python and the native server, each in turn."""
+    test_sessions._COMMAND[:] = board_servers.command(request.param)
     child = start_server("--max-upload-bytes", str(1 << 20))
     yield child
     child.stop()

@@ -14,7 +14,7 @@ import pytest
 from remote import errors
 from remote.proto import pb
 from remote.proto.frames import PROTOCOL_VERSION, FrameSocket
-from tests import session_modules
+from tests import board_servers, session_modules, test_sessions
 from remote.cli.localfarm import Child, python_argv
 from tests.test_sessions import ENV, _FOLDERS, connect, connect_when_free, start_server
 from tests.test_tracker import HANG_S, key_status, local_farm, wait_until
@@ -24,8 +24,17 @@ pytestmark = pytest.mark.skipif(session_modules.C_COMPILER is None,
 LIMIT = 4 << 20
 
 
+@pytest.fixture(scope="module", autouse=True, params=board_servers.KINDS[:2])
+def kind(request):
+    """Every board-side test runs against the Python and the native server."""
+    test_sessions._COMMAND[:] = board_servers.command(request.param)
+    yield request.param
+    while _FOLDERS:
+        shutil.rmtree(_FOLDERS.pop(), ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
-def server():
+def server(kind):
     child = start_server("--max-upload-bytes", str(LIMIT))
     yield child
     child.stop()
@@ -35,13 +44,6 @@ def server():
 def modules(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("hardmods"))
     return {kind: session_modules.build(folder, kind) for kind in ("ok", "chatty")}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _remove_server_folders():
-    yield
-    while _FOLDERS:
-        shutil.rmtree(_FOLDERS.pop(), ignore_errors=True)
 
 
 def rss_bytes(pid: int) -> int:
