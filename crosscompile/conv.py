@@ -576,13 +576,21 @@ def emit_depthwise(k: Kernel, lanes: int, channels: int, geometry, X: ir.Value, 
 
 def depthwise_pieces(count: int, lanes: int) -> list:
     """(first, width, stored) vectors covering output columns [0, count):
-    whole vectors of `lanes`, then halves down to 4, then one vector of 4
-    (or `lanes` if fewer) of which only the first `stored` lanes are kept.
+    whole vectors of `lanes`; then, for more than half a vector left, one
+    more whole vector, else halves down to 4 and one vector of 4 (or
+    `lanes` if fewer); of the last only the first `stored` lanes are kept.
+    Each vector costs one FMA per tap whatever its width.
 
     >>> depthwise_pieces(14, 8)
-    [(0, 8, 8), (8, 4, 4), (12, 4, 2)]
+    [(0, 8, 8), (8, 8, 6)]
+    >>> depthwise_pieces(14, 4)
+    [(0, 4, 4), (4, 4, 4), (8, 4, 4), (12, 4, 2)]
     """
-    pieces, at, width = [], 0, lanes
+    full = count // lanes
+    pieces = [(v * lanes, lanes, lanes) for v in range(full)]
+    if 2 * (count - full * lanes) > lanes:
+        return pieces + [(full * lanes, lanes, count - full * lanes)]
+    at, width = full * lanes, lanes // 2
     while width >= min(4, lanes):
         while count - at >= width:
             pieces.append((at, width, width))
@@ -631,7 +639,6 @@ def emit_depthwise_padded(k: Kernel, lanes: int, channels: int, geometry, planes
     hq, wq = planes
     b = k.builder
     W = k.inputs[1]
-    i32 = ir.IntType(32)
     c_lo, c_hi = k.part(channels)
     with k.loop(c_hi, start=c_lo) as c:
         buf = k.index((c, hq * wq))
@@ -654,30 +661,58 @@ def emit_depthwise_padded(k: Kernel, lanes: int, channels: int, geometry, planes
         taps = [[k.load(W, k.index((c, kh_n * kw_n), (kh * kw_n + kw, 1))) for kw in range(kw_n)]
                 for kh in range(kh_n)]
         start = k.load(bias, c) if bias is not None else k.f32(0.0)
-        with k.loop(oh_n) as oh:
-            rows = [k.index((buf, 1), (oh, sh * wq), (kh * dh * wq, 1)) for kh in range(kh_n)]
-            out_row = k.index((c, oh_n * ow_n), (oh, ow_n))
-            pieces = depthwise_pieces(ow_n, lanes)
-            for at in range(0, len(pieces), DEPTHWISE_CHAINS):
-                # A few vectors of the row at once, tap by tap: independent
-                # chains of FMAs, where one vector's 49 taps of a 7x7 kernel
-                # would each wait for the one before.
-                group = pieces[at:at + DEPTHWISE_CHAINS]
-                accs = [splat(k, start, width) for _, width, _ in group]
-                for line, row_taps in zip(rows, taps):
-                    for kw, weight in enumerate(row_taps):
-                        for i, (first, width, _) in enumerate(group):
-                            x = load_strided(k, k.scratch, b.add(line, k.i64(first * sw + kw * dw)), width, sw,
-                                             spare=sw - 1)
-                            accs[i] = _fmuladd(k, x, splat(k, weight, width), accs[i])
-                for acc, (first, width, stored) in zip(accs, group):
-                    if vector_epilogue:
-                        with k.vector_constants(width):
-                            acc = k.activate(acc)
-                    if stored < width:
-                        acc = b.shuffle_vector(acc, acc, ir.Constant(ir.VectorType(i32, stored), list(range(stored))))
-                    b.store(acc, _vector_ptr(k, Y, b.add(out_row, k.i64(first)), stored), align=4)
+        pieces = depthwise_pieces(ow_n, lanes)
+        # Several output rows at once when a row has few vectors: more
+        # independent chains of FMAs (one vector's 49 taps of a 7x7 kernel
+        # would each wait for the one before), and a row of input loaded
+        # once for every output row of the group that reads it.
+        rows_per = max(1, min(oh_n, DEPTHWISE_CHAINS // len(pieces)))
+        groups = [pieces[at:at + DEPTHWISE_CHAINS] for at in range(0, len(pieces), DEPTHWISE_CHAINS)]
+        full, tail = divmod(oh_n, rows_per)
+        for count, first_row, height in ((full, 0, rows_per), (tail, full * rows_per, 1)):
+            if not count:
+                continue
+            with k.loop(count) as q:
+                oh = k.index((q, height), (first_row, 1))
+                top = k.index((buf, 1), (oh, sh * wq))
+                for group in groups:
+                    _depthwise_rows(k, Y, k.index((c, oh_n * ow_n), (oh, ow_n)), top, group, height, taps,
+                                    start, geometry, wq, vector_epilogue)
 
 
-# Vectors of an output row a depthwise convolution accumulates at once.
-DEPTHWISE_CHAINS = 4
+def _depthwise_rows(k: Kernel, Y, out_row, top, group, height: int, taps, start, geometry, wq: int,
+                    vector_epilogue: bool) -> None:
+    """`height` output rows from out_row on, the vectors of `group` of
+    each (see emit_depthwise_padded), their windows starting at row `top`
+    of the padded plane: tap by tap, every accumulator at once."""
+    (_, _, _), (_, kh_n, kw_n), (_, sh, sw), (_, dh, dw), _, _, (_, _, ow_n) = geometry
+    b = k.builder
+    i32 = ir.IntType(32)
+    accs = [[splat(k, start, width) for _, width, _ in group] for _ in range(height)]
+    loaded = {}
+    for kh, row_taps in enumerate(taps):
+        for kw, weight in enumerate(row_taps):
+            weights = {}
+            for r in range(height):
+                line = (r * sh + kh * dh) * wq  # rows of the group share the input rows they read
+                for i, (first, width, _) in enumerate(group):
+                    key = (line, first * sw + kw * dw, width)
+                    if key not in loaded:
+                        loaded[key] = load_strided(k, k.scratch, b.add(top, k.i64(key[0] + key[1])), width, sw,
+                                                   spare=sw - 1)
+                    if width not in weights:
+                        weights[width] = splat(k, weight, width)
+                    accs[r][i] = _fmuladd(k, loaded[key], weights[width], accs[r][i])
+    for r in range(height):
+        for acc, (first, width, stored) in zip(accs[r], group):
+            if vector_epilogue:
+                with k.vector_constants(width):
+                    acc = k.activate(acc)
+            if stored < width:
+                acc = b.shuffle_vector(acc, acc, ir.Constant(ir.VectorType(i32, stored), list(range(stored))))
+            b.store(acc, _vector_ptr(k, Y, b.add(out_row, k.i64(r * ow_n + first)), stored), align=4)
+
+
+# Vectors a depthwise convolution accumulates at once (of one output row,
+# or of several rows when a row has fewer): half of x86's 16 vector registers.
+DEPTHWISE_CHAINS = 8
