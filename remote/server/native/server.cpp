@@ -461,6 +461,9 @@ class DeviceService {
       describe(*session, status, &error_class, &reason);
       ::close(control_fd);
       session->control = -1;
+      // A thread that stopped this process waits for it to be gone before it
+      // frees the board; it must not wait out its whole limit.
+      changed_.notify_all();
     }
     end(session->id, reason, error_class, false);
     std::lock_guard<std::mutex> lock(mutex_);
