@@ -41,10 +41,11 @@ def _wait_registered(farm, board, key):
             time.sleep(0.1)
 
 
-def local_farm():
-    """A LocalFarm (real tracker process, no device servers) whose children import this tree."""
+def local_farm(keys=(), **options):
+    """A LocalFarm (real tracker process, by default no device servers) whose children
+    import this tree; ``options`` go to LocalFarm (server_command=..., server_args=...)."""
     from remote.cli.localfarm import LocalFarm
-    return LocalFarm(keys=[], env={**os.environ, "PYTHONPATH": ROOT})
+    return LocalFarm(keys=list(keys), env={**os.environ, "PYTHONPATH": ROOT}, **options)
 
 
 @contextlib.contextmanager

@@ -1,4 +1,5 @@
-"""Tiny modules written in C against docs/module-abi.md, built with the system cc.
+"""Tiny modules written in C against docs/module-abi.md, built with the system cc
+or a cross compiler for another board's architecture.
 
 They stand in for compiled models where a test needs a module that misbehaves
 (crashes, spins) or a plain object file to link on the board.
@@ -109,11 +110,11 @@ def build(folder: str, kind: str = "ok", compiler: str = None) -> str:
     return out
 
 
-def build_tar(folder: str) -> str:
+def build_tar(folder: str, compiler: str = None) -> str:
     """A module archive as the board links it: addone.o plus metadata.json."""
     source = _write_source(folder)
     obj = os.path.join(folder, "addone.o")
-    subprocess.run([C_COMPILER, "-c", "-fPIC", "-O1", *NO_LIBC, "-o", obj, source], check=True)
+    subprocess.run([compiler or C_COMPILER, "-c", "-fPIC", "-O1", *NO_LIBC, "-o", obj, source], check=True)
     meta = os.path.join(folder, "metadata.json")
     with open(meta, "w") as f:
         json.dump(METADATA, f)

@@ -1,5 +1,10 @@
 """Device sessions against real standalone device servers: isolation, transfers,
-the workspace sandbox, remote tensors, timing on the board and typed errors."""
+the workspace sandbox, remote tensors, timing on the board and typed errors.
+
+Every test runs against each kind of tests/board_servers.py: the Python and the
+native server on this machine, and the native server built for aarch64 and
+32-bit ARM boards under qemu-user (their modules built by the cross compilers).
+"""
 import os
 import shutil
 import socket
@@ -20,19 +25,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
 MAX_UPLOAD = 256 << 20
 
-pytestmark = pytest.mark.skipif(session_modules.C_COMPILER is None,
-                                reason="needs a C compiler (cc) to build test modules")
-
-
 # Every server's workspaces and log, removed when the module's tests are done.
 _FOLDERS = []
-# The device server these tests start: each test runs against both kinds.
+# The device server these tests start, with the options its kind needs: each
+# test runs against every kind.
 _COMMAND = []
 
 
-@pytest.fixture(scope="module", autouse=True, params=board_servers.KINDS)
+@pytest.fixture(scope="module", autouse=True,
+                params=board_servers.KINDS + board_servers.EMULATED_KINDS)
 def kind(request):
-    _COMMAND[:] = board_servers.command(request.param)
+    _COMMAND[:] = [*board_servers.command(request.param),
+                   *board_servers.server_options(request.param)]
     yield request.param
     while _FOLDERS:
         shutil.rmtree(_FOLDERS.pop(), ignore_errors=True)
@@ -57,9 +61,16 @@ def server(kind):
 
 
 @pytest.fixture(scope="module")
-def modules(tmp_path_factory):
+def compiler(kind):
+    """The C compiler that builds modules for this kind's board."""
+    return board_servers.compiler(kind)
+
+
+@pytest.fixture(scope="module")
+def modules(tmp_path_factory, compiler):
     folder = str(tmp_path_factory.mktemp("cmods"))
-    return {kind: session_modules.build(folder, kind) for kind in ("ok", "crash", "hang")}
+    return {name: session_modules.build(folder, name, compiler=compiler)
+            for name in ("ok", "crash", "hang")}
 
 
 def connect(srv, **kw):
@@ -349,8 +360,8 @@ def test_remote_tensors_stay_on_the_board_between_runs(server, modules):
         sess.ping()
 
 
-def test_module_tar_is_linked_on_the_board(server, tmp_path):
-    tar = session_modules.build_tar(str(tmp_path))
+def test_module_tar_is_linked_on_the_board(server, compiler, tmp_path):
+    tar = session_modules.build_tar(str(tmp_path), compiler=compiler)
     with connect(server) as sess:
         sess.upload(tar)
         mod = sess.load_module("addone.tar")
@@ -363,8 +374,8 @@ def test_module_tar_is_linked_on_the_board(server, tmp_path):
             sess.load_module("junk.tar")
 
 
-def test_module_tar_without_a_compiler_on_the_board_is_a_clear_error(tmp_path):
-    tar = session_modules.build_tar(str(tmp_path))
+def test_module_tar_without_a_compiler_on_the_board_is_a_clear_error(compiler, tmp_path):
+    tar = session_modules.build_tar(str(tmp_path), compiler=compiler)
     srv = start_server("--cc", "no-such-cc")
     try:
         with connect(srv) as sess:
@@ -375,15 +386,16 @@ def test_module_tar_without_a_compiler_on_the_board_is_a_clear_error(tmp_path):
         srv.stop()
 
 
-@pytest.mark.skipif(not session_modules.shutil.which("aarch64-linux-gnu-gcc"),
-                    reason="needs aarch64-linux-gnu-gcc (Debian gcc-aarch64-linux-gnu)")
-def test_wrong_architecture_names_both_machines(server, tmp_path):
-    arm = session_modules.build(str(tmp_path), "ok", compiler="aarch64-linux-gnu-gcc")
+def test_wrong_architecture_names_both_machines(server, kind, tmp_path):
+    own = board_servers.machine(kind)
+    other, other_compiler = board_servers.foreign_compiler(kind)
+    foreign = session_modules.build(str(tmp_path), "ok", compiler=other_compiler)
     with connect(server) as sess:
-        sess.upload(arm, target="arm.so")
+        sess.upload(foreign, target="foreign.so")
         with pytest.raises(errors.ModuleLoadError,
-                           match=r"arm.so is a 64-bit aarch64 module.*runs 64-bit x86_64"):
-            sess.load_module("arm.so")
+                           match=fr"foreign.so is a {other.bits}-bit {other.elf_name} module"
+                                 fr".*runs {own.bits}-bit {own.elf_name}"):
+            sess.load_module("foreign.so")
         sess.upload(b"\x7fELF garbage", target="corrupt.so")
         with pytest.raises(errors.ModuleLoadError, match="corrupt.so is not an ELF shared object"):
             sess.load_module("corrupt.so")
@@ -410,8 +422,9 @@ def test_benchmark_runs_on_the_board(server, modules):
             mod.benchmark(repeat=0)
 
 
-def test_benchmark_without_number_or_timeout_sizes_itself_from_a_first_run(server, tmp_path):
-    slow = session_modules.build(str(tmp_path), "slow")
+def test_benchmark_without_number_or_timeout_sizes_itself_from_a_first_run(server, compiler,
+                                                                           tmp_path):
+    slow = session_modules.build(str(tmp_path), "slow", compiler=compiler)
     with connect_when_free(server, timeout=5.0) as sess:  # calls get 5 s: less than the loop
         sess.upload(slow, target="slow.so")
         mod = sess.load_module("slow.so")
@@ -424,7 +437,8 @@ def test_device_info_names_the_board_and_its_runtime(server, kind):
     import platform
     with connect(server) as sess:
         info = sess.device_info()
-    assert info["triple"].startswith(platform.machine()) and info["cores"] >= 1
+    board = board_servers.machine(kind).triple if board_servers.emulated(kind) else platform.machine()
+    assert info["triple"].startswith(board) and info["cores"] >= 1
     assert info["memory_bytes"] > 0 and info["server_version"]
     assert info["emulated"] == ""  # a real machine; `tether emulate` boards say how
     if kind == "python":
