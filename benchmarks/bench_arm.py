@@ -6,7 +6,8 @@ own aarch64 wheel, one thread each, in the same Debian root filesystem.
 Models: squeezenet and resnet50 from the onnx package's light zoo (random
 parameters, as in tests/test_zoo.py), resnet18, mobilenetv2 and
 efficientnet_b0 built by tests/architectures.py; one 1 x 3 x 224 x 224 image
-each. Counts come from
+each; and vit_block, the ViT encoder block of tests/transformer_models.py
+(17 tokens, its attention one fused kernel). Counts come from
 deploy_recipes/instruction_count.py (a qemu plugin, R and R + N inferences).
 A count is exact and repeatable where wall time under emulation means
 nothing, but it is not a time: use the ratios, and confirm on a board.
@@ -40,6 +41,7 @@ from deploy_recipes import emulate, instruction_count  # noqa: E402
 from remote.defaults import cache_dir  # noqa: E402
 from tests.architectures import efficientnet_b0, mobilenet_v2, resnet  # noqa: E402
 from tests.onnx_models import zoo_model  # noqa: E402
+from tests.transformer_models import vit_block  # noqa: E402
 
 RELEASE = "bookworm"
 MODELS = {
@@ -48,6 +50,7 @@ MODELS = {
     "resnet50": lambda: zoo_model("resnet50", logits=False),
     "mobilenetv2": mobilenet_v2,
     "efficientnet_b0": efficientnet_b0,
+    "vit_block": lambda: vit_block(opset=17),
 }
 # preset: (Debian architecture, qemu core, whether onnxruntime has a wheel for it).
 TARGETS = {

@@ -133,9 +133,11 @@ class Kernel:
         return slot
 
     # -- threads --------------------------------------------------------------
-    def part(self, count: int):
+    def part(self, count: int, workers: "ir.Value | None" = None):
         """This thread's share [lo, hi) of range(count), as i64 values; the
-        whole range in a kernel that is not parallel."""
+        whole range in a kernel that is not parallel. With workers (an i32
+        value, at most the thread count), the range is shared between the
+        first `workers` threads alone."""
         if not self.parallel:
             return self.i64(0), self.i64(count)
         b = self.builder
@@ -144,12 +146,22 @@ class Kernel:
         # Exact while count * threads < 2**53; thread t's hi is the same
         # expression as thread t+1's lo, so the shares tile the range.
         f64 = ir.DoubleType()
-        threads = b.uitofp(self.threads, f64)
+        threads = b.uitofp(self.threads if workers is None else workers, f64)
 
         def bound(t):
             share = b.fdiv(b.fmul(ir.Constant(f64, float(count)), b.uitofp(t, f64)), threads)
             return b.zext(b.fptoui(share, I32), I64)
         return bound(self.thread), bound(b.add(self.thread, ir.Constant(I32, 1)))
+
+    @contextmanager
+    def alone(self):
+        """Code emitted inside works on data of its thread's own: part()
+        gives it the whole range and barrier() waits for nobody."""
+        parallel, self.parallel = self.parallel, False
+        try:
+            yield
+        finally:
+            self.parallel = parallel
 
     def barrier(self) -> None:
         """Wait until every thread of a parallel kernel has arrived here."""

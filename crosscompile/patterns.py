@@ -9,7 +9,10 @@ exporters write it for opsets that lack it, and put the op in its place:
   Mul by x and Mul by 0.5 (in either order), becomes one Gelu, which then
   fuses into the kernel producing x like any activation; so does the tanh
   approximation, x^3, Mul by 0.044715, Add x, Mul by sqrt(2 / pi), Tanh
-  and the same tail, as a Gelu with approximate="tanh".
+  and the same tail, as a Gelu with approximate="tanh";
+- attention: MatMul(Q, K^T), a scale, masks, Softmax and MatMul(., V)
+  become one FusedAttention kernel that holds one head's scores at a time
+  per thread (attention.py), not every head's.
 
 Pure functions from a Graph to a Graph, as in passes.py.
 """
@@ -254,3 +257,94 @@ def _gelu_tail(uses: _Uses, producer: dict, x: str, phi: str):
             or not uses.scalar(uses.other_input(half, x), 0.5) or len(uses.readers[other]) != 1):
         return None
     return [plus_one, half, product]
+
+
+# Score matrices the fused attention kernel keeps in scratch at most: the
+# most threads that share its heads (boards have up to 4 cores; further
+# threads wait at the kernel's barrier).
+ATTENTION_SLOTS = 4
+
+
+def fuse_attention(graph: Graph) -> Graph:
+    """Replace each MatMul(Q, K^T) -> Mul or Div by a scalar constant
+    (optional) -> Add of masks (up to two, each broadcasting to the scores
+    with rows as long as theirs) -> Softmax over the last axis -> MatMul(., V)
+    by one FusedAttention node (attention.py), which computes one head's
+    scores at a time per thread instead of all of them
+    (schedule.assign_tiles then gives it the tile of its two products). Q, K^T and V must share
+    their batch dimensions and every intermediate have one reader;
+    anything else (a mask of another shape, a Softmax on another axis, a
+    product by constant weights) keeps the separate ops.
+
+    >>> fused = fuse_attention(graph)  # doctest: +SKIP
+    """
+    uses = _Uses(graph)
+    matches = []
+    for first in graph.nodes:
+        found = _attention_chain(graph, uses, first)
+        if found is None:
+            continue
+        chain, scale, masks = found
+        q, kt = first.inputs
+        v = chain[-1].inputs[1]
+        batch = graph.tensors[q].shape[:-2]
+        attrs = {"scale": scale, "slots": min(ATTENTION_SLOTS, math.prod(batch))}
+        # In the place of the last MatMul, where V and the masks are computed.
+        matches.append(([chain[-1], *chain[:-1]], Node("FusedAttention", f"{first.name}/attention",
+                                                       [q, kt, v, *masks], list(chain[-1].outputs), attrs)))
+    return _replace_chains(graph, matches)
+
+
+def _plain_product(graph: Graph, node) -> bool:
+    """A MatMul of two runtime operands with nothing fused into it."""
+    return (node is not None and node.op_type == "MatMul" and len(node.inputs) == 2
+            and not any(node.attrs.get(key) for key in ("epilogue", "bias"))
+            and not any(t in graph.constants for t in node.inputs))
+
+
+def _attention_chain(graph: Graph, uses: _Uses, first: Node):
+    """(nodes, scale, masks) of the attention chain starting at MatMul
+    first, or None."""
+    if not _plain_product(graph, first):
+        return None
+    q, kt = (graph.tensors[t].shape for t in first.inputs)
+    if len(q) < 3 or len(kt) != len(q) or q[:-2] != kt[:-2]:
+        return None
+    scores = graph.tensors[first.outputs[0]].shape
+    chain, tensor, scale, masks = [first], first.outputs[0], 1.0, []
+    readers = uses.readers.get(tensor, [])
+    node = readers[0] if len(readers) == 1 else None
+    if node is not None and node.op_type in ("Mul", "Div"):
+        factor = uses.other_input(node, tensor)
+        value = graph.constants.get(factor) if factor is not None else None
+        if (value is None or value.size != 1 or value.dtype.kind != "f"
+                or (node.op_type == "Div" and node.inputs[0] != tensor)):
+            return None
+        value = float(value.reshape(-1)[0])
+        scale = value if node.op_type == "Mul" else 1.0 / value
+        chain.append(node)
+        tensor = node.outputs[0]
+    while len(masks) < 2:
+        add = uses.only(tensor, "Add")
+        mask = add and uses.other_input(add, tensor)
+        if mask is None:
+            break
+        shape = graph.tensors[mask].shape
+        if (graph.tensors[mask].dtype != "float32" or len(shape) > len(scores) or not shape
+                or shape[-1] != scores[-1] or graph.tensors[add.outputs[0]].shape != scores
+                or not all(s in (1, full) for s, full in zip(shape[::-1], scores[::-1]))):
+            return None
+        chain.append(add)
+        masks.append(mask)
+        tensor = add.outputs[0]
+    softmax = uses.only(tensor, "Softmax")
+    if (softmax is None or softmax.attrs.get("epilogue") or graph.tensors[tensor].shape != scores
+            or (softmax.attrs["axis"] % len(scores)) != len(scores) - 1):
+        return None
+    last = uses.only(softmax.outputs[0], "MatMul")
+    if not _plain_product(graph, last) or last.inputs[0] != softmax.outputs[0]:
+        return None
+    v = graph.tensors[last.inputs[1]].shape
+    if len(v) != len(q) or v[:-1] != scores[:-2] + (scores[-1],):
+        return None
+    return chain + [softmax, last], scale, masks

@@ -306,6 +306,9 @@ def assign_tiles(graph, target, table: Mapping):
         elif runs_as_tiled_product(graph, node):
             node = Node(node.op_type, node.name, list(node.inputs), list(node.outputs),
                         dict(node.attrs, matmul_tile=tile_for(target), pack_rows=target.multiplies_by_lane))
+        elif node.op_type == "FusedAttention":  # its two products, Q and the scores read in place
+            node = Node(node.op_type, node.name, list(node.inputs), list(node.outputs),
+                        dict(node.attrs, matmul_tile=tile_for(target)))
         nodes.append(node)
     return replace(graph, nodes=nodes)
 

@@ -1,0 +1,90 @@
+"""Attention's MatMul(Q, K^T) -> scale -> (+ mask) -> Softmax -> MatMul(., V)
+as one kernel (patterns.fuse_attention, crosscompile/attention.py): one
+head's scores at a time per thread, compared with onnxruntime on 1, 2 and
+3 threads; chains that differ keep their separate ops and stay correct;
+a BERT-style encoder's workspace holds the scores of a few heads, not of
+all of them."""
+import numpy as np
+import pytest
+from onnx import helper
+
+import crosscompile
+from crosscompile.patterns import ATTENTION_SLOTS
+from tests.onnx_models import make_model
+from tests.test_ops_matmul import run_threads, steps
+from tests.transformer_models import bert_encoder
+
+
+def attention(batch, heads, m, n, d, dv, mask=None, scale=("Div", 4.0), axis=-1, constant_mask=None):
+    """softmax(Q @ K^T / scale + mask) @ V on inputs q (batch, heads, m, d),
+    k (batch, heads, n, d), v (batch, heads, n, dv) and a mask input of
+    shape `mask` (or the constant constant_mask)."""
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "kt"], ["scores"])]
+    inits, last = {}, "scores"
+    if scale is not None:
+        inits["s"] = np.float32(scale[1])
+        nodes.append(helper.make_node(scale[0], [last, "s"], ["scaled"]))
+        last = "scaled"
+    inputs = {"q": (batch, heads, m, d), "k": (batch, heads, n, d), "v": (batch, heads, n, dv)}
+    if mask is not None or constant_mask is not None:
+        if constant_mask is not None:
+            inits["mask"] = constant_mask
+        else:
+            inputs["mask"] = mask
+        nodes.append(helper.make_node("Add", [last, "mask"], ["masked"]))
+        last = "masked"
+    nodes += [helper.make_node("Softmax", [last], ["probs"], axis=axis),
+              helper.make_node("MatMul", ["probs", "v"], ["y"])]
+    return make_model(nodes, inputs, {"y": None}, inits)
+
+
+@pytest.mark.parametrize("batch,heads,m,n,d,dv,mask", [
+    (1, 1, 5, 5, 8, 8, None),               # one head, fewer tokens than a vector
+    (1, 4, 17, 17, 16, 16, None),           # a ViT block's heads
+    (2, 3, 13, 19, 8, 5, (2, 1, 1, 19)),    # a padding mask per sequence, odd sizes
+    (1, 6, 33, 33, 12, 12, (1, 6, 33, 33)),  # a mask per head and row
+    (1, 2, 1, 9, 4, 3, (9,)),               # one query row
+])
+def test_fused_attention_matches_onnxruntime(tmp_path, batch, heads, m, n, d, dv, mask):
+    lib = run_threads(attention(batch, heads, m, n, d, dv, mask), tmp_path)
+    fused = ["MatMul", "Div"] + (["Add"] if mask else []) + ["Softmax", "MatMul"]
+    assert ("FusedAttention", fused) in steps(lib)
+    assert not {"Softmax", "MatMul"} & {op for op, _ in steps(lib)}
+
+
+def test_scale_by_mul_and_two_constant_masks_fuse(tmp_path):
+    """Swin's form: scale on Q (outside the chain), a bias per head and a mask per window."""
+    rng = np.random.default_rng(3)
+    model = attention(4, 2, 16, 16, 8, 8, scale=("Mul", 0.35), constant_mask=rng.standard_normal(
+        (2, 16, 16)).astype(np.float32))
+    graph = model.graph
+    graph.initializer.append(helper.make_tensor("window_mask", 1, (4, 1, 16, 16),
+                                                rng.standard_normal((4, 1, 16, 16)).ravel().tolist()))
+    adds = [n for n in graph.node if n.op_type == "Add"]
+    adds[0].output[0] = "biased"
+    graph.node.insert(list(graph.node).index(adds[0]) + 1,
+                      helper.make_node("Add", ["biased", "window_mask"], ["masked"]))
+    lib = run_threads(model, tmp_path)
+    assert ("FusedAttention", ["MatMul", "Mul", "Add", "Add", "Softmax", "MatMul"]) in steps(lib)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"mask": (1, 2, 7, 1)},   # a mask broadcast along the columns
+    {"axis": 2},              # Softmax over the query rows
+    {"scale": None, "mask": (1, 2, 7, 9)},  # no scale: still fused
+])
+def test_chains_that_differ_stay_correct(tmp_path, kwargs):
+    lib = run_threads(attention(1, 2, 7, 9, 4, 6, **kwargs), tmp_path)
+    fusable = kwargs.get("axis", -1) == -1 and kwargs.get("mask", (9,))[-1] == 9
+    assert any(op == "FusedAttention" for op, _ in steps(lib)) == fusable
+
+
+def test_bert_workspace_holds_a_few_heads_scores_not_all():
+    tokens, heads = 128, 8
+    lib = crosscompile.build(bert_encoder(tokens=tokens, width=64, heads=heads), "host")
+    assert [op for op, _ in steps(lib)].count("FusedAttention") == 2
+    all_scores = heads * tokens * tokens * 4
+    assert ATTENTION_SLOTS < heads
+    assert lib.summary["workspace_bytes"] < all_scores
+    assert lib.summary["workspace_bytes"] >= ATTENTION_SLOTS * tokens * tokens * 4
