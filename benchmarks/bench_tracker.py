@@ -5,8 +5,12 @@
 1. request -> session -> close: from ``request(key)`` to a connected session
    on a free device and until that session is closed again, with a real
    tracker and a real device server as processes on loopback (ours:
-   ``with tracker.request(key): pass``; TVM: ``connect_tracker(...).request(key)``
-   returning an ``RPCSession``, then dropped, which ends TVM's session).
+   ``with tracker.request(key): pass``, once with the native C++ board server
+   and once with the Python one behind the same tracker; TVM:
+   ``connect_tracker(...).request(key)`` returning an ``RPCSession``, then
+   dropped, which ends TVM's session, with ``python -m tvm.exec.rpc_server``,
+   the only TVM server that registers with a tracker: each session's socket
+   is served by libtvm_runtime's C++ ``RPCServerLoop`` in a forked process).
 2. leases/s: many client threads lease devices from a tracker process that has
    ``--devices`` devices registered and give them back. For us the devices
    are a simulator process (benchmarks/board_sim.py) keeping one real board
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import socket
 import statistics
 import struct
@@ -34,7 +39,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from remote import rpc  # noqa: E402
-from remote.cli.localfarm import Child, LocalFarm  # noqa: E402
+from remote.cli.localfarm import Child, LocalFarm, python_argv  # noqa: E402
+from remote.cli.native import build_native  # noqa: E402
 
 KEY = "bench"
 
@@ -56,8 +62,8 @@ def describe(samples):
 
 # ------------------------------------------------------ request-to-session --
 
-def ours_request_to_session(sessions: int):
-    with LocalFarm(keys=[KEY], env=env()) as farm:
+def ours_request_to_session(sessions: int, server_command):
+    with LocalFarm(keys=[KEY], env=env(), server_command=server_command) as farm:
         tracker = rpc.connect_tracker(*farm.tracker)
         samples = []
         for i in range(sessions + 5):
@@ -251,16 +257,24 @@ def main(argv=None):
     except ImportError:
         have_tvm = False
         print("apache-tvm is not installed (pip install apache-tvm): measuring ours only")
+    figures = {}
 
     print(f"request -> session -> close, {args.sessions} sessions, loopback, "
           "real tracker and device server processes")
-    ours = describe(ours_request_to_session(args.sessions))
-    print(f"  tether  median {ours[0]:7.2f} ms   p90 {ours[1]:7.2f} ms")
-    figures = {"ours_request_to_session_ms": ours[0]}
+    commands = {"native": [build_native(platform.machine())],
+                "python": python_argv("remote.server")}
+    ours = {kind: describe(ours_request_to_session(args.sessions, command))
+            for kind, command in commands.items()}
+    for kind, (median, p90) in ours.items():
+        print(f"  tether {kind:<7} median {median:7.2f} ms   p90 {p90:7.2f} ms")
+        figures[f"{kind}_request_to_session_ms"] = median
+    native = ours["native"][0]
+    print(f"  native/python = {native / ours['python'][0]:.2f} (median; below 1 is native faster)")
     if have_tvm:
         theirs = describe(tvm_request_to_session(args.sessions))
-        print(f"  tvm     median {theirs[0]:7.2f} ms   p90 {theirs[1]:7.2f} ms")
-        print(f"  tether is {theirs[0] / ours[0]:.1f}x faster (median)")
+        print(f"  tvm            median {theirs[0]:7.2f} ms   p90 {theirs[1]:7.2f} ms")
+        print(f"  native/tvm = {native / theirs[0]:.2f}, python/tvm = "
+              f"{ours['python'][0] / theirs[0]:.2f} (median; below 1 is ours faster)")
         figures["tvm_request_to_session_ms"] = theirs[0]
 
     print(f"leases/s, {args.devices} registered devices speaking each tracker's protocol, "
