@@ -269,10 +269,15 @@ class Zygote:
     def close(self):
         self._closed = True
         try:
-            self._control.close()
+            # Shut down before closing: while the reader thread is blocked in
+            # recv() on it, close() alone leaves the socket open, the zygote
+            # never sees its end, and stopping the server waited 10 s for it.
+            self._control.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+        self._control.close()
         try:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait()
