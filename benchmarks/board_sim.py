@@ -11,15 +11,16 @@ farm of idle boards. It prints ``registered N`` once all are registered and
 The boards stand for machines of their own, so the simulator spends as little
 of the tracker's host as it can: no event loop and no protobuf after
 registration. The boards' pings are spread evenly over the interval, one
-slice of boards every few milliseconds, and each board reads what the
-tracker sent it (its pongs, relay requests it leaves unanswered) just before
-its next ping. A board whose link the tracker closes is counted as dropped.
+slice of boards every few milliseconds, and before each slice pings, the
+links the tracker wrote to (its pongs, relay requests left unanswered) are
+read. A board whose link the tracker closes is counted as dropped.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import resource
+import select
 import selectors
 import socket
 import sys
@@ -86,12 +87,23 @@ class Pinger:
         self.count = 0
         self.interval = 1.0
         self.report = False  # "pings P" lines only after "registered N"
+        self.poll = select.epoll()
+        self.by_fd = {}
 
     def add(self, socks: list, interval: float) -> None:
         self.interval = interval
         for sock in socks:
+            self.by_fd[sock.fileno()] = sock
+            self.poll.register(sock.fileno(), select.EPOLLIN)
             self.slices[self.count % SLICES].append(sock)
             self.count += 1
+
+    def forget(self, sock: socket.socket) -> None:
+        fd = sock.fileno()
+        if fd >= 0 and self.by_fd.get(fd) is sock:
+            del self.by_fd[fd]
+            self.poll.unregister(fd)
+        sock.close()
 
     def run(self) -> None:
         ping = frame_bytes(pb.DataFrame(op="ping"))
@@ -102,28 +114,33 @@ class Pinger:
         while True:
             for group in self.slices:
                 due += self.interval / SLICES
+                # Only the links the tracker wrote to are read (its pongs come
+                # once in a few pings); a closed link reads as end of file.
+                for fd, _ in self.poll.poll(0):
+                    sock = self.by_fd.get(fd)
+                    if sock is None:
+                        continue
+                    try:
+                        n = len(scratch)
+                        while n == len(scratch):
+                            n = sock.recv_into(scratch)
+                        if n == 0:
+                            self.forget(sock)  # its next ping fails: counted dropped
+                    except BlockingIOError:
+                        pass
+                    except OSError:
+                        self.forget(sock)
                 for i, sock in enumerate(group):
                     if sock is None:
                         continue
                     try:
-                        while True:
-                            n = sock.recv_into(scratch)
-                            if n < len(scratch):
-                                break
-                        alive = n > 0
-                    except BlockingIOError:
-                        alive = True
+                        sock.send(ping)
+                        pings += 1
+                        continue
                     except OSError:
-                        alive = False
-                    if alive:
-                        try:
-                            sock.send(ping)
-                            pings += 1
-                            continue
-                        except OSError:
-                            pass
+                        pass
                     group[i] = None
-                    sock.close()
+                    self.forget(sock)
                     dropped += 1
                 now = time.monotonic()
                 if self.report and now >= next_report:

@@ -226,6 +226,9 @@ class TrackerService:
                        + ("through the relay" if relayed else f"at {frame.address}"))
         return device_id, credential, heartbeat_interval(self.eviction_window_s)
 
+    def board_count(self) -> int:
+        return len(self._scheduler.devices)
+
     def board_seen(self, device_id: str) -> None:
         # One attribute store, atomic in Python: no lock for the most frequent call.
         device = self._scheduler.devices.get(device_id)
