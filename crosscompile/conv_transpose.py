@@ -3,24 +3,39 @@ which decoders (U-Net, FCN heads, audio upsamplers) use to upsample.
 
 Each input value is scattered into the output: output position
 o = i * stride + k * dilation - pad_begin along every spatial axis. Per
-image and group, a run of input rows is first multiplied by the weights,
-columns[(output channel, tap), pixel] = W^T . X, a matrix product whose
-innermost loop runs along the pixels; then every column row is added into
-the output along input rows (col2im). The output columns an input row
-reaches for each kernel column are known at compile time, so padding and
-the output's edges never become a branch in the innermost loop. The runs
-of rows are as long as keeps the columns within SCRATCH_FLOATS.
+image and group, in runs of output rows (column_plan), the input rows a
+run reads are first multiplied by the weights,
+columns[(output channel, tap), pixel] = W^T . X: with constant weights on
+the GEMM micro-kernel (gemm.emit_gemm; the weights packed at compile time
+by passes.pack_conv_weights, the input rows copied into the kernel's
+column panels), else as a plain product. Then every output value is
+gathered once from the columns that reach it (col2im turned around): the
+bias, the column values and the fused epilogue in registers, one store
+per output, no pass over the output to clear it or to activate it. Along
+the width, output column q * stride + r takes the taps of phase r, which
+read their columns at q plus a shift known at compile time: a vector of
+q per phase, the phases interleaved in registers, is a run of
+stride x lanes outputs. Which rows of columns an output row reads comes
+from a table made at compile time.
 """
 from __future__ import annotations
 
-from .errors import BuildError, ShapeError
-from .gemm import divide
-from .matmul import strided_matmul
-from .op_base import Op, _ints
-from .window import _valid_range, _window_attributes
+from dataclasses import dataclass
 
-# Floats of the columns of one run of input rows (256 KiB: an L2 share).
-SCRATCH_FLOATS = 64 * 1024
+import numpy as np
+from llvmlite import ir
+
+from .conv import _i32_table
+from .errors import BuildError, ShapeError
+from .gemm import divide, emit_gemm, pack_weights, splits_columns
+from .matmul import strided_matmul
+from .op_base import Op, _ints, _prod
+from .vectors import _vector_ptr, interleave, row_pieces, splat, vector_epilogue
+from .window import _window_attributes
+
+# Floats of the columns and panels of one run of output rows (512 KiB: a core's L2 on
+# the AVX2 host; a 4 x 4 kernel's runs then need few input rows twice).
+SCRATCH_FLOATS = 128 * 1024
 
 
 def transpose_geometry(x_shape, w_shape, attrs):
@@ -111,77 +126,356 @@ class ConvTranspose(Op):
         out = transpose_geometry(x, w, attrs)[-1]
         return [(x[0], w[1] * group, *out[5 - len(x):])]
 
-    def _plan(self, inputs, attrs):
-        """(geometry, group, input channels and output channels per group,
-        taps, input rows per run) of a lowering."""
-        x, w = inputs[0].shape, inputs[1].shape
-        geometry = transpose_geometry(x, w, attrs)
-        (dz, h, wd), kernel = geometry[0], geometry[1]
-        group = attrs["group"]
-        taps = kernel[0] * kernel[1] * kernel[2]
-        rows = max(1, min(dz * h, SCRATCH_FLOATS // (w[1] * taps * wd)))
-        return geometry, group, x[1] // group, w[1], taps, rows
+    def _plan(self, inputs, attrs) -> "ColumnPlan":
+        x = inputs[0].shape
+        w = attrs.get("weight_shape") or inputs[1].shape
+        return column_plan(transpose_geometry(x, w, attrs), x[1] // attrs["group"], w[1], "packed_mr" in attrs)
 
     def scratch_bytes(self, inputs, outputs, attrs):
-        geometry, _, _, mg, taps, rows = self._plan(inputs, attrs)
-        return 4 * mg * taps * rows * geometry[0][2]
+        return 4 * self._plan(inputs, attrs).scratch_floats
+
+    def parallel(self, attrs):
+        return "packed_mr" in attrs
 
     def lower(self, k, inputs, outputs, attrs):
-        geometry, group, cg, mg, taps, rows = self._plan(inputs, attrs)
-        (dz, h, wd), (kz, kh_n, kw_n), (sz, sh, sw), (ddz, dh, dw), (pz, ph, pw), (oz, oh_n, ow_n) = geometry
-        n_n, c_n, m_n = inputs[0].shape[0], inputs[0].shape[1], mg * group
-        volume_in, volume_out = dz * h * wd, oz * oh_n * ow_n
-        lines = dz * h  # input rows of one plane, depth and height together
+        plan = self._plan(inputs, attrs)
+        x = inputs[0].shape
+        (dz, h, wd), kernel, _, _, _, (oz, oh_n, ow_n) = plan.geometry
+        group, mg, cg = attrs["group"], plan.channels, plan.depth
+        taps = _prod(kernel)
+        volume_in, volume_out, n = dz * h * wd, oz * oh_n * ow_n, plan.n
         bld = k.builder
-        X, W, Y, cols = k.inputs[0], k.inputs[1], k.outputs[0], k.scratch
+        X, W = k.inputs[0], k.inputs[1]
         bias = k.inputs[2] if len(inputs) == 3 else None
-        with k.loop(n_n) as n, k.loop(group) as g:
-            out_base = k.index((n, m_n * volume_out), (g, mg * volume_out))
-            with k.loop(mg) as m:
-                start = k.load(bias, k.index((g, mg), (m, 1))) if bias is not None else k.f32(0.0)
-                with k.loop(volume_out) as o:
-                    k.store(start, Y, k.index((out_base, 1), (m, volume_out), (o, 1)))
-            with k.loop(-(-lines // rows)) as run:
-                first = bld.mul(run, k.i64(rows))
-                count = k.smin(k.i64(rows), bld.sub(k.i64(lines), first))
-                pixels = rows * wd
-                # columns[m * taps + tap, p] = sum_c W[g * cg + c, m, tap] * X[n, g * cg + c, first row + p]
-                x_base = k.index((n, c_n * volume_in), (g, cg * volume_in), (first, wd))
-                strided_matmul(k, mg * taps, cg, pixels, (1, mg * taps), (volume_in, 1),
-                               (k.index((g, cg * mg * taps)), x_base, 0), operands=(W, X, cols))
-                with k.loop(count) as r:
-                    line = bld.add(first, r)
-                    iz = line if h == 1 else divide(k, line, h)
-                    iy = bld.sub(line, bld.mul(iz, k.i64(h)))
-                    self._add_columns(k, cols, Y, out_base, k.index((r, wd)), iz, iy, geometry, mg, pixels)
-            if k.epilogue:
-                with k.loop(mg * volume_out) as o:
-                    at = k.index((out_base, 1), (o, 1))
-                    k.store(k.activate(k.load(Y, at)), Y, at)
-        k.activated = True
+        tile = attrs.get("columns_tile") if plan.panels else None
+        # The zero row would otherwise become a memset call (see Conv._lower_gemm).
+        set.add(k.function.attributes, '"no-builtins"')
+        epilogue = vector_epilogue(k)
+        sources = _i32_table(k, plan.sources)
+        starts = _i32_table(k, plan.starts)
+        columns = bld.gep(k.scratch, [k.i64(plan.columns_at)])
+        lo, hi = k.part(wd)
+        with k.loop(hi, start=lo) as i:  # what a missing row of columns reads
+            k.store(k.f32(0.0), k.scratch, k.index((i, 1), (plan.zero_at, 1)))
+        with k.loop(x[0]) as image, k.loop(group) as g:
+            x_base = k.index((image, x[1] * volume_in), (g, cg * volume_in))
+            y_base = k.index((image, mg * group * volume_out), (g, mg * volume_out))
+            for count, first, lines in _runs(oz * oh_n, plan.lines):
+                with k.loop(count) as j:
+                    run = k.index((j, 1), (first // plan.lines, 1))
+                    if first or count > 1:
+                        # Every thread has gathered the last run's columns
+                        # before they are overwritten.
+                        with bld.if_then(bld.icmp_signed(">", run, k.i64(0))):
+                            k.barrier()
+                    b_base = bld.add(x_base, bld.sext(k.load(starts, run), ir.IntType(64)))
+                    if tile is not None:
+                        _multiply_panels(k, tile, plan, bld.gep(W, [k.index((g, plan.weight_floats(tile)))]),
+                                         b_base, columns)
+                    else:
+                        # columns[m * taps + tap, p] = sum_c W[g * cg + c, m, tap] * X[image, g * cg + c, p]
+                        strided_matmul(k, mg * taps, cg, n, (1, mg * taps), (volume_in, 1),
+                                       (k.index((g, cg * mg * taps)), b_base, 0), operands=(W, X, columns))
+                    k.barrier()  # threads gather columns other threads computed
+                    _gather(k, plan, sources, k.index((run, plan.lines)), lines, k.index((g, mg)), y_base,
+                            bias, epilogue)
+            if x[0] * group > 1:
+                k.barrier()  # before the next image or group overwrites the columns
+        k.activated = epilogue or not k.epilogue
 
-    @staticmethod
-    def _add_columns(k, cols, Y, out_base, pixel0, iz, iy, geometry, mg, pixels):
-        """Add the columns of one input row (pixels from pixel0 of each
-        column row) into the output positions it reaches."""
-        bld = k.builder
-        (_, _, wd), (kz, kh_n, kw_n), (sz, sh, sw), (ddz, dh, dw), (pz, ph, pw), (oz, oh_n, ow_n) = geometry
-        taps = kz * kh_n * kw_n
-        with k.loop(kz) as kd:
-            z = k.index((iz, sz), (kd, ddz), (-pz, 1))
-            with bld.if_then(k.in_range(z, oz)), k.loop(kh_n) as ky:
-                y = k.index((iy, sh), (ky, dh), (-ph, 1))
-                with bld.if_then(k.in_range(y, oh_n)), k.loop(mg) as m:
-                    out_line = k.index((out_base, 1), (m, oz * oh_n * ow_n), (z, oh_n * ow_n), (y, ow_n))
-                    row = k.index((m, taps), (kd, kh_n * kw_n), (ky, kw_n))
-                    for kx in range(kw_n):
-                        offset = kx * dw - pw
-                        lo, hi = _valid_range(offset, sw, ow_n, wd)
-                        if lo >= hi:
-                            continue
-                        src = k.index((row, pixels), (kx, pixels), (pixel0, 1))
-                        with k.loop(hi, start=lo) as ix:
-                            at = k.index((out_line, 1), (ix, sw), (offset, 1))
-                            value = k.load(cols, bld.add(src, ix))
-                            k.store(bld.fadd(k.load(Y, at), value), Y, at)
 
+@dataclass(frozen=True)
+class ColumnPlan:
+    """How a transposed convolution computes and gathers its columns: in
+    runs of `lines` output lines (depth and row together), each run
+    computing the columns of `inputs` input lines from its start on
+    (starts: element offsets in a plane) for all output channels of a
+    group, n = inputs x width of them per row of columns. sources holds,
+    for each output line, `most` offsets within one output channel's
+    columns of the rows of columns it adds up (-1: none). Scratch holds
+    the input's lines in the GEMM's column panels (with packed weights),
+    the columns from columns_at, and a row of zeros at zero_at."""
+    geometry: tuple
+    depth: int       # input channels per group, the GEMM's K
+    channels: int    # output channels per group
+    panels: bool
+    lines: int
+    inputs: int
+    starts: tuple
+    most: int
+    sources: tuple
+    columns_at: int
+    zero_at: int
+
+    @property
+    def n(self) -> int:
+        return self.inputs * self.geometry[0][2]
+
+    @property
+    def scratch_floats(self) -> int:
+        return self.zero_at + self.geometry[0][2]
+
+    def weight_floats(self, tile) -> int:
+        """Floats of one group's weights packed for tile (pack_column_weights)."""
+        return _packed_floats(self.channels * _prod(self.geometry[1]), self.depth, tile.mr)
+
+
+def column_plan(geometry, depth: int, channels: int, panels: bool) -> ColumnPlan:
+    """The ColumnPlan of a transposed convolution: runs as long as keep
+    the columns (and the panels, with packed weights) within
+    SCRATCH_FLOATS, one output line at least.
+
+    >>> geometry = transpose_geometry((1, 64, 32, 32), (64, 32, 2, 2), {"strides": (2, 2), "pads": None,
+    ...     "output_padding": None, "auto_pad": "NOTSET", "dilations": None, "output_shape": None})
+    >>> plan = column_plan(geometry, 64, 32, True)
+    >>> plan.lines, plan.inputs, plan.starts[:3]
+    (16, 8, (0, 256, 512))
+    """
+    (dz, h, wd), (kz, kh_n, kw_n), (_, sh, _), _, _, (oz, _, _) = geometry
+    reached = _line_inputs(geometry)
+    rows = channels * kz * kh_n * kw_n + (depth if panels else 0)  # floats per input pixel
+
+    # The first and last input line each output line reads (none: an empty range).
+    low = np.array([min((line for _, line in reads), default=dz * h) for reads in reached])
+    high = np.array([max((line for _, line in reads), default=-1) for reads in reached])
+
+    def spans(lines):
+        """The first input line each run of `lines` output lines reads, and the most any run reads."""
+        pad = -len(reached) % lines
+        firsts = np.append(low, [dz * h] * pad).reshape(-1, lines).min(axis=1)
+        lasts = np.append(high, [-1] * pad).reshape(-1, lines).max(axis=1)
+        firsts = np.where(lasts >= firsts, firsts, 0)
+        return [int(f) for f in firsts], int(max(1, (lasts - firsts).max() + 1))
+
+    def fits(lines):
+        return rows * spans(lines)[1] * wd <= SCRATCH_FLOATS
+    total = len(reached)
+    longest = 1
+    while longest < total and fits(longest + 1):
+        longest += 1
+    # Runs of even length, a whole number of strides where that fits.
+    lines = longest
+    for count in range(-(-total // longest), total + 1):
+        even = -(-total // count)
+        aligned = min(total, -(-even // sh) * sh) if oz == 1 else even
+        if aligned <= longest and fits(aligned):
+            lines = aligned
+            break
+    firsts, inputs = spans(lines)
+    # A run near the end starts early enough to read `inputs` whole lines.
+    firsts = [min(first, dz * h - inputs) for first in firsts]
+    n = inputs * wd
+    most = max(1, max(len(reads) for reads in reached))
+    sources = []
+    for index, reads in enumerate(reached):
+        first = firsts[index // lines]
+        offsets = [tap_line * kw_n * n + (line - first) * wd for tap_line, line in reads]
+        sources += offsets + [-1] * (most - len(offsets))
+    columns_at = _aligned(depth * n) if panels else 0
+    zero_at = _aligned(columns_at + channels * kz * kh_n * kw_n * n)
+    return ColumnPlan(geometry, depth, channels, panels, lines, inputs, tuple(f * wd for f in firsts), most,
+                      tuple(sources), columns_at, zero_at)
+
+
+def _aligned(floats: int) -> int:
+    return -(-floats // 16) * 16
+
+
+def _runs(total: int, size: int) -> list:
+    """(count, first, size) of the full runs of `size` in range(total),
+    then of the shorter last one if any.
+
+    >>> _runs(10, 4)
+    [(2, 0, 4), (1, 8, 2)]
+    """
+    full, tail = divmod(total, size)
+    return [c for c in ((full, 0, size), (1, full * size, tail)) if c[0] and c[2]]
+
+
+def _packed_floats(rows: int, kdim: int, mr: int) -> int:
+    """Floats of pack_weights of a rows x kdim matrix: whole blocks of mr rows."""
+    return -(-rows // mr) * mr * kdim
+
+
+def pack_column_weights(weight: np.ndarray, group: int, mr: int) -> np.ndarray:
+    """The weights (C, M / group, *kernel) as the lowering multiplies them:
+    per group, the matrix A[(output channel, tap), input channel] packed by
+    gemm.pack_weights(A, mr), one group after the other.
+
+    >>> pack_column_weights(np.arange(8, dtype=np.float32).reshape(2, 2, 2), 1, 2).tolist()
+    [0.0, 1.0, 4.0, 5.0, 2.0, 3.0, 6.0, 7.0]
+    """
+    channels = weight.shape[0]
+    return np.concatenate([pack_weights(rows.T, mr).reshape(-1)
+                           for rows in np.split(weight.reshape(channels, -1), group)])
+
+
+def _multiply_panels(k, tile, plan: ColumnPlan, weights, base, columns) -> None:
+    """The columns of one run: the run's input lines (from X[base] on, a
+    plane apart per input channel) copied into emit_gemm's column panels
+    in scratch, then multiplied by the packed weights. Each panel is one
+    contiguous block, where rows of the input a plane apart would map to
+    the same few sets of the L1 cache. Where threads split the panels,
+    each copies its own just before multiplying them; else they split
+    the copy's rows and meet at a barrier."""
+    kdim, n = plan.depth, plan.n
+    (dz, h, wd) = plan.geometry[0]
+    rows = plan.channels * _prod(plan.geometry[1])
+
+    def pack(first, end, p_lo=k.i64(0), p_hi=k.i64(kdim)):
+        _pack_panels(k, tile, kdim, n, base, dz * h * wd, (first, end), (p_lo, p_hi))
+    if splits_columns(tile, rows, n):
+        emit_gemm(k, tile, rows, kdim, n, weights, k.scratch, k.i64(0), n, columns, k.i64(0), None, False,
+                  b_panels=True, pack=pack)
+        return
+    pack(k.i64(0), k.i64(-(-n // tile.nr)), *k.part(kdim))
+    k.barrier()  # the GEMM's panels hold rows other threads copied
+    emit_gemm(k, tile, rows, kdim, n, weights, k.scratch, k.i64(0), n, columns, k.i64(0), None, False,
+              b_panels=True)
+
+
+def _pack_panels(k, tile, kdim: int, n: int, base, ld: int, panels, rows) -> None:
+    """Panels [panels) of B (kdim x n, row p at X[base + p * ld]), rows
+    [rows) of them, into scratch in emit_gemm's column-panel layout
+    (gemm.panel_offset)."""
+    bld = k.builder
+    full, tail = divmod(n, tile.nr)
+    first, end = panels
+    with k.loop(rows[1], start=rows[0]) as p:
+        row = bld.add(base, bld.mul(p, k.i64(ld)))
+        with k.loop(k.smin(end, k.i64(full)), start=first) as q:
+            src, dst = bld.add(row, bld.mul(q, k.i64(tile.nr))), k.index((q, kdim * tile.nr), (p, tile.nr))
+            for v in range(tile.nv):
+                value = bld.load(_vector_ptr(k, k.inputs[0], bld.add(src, k.i64(v * tile.lanes)), tile.lanes),
+                                 align=4)
+                bld.store(value, _vector_ptr(k, k.scratch, bld.add(dst, k.i64(v * tile.lanes)), tile.lanes),
+                          align=4)
+        if tail:
+            with bld.if_then(bld.icmp_signed(">", end, k.i64(full))), k.loop(tail) as j:
+                value = k.load(k.inputs[0], k.index((row, 1), (j, 1), (full * tile.nr, 1)))
+                k.store(value, k.scratch, k.index((p, tail), (j, 1), (full * kdim * tile.nr, 1)))
+
+
+def _phases(stride: int, kernel: int, dilation: int, pad: int) -> list:
+    """Per output phase r < stride, the taps k whose outputs
+    o = i * stride + k * dilation - pad fall at o = q * stride + r, each
+    with its shift s: it reads input i = q + s there.
+
+    >>> _phases(2, 4, 1, 1)
+    [[(1, 0), (3, -1)], [(0, 1), (2, 0)]]
+    """
+    phases = [[] for _ in range(stride)]
+    for tap in range(kernel):
+        offset = tap * dilation - pad
+        phases[offset % stride].append((tap, (offset % stride - offset) // stride))
+    return phases
+
+
+def _line_inputs(geometry) -> list:
+    """For each output line (depth and row, in order), the (tap line,
+    input line) pairs reaching it, tap line kd * kh + ky, input line
+    iz * h + iy.
+
+    >>> _line_inputs(transpose_geometry((1, 1, 2, 3), (1, 1, 2, 2), {"strides": (2, 2), "pads": None,
+    ...     "output_padding": None, "auto_pad": "NOTSET", "dilations": None, "output_shape": None}))
+    [[(0, 0)], [(1, 0)], [(0, 1)], [(1, 1)]]
+    """
+    (dz, h, _), (kz, kh_n, _), (sz, sh, _), (ddz, dh, _), (pz, ph, _), (oz, oh_n, _) = geometry
+    lines = []
+    for z in range(oz):
+        depths = [(kd, iz) for kd in range(kz) for iz, rest in [divmod(z + pz - kd * ddz, sz)]
+                  if not rest and 0 <= iz < dz]
+        for y in range(oh_n):
+            rows = [(ky, iy) for ky in range(kh_n) for iy, rest in [divmod(y + ph - ky * dh, sh)]
+                    if not rest and 0 <= iy < h]
+            lines.append([(kd * kh_n + ky, iz * h + iy) for kd, iz in depths for ky, iy in rows])
+    return lines
+
+
+def _gather(k, plan: ColumnPlan, sources, first_line, lines: int, bias_at, y_base, bias, epilogue: bool) -> None:
+    """Output lines [first_line, first_line + lines) of every output
+    channel of a group (from y_base on), gathered from the run's columns:
+    bias[bias_at + m] plus the column values reaching each output, the
+    epilogue applied where it has a vector form. Threads split the
+    (channel, output line) pairs."""
+    bld = k.builder
+    (dz, h, wd), (kz, kh_n, kw_n), _, _, _, (oz, oh_n, ow_n) = plan.geometry
+    taps, n = kz * kh_n * kw_n, plan.n
+    lo, hi = k.part(plan.channels * lines)
+    with k.loop(hi, start=lo) as pair:
+        m = divide(k, pair, lines)
+        line = bld.add(first_line, bld.sub(pair, bld.mul(m, k.i64(lines))))
+        start = k.load(bias, bld.add(bias_at, m)) if bias is not None else k.f32(0.0)
+        column = k.index((m, taps * n), (plan.columns_at, 1))
+        rows = []  # per source, per kx: where its row of columns starts in scratch
+        for source in range(plan.most):
+            offset = bld.sext(k.load(sources, k.index((line, plan.most), (source, 1))), ir.IntType(64))
+            valid = bld.icmp_signed(">=", offset, k.i64(0))
+            rows.append([bld.select(valid, k.index((column, 1), (offset, 1), (kx * n, 1)), k.i64(plan.zero_at))
+                         for kx in range(kw_n)])
+        _gather_row(k, plan.geometry, rows, start, k.index((y_base, 1), (m, oz * oh_n * ow_n), (line, ow_n)),
+                    epilogue)
+
+
+def _gather_row(k, geometry, rows, start, out_row, epilogue: bool) -> None:
+    """One output row at out_row: output column q * sw + r is start plus
+    scratch[rows[source][kx] + q + shift] over the sources and the taps
+    (kx, shift) of phase r (_phases). Where every tap reads inside its row
+    and every phase's column is in the output, a vector of q per phase,
+    interleaved into one run of outputs; elsewhere one output at a time,
+    a tap reading outside its row adding 0."""
+    bld = k.builder
+    (_, _, wd), (_, _, kw_n), (_, _, sw), (_, _, dw), (_, _, pw), (_, _, ow_n) = geometry
+    phases = _phases(sw, kw_n, dw, pw)
+    shifts = [shift for phase in phases for _, shift in phase]
+    lo = max([0] + [-s for s in shifts])
+    hi = max(lo, min([ow_n // sw] + [wd - s for s in shifts]))
+    lanes = k.target.lanes
+
+    def vector(q, width):
+        runs = []
+        for phase in phases:
+            acc = splat(k, start, width)
+            for taps in rows:
+                for kx, shift in phase:
+                    at = bld.add(taps[kx], bld.add(q, k.i64(shift)))
+                    acc = bld.fadd(acc, bld.load(_vector_ptr(k, k.scratch, at, width), align=4))
+            if epilogue:
+                with k.vector_constants(width):
+                    acc = k.activate(acc)
+            runs.append(acc)
+        value = interleave(k, runs)
+        dest = bld.gep(k.outputs[0], [bld.add(out_row, bld.mul(q, k.i64(sw)))])
+        bld.store(value, bld.bitcast(dest, value.type.as_pointer()), align=4)
+
+    full = (hi - lo) // lanes
+    if full:
+        with k.loop(full) as block:
+            vector(k.index((block, lanes), (lo, 1)), lanes)
+    pieces, end = row_pieces(lo + full * lanes, hi, lanes, 1)
+    for first, width in pieces:
+        vector(k.i64(first), width)
+    count = -(-ow_n // sw)  # values of q
+    for first, last in ((0, min(lo, count)), (end, count)):
+        if first >= last:
+            continue
+        with k.loop(last, start=first) as q:
+            for r, phase in enumerate(phases):
+                limit = -(-(ow_n - r) // sw)  # q past it puts this phase beyond the output
+                if first >= limit:
+                    continue
+                acc = start
+                for taps in rows:
+                    for kx, shift in phase:
+                        ix = bld.add(q, k.i64(shift))
+                        inside = k.in_range(ix, wd)
+                        value = k.load(k.scratch, bld.add(taps[kx], bld.select(inside, ix, k.i64(0))))
+                        acc = bld.fadd(acc, bld.select(inside, value, k.f32(0.0)))
+                if epilogue:
+                    acc = k.activate(acc)
+                at = bld.add(out_row, k.index((q, sw), (r, 1)))
+                if last > limit:
+                    with bld.if_then(bld.icmp_signed("<", q, k.i64(limit))):
+                        k.store(acc, k.outputs[0], at)
+                else:
+                    k.store(acc, k.outputs[0], at)

@@ -325,27 +325,26 @@ def pack_conv_weights(graph: Graph) -> Graph:
     """Store the constant weight of each Conv that has a register tile
     (attrs["gemm_tile"], written by schedule.assign_tiles) as
     pack_weights(W_g, tile.mr) (the GEMM micro-kernel's layout) per group g,
-    concatenated, and mark the node with attrs["packed_mr"].
+    concatenated, and mark the node with attrs["packed_mr"]; likewise each
+    ConvTranspose with attrs["columns_tile"], its weights packed by
+    conv_transpose.pack_column_weights.
 
     A Conv marked attrs["winograd"] stores its weights transformed and
     packed instead (winograd.transform_weights). The packed constant is a
     new tensor, so a weight another node also reads stays as it was. Depthwise convolutions are marked
     attrs["depthwise"] instead (they run a direct kernel).
     """
-    from . import winograd
-    from .gemm import pack_weights
     constants, tensors = dict(graph.constants), dict(graph.tensors)
     nodes = []
     for node in graph.nodes:
-        tile = node.attrs.get("gemm_tile") if node.op_type == "Conv" else None
+        tile = node.attrs.get({"Conv": "gemm_tile", "ConvTranspose": "columns_tile"}.get(node.op_type, ""))
         if tile is not None:
-            group = node.attrs.get("group", 1)
-            wino = node.attrs.get("winograd")
-            name = f"{node.inputs[1]}/{'winograd' if wino else 'packed'}{tile.mr}"
+            kind = ("columns" if node.op_type == "ConvTranspose" else
+                    "winograd" if node.attrs.get("winograd") else "packed")
+            name = f"{node.inputs[1]}/{kind}{tile.mr}"
             if name not in constants:
-                weight = constants[node.inputs[1]]
-                constants[name] = (winograd.transform_weights(weight, tile.mr) if wino else np.concatenate(
-                    [pack_weights(w, tile.mr) for w in np.split(weight, group)]))
+                constants[name] = _packed_weights(kind, constants[node.inputs[1]], node.attrs.get("group", 1),
+                                                  tile.mr)
                 tensors[name] = Tensor(name, constants[name].shape, "float32")
             attrs = dict(node.attrs, packed_mr=tile.mr,
                          weight_shape=tuple(graph.tensors[node.inputs[1]].shape))
@@ -356,6 +355,18 @@ def pack_conv_weights(graph: Graph) -> Graph:
                         dict(node.attrs, depthwise=True))
         nodes.append(node)
     return eliminate_dead_code(replace(graph, nodes=nodes, constants=constants, tensors=tensors))
+
+
+def _packed_weights(kind: str, weight: np.ndarray, group: int, mr: int) -> np.ndarray:
+    """A Conv's or ConvTranspose's constant weights in the layout its lowering reads."""
+    from . import winograd
+    from .conv_transpose import pack_column_weights
+    from .gemm import pack_weights
+    if kind == "winograd":
+        return winograd.transform_weights(weight, mr)
+    if kind == "columns":
+        return pack_column_weights(weight, group, mr)
+    return np.concatenate([pack_weights(w, mr) for w in np.split(weight, group)])
 
 
 def fuse_residual_add(graph: Graph) -> Graph:

@@ -274,7 +274,9 @@ def assign_tiles(graph, target, table: Mapping):
     (Target.multiplies_by_lane), so that A is first packed like weights.
     A depthwise convolution that reads a zero-padded copy of its input
     (conv.depthwise_planes, for the target's vector width) gets the copy's
-    (rows, columns) as attrs["padded_planes"].
+    (rows, columns) as attrs["padded_planes"]. A ConvTranspose with constant
+    weights gets the tile of rows its columns are computed with
+    (attrs["columns_tile"]).
 
     >>> from crosscompile.target import resolve_target
     >>> graph = assign_tiles(graph, resolve_target("rasp4b64"), {})  # doctest: +SKIP
@@ -303,6 +305,9 @@ def assign_tiles(graph, target, table: Mapping):
             if planes is not None:
                 node = Node(node.op_type, node.name, list(node.inputs), list(node.outputs),
                             dict(node.attrs, padded_planes=planes))
+        elif node.op_type == "ConvTranspose" and node.inputs[1] in graph.constants:
+            node = Node(node.op_type, node.name, list(node.inputs), list(node.outputs),
+                        dict(node.attrs, columns_tile=tile_for(target)))
         elif runs_as_tiled_product(graph, node):
             node = Node(node.op_type, node.name, list(node.inputs), list(node.outputs),
                         dict(node.attrs, matmul_tile=tile_for(target), pack_rows=target.multiplies_by_lane))

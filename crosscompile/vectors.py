@@ -110,6 +110,29 @@ def load_strided(k: Kernel, ptr: ir.Value, offset: ir.Value, width: int, stride:
     return b.shuffle_vector(wide, wide, picks)
 
 
+def interleave(k: Kernel, vectors: list) -> ir.Value:
+    """One vector of n x w lanes from n vectors of w lanes, lane j holding
+    lane j // n of vectors[j % n]: the n phases of a stride-n run of
+    outputs put back in order (x86 unpacks, NEON zips).
+
+    >>> interleave(k, [evens, odds])  # doctest: +SKIP
+    """
+    n = len(vectors)
+    if n == 1:
+        return vectors[0]
+    b = k.builder
+    w = vectors[0].type.count
+    size = 1
+    while size < n:
+        size *= 2
+    parts = list(vectors) + [ir.Constant(vectors[0].type, ir.Undefined)] * (size - n)
+    while len(parts) > 1:  # concatenated pairwise
+        both = _shuffle_mask(list(range(2 * parts[0].type.count)))
+        parts = [b.shuffle_vector(parts[i], parts[i + 1], both) for i in range(0, len(parts), 2)]
+    return b.shuffle_vector(parts[0], ir.Constant(parts[0].type, ir.Undefined),
+                            _shuffle_mask([j % n * w + j // n for j in range(n * w)]))
+
+
 # Moving a tile between vectors of rows (lanes = rows of C, one vector per
 # column) and C's row-major layout. With the vectors padded by undefined
 # ones to a power of two n, log2(n) rounds of interleaving pairs (the

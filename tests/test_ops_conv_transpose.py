@@ -1,12 +1,15 @@
 """ConvTranspose against onnxruntime: 1-D and 2-D, groups, strides,
 dilations, pads, output_padding, output_shape, the auto_pad forms and a
-fused activation."""
+fused activation, on the host and on emulated arm64 and armhf."""
 import numpy as np
 import pytest
 from onnx import helper, numpy_helper
 
 import crosscompile
-from tests.onnx_models import make_model, rand, run_host
+import minirt
+from crosscompile.conv_transpose import SCRATCH_FLOATS, column_plan, transpose_geometry
+from tests.cross_targets import run_emulated
+from tests.onnx_models import ATOL, RTOL, make_model, rand, reference, run_host, sample_input
 
 
 def conv_transpose_model(x_shape, w_shape, bias=True, relu=False, **attrs):
@@ -37,6 +40,7 @@ def conv_transpose_model(x_shape, w_shape, bias=True, relu=False, **attrs):
     ((1, 3, 4, 5), (3, 2, 3, 4), {"strides": [2, 3], "auto_pad": "SAME_LOWER"}),
     ((1, 3, 4, 5), (3, 2, 3, 3), {"strides": [2, 2], "auto_pad": "VALID"}),
     ((1, 2, 3, 3), (2, 2, 5, 5), {"pads": [2, 2, 2, 2]}),                          # pads as large as the input
+    ((1, 3, 5, 29), (3, 2, 3, 4), {"strides": [2, 3], "pads": [1, 1, 0, 2]}),     # 3 phases a row, in vectors
 ])
 def test_conv_transpose_2d(tmp_path, x_shape, w_shape, attrs):
     run_host(conv_transpose_model(x_shape, w_shape, **attrs), tmp_path)
@@ -55,12 +59,18 @@ def test_conv_transpose_3d_without_bias(tmp_path):
     run_host(conv_transpose_model((1, 2, 3, 4, 3), (2, 3, 2, 3, 2), bias=False, strides=[2, 1, 2]), tmp_path)
 
 
-def test_conv_transpose_in_runs_of_rows(tmp_path):
-    # Columns of 32 x 9 x 37 floats per input row: the 40 rows go in runs, the last one shorter.
-    from crosscompile.conv_transpose import SCRATCH_FLOATS
-    rows = SCRATCH_FLOATS // (32 * 9 * 37)
-    assert 1 < rows < 40 and 40 % rows
-    run_host(conv_transpose_model((1, 2, 40, 37), (2, 32, 3, 3), strides=[2, 2], pads=[1, 0, 1, 1]), tmp_path)
+def test_conv_transpose_in_runs_of_output_rows(tmp_path):
+    # Columns of 32 x 9 taps x 37 floats per input row: the 80 output rows go
+    # in runs, each computing the input rows it reads (the 3x3 kernel reaches
+    # a row back), the last run starting early enough to compute as many.
+    attrs = {"strides": [2, 2], "pads": [1, 0, 1, 1]}
+    geometry = transpose_geometry((1, 2, 40, 37), (2, 32, 3, 3), {
+        "strides": (2, 2), "pads": (1, 0, 1, 1), "output_padding": None, "auto_pad": "NOTSET",
+        "dilations": None, "output_shape": None})
+    plan = column_plan(geometry, 2, 32, True)
+    assert 1 < plan.lines < 80 and plan.inputs > plan.lines // 2
+    assert (32 * 9 + 2) * plan.n <= SCRATCH_FLOATS and plan.starts[-1] == (40 - plan.inputs) * 37
+    run_host(conv_transpose_model((1, 2, 40, 37), (2, 32, 3, 3), **attrs), tmp_path)
 
 
 def test_conv_transpose_runs_a_fused_relu(tmp_path):
@@ -87,3 +97,33 @@ def test_conv_transpose_weight_that_does_not_fit_is_refused():
     with pytest.raises(crosscompile.BuildError, match="the_convtranspose.*group=2.*do not fit"):
         crosscompile.build(conv_transpose_model((1, 3, 4, 4), (3, 2, 3, 3), group=2))
 
+
+
+@pytest.mark.parametrize("preset", ["rasp4b64", "rasp3b"])
+@pytest.mark.parametrize("x_shape,w_shape,attrs", [
+    ((1, 16, 13, 19), (16, 8, 2, 2), {"strides": [2, 2]}),                       # a U-Net's, odd sizes
+    ((1, 8, 9, 11), (8, 6, 4, 4), {"strides": [2, 2], "pads": [1, 1, 1, 1]}),     # a DCGAN's
+    ((1, 6, 7, 9), (6, 4, 3, 3), {"group": 2, "strides": [3, 2], "pads": [1, 0, 2, 1],
+                                  "output_padding": [1, 1], "dilations": [1, 2]}),
+    ((1, 8, 33), (8, 4, 4), {"strides": [2], "pads": [1, 1]}),
+])
+def test_conv_transpose_on_emulated_boards(tmp_path, preset, x_shape, w_shape, attrs):
+    model = conv_transpose_model(x_shape, w_shape, relu=True, **attrs)
+    feeds = sample_input(model)
+    (want,) = reference(model, feeds)
+    lib = crosscompile.build(model, target=preset)
+    got = run_emulated(lib, preset, feeds["x"], want.shape, tmp_path)
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_conv_transpose_split_between_threads(tmp_path, threads):
+    # Two images, two groups and several runs of rows each: threads split
+    # the copies into panels, the products and the gathered rows.
+    model = conv_transpose_model((2, 4, 40, 37), (4, 16, 3, 3), relu=True, group=2, strides=[2, 2],
+                                 pads=[1, 0, 1, 1])
+    feeds = sample_input(model)
+    lib = crosscompile.build(model, target="host")
+    module = minirt.load(lib.export_library(tmp_path / "m.so"), threads=threads)
+    (got,) = module.run(feeds)
+    np.testing.assert_allclose(got, reference(model, feeds)[0], rtol=RTOL, atol=ATOL)
