@@ -16,8 +16,9 @@ from remote.address import split_address
 from remote.defaults import SERVER_PORT, TLS_CA_ENV
 from remote.proto import pb
 from remote.proto.frames import (CHUNK_BYTES, PROTOCOL_VERSION, Checksum, FrameSocket,
-                                 frame_bytes, little_endian, looks_like_http2, recv_array_chunks,
-                                 recv_tensors, send_array_chunks, tensor_header)
+                                 aligned_empty, frame_bytes, little_endian, looks_like_http2,
+                                 page_buffer, recv_array_chunks, recv_tensors, send_array_chunks,
+                                 send_file_chunks, tensor_header)
 
 
 Progress = Callable[[int, int], None]
@@ -135,13 +136,16 @@ class Session:
         """What the board reported: triple, CPU, cores, memory, OS, versions."""
         return device_info_dict(self._info)
 
-    def _exchange(self, what: str, timeout: Optional[float], send, receive=None):
+    def _exchange(self, what: str, timeout: Optional[float], send, receive=None,
+                  returns_nothing: bool = False):
         """One request/reply on the data connection.
 
         ``send(fs)`` writes the request; ``receive(fs, reply)`` reads what
         follows a successful reply header and returns the result (default:
-        the header). A broken connection means the device ended the session:
-        the server is asked why, and that becomes the exception.
+        the header; None for a call that ``returns_nothing``, whose plain
+        ``ok`` answer is then recognised by its bytes). A broken connection
+        means the device ended the session: the server is asked why, and
+        that becomes the exception.
         """
         if self._closed:
             raise errors.SessionError("this session is closed; open a new one")
@@ -156,6 +160,8 @@ class Session:
             try:
                 try:
                     send(fs)
+                    if returns_nothing and fs.take_ok():
+                        return None
                     reply = fs.recv_header()
                     if reply.op == "error":
                         cls = _error_class(reply.error)
@@ -164,7 +170,9 @@ class Session:
                         else:
                             fs.skip(fs.body_left)
                         raise cls(reply.text)
-                    return receive(fs, reply) if receive is not None else reply
+                    if receive is not None:
+                        return receive(fs, reply)
+                    return None if returns_nothing else reply
                 except (errors.TetherError, OSError):
                     raise
                 except BaseException as exc:
@@ -211,7 +219,7 @@ class Session:
 
     def ping(self, timeout: Optional[float] = None) -> None:
         """One empty round trip to the board (what a small call costs)."""
-        self._exchange("ping", timeout, _send_ping)
+        self._exchange("ping", timeout, _send_ping, returns_nothing=True)
 
     # --------------------------------------------------------- transfers --
     def upload(self, path_or_bytes: Union[str, os.PathLike, bytes], target: Optional[str] = None,
@@ -248,7 +256,10 @@ class Session:
             if data is not None:
                 checksum = send_array_chunks(fs, np.frombuffer(data, np.uint8), progress)
             else:
-                checksum = _send_file(fs, path, total, progress, target)
+                with open(path, "rb", buffering=0) as f:
+                    checksum = send_file_chunks(fs, f, total, progress)
+                if checksum is None:
+                    raise errors.InvalidArgument(f"{target!r} shrank while it was being sent")
             fs.send(pb.DataFrame(op="end", checksum=checksum))
 
         return self._exchange(f"upload of {target!r}", timeout, send).name
@@ -265,13 +276,13 @@ class Session:
             total = reply.size
             checksum = Checksum()
             out = _open_for_writing(path) if path is not None else None
-            data = bytearray(total) if out is None else None
-            buffer = memoryview(bytearray(CHUNK_BYTES)) if out is not None else None
+            data = page_buffer(total) if out is None else None
+            buffer = page_buffer(CHUNK_BYTES) if out is not None else None
             done = 0
             try:
                 while done < total:
                     n = min(CHUNK_BYTES, total - done)
-                    view = memoryview(data)[done:done + n] if out is None else buffer[:n]
+                    view = data[done:done + n] if out is None else buffer[:n]
                     fs.recv_body_into(view)
                     checksum.update(view)
                     if out is not None:
@@ -304,7 +315,8 @@ class Session:
     def remove(self, name: str) -> None:
         """Delete a file from the session workspace."""
         self._exchange(f"removal of {name!r}", None,
-                       lambda fs: fs.send(pb.DataFrame(op="remove", name=name)))
+                       lambda fs: fs.send(pb.DataFrame(op="remove", name=name)),
+                       returns_nothing=True)
 
     def _check_size(self, what: str, size: int) -> None:
         if self.max_upload_bytes and size > self.max_upload_bytes:
@@ -340,7 +352,7 @@ class Session:
         """Copy a tensor kept on the board back as a numpy array."""
         def receive(fs, reply):
             (desc,) = reply.tensors
-            array = np.empty(tuple(desc.shape), np.dtype(desc.dtype).newbyteorder("<"))
+            array = aligned_empty(tuple(desc.shape), np.dtype(desc.dtype).newbyteorder("<"))
             received = recv_array_chunks(fs, array, progress)
             end = fs.recv_header()
             if end.checksum != received:
@@ -354,7 +366,8 @@ class Session:
 
     def free_tensor(self, name: str) -> None:
         self._exchange(f"free of tensor {name!r}", None,
-                       lambda fs: fs.send(pb.DataFrame(op="free_tensor", name=name)))
+                       lambda fs: fs.send(pb.DataFrame(op="free_tensor", name=name)),
+                       returns_nothing=True)
 
     # ----------------------------------------------------------- modules --
     def load_module(self, name: str, timeout: Optional[float] = None) -> "RemoteModule":
@@ -442,28 +455,6 @@ class Session:
 
     def _repr_html_(self) -> str:
         return display.session_html(self)
-
-
-def _send_file(fs: FrameSocket, path: str, total: int, progress: Optional[Progress],
-               target: str) -> str:
-    """Send ``total`` bytes of a file a chunk at a time through one buffer:
-    read, checksummed and sent while the chunk is still in the CPU cache
-    (measured faster than a mapping plus sendfile, which reads memory twice).
-    Returns the checksum."""
-    checksum = Checksum()
-    buffer = memoryview(bytearray(min(CHUNK_BYTES, total) or 1))
-    with open(path, "rb", buffering=0) as f:
-        done = 0
-        while done < total:
-            n = f.readinto(buffer[:min(CHUNK_BYTES, total - done)])
-            if not n:
-                raise errors.InvalidArgument(f"{target!r} shrank while it was being sent")
-            checksum.update(buffer[:n])
-            fs.send_raw(buffer[:n])
-            done += n
-            if progress is not None:
-                progress(done, total)
-    return checksum.text()
 
 
 def _open_for_writing(path):

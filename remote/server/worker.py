@@ -38,9 +38,10 @@ import minirt
 from minirt import elf, timing
 from remote import errors
 from remote.proto import pb
-from remote.proto.frames import (CHUNK_BYTES, Checksum, FrameSocket, PeerClosed, error_frame,
-                                 frame_bytes, little_endian, recv_array_chunks, recv_tensors,
-                                 send_array_chunks, tensor_dtype, tensor_header)
+from remote.proto.frames import (CHUNK_BYTES, Checksum, FrameSocket, PeerClosed, aligned_empty,
+                                 error_frame, frame_bytes, little_endian, page_buffer,
+                                 recv_array_chunks, recv_tensors, send_array_chunks,
+                                 send_file_chunks, tensor_dtype, tensor_header)
 from remote.server.workspace import Workspace
 
 EXIT_RUN_TIMEOUT = 3
@@ -350,7 +351,7 @@ class Worker:
             # A name of its own: a file the session calls "x.part" is not touched.
             partial = f"{target}.{os.getpid()}-{int(time.monotonic() * 1e6)}.part"
             checksum = Checksum()
-            buffer = memoryview(bytearray(CHUNK_BYTES))
+            buffer = page_buffer(CHUNK_BYTES)
             with open(partial, "wb") as f:
                 while fs.body_left:
                     view = buffer[:min(CHUNK_BYTES, fs.body_left)]
@@ -386,18 +387,11 @@ class Worker:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             fs.send_prefix(pb.DataFrame(op="ok", name=header.name, size=size), size)
-            checksum = Checksum()
-            buffer = memoryview(bytearray(CHUNK_BYTES))
-            left = size
-            while left:
-                n = f.readinto(buffer[:min(CHUNK_BYTES, left)])
-                if not n:
-                    # The file shrank under us; the client sees a short body and an error.
-                    raise errors.RemoteError(f"{header.name} changed while it was being read")
-                checksum.update(buffer[:n])
-                fs.send_raw(buffer[:n])
-                left -= n
-        fs.send(pb.DataFrame(op="end", checksum=checksum.text()))
+            checksum = send_file_chunks(fs, f, size)
+        if checksum is None:
+            # The file shrank under us; the client sees a short body and an error.
+            raise errors.RemoteError(f"{header.name} changed while it was being read")
+        fs.send(pb.DataFrame(op="end", checksum=checksum))
 
     def op_list(self, fs, header):
         files = [pb.FileInfo(name=n, size=os.path.getsize(self.workspace.path(n)))
@@ -429,7 +423,7 @@ class Worker:
             raise errors.InvalidArgument("put_tensor carries exactly one tensor")
         desc = header.tensors[0]
         try:
-            array = np.empty(tuple(desc.shape), dtype=tensor_dtype(header.name, desc.dtype))
+            array = aligned_empty(tuple(desc.shape), tensor_dtype(header.name, desc.dtype))
         except ValueError as exc:
             raise errors.InvalidArgument(str(exc)) from None
         if array.nbytes != fs.body_left:

@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <poll.h>
+#include <sys/sendfile.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -595,6 +596,19 @@ bool FrameConn::send_prefix(const Frame& frame, uint64_t body_size) {
 }
 
 bool FrameConn::send_raw(const void* data, size_t size) { return send_all(fd_, data, size); }
+
+bool FrameConn::send_file(int fd, int64_t offset, size_t count, size_t* sent) {
+  off_t position = static_cast<off_t>(offset);
+  *sent = 0;
+  while (*sent < count) {
+    ssize_t n = ::sendfile(fd_, fd, &position, count - *sent);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return false;
+    if (n == 0) break;
+    *sent += static_cast<size_t>(n);
+  }
+  return true;
+}
 
 void FrameConn::close() {
   if (fd_ >= 0) {

@@ -114,6 +114,10 @@ class FrameConn {
   // A frame whose body the caller sends with send_raw.
   bool send_prefix(const Frame& frame, uint64_t body_size);
   bool send_raw(const void* data, size_t size);
+  // Sends `count` bytes of file `fd` from `offset` with sendfile(2); *sent
+  // says how many went (fewer when the file ended first). False: the
+  // connection failed.
+  bool send_file(int fd, int64_t offset, size_t count, size_t* sent);
   void close();
 
  private:
