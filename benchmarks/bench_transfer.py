@@ -377,22 +377,38 @@ def tvm_memory(server):
 
 
 # ---------------------------------------------------------------- main --
-def tether_transfers(kind: str, args, blob_path, folder, tensor, image, so_path, size) -> dict:
-    out = {}
-    with tether_session(kind, 4 * size) as sess:
-        out["upload"] = args.mib / median_time(lambda: sess.upload(blob_path), args.repeat)
-        out["download"] = args.mib / median_time(
-            lambda: sess.download("blob.bin", os.path.join(folder, "back.bin")), args.repeat)
-        out["tensor in"] = args.mib / median_time(lambda: sess.upload_tensor("t", tensor),
-                                                  args.repeat)
-        remote_tensor = sess.upload_tensor("t", tensor)
-        out["tensor out"] = args.mib / median_time(remote_tensor.numpy, args.repeat)
-        sess.upload(so_path)
-        mod = sess.load_module("image1000.so")
-        (result,) = mod.run({"input": image})
-        assert result.shape == (1, 1000)
-        out["inference"] = per_call(lambda: mod.run({"input": image}), 200, args.repeat)
-        out["on board"] = mod.benchmark(number=50, repeat=5).median
+def tether_transfers(kinds, args, blob_path, folder, tensor, image, so_path, size) -> dict:
+    """Figures of a session on each kind of server, the servers taking turns
+    in every measurement (one transfer each, ``--repeat`` rounds) so that
+    the machine's load hits them alike."""
+    out = {kind: {} for kind in kinds}
+    with contextlib.ExitStack() as stack:
+        sessions = {kind: stack.enter_context(tether_session(kind, 4 * size)) for kind in kinds}
+
+        def measure(key, make, calls=1, mib=None):
+            """Seconds per call, or MiB/s when each call moves ``mib``."""
+            times = alternating_per_call([make(kind, sess) for kind, sess in sessions.items()],
+                                         calls=calls, rounds=args.repeat)
+            for kind, seconds in zip(kinds, times):
+                out[kind][key] = mib / seconds if mib else seconds
+
+        measure("upload", lambda kind, sess: lambda: sess.upload(blob_path), mib=args.mib)
+        measure("download", lambda kind, sess: lambda: sess.download(
+            "blob.bin", os.path.join(folder, f"back-{kind}.bin")), mib=args.mib)
+        measure("tensor in", lambda kind, sess: lambda: sess.upload_tensor("t", tensor),
+                mib=args.mib)
+        measure("tensor out", lambda kind, sess: sess.upload_tensor("t", tensor).numpy,
+                mib=args.mib)
+        modules = {}
+        for kind, sess in sessions.items():
+            sess.upload(so_path)
+            modules[kind] = sess.load_module("image1000.so")
+            (result,) = modules[kind].run({"input": image})
+            assert result.shape == (1, 1000)
+        measure("inference", lambda kind, sess: lambda: modules[kind].run({"input": image}),
+                calls=200)
+        for kind in kinds:
+            out[kind]["on board"] = modules[kind].benchmark(number=50, repeat=5).median
     return out
 
 
@@ -443,6 +459,7 @@ def main() -> int:
     with open(blob_path, "wb") as f:
         for _ in range(args.mib):
             f.write(os.urandom(MIB))
+        os.fsync(f.fileno())  # a file at rest: no writeback of it during the uploads
     tensor = np.random.default_rng(1).standard_normal(size // 4).astype(np.float32)
     image = np.random.default_rng(2).standard_normal((1, 3, 224, 224)).astype(np.float32)
     so_path = inference_model(folder)
@@ -450,8 +467,7 @@ def main() -> int:
 
     raw_mibs, raw_rt = raw_limits(args.mib * 4, args.repeat)
     kinds = ("native", "python")
-    figures = {kind: tether_transfers(kind, args, blob_path, folder, tensor, image, so_path, size)
-               for kind in kinds}
+    figures = tether_transfers(kinds, args, blob_path, folder, tensor, image, so_path, size)
     memory = {kind: tether_memory(kind, so_path, size) for kind in kinds}
     figures["tvm"] = {}
     peer = "apache-tvm is not installed (pip install apache-tvm): its column is skipped"
