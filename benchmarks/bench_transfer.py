@@ -193,7 +193,7 @@ def tether_command(kind: str, max_bytes: int) -> list:
 @contextlib.contextmanager
 def tether_server(kind: str, max_bytes: int, poll_us: "str | None" = None):
     """A fresh local server; ``poll_us`` sets TETHER_POLL_US for it (the
-    Python server polls for the next request; the native one never does)."""
+    servers poll for the next request, TETHER_POLL_US=0 turns that off)."""
     server = Child(f"bench-{kind}", tether_command(kind, max_bytes),
                    tempfile.mkdtemp(prefix="tether-bench-"), bench_env(poll_us))
     try:
@@ -507,14 +507,14 @@ def main() -> int:
     for key in ("upload", "download", "tensor in", "tensor out"):
         row(key + " (MiB/s)", key, 1, ".0f", f"{raw_mibs:.0f}")
     row("small call round trip (us)", "small call", 1e6, ".1f", f"{raw_rt * 1e6:.1f}")
-    row("  same, client polling off (us)", "small call, no polling", 1e6, ".1f",
+    row("  same, polling off (us)", "small call, no polling", 1e6, ".1f",
         f"{raw_rt * 1e6:.1f}")
     row("1x3x224x224 -> 1000 round trip (us)", "inference", 1e6, ".1f")
     print(f"(MiB/s: native/x above 1 is native faster; us: below 1 is. Inference: ours runs "
           f"the compiled model, {native['on board'] * 1e6:.0f} us (native) / "
           f"{python['on board'] * 1e6:.0f} us (python) of it on the board; TVM's figure is "
           "tensor in + one call + tensor out with no compute. Polling off: "
-          "TETHER_POLL_US=0 on the client and the Python server; TVM never polls)")
+          "TETHER_POLL_US=0 on the client and the server; TVM never polls)")
     print("resident memory (VmRSS, MiB) of each server's process tree: python = the server, "
           "its zygote and the session process the zygote forks ahead (in a session: that one "
           "serving it and the next spare); native and tvm = the server (in a session: and "

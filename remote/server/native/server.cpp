@@ -62,6 +62,7 @@ struct Options {
   double idle_timeout_s = 300.0;
   int64_t max_upload_bytes = int64_t(1) << 30;
   double session_queue_s = 0;
+  int poll_us = 100;  // TETHER_POLL_US, as the Python side reads it
 };
 
 const char kUsage[] =
@@ -90,6 +91,16 @@ Options parse_options(int argc, char** argv) {
   if (const char* t = ::getenv("TETHER_TRACKER")) o.tracker = t;
   if (const char* s = ::getenv("TETHER_FARM_SECRET")) o.farm_secret = s;
   if (const char* cc = ::getenv("CC")) o.cc = cc;
+  if (const char* poll = ::getenv("TETHER_POLL_US")) {
+    double us;
+    if (!parse_number(poll, &us)) {
+      usage_error(std::string("TETHER_POLL_US=") + poll + " is not a number of microseconds; "
+                  "unset it, or give e.g. 100 (0 turns polling off)");
+    }
+    o.poll_us = us < 0 ? 0 : static_cast<int>(us);
+  }
+  // With one core a poller would hold the CPU the client needs.
+  if (::sysconf(_SC_NPROCESSORS_ONLN) < 2) o.poll_us = 0;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i], value;
     size_t eq = arg.find('=');
@@ -363,6 +374,7 @@ class DeviceService {
     settings.workspace = session->workspace.root();
     settings.max_bytes = options_.max_upload_bytes;
     settings.idle_timeout_s = options_.idle_timeout_s;
+    settings.poll_us = options_.poll_us;
     settings.cc = options_.cc;
     pid_t pid = ::fork();
     if (pid < 0) {

@@ -291,6 +291,10 @@ class SessionServer {
                       static_cast<suseconds_t>(std::fmod(settings_.idle_timeout_s, 1.0) * 1e6)};
       setsockopt(conn_.fd(), SOL_SOCKET, SO_RCVTIMEO, &idle, sizeof idle);
     }
+    // The client's next call usually follows its answer within microseconds:
+    // polling for it saves the wake-up of a process asleep in recv (and of
+    // its idle virtual CPU), which costs more than the call (docs/sessions.md).
+    conn_.set_poll_us(settings_.poll_us);
     for (;;) {
       ReadStatus status = conn_.read_header(&header);
       if (status == ReadStatus::kTimeout) {

@@ -14,6 +14,7 @@ struct SessionSettings {
   std::string workspace;
   int64_t max_bytes = 0;
   double idle_timeout_s = 0;
+  int poll_us = 0;       // how long to poll for the next request before sleeping
   std::string cc;        // links uploaded .tar modules
 };
 

@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/sendfile.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -410,6 +411,12 @@ int64_t monotonic_ms() {
   return static_cast<int64_t>(ts.tv_sec) * 1000 + ts.tv_nsec / 1000000;
 }
 
+int64_t monotonic_us() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000 + ts.tv_nsec / 1000;
+}
+
 double monotonic_s() {
   timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -474,6 +481,21 @@ bool FrameConn::fill(size_t count, int64_t deadline_ms, ReadStatus* status) {
     start_ = 0;
   }
   if (buffer_.size() < count) buffer_.resize(count);
+  if (poll_us_ > 0 && !deadline_ms) {
+    int64_t until = 0;
+    while (end_ < count) {
+      ssize_t n = ::recv(fd_, buffer_.data() + end_, buffer_.size() - end_, MSG_DONTWAIT);
+      if (n > 0) {
+        end_ += static_cast<size_t>(n);
+        continue;
+      }
+      if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) break;  // the read below says why
+      sched_yield();  // a task waiting for this core (perhaps the client) goes first
+      int64_t now = monotonic_us();
+      if (!until) until = now + poll_us_;
+      else if (now > until) break;
+    }
+  }
   while (end_ < count) {
     if (deadline_ms) {
       int64_t left = deadline_ms - monotonic_ms();

@@ -94,6 +94,9 @@ class FrameConn {
  public:
   explicit FrameConn(int fd);
   int fd() const { return fd_; }
+  // A read with no deadline first polls for up to `us` microseconds (a
+  // non-blocking recv, yielding the core between tries), then sleeps.
+  void set_poll_us(int us) { poll_us_ = us; }
   // Reads the next frame's header (skipping what is left of the last body).
   // deadline_ms: absolute CLOCK_MONOTONIC milliseconds, or 0 for none.
   ReadStatus read_header(Frame* frame, int64_t deadline_ms = 0, size_t max_header = 16u << 20);
@@ -127,10 +130,12 @@ class FrameConn {
   std::vector<uint8_t> buffer_;
   size_t start_ = 0, end_ = 0;
   int64_t body_left_ = 0;
+  int poll_us_ = 0;
   std::string seen_;
 };
 
 int64_t monotonic_ms();
+int64_t monotonic_us();
 double monotonic_s();
 bool send_all(int fd, const void* data, size_t size);
 
