@@ -112,6 +112,16 @@ def test_version_runs_with_no_root_filesystem(builds, arch):
     assert "tether-server" in out.stdout and "native" in out.stdout
 
 
+@pytest.mark.skipif(HOST is None, reason="no native build runs on this machine's CPU")
+def test_a_bad_poll_setting_stops_the_server_with_what_to_do(builds):
+    out = subprocess.run([builds[HOST], "--port", "0"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, universal_newlines=True, timeout=60,
+                         env={**os.environ, "TETHER_POLL_US": "fast"})
+    assert out.returncode == 2
+    assert "TETHER_POLL_US='fast' is not a number of microseconds" in out.stderr
+    assert "0 turns polling off" in out.stderr
+
+
 def test_cli_builds_for_presets_and_prints_paths(builds, tmp_path):
     out = _cli("native", "build", "--target", "rasp4b64", "--output", str(tmp_path / "server"))
     assert out.returncode == 0, out.stderr

@@ -94,7 +94,7 @@ Options parse_options(int argc, char** argv) {
   if (const char* poll = ::getenv("TETHER_POLL_US")) {
     double us;
     if (!parse_number(poll, &us)) {
-      usage_error(std::string("TETHER_POLL_US=") + poll + " is not a number of microseconds; "
+      usage_error(std::string("TETHER_POLL_US='") + poll + "' is not a number of microseconds; "
                   "unset it, or give e.g. 100 (0 turns polling off)");
     }
     o.poll_us = us < 0 ? 0 : static_cast<int>(us);
