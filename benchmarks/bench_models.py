@@ -2,7 +2,7 @@
 TVM (relax, llvm target, untuned, its default threads) side by side, then
 GFLOP/s of the main convolution shapes against the machine's peak.
 
-    python benchmarks/bench_models.py [model ...] [--repeat N] [--no-tvm]
+    python benchmarks/bench_models.py [model ...] [--repeat N] [--no-tvm] [--threads 1]
 
 Every model of the onnx package's light zoo (random parameters, as in
 tests/test_zoo.py), one 1x3x224x224 image. Latencies are medians in ms;
@@ -124,6 +124,9 @@ def main() -> int:
     parser.add_argument("models", nargs="*", default=ZOO, help=f"default: all of {', '.join(ZOO)}")
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--no-tvm", action="store_true", help="leave TVM out")
+    parser.add_argument("--threads", type=int, choices=(1, 2), action="append",
+                        help="time ours and onnxruntime on this many threads only (repeatable; default 1 and 2)")
+    parser.add_argument("--no-convs", action="store_true", help="leave out the convolution GFLOP/s table")
     parser.add_argument("--flop-per-cycle", type=int, default=32, help="float32 flop per cycle per core")
     parser.add_argument("--ghz", type=float, help="core clock (default: /proc/cpuinfo, which in a VM "
                                                    "may be the base clock, below the boost clock)")
@@ -137,6 +140,8 @@ def main() -> int:
             print(f"TVM left out: {exc} (pip install apache-tvm)")
             use_tvm = False
     cores = os.cpu_count() or 1
+    thread_counts = sorted(set(args.threads or (1, 2)))
+    print(f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     print(f"{'model':14} {'compile s':>9} {'ours1 ms':>8} {'ours2 ms':>8} {'ort1 ms':>8} {'ort2 ms':>8} "
           f"{'tvm ms':>8} {'ours1/ort1':>10} {'ours2/ort2':>10} {'ours2/tvm':>9}")
     with tempfile.TemporaryDirectory(prefix="tether-bench-") as tmp:
@@ -147,21 +152,22 @@ def main() -> int:
             lib = crosscompile.build(model, target="host")
             compile_s = time.perf_counter() - started
             path = lib.export_library(os.path.join(tmp, f"{name}.so"))
-            ours, peers = [], []
-            for threads in (1, 2):
+            ours, peers = [float("nan")] * 2, [float("nan")] * 2
+            for threads in thread_counts:
                 module = minirt.load(path, threads=threads)
                 session = ort_session(model, threads)
                 mine, peer = interleaved_medians([lambda: module.run(feeds), lambda: session.run(None, feeds)],
                                                  args.repeat)
-                ours.append(mine)
-                peers.append(peer)
+                ours[threads - 1], peers[threads - 1] = mine, peer
                 module.close()
             tvm_s = float("nan")
             if use_tvm:
                 tvm_s = median_seconds(tvm_runner(model, feeds), 1)
             print(f"{name:14} {compile_s:9.1f} {ours[0] * 1e3:8.1f} {ours[1] * 1e3:8.1f} {peers[0] * 1e3:8.1f} "
                   f"{peers[1] * 1e3:8.1f} {tvm_s * 1e3:8.0f} {ours[0] / peers[0]:10.2f} {ours[1] / peers[1]:10.2f} "
-                  f"{ours[1] / tvm_s:9.3f}", flush=True)
+                  f"{ours[1] / tvm_s:9.3f}  load {os.getloadavg()[0]:.2f}", flush=True)
+        if args.no_convs:
+            return 0
 
         clock, peak = peak_gflops(cores, args.flop_per_cycle, args.ghz)
         print(f"\nconvolution GFLOP/s, 1 thread; machine peak {peak:.0f} GFLOP/s "
