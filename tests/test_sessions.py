@@ -500,3 +500,20 @@ def test_a_protocol_v1_client_is_told_the_versions_differ(server):
         assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "protocol v2" in caught.value.details() and "protocol v1" in caught.value.details()
         sess.ping()
+
+
+def test_a_file_cut_short_while_it_uploads_is_refused_by_name(server, tmp_path):
+    path = tmp_path / "model.so"
+    path.write_bytes(os.urandom(3 << 20))
+
+    def cut_short(done, total):
+        if done == 1 << 20:
+            os.truncate(path, 1 << 19)  # another program rewrites the file meanwhile
+
+    with connect(server) as sess:
+        with pytest.raises(errors.InvalidArgument, match="model.so' shrank while it was sent"):
+            sess.upload(str(path), progress=cut_short)
+        # The session goes on, and nothing of the cut file was kept.
+        assert "model.so" not in sess.listdir()
+        sess.upload(str(path))
+        assert sess.download("model.so") == path.read_bytes()

@@ -15,10 +15,10 @@ from remote.client import display
 from remote.address import split_address
 from remote.defaults import SERVER_PORT, TLS_CA_ENV
 from remote.proto import pb
-from remote.proto.frames import (CHUNK_BYTES, PROTOCOL_VERSION, Checksum, FrameSocket,
-                                 aligned_empty, frame_bytes, little_endian, looks_like_http2,
-                                 page_buffer, recv_array_chunks, recv_tensors, send_array_chunks,
-                                 send_file_chunks, tensor_header)
+from remote.proto.frames import (CHUNK_BYTES, CUT_SHORT, PROTOCOL_VERSION, Checksum,
+                                 FrameSocket, aligned_empty, frame_bytes, little_endian,
+                                 looks_like_http2, page_buffer, recv_array_chunks, recv_tensors,
+                                 send_array_chunks, send_file_chunks, tensor_header)
 
 
 Progress = Callable[[int, int], None]
@@ -259,7 +259,15 @@ class Session:
                 with open(path, "rb", buffering=0) as f:
                     checksum = send_file_chunks(fs, f, total, progress)
                 if checksum is None:
-                    raise errors.InvalidArgument(f"{target!r} shrank while it was being sent")
+                    # The body went out whole (zeros after the file's end); the
+                    # board discards it on this checksum and answers an error.
+                    fs.send(pb.DataFrame(op="end", checksum=CUT_SHORT))
+                    fs.recv_header()
+                    fs.skip(fs.body_left)
+                    raise errors.InvalidArgument(
+                        f"{path!r} shrank while it was sent (another program is writing "
+                        "it?); nothing was kept on the board: upload it again once it is "
+                        "complete")
             fs.send(pb.DataFrame(op="end", checksum=checksum))
 
         return self._exchange(f"upload of {target!r}", timeout, send).name

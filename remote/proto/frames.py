@@ -495,26 +495,44 @@ _ALIGN_FROM = 64 * 1024
 def send_file_chunks(fs: FrameSocket, file, total: int, progress=None):
     """Send the first ``total`` bytes of an open binary file in chunks with
     sendfile(2), after a prefix; returns the checksum, or None when the file
-    turned out shorter.
+    turned out shorter. The frame's body is whole either way (a shorter file
+    is followed by zeros), so the connection stays in step; the caller then
+    sends an ``end`` whose checksum cannot match, and the far end discards it.
 
-    The kernel hands the file's cached pages to the socket, where reading
-    them into a buffer and sending that copied every byte twice; the
-    checksum reads the same pages through a read-only mapping of the chunk
-    (one chunk at a time: mapped pages count as the process's memory).
+    The kernel hands the file's cached pages to the socket, where sending
+    a buffer copied every byte once more; the checksum reads each chunk into
+    one page-aligned buffer with pread. (Not through a mapping of the file:
+    a file cut short by another process while mapped kills the reader with
+    SIGBUS, and here the reader is the user's program.)
     """
     checksum = Checksum()
+    buffer = page_buffer(min(CHUNK_BYTES, max(total, 1)))
     for done in range(0, total, CHUNK_BYTES):
         n = min(CHUNK_BYTES, total - done)
-        if os.fstat(file.fileno()).st_size < done + n:
+        view = buffer[:n]
+        if os.preadv(file.fileno(), [view], done) != n:
+            _send_zeros(fs, total - done)
             return None
-        with mmap.mmap(file.fileno(), n, access=mmap.ACCESS_READ, offset=done) as mapped:
-            with memoryview(mapped) as view:
-                checksum.update(view)
-        if fs.send_file(file, done, n) != n:
+        checksum.update(view)
+        sent = fs.send_file(file, done, n)
+        if sent != n:
+            _send_zeros(fs, total - done - sent)
             return None
         if progress is not None:
             progress(done + n, total)
     return checksum.text()
+
+
+# What an ``end`` frame carries after a body that a shrinking file cut short.
+CUT_SHORT = "cut short at the sender"
+
+
+def _send_zeros(fs: FrameSocket, count: int) -> None:
+    zeros = memoryview(bytes(min(CHUNK_BYTES, count)))
+    while count > 0:
+        step = min(count, len(zeros))
+        fs.send_raw(zeros[:step])
+        count -= step
 
 
 def send_array_chunks(fs: FrameSocket, array, progress=None) -> str:
