@@ -41,6 +41,17 @@ OUTPUT_TOLERANCE = 1e-4
 # Another tile replaces the default only when its median is at least this
 # fraction faster.
 MIN_GAIN = 0.03
+# What a candidate's samples measure: "s", seconds per run on a board (or
+# this machine), or "instructions", guest instructions per run on an
+# emulated core where no board was in reach. Records keep them as
+# samples_<unit> and median_<unit>; an entry says "cost": "instructions"
+# when counted (entries without it were timed).
+UNITS = ("s", "instructions")
+
+
+def entry_unit(entry: dict) -> str:
+    """The unit of a cache entry's samples (see UNITS)."""
+    return "instructions" if entry.get("cost") == "instructions" else "s"
 
 
 class TuningCacheError(BuildError):
@@ -207,11 +218,12 @@ def output_mismatch(reference: np.ndarray, output: np.ndarray) -> Optional[str]:
 
 
 def shape_entry(shape: ConvShape, candidates: List[dict], device: dict, number: int,
-                repeat: int, measured: str) -> dict:
+                repeat: int, measured: str, unit: str = "s") -> dict:
     """The cache entry of one measured shape. candidates are {"tile": spec,
-    "samples_s": [...]} (plus "error" when its output was wrong), the
-    default tile first; each gets its median, and the fastest valid one is
-    "best" when it beats the default by MIN_GAIN.
+    "samples_s": [...]} (samples_instructions with unit "instructions"; plus
+    "error" when its output was wrong), the default tile first; each gets
+    its median, and the cheapest valid one is "best" when it beats the
+    default by MIN_GAIN.
 
     >>> shape = ConvShape((1, 8, 6, 6), (12, 8, 3, 3), (1, 12, 6, 6), (1, 1), (1, 1, 1, 1), (1, 1), 1)
     >>> entry = shape_entry(shape, [{"tile": [8, 1, 4], "samples_s": [2.0, 2.1]},
@@ -220,14 +232,21 @@ def shape_entry(shape: ConvShape, candidates: List[dict], device: dict, number: 
     >>> entry["default"], entry["best"]
     ([8, 1, 4], [4, 2])
     """
+    if unit not in UNITS:
+        raise ValueError(f"unit {unit!r}: one of {', '.join(UNITS)}")
+    median = f"median_{unit}"
     for record in candidates:
-        record["median_s"] = float(np.median(record["samples_s"]))
+        record[median] = float(np.median(record[f"samples_{unit}"]))
     valid = [c for c in candidates if "error" not in c]
-    fastest = min(valid, key=lambda c: c["median_s"])
+    fastest = min(valid, key=lambda c: c[median])
     default = candidates[0]
-    # Noise on a shared board moves medians by a few per cent: the default
-    # tile stays unless another is clearly faster.
-    best = fastest if fastest["median_s"] < default["median_s"] * (1 - MIN_GAIN) else default
-    return {"shape": shape.to_dict(), "gemm": list(shape.gemm),
-            "default": default["tile"], "best": best["tile"], "candidates": candidates,
-            "device": device, "number": number, "repeat": repeat, "measured": measured}
+    # Noise on a shared board moves medians by a few per cent, and a count
+    # leaves out caches and stalls: the default tile stays unless another
+    # is clearly cheaper.
+    best = fastest if fastest[median] < default[median] * (1 - MIN_GAIN) else default
+    entry = {"shape": shape.to_dict(), "gemm": list(shape.gemm),
+             "default": default["tile"], "best": best["tile"], "candidates": candidates,
+             "device": device, "number": number, "repeat": repeat, "measured": measured}
+    if unit == "instructions":
+        entry["cost"] = "instructions"
+    return entry

@@ -29,7 +29,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
-from typing import Dict, NamedTuple, Sequence
+from typing import Dict, NamedTuple, Optional, Sequence
 
 from deploy_recipes import emulate
 from deploy_recipes.devicecode import PROJECT_ROOT
@@ -39,15 +39,19 @@ PLUGIN_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "guest_
 # ARM's part numbers of the cores the board presets name, as Linux prints them.
 CORE_PARTS = {"cortex-a53": 0xd03, "cortex-a72": 0xd08, "cortex-a76": 0xd0b}
 
-# Runs in the guest: argv is kind, path, inferences, then NAME=DxDxD per input.
+# Runs in the guest: argv is kind, path, inferences, then NAME=DxDxD per
+# input, then optionally --save PATH (the first output of the last run, .npy).
 GUEST_SCRIPT = r'''
 import sys
 import numpy as np
 
 kind, path, inferences = sys.argv[1], sys.argv[2], int(sys.argv[3])
+specs, save = sys.argv[4:], None
+if "--save" in specs:
+    specs, save = specs[:specs.index("--save")], specs[specs.index("--save") + 1]
 rng = np.random.default_rng(0)
 feeds = {}
-for spec in sys.argv[4:]:
+for spec in specs:
     name, dims = spec.rsplit("=", 1)
     feeds[name] = rng.standard_normal([int(d) for d in dims.split("x")]).astype(np.float32)
 if kind == "module":
@@ -61,12 +65,42 @@ else:
     session = onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
     run = lambda f: session.run(None, f)
 for _ in range(inferences):
-    run(feeds)
+    outputs = run(feeds)
+if save is not None:
+    np.save(save, outputs[0])
 '''
+
+
+# The cores qemu user mode emulates, per Debian architecture, that a
+# target's CPU may name (qemu 7.2); any other CPU is counted on qemu's "max".
+QEMU_CORES = {"arm64": ("cortex-a35", "cortex-a53", "cortex-a57", "cortex-a72", "cortex-a76",
+                        "neoverse-n1", "a64fx"),
+              "armhf": ("cortex-a7", "cortex-a8", "cortex-a9", "cortex-a15")}
 
 
 class CountError(emulate.EmulationError):
     """A counted run could not be made; the message says what to install or fix."""
+
+
+def emulated_core(target) -> "tuple[str, str]":
+    """(Debian architecture, qemu core) on which a target's modules are
+    counted: its own CPU where qemu has that core, else qemu's "max" (a
+    32-bit Cortex-A53 or A72 board, for instance: qemu-arm has neither).
+
+    >>> from crosscompile.target import resolve_target
+    >>> emulated_core(resolve_target("rasp4b64")), emulated_core(resolve_target("rasp3b"))
+    (('arm64', 'cortex-a72'), ('armhf', 'max'))
+    """
+    arch_name = target.triple.split("-", 1)[0]
+    if arch_name in ("aarch64", "arm64"):
+        arch = "arm64"
+    elif arch_name.startswith(("arm", "thumb")):
+        arch = "armhf"
+    else:
+        raise CountError(f"target {target.name} ({target.triple}) is not ARM: instructions are "
+                         "counted on emulated ARM cores only; tune an x86 machine on itself "
+                         "(--target host) or on a board of it (--key)")
+    return arch, target.cpu if target.cpu in QEMU_CORES[arch] else "max"
 
 
 class Count(NamedTuple):
@@ -118,7 +152,7 @@ class _Counter:
             raise ValueError(f"no cpuinfo for {cpu!r}; choose one of {', '.join(CORE_PARTS)}")
 
     def count(self, folder: str, plugin: str, kind: str, path: str, inferences: int,
-              inputs: Dict[str, Sequence[int]]) -> int:
+              inputs: Dict[str, Sequence[int]], save: Optional[str] = None) -> int:
         out = os.path.join(folder, f"count-{inferences}.txt")
         script = os.path.join(folder, "guest_run.py")
         with open(script, "w") as f:
@@ -135,6 +169,8 @@ class _Counter:
         argv = ["setarch", "-R", shutil.which(self.qemu), "-cpu", self.cpu, "-L", self.root,
                 "-plugin", f"{plugin},out={out}", self.root + emulate.guest_python(self.root),
                 script, kind, os.path.abspath(path), str(inferences), *_shape_args(inputs)]
+        if save is not None:
+            argv += ["--save", os.path.abspath(save)]
         if self.fake_cpuinfo:
             argv = self._with_cpuinfo(folder, argv)
         proc = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -159,14 +195,15 @@ class _Counter:
 
 
 def _per_inference(counter: _Counter, kind: str, path: str, inputs: Dict[str, Sequence[int]],
-                   warmup: int, runs: int) -> Count:
+                   warmup: int, runs: int, save: Optional[str] = None) -> Count:
     if warmup < 1 or runs < 1:
         raise ValueError("warmup and runs must be at least 1")
     folder = tempfile.mkdtemp(prefix="tether-count-")
     try:
         plugin = _build_plugin(folder)
-        first = counter.count(folder, plugin, kind, path, warmup, inputs)
-        second = counter.count(folder, plugin, kind, path, warmup + runs, inputs)
+        # Both runs save, so that saving cancels out of the difference.
+        first = counter.count(folder, plugin, kind, path, warmup, inputs, save)
+        second = counter.count(folder, plugin, kind, path, warmup + runs, inputs, save)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return Count((second - first) / runs, first, runs)
@@ -174,13 +211,15 @@ def _per_inference(counter: _Counter, kind: str, path: str, inputs: Dict[str, Se
 
 def count_module(path: str, inputs: Dict[str, Sequence[int]], release: str = "bookworm",
                  arch: str = "arm64", cpu: str = "cortex-a72", warmup: int = 1,
-                 runs: int = 3) -> Count:
+                 runs: int = 3, save: Optional[str] = None) -> Count:
     """Instructions per inference of a compiled module (for ``arch``) run by minirt, one thread.
 
-    ``inputs`` maps each input's name to its shape; the values are random.
+    ``inputs`` maps each input's name to its shape; the values are random
+    (the same in every call). With ``save``, the module's first output is
+    written there (numpy's .npy), to check what the counted code computed.
     """
     counter = _Counter(release, arch, cpu, [PROJECT_ROOT], fake_cpuinfo=False)
-    return _per_inference(counter, "module", path, inputs, warmup, runs)
+    return _per_inference(counter, "module", path, inputs, warmup, runs, save)
 
 
 def count_onnx(path: str, inputs: Dict[str, Sequence[int]], site: str, release: str = "bookworm",

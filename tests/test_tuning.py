@@ -20,6 +20,7 @@ from crosscompile.gemm import tile_for
 from crosscompile.schedule import ConvShape, candidate_tiles, default_tile
 from crosscompile.target import resolve_target
 from remote import rpc
+from remote.errors import TetherError
 from remote.client.tuning import tune
 from tests.onnx_models import reference
 
@@ -62,13 +63,14 @@ def feeds(shape=(1, 3, 10, 10), seed=3):
     return {"x": np.random.default_rng(seed).standard_normal(shape).astype(np.float32)}
 
 
-def expected_best(entry):
-    """The fastest candidate by median, unless the default (measured first)
-    is within tuning.MIN_GAIN of it."""
-    fastest = min(entry["candidates"], key=lambda c: c["median_s"])
+def expected_best(entry, unit="s"):
+    """The fastest (or, counted, cheapest) candidate by median, unless the
+    default (measured first) is within tuning.MIN_GAIN of it."""
+    median = f"median_{unit}"
+    fastest = min(entry["candidates"], key=lambda c: c[median])
     default = entry["candidates"][0]
     assert default["tile"] == entry["default"]
-    if fastest["median_s"] < default["median_s"] * (1 - tuning.MIN_GAIN):
+    if fastest[median] < default[median] * (1 - tuning.MIN_GAIN):
         return fastest["tile"]
     return default["tile"]
 
@@ -277,9 +279,55 @@ def test_tether_tune_command_against_a_farm(farm, tmp_path):
     assert f"tuned register tiles for 4 of 4 GEMM convolutions (cache {path})" in proc.stdout
 
 
-def test_tune_for_a_board_target_needs_a_board(tmp_path):
-    with pytest.raises(crosscompile.BuildError, match="needs a session on a board"):
-        tune(conv_net(), "rasp4b64", None, cache=tuning.TuningCache(tmp_path))
+def test_tuning_an_x86_target_without_a_board_says_what_to_do(tmp_path):
+    """Instructions are counted on emulated ARM cores only: another x86
+    machine must be tuned on itself or on a board of it."""
+    with pytest.raises(TetherError, match=r"x86_64-unknown-linux-gnu.*is not ARM.*--target host.*--key"):
+        tune(conv_net(), "x86_64-unknown-linux-gnu/znver3", None, cache=tuning.TuningCache(tmp_path))
+    assert not os.listdir(tmp_path)
+
+
+@pytest.mark.emulated
+@pytest.mark.bookworm_arm64
+def test_tether_tune_counts_instructions_where_the_farm_has_no_board_of_the_key(farm, tmp_path):
+    """`tether tune --key rasp4b64` against a farm without such a board costs
+    each tile by the instructions one run executes on an emulated
+    Cortex-A72, says so, and caches the cheapest tile, which builds use."""
+    from deploy_recipes import emulate
+    from tests.emulated_boards import skip_without_tools
+
+    skip_without_tools()
+    emulate.build_rootfs("bookworm", "arm64")
+    shape = ConvShape((1, 8, 6, 6), (12, 8, 3, 3), (1, 12, 6, 6), (1, 1), (1, 1, 1, 1), (1, 1), 1)
+    model = tmp_path / "conv.onnx"
+    onnx.save(tuning.conv_model(shape, seed=5), str(model))
+    env = {**os.environ, "PYTHONPATH": ROOT, "TETHER_CACHE": str(tmp_path / "cache")}
+    host, port = farm.tracker
+    proc = subprocess.run([sys.executable, "-m", "remote.cli", "tune", str(model), "--key", "rasp4b64",
+                           "--tracker", f"{host}:{port}"], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "no board of key 'rasp4b64' is in the farm" in proc.stderr + proc.stdout
+    assert "emulated cortex-a72 core" in proc.stderr + proc.stdout
+    [row] = _table(proc.stdout)
+    path = proc.stdout.strip().splitlines()[-1].split("cache: ", 1)[1]
+    with open(path) as f:
+        entry = json.load(f)["entries"][shape.key]
+    target = resolve_target("rasp4b64")
+    assert entry["cost"] == "instructions" and entry["device"]["cpu_model"] == "qemu cortex-a72"
+    assert [c["tile"] for c in entry["candidates"]] == [t.spec for t in candidate_tiles(target, 12, shape)]
+    assert not [c for c in entry["candidates"] if "error" in c]
+    counts = [c["samples_instructions"] for c in entry["candidates"]]
+    assert all(len(c) == 1 and c[0] > 0 for c in counts), counts
+    # Different tiles execute different code: the counts are not all one number.
+    assert len({c[0] for c in counts}) > 1, counts
+    assert entry["best"] == expected_best(entry, "instructions")
+    assert row["BEST"] == "x".join(map(str, entry["best"]))
+    assert float(row["BEST M INSTR"]) == pytest.approx(
+        min(c["median_instructions"] for c in entry["candidates"] if c["tile"] == entry["best"]) / 1e6,
+        abs=1e-4)
+    lib = crosscompile.build(str(model), target, schedules=tuning.TuningCache(tmp_path / "cache" / "tuning"))
+    assert [t["tile"] for t in lib.metadata["gemm_tiles"]] == [entry["best"]]
 
 
 @pytest.mark.emulated
@@ -297,12 +345,17 @@ def test_tuning_on_an_emulated_arm64_board(tmp_path):
     model = tuning.conv_model(shape, seed=5)
     target = resolve_target("rasp4b64")
     cache = tuning.TuningCache(tmp_path)
+    # Counted first, as without a board; the board's timing then replaces the count.
+    counted = tune(model, target, None, cache=cache)
+    assert counted.shapes[0].unit == "instructions" and not counted.shapes[0].cached
     with local_farm() as farm, running_board(farm, "bookworm", "arm64", "tune-arm64"):
         with rpc.connect_tracker(*farm.tracker).request("tune-arm64", timeout=120) as sess:
             result = tune(model, target, sess, cache=cache, number=2, repeat=2,
                                  timeout=120)
             entry = cache.get(target, shape.key)
             assert [s.shape.key for s in result.shapes] == [shape.key]
+            assert result.shapes[0].unit == "s" and not result.shapes[0].cached
+            assert "cost" not in entry and all("median_s" in c for c in entry["candidates"])
             assert entry["device"]["machine"] == "aarch64"
             assert [c["tile"] for c in entry["candidates"]] == \
                 [t.spec for t in candidate_tiles(target, 12, shape)]

@@ -6,7 +6,12 @@ holding that one convolution once per candidate tile
 (crosscompile.schedule.candidate_tiles), runs each on the board, checks its
 output against the default tile's, times it with the board's own timing
 loop and keeps the tile with the lowest median
-(crosscompile.tuning.shape_entry). The answers go to a
+(crosscompile.tuning.shape_entry). With no board of an ARM target in
+reach, the cost is instead the number of guest instructions one run
+executes on an emulated core of the target (qemu user mode in a Debian
+root filesystem, deploy_recipes.instruction_count): exact and repeatable,
+but not a time (no caches or stalls), so a board's timing replaces it
+whenever the shape is tuned on a board. The answers go to a
 crosscompile.tuning.TuningCache, by default default_cache(): a JSON file
 per target in $TETHER_CACHE/tuning (else ~/.cache/tether/tuning), which
 build(..., schedules=default_cache()) then uses.
@@ -32,11 +37,10 @@ from typing import Callable, List, Optional
 import numpy as np
 
 import minirt
-from crosscompile.errors import BuildError
 from crosscompile.schedule import ConvShape, candidate_tiles
 from crosscompile.target import Target, resolve_target
 from crosscompile.tuning import (SCHEMA, TuningCache, candidate_module, conv_model, conv_shapes,
-                                 output_mismatch, shape_entry, target_key)
+                                 entry_unit, output_mismatch, shape_entry, target_key)
 from minirt.timing import bound_call
 from remote.defaults import cache_dir
 
@@ -53,6 +57,9 @@ def default_cache() -> TuningCache:
 # ------------------------------------------------------------- runners --
 class SessionRunner:
     """Runs candidates on the board of a remote.client Session."""
+
+    unit = "s"     # what time() returns: seconds per run
+    exact = False  # samples vary: take repeat rounds
 
     def __init__(self, session, timeout: Optional[float] = None):
         self.session = session
@@ -79,6 +86,8 @@ class SessionRunner:
 
 class LocalRunner:
     """Runs candidates on this machine with minirt (target "host" only)."""
+
+    unit, exact = "s", False
 
     def __init__(self, threads: Optional[int] = None):
         self.threads = threads
@@ -108,6 +117,46 @@ class LocalRunner:
         shutil.rmtree(self._folder, ignore_errors=True)
 
 
+class CountRunner:
+    """Costs candidates by the guest instructions one run executes on an
+    emulated core of an ARM target (deploy_recipes.instruction_count), for
+    a target with no board in reach. A count is the same every time, so
+    each candidate is counted once; its output is the one computed under
+    emulation, to check against the default tile's there."""
+
+    unit, exact = "instructions", True
+
+    def __init__(self, target: Target, release: str = "bookworm"):
+        from deploy_recipes import instruction_count
+
+        self._count = instruction_count.count_module
+        self.debian = release
+        self.arch, self.cpu = instruction_count.emulated_core(target)
+        self.device = {"address": "emulated", "machine": self.arch, "cpu_model": f"qemu {self.cpu}",
+                       "cores": 1, "os": f"Debian {release} {self.arch} under qemu user mode",
+                       "cost": "instructions"}
+        self._folder = tempfile.mkdtemp(prefix="tether-tune-count-")
+
+    def load(self, so_bytes: bytes, name: str, inputs: dict):
+        """(instructions of one run, its output under emulation)."""
+        path = os.path.join(self._folder, name)
+        with open(path, "wb") as f:
+            f.write(so_bytes)
+        saved = path + ".npy"
+        count = self._count(path, {k: v.shape for k, v in inputs.items()}, self.debian, self.arch,
+                            self.cpu, warmup=1, runs=1, save=saved)
+        return count.per_inference, np.load(saved)
+
+    def time(self, handle, number: int) -> float:
+        return handle  # counted once by load: the same for any number of runs
+
+    def release(self, handle) -> None:
+        pass
+
+    def close(self) -> None:
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -127,10 +176,11 @@ class ShapeTuning:
     shape: ConvShape
     default: tuple
     best: tuple
-    default_s: float
+    default_s: float        # in `unit`: seconds, or instructions when counted
     best_s: float
     cached: bool            # taken from the cache, not measured now
     entry: dict = field(default_factory=dict)
+    unit: str = "s"
 
     @property
     def speedup(self) -> float:
@@ -148,7 +198,8 @@ class TuningResult:
                 "cache": self.cache_path,
                 "shapes": [{"shape": s.shape.key, "gemm": list(s.shape.gemm),
                             "default": list(s.default), "best": list(s.best),
-                            "default_s": s.default_s, "best_s": s.best_s,
+                            f"default_{s.unit}": s.default_s, f"best_{s.unit}": s.best_s,
+                            "cost": "instructions" if s.unit == "instructions" else "seconds",
                             "speedup": s.speedup, "cached": s.cached,
                             "candidates": s.entry.get("candidates", [])} for s in self.shapes]}
 
@@ -158,11 +209,13 @@ def tune(model, target: "str | Target" = "host", session=None, progress: Progres
          force: bool = False, input_shapes: "dict | None" = None,
          threads: Optional[int] = None, timeout: Optional[float] = None) -> TuningResult:
     """Tune every GEMM convolution shape of `model` for `target` on the
-    board of `session` (a remote.client Session), or on this machine with
-    minirt when session is None and target is "host" (threads: minirt's).
-    Shapes already in the cache are kept unless `force`. Each measured
-    shape is written to the cache at once, so an interrupted run keeps what
-    it measured. progress(text) is called before each measurement.
+    board of `session` (a remote.client Session), or, when session is None,
+    on this machine with minirt for target "host" (threads: minirt's) and by
+    counting instructions on an emulated core for an ARM target
+    (CountRunner). Shapes already in the cache are kept unless `force`,
+    except that timing on a board replaces a count. Each measured shape is
+    written to the cache at once, so an interrupted run keeps what it
+    measured. progress(text) is called before each measurement.
 
     >>> result = tune("model.onnx", "host", number=5, repeat=3)         # doctest: +SKIP
     >>> [(s.shape.key, s.best, round(s.speedup, 2)) for s in result.shapes]  # doctest: +SKIP
@@ -176,14 +229,15 @@ def tune(model, target: "str | Target" = "host", session=None, progress: Progres
     elif target.name == "host":
         runner = LocalRunner(threads)
     else:
-        raise BuildError(f"tuning for target {target.name!r} needs a session on a board of that "
-                         "target (only 'host' can be tuned on this machine)")
+        runner = CountRunner(target)
     shapes = conv_shapes(model, target, input_shapes)
     done = []
     try:
         for index, shape in enumerate(shapes, 1):
             entry = None if force else cache.get(target, shape.key)
             cached = entry is not None and "candidates" in entry
+            if cached and runner.unit == "s" and entry_unit(entry) == "instructions":
+                cached = False  # counted on an emulated core: a board's timing replaces it
             if not cached:
                 if progress is not None:
                     progress(f"shape {index}/{len(shapes)}: {shape.key}")
@@ -191,7 +245,7 @@ def tune(model, target: "str | Target" = "host", session=None, progress: Progres
                 cache.put(target, shape.key, entry)
             done.append(_outcome(shape, entry, cached))
     finally:
-        if isinstance(runner, LocalRunner):
+        if isinstance(runner, (LocalRunner, CountRunner)):
             runner.close()
     return TuningResult(target, cache.path_for(target), done)
 
@@ -206,18 +260,20 @@ def tune_shape(shape: ConvShape, target: Target, runner, number: int, repeat: in
     """
     model = conv_model(shape)
     inputs = {"x": np.random.default_rng(1).standard_normal(shape.x).astype(np.float32)}
+    samples = f"samples_{runner.unit}"
+    rounds = 1 if runner.exact else repeat
     candidates, handles, reference = [], [], None
     try:
         for tile in candidate_tiles(target, shape.gemm[0], shape):
             if progress is not None:
-                progress(f"  building and loading tile {tile.label}")
+                progress(f"  building and {'counting' if runner.exact else 'loading'} tile {tile.label}")
             lib = candidate_module(model, shape, target, tile)
             # A fresh file name per module: a loaded library must never be
             # overwritten in place, and dlopen would hand back the old one.
             name = f"tune-{os.getpid()}-{next(_module_numbers)}-{tile.label}.so"
             handle, output = runner.load(lib.so_bytes, name, inputs)
             handles.append(handle)
-            record = {"tile": tile.spec, "samples_s": []}
+            record = {"tile": tile.spec, samples: []}
             if reference is None:
                 reference = output
             else:
@@ -225,21 +281,24 @@ def tune_shape(shape: ConvShape, target: Target, runner, number: int, repeat: in
                 if mismatch is not None:
                     record["error"] = mismatch
             candidates.append(record)
-        for handle in handles:
-            runner.time(handle, 1)  # warm caches, page in the weights
-        for round_ in range(repeat):
-            if progress is not None:
-                progress(f"  timing round {round_ + 1}/{repeat}")
+        if not runner.exact:
+            for handle in handles:
+                runner.time(handle, 1)  # warm caches, page in the weights
+        for round_ in range(rounds):
+            if progress is not None and not runner.exact:
+                progress(f"  timing round {round_ + 1}/{rounds}")
             for record, handle in zip(candidates, handles):
-                record["samples_s"].append(runner.time(handle, number))
+                record[samples].append(runner.time(handle, number))
     finally:
         for handle in handles:
             runner.release(handle)
     measured = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    return shape_entry(shape, candidates, runner.device, number, repeat, measured)
+    return shape_entry(shape, candidates, runner.device, 1 if runner.exact else number, rounds,
+                       measured, runner.unit)
 
 
 def _outcome(shape: ConvShape, entry: dict, cached: bool) -> ShapeTuning:
-    medians = {tuple(c["tile"]): c["median_s"] for c in entry["candidates"]}
+    unit = entry_unit(entry)
+    medians = {tuple(c["tile"]): c[f"median_{unit}"] for c in entry["candidates"]}
     default, best = tuple(entry["default"]), tuple(entry["best"])
-    return ShapeTuning(shape, default, best, medians[default], medians[best], cached, entry)
+    return ShapeTuning(shape, default, best, medians[default], medians[best], cached, entry, unit)
