@@ -222,12 +222,13 @@ class DeviceService:
                 on_close=lambda: self._end(sid, "closed by the client", stop_process=False))
             if child_end is not fs.sock:
                 child_end.close()
+            # Logged before the answer: once the client hears "ok", the log says so.
+            log.info("session %s opened by %s", sid[:8], session.client)
             fs.send(pb.DataFrame(op="ok", name=sid, info=self.info,
                                  size=self.max_upload_bytes))
         except BaseException:
             self._end(sid, "its process could not start", "RemoteError")
             raise
-        log.info("session %s opened by %s", sid[:8], session.client)
         if not isinstance(fs.sock, ssl.SSLSocket):
             fs.sock.close()  # the session's process has its own copy
         return True

@@ -344,13 +344,14 @@ class DeviceService {
       conn->send(error_frame("RemoteError", "the session could not start on the device: " + error));
       return false;
     }
+    // Logged before the answer: once the client hears "ok", the log says so.
+    log_line("session %.8s opened by %s", session->id.c_str(), session->client.c_str());
     Frame ok;
     ok.op = "ok";
     ok.name = session->id;
     ok.info = &info_;
     ok.size = options_.max_upload_bytes;
     conn->send(ok);
-    log_line("session %.8s opened by %s", session->id.c_str(), session->client.c_str());
     ::close(conn->fd());  // the session's process has its own copy
     return true;
   }
