@@ -48,6 +48,19 @@ OUTPUT_TRANSFORM_COST = 14.0
 # Input and output channels below which the transforms cost more than the
 # products save, whatever the image size.
 MIN_CHANNELS = 16
+# Where a vector holds 16 floats (AVX-512) the direct GEMM does twice the
+# FMAs per instruction that AVX2 does, and what Winograd saves in FMAs is
+# lost writing and reading back V and M once they outgrow the caches. On
+# AMD Zen 5 (1 MB L2, one thread, against onnxruntime in the same run):
+# 64 channels at 56 x 56 (V and M 6.4 MB) Winograd 1.41, direct 0.99;
+# 128 -> 32 at 56 x 56 (8.0 MB) 2.2 - 3.0 against 1.00; but 16 -> 64 at
+# 55 x 55 (4.0 MB) 0.91 - 0.94 against 1.28, 128 at 28 x 28 (3.2 MB) 0.65
+# against 0.99, 256 at 14 x 14 0.67 against 1.00. With 8 lanes (AVX2, Zen
+# 3) the first still gained, 1.10 -> 0.78. (Taking the image in bands of
+# tile rows whose V and M fit L2 was tried: its times swung from band size
+# to band size, 1.0 - 3.4, and never beat the direct GEMM.)
+WIDE_LANES = 16
+WIDE_SCRATCH_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -126,6 +139,8 @@ def pays(target, geometry, channels: int, rows: int, group: int) -> bool:
     p = plan(geometry, channels, rows)
     if p is None or group != 1 or not target.winograd or min(channels, rows) < MIN_CHANNELS:
         return False
+    if target.lanes >= WIDE_LANES and 4 * (p.scratch_floats - p.v_at) > WIDE_SCRATCH_BYTES:
+        return False  # V and M too large for the wide direct GEMM to lose (see WIDE_SCRATCH_BYTES)
     lanes, nr = target.lanes, tile_for(target).nr
     direct = 9 * channels * rows * p.oh * (p.w + 2) / lanes
     panels = -(-p.tiles // nr) * nr  # columns of whole micro-kernel panels
