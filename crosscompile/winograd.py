@@ -48,26 +48,14 @@ OUTPUT_TRANSFORM_COST = 14.0
 # Input and output channels below which the transforms cost more than the
 # products save, whatever the image size.
 MIN_CHANNELS = 16
-# Where a vector holds 16 floats (AVX-512) the direct GEMM does twice the
-# FMAs per instruction that AVX2 does, and what Winograd saves in FMAs is
-# lost writing and reading back V and M once they outgrow the caches. On
-# AMD Zen 5 (1 MB L2, one thread, against onnxruntime in the same run):
-# 64 channels at 56 x 56 (V and M 6.4 MB) Winograd 1.41, direct 0.99;
-# 128 -> 32 at 56 x 56 (8.0 MB) 2.2 - 3.0 against 1.00; but 16 -> 64 at
-# 55 x 55 (4.0 MB) 0.91 - 0.94 against 1.28, 128 at 28 x 28 (3.2 MB) 0.65
-# against 0.99, 256 at 14 x 14 0.67 against 1.00. With 8 lanes (AVX2, Zen
-# 3) the first still gained, 1.10 -> 0.78. (Taking the image in bands of
-# tile rows whose V and M fit L2 was tried: its times swung from band size
-# to band size, 1.0 - 3.4, and never beat the direct GEMM.)
-WIDE_LANES = 16
-WIDE_SCRATCH_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
 class WinogradPlan:
     """Sizes of one image's Winograd convolution and its scratch layout:
-    the padded input (channels x hp x wp), V (16 x channels x tiles) and
-    M (16 x rows x tiles), one after the other."""
+    the padded input (channels x hp x wp), V (16 x channels x tiles, the
+    16 v_stride apart) and M (16 x rows x tiles, m_stride apart), one after
+    the other."""
     channels: int
     rows: int          # output channels
     oh: int
@@ -102,16 +90,43 @@ class WinogradPlan:
         return _aligned(self.channels * self.hp * self.wp)
 
     @property
+    def v_stride(self) -> int:
+        """Floats from one position's V to the next's."""
+        return _skewed(self.channels * self.tiles)
+
+    @property
+    def m_stride(self) -> int:
+        return _skewed(self.rows * self.tiles)
+
+    @property
     def m_at(self) -> int:
-        return self.v_at + _aligned(PATCH * PATCH * self.channels * self.tiles)
+        return self.v_at + _aligned(PATCH * PATCH * self.v_stride)
 
     @property
     def scratch_floats(self) -> int:
-        return self.m_at + PATCH * PATCH * self.rows * self.tiles
+        return self.m_at + PATCH * PATCH * self.m_stride
 
 
 def _aligned(floats: int) -> int:
     return -(-floats // 16) * 16
+
+
+def _skewed(floats: int) -> int:
+    """A stride between the 16 positions' matrices of V (or M) that is a
+    whole number of 64-byte lines, and an odd one: the input transform
+    writes all 16 per tile and the output transform reads all 16, and at a
+    multiple of 4 KB apart (64 channels of 784 tiles: 49 x 4 KB) the 16
+    streams share one set of a 12-way L1 and evict each other. On AMD Zen 5
+    (AVX-512, one thread, against onnxruntime in the same run) that took
+    64 channels at 56 x 56 from 1.41 to 0.75, DenseNet's 128 -> 32 at
+    56 x 56 from 2.2 - 3.0 to 0.80 and 64 -> 192 at 56 x 56 from 0.87 to
+    0.57 (the direct GEMM: 1.00 - 1.02).
+
+    >>> _skewed(64 * 784), _skewed(100)
+    (50192, 112)
+    """
+    lines = -(-floats // 16)
+    return (lines | 1) * 16
 
 
 def plan(geometry, channels: int, rows: int) -> "WinogradPlan | None":
@@ -139,8 +154,6 @@ def pays(target, geometry, channels: int, rows: int, group: int) -> bool:
     p = plan(geometry, channels, rows)
     if p is None or group != 1 or not target.winograd or min(channels, rows) < MIN_CHANNELS:
         return False
-    if target.lanes >= WIDE_LANES and 4 * (p.scratch_floats - p.v_at) > WIDE_SCRATCH_BYTES:
-        return False  # V and M too large for the wide direct GEMM to lose (see WIDE_SCRATCH_BYTES)
     lanes, nr = target.lanes, tile_for(target).nr
     direct = 9 * channels * rows * p.oh * (p.w + 2) / lanes
     panels = -(-p.tiles // nr) * nr  # columns of whole micro-kernel panels
@@ -177,8 +190,8 @@ def emit(k: Kernel, tile: GemmTile, p: WinogradPlan, x_base, y_base, u_packed, b
     u_size = -(-p.rows // tile.mr) * tile.mr * p.channels
     with k.loop(PATCH * PATCH) as i:
         emit_gemm(k, tile, p.rows, p.channels, p.tiles, bld.gep(u_packed, [bld.mul(i, k.i64(u_size))]),
-                  v, bld.mul(i, k.i64(p.channels * p.tiles)), p.tiles,
-                  m, bld.mul(i, k.i64(p.rows * p.tiles)), None, False)
+                  v, bld.mul(i, k.i64(p.v_stride)), p.tiles,
+                  m, bld.mul(i, k.i64(p.m_stride)), None, False)
     k.barrier()
     _transform_output(k, p, m, y_base, bias, residual, residual_at)
     k.barrier()  # before the next image overwrites the scratch
@@ -216,7 +229,7 @@ def _transform_input(k: Kernel, p: WinogradPlan, x_base, padded, v) -> None:
                     for a in range(PATCH):
                         for b, terms in enumerate(B_T):
                             value = _combine(k, [(sign, rows[a][s]) for sign, s in terms])
-                            at = k.index((t, 1), (c, p.tiles), ((a * PATCH + b) * p.channels * p.tiles, 1))
+                            at = k.index((t, 1), (c, p.tiles), ((a * PATCH + b) * p.v_stride, 1))
                             if width > 1:
                                 bld.store(value, _vector_ptr(k, v, at, width), align=4)
                             else:
@@ -253,7 +266,7 @@ def _transform_output(k: Kernel, p: WinogradPlan, m, y_base, bias, residual, res
                     with k.loop(first + count, start=first) as group:
                         tx = bld.mul(group, k.i64(width)) if width > 1 else group
                         t = k.index((ty, p.tw), (tx, 1))
-                        mv = [[_load(k, m, k.index((t, 1), (r, p.tiles), ((a * PATCH + b) * p.rows * p.tiles, 1)),
+                        mv = [[_load(k, m, k.index((t, 1), (r, p.tiles), ((a * PATCH + b) * p.m_stride, 1)),
                                      max(width, 1)) for b in range(PATCH)] for a in range(PATCH)]
                         cols = [[_combine(k, [(sign, mv[a][b]) for sign, a in terms]) for b in range(PATCH)]
                                 for terms in A_T[:out_rows]]
