@@ -2,7 +2,9 @@
 
     python benchmarks/profile_layers.py squeezenet [resnet50 ...] [--rounds N] [--top N]
 
-For each light-zoo model (random parameters, as in tests/test_zoo.py):
+For each light-zoo model (random parameters, as in tests/test_zoo.py), or
+a model of benchmarks/bench_modern.py by its name there (vit_block, unet128,
+kws_lstm, ...):
 Module.profile's steps and onnxruntime's node events (SessionOptions.
 enable_profiling), each the minimum over --rounds rounds taken in turn, so
 that load from other processes hits both alike. Steps are matched to
@@ -21,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import crosscompile  # noqa: E402
 import minirt  # noqa: E402
+from benchmarks.bench_modern import MODELS  # noqa: E402
 from tests.onnx_models import zoo_input, zoo_model  # noqa: E402
 
 
@@ -74,8 +77,13 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="tether-profile-") as tmp:
         for name in args.models:
-            model = zoo_model(name, logits=False)
-            feeds = zoo_input(model)
+            if name in MODELS:
+                build_model, make_feeds = MODELS[name]
+                model = build_model()
+                feeds = make_feeds(model)
+            else:
+                model = zoo_model(name, logits=False)
+                feeds = zoo_input(model)
             module = minirt.load(crosscompile.build(model, target="host").export_library(
                 os.path.join(tmp, f"{name}.so")), threads=1)
             ours: list = []
