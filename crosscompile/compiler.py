@@ -19,7 +19,8 @@ from .metadata import module_metadata
 from .patterns import fuse_attention, fuse_gelu, fuse_layer_norm
 from .memory import plan_memory
 from .passes import (eliminate_dead_code, fold_batchnorm, fold_channel_affine, fuse_elementwise,
-                     fuse_matmul_affine, fuse_residual_add, mark_split, pack_conv_weights, pack_matmul_weights)
+                     fuse_matmul_affine, fuse_residual_add, mark_split, pack_conv_weights, pack_matmul_weights,
+                     transpose_recurrent_weights)
 from .schedule import assign_tiles, tile_table
 from .target import Target, resolve_target
 
@@ -118,7 +119,7 @@ def tiled_graph(model, target: Target, input_shapes, table):
 def lowered_graph(model, target: Target, input_shapes, table):
     """(imported, folded, lowered) graphs of a model: all graph passes of build()."""
     imported, folded, tiled = tiled_graph(model, target, input_shapes, table)
-    return imported, folded, mark_split(pack_matmul_weights(pack_conv_weights(tiled)))
+    return imported, folded, mark_split(transpose_recurrent_weights(pack_matmul_weights(pack_conv_weights(tiled))))
 
 
 def _code_bytes(obj: bytes) -> int:

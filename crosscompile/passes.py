@@ -12,6 +12,7 @@ import numpy as np
 
 from .ir import Graph, Node, Tensor
 from .ops import OPS
+from .recurrent import R_TRANSPOSED, W_TRANSPOSED
 
 
 def eliminate_dead_code(graph: Graph) -> Graph:
@@ -318,6 +319,36 @@ def pack_matmul_weights(graph: Graph) -> Graph:
             _add_constant(constants, tensors, name, pack_columns(np.asarray(weight, np.float32), tile.nr))
         attrs["weight_shape"] = tuple(weight.shape)
         nodes.append(Node(node.op_type, node.name, [node.inputs[0], name, *extra], list(node.outputs), attrs))
+    return eliminate_dead_code(replace(graph, nodes=nodes, constants=constants, tensors=tensors))
+
+
+def transpose_recurrent_weights(graph: Graph) -> Graph:
+    """Give each LSTM, GRU and RNN whose W or R is constant that weight
+    transposed per direction ([directions, K, gates * hidden]) in its place,
+    at input position W_TRANSPOSED or R_TRANSPOSED: a row of it is whole
+    vectors of gate columns for the GEMM micro-kernel (W^T) and for the
+    step's row-times-matrix product (R^T), where W and R themselves end
+    every gate value in a horizontal sum (see recurrent.py)."""
+    constants, tensors = dict(graph.constants), dict(graph.tensors)
+    nodes = []
+    for node in graph.nodes:
+        positions = node.attrs.get("input_positions")
+        if node.op_type not in ("LSTM", "GRU", "RNN") or positions is None:
+            nodes.append(node)
+            continue
+        by_position = dict(zip(positions, node.inputs))
+        inputs, positions = list(node.inputs), list(positions)
+        for source, position in ((1, W_TRANSPOSED), (2, R_TRANSPOSED)):
+            weight = constants.get(by_position.get(source, ""))
+            if weight is None or weight.ndim != 3:
+                continue
+            name = f"{by_position[source]}/transposed"
+            if name not in constants:
+                _add_constant(constants, tensors, name, np.ascontiguousarray(weight.transpose(0, 2, 1), np.float32))
+            inputs[positions.index(source)] = name
+            positions[positions.index(source)] = position
+        nodes.append(Node(node.op_type, node.name, inputs, list(node.outputs),
+                          dict(node.attrs, input_positions=tuple(positions))))
     return eliminate_dead_code(replace(graph, nodes=nodes, constants=constants, tensors=tensors))
 
 

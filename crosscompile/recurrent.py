@@ -4,19 +4,22 @@ layout.
 
 Each direction runs in two parts. The input projection X . W^T of every
 time step is one matrix product before the recurrence, on the GEMM
-micro-kernel (gemm.emit_gemm, X read in place) against a copy of W
-transposed into scratch at the start of each run, so that a row of W^T is
-whole vectors of gate columns (against W itself each of the steps x gates
-x hidden values ended in a horizontal sum). Then each step multiplies the
-previous hidden state by R^T (gemm.emit_dot_rows: one row per batch
-element, streaming R) and updates every hidden unit from its gates, a
-vector of units at a time. On the AMD Zen 5 host, one thread, against
-onnxruntime: the speech model of tests/audio_models.py (Conv, a
-bidirectional GRU, LogSoftmax) 1.00 -> 0.72; the keyword spotter (two
-LSTMs) stayed at 1.2 - 1.3 (R^T on the micro-kernel too, one row a step,
-took it to 1.67). A batch element whose sequence has ended keeps its
-state and writes zeros to Y, as onnxruntime does; in reverse its steps run
-from its own last element back to the first.
+micro-kernel (gemm.emit_gemm, X read in place, into scratch). Then each
+step multiplies the previous hidden state by R^T, a row of states times a
+matrix with whole vectors of gate columns accumulated in registers (see
+_times_r), and updates every hidden unit from its gates, a vector of units
+at a time. Both products read W and R transposed: a constant W or R is
+transposed at compile time (passes.transpose_recurrent_weights); a runtime
+W is transposed into scratch at the start of the run and a runtime R read
+as it is, one dot product per gate column (gemm.emit_dot_rows), each
+ending in a horizontal sum. On the AMD Zen 5 host, one thread, against
+onnxruntime, before -> after: the speech model of tests/audio_models.py
+(Conv, a bidirectional GRU, LogSoftmax) 1.00 -> 0.56, the keyword spotter
+(two LSTMs) 1.20 - 1.28 -> 0.74.
+
+A batch element whose sequence has ended keeps its state and writes zeros
+to Y, as onnxruntime does; in reverse its steps run from its own last
+element back to the first.
 """
 from __future__ import annotations
 
@@ -29,8 +32,11 @@ from .emit import I64, Kernel
 from .errors import BuildError, ShapeError
 from .gemm import emit_dot_rows, emit_gemm, tile_for
 from .op_base import Op, _check_choice
-from .vectors import _vector_ptr
+from .vectors import _fmuladd, _vector_ptr, splat
 
+# Input positions of a constant W and R transposed at compile time
+# (passes.transpose_recurrent_weights): past ONNX's eight.
+W_TRANSPOSED, R_TRANSPOSED = 100, 101
 # Activation functions a recurrent layer may name, with their default
 # (alpha, beta); None marks a parameter the function does not take.
 ACTIVATIONS = {"Sigmoid": (None, None), "Tanh": (None, None), "Relu": (None, None),
@@ -112,6 +118,7 @@ class _Layer:
     recurrent: ir.Value  # h . R^T: [batch, recurrent_columns]
     recurrent_columns: int
     y: "ir.Value | None"
+    gate_columns: int = 0  # gates * hidden: rows of W and R, columns of W^T and R^T
     width: int = 1       # hidden units per value in the cell's code (see vectors)
 
     @contextmanager
@@ -170,6 +177,42 @@ def _transpose(k: Kernel, src, rows: int, cols: int, dst) -> None:
         k.store(k.load(src, k.index((r, cols), (c, 1))), dst, k.index((c, rows), (r, 1)))
 
 
+def _times_r(k: Kernel, layer: "_Layer", n: int, states, first: int, out) -> None:
+    """out [batch, n] = states [batch, hidden] . R[first:first + n]^T: from
+    R^T (constant R, transposed at compile time) a row of states times a
+    matrix, whole vectors of columns accumulated in registers; else
+    streaming R, one dot product per column."""
+    if "R^T" not in layer.weights:
+        r = k.builder.gep(layer.weights["R"], [k.i64(first * layer.hidden)])
+        emit_dot_rows(k, k.target.lanes, layer.batch, layer.hidden, n, states, r, out)
+        return
+    b = k.builder
+    lanes, gh = k.target.lanes, layer.gate_columns
+    block = max(1, min(8, (k.target.vector_registers - 2) // 2))  # accumulators, and their loads
+    vectors = n // lanes
+    r_t = b.gep(layer.weights["R^T"], [k.i64(first)])
+    zero = ir.Constant(ir.VectorType(ir.FloatType(), lanes), [0.0] * lanes)
+    with k.loop(layer.batch) as i:
+        row = b.mul(i, k.i64(layer.hidden))
+        for v0 in range(0, vectors, block):
+            count = min(block, vectors - v0)
+            accs = [k.variable(zero) for _ in range(count)]
+            with k.loop(layer.hidden) as p:
+                x = splat(k, k.load(states, b.add(row, p)), lanes)
+                at = b.mul(p, k.i64(gh))
+                for v, acc in enumerate(accs):
+                    w = b.load(_vector_ptr(k, r_t, b.add(at, k.i64((v0 + v) * lanes)), lanes), align=4)
+                    b.store(_fmuladd(k, x, w, b.load(acc)), acc)
+            for v, acc in enumerate(accs):
+                b.store(b.load(acc), _vector_ptr(k, out, k.index((i, n), ((v0 + v) * lanes, 1)), lanes), align=4)
+        with k.loop(n, start=vectors * lanes) as c:  # columns past the last whole vector
+            total = k.variable(k.f32(0.0))
+            with k.loop(layer.hidden) as p:
+                w = k.load(r_t, k.index((p, gh), (c, 1)))
+                b.store(b.fadd(b.load(total), b.fmul(k.load(states, b.add(row, p)), w)), total)
+            k.store(b.load(total), out, k.index((i, n), (c, 1)))
+
+
 class _Recurrent(Op):
     """What LSTM, GRU and RNN share: attributes, shapes, the input
     projection, the initial states, sequence lengths and the step loop.
@@ -195,6 +238,10 @@ class _Recurrent(Op):
     def _geometry(self, inputs, attrs):
         """(steps, batch, input size, hidden, directions) from the input shapes."""
         shapes = dict(zip(attrs["input_positions"], inputs))
+        for position, transposed in ((1, W_TRANSPOSED), (2, R_TRANSPOSED)):
+            if transposed in shapes:  # see passes.transpose_recurrent_weights
+                d, depth, columns = shapes.pop(transposed)
+                shapes[position] = (d, columns, depth)
         if 0 not in shapes or 1 not in shapes or 2 not in shapes:
             raise ShapeError(f"{self.op_type} needs X, W and R")
         x, w, r = shapes[0], shapes[1], shapes[2]
@@ -263,19 +310,27 @@ class _Recurrent(Op):
                 k.store(k.f32(0.0), y, i)
         per_direction = len(self.default_activations)
         for d in range(directions):
-            weights = {"W": bld.gep(given[1], [k.i64(d * gh * size)]),
-                       "R": bld.gep(given[2], [k.i64(d * gh * hidden)])}
+            weights = {}
+            for name, position, depth in (("W", 1, size), ("R", 2, hidden)):
+                if position in given:
+                    weights[name] = bld.gep(given[position], [k.i64(d * gh * depth)])
+                else:  # constant, transposed at compile time
+                    transposed = given[W_TRANSPOSED if name == "W" else R_TRANSPOSED]
+                    weights[name + "^T"] = bld.gep(transposed, [k.i64(d * gh * depth)])
             if 3 in given:
                 weights["B"] = bld.gep(given[3], [k.i64(d * 2 * gh)])
             peephole = 5 + len(self.states)
             if peephole in given:
                 weights["P"] = bld.gep(given[peephole], [k.i64(d * 3 * hidden)])
-            _transpose(k, weights["W"], gh, size, w_t)
+            if "W^T" not in weights:
+                _transpose(k, weights["W"], gh, size, w_t)
+                weights["W^T"] = w_t
             layer = _Layer(steps, batch, hidden, attrs["layout"], directions, d,
                            attrs["direction"] == "reverse" or d == 1,
                            attrs["functions"][d * per_direction:(d + 1) * per_direction], attrs,
-                           weights, state, lengths, projected, recurrent, self.recurrent_columns(attrs, hidden), y)
-            emit_gemm(k, tile_for(k.target), steps * batch, size, gh, given[0], w_t, k.i64(0), gh,
+                           weights, state, lengths, projected, recurrent, self.recurrent_columns(attrs, hidden), y,
+                           gate_columns=gh)
+            emit_gemm(k, tile_for(k.target), steps * batch, size, gh, given[0], weights["W^T"], k.i64(0), gh,
                       projected, k.i64(0), None, False, lda=size)
             for i, name in enumerate(self.states):
                 initial = given.get(5 + i)
@@ -304,8 +359,7 @@ class _Recurrent(Op):
     @staticmethod
     def multiply_state(k: Kernel, layer: _Layer) -> None:
         """recurrent = H . R^T over the first recurrent_columns rows of R."""
-        emit_dot_rows(k, k.target.lanes, layer.batch, layer.hidden, layer.recurrent_columns, layer.state["h"],
-                      layer.weights["R"], layer.recurrent)
+        _times_r(k, layer, layer.recurrent_columns, layer.state["h"], 0, layer.recurrent)
 
     def each_unit(self, k: Kernel, layer: _Layer, s, body, stores_h: bool = True) -> None:
         """body(b, t, j) for each batch element b still in its sequence at
@@ -428,8 +482,7 @@ class GRU(_Recurrent):
             r = layer.act(k, 0, self.gate_input(k, layer, b, t, j, 1))
             layer.store(k, bld.fmul(r, layer.load(k, h, at)), reset_h, at)
         self.each_unit(k, layer, s, reset, stores_h=False)
-        rh = bld.gep(layer.weights["R"], [k.i64(2 * hidden * hidden)])
-        emit_dot_rows(k, k.target.lanes, layer.batch, hidden, hidden, reset_h, rh, product)
+        _times_r(k, layer, hidden, reset_h, 2 * hidden, product)  # Rh: rows 2H..3H of R
         self.each_unit(k, layer, s, lambda b, t, j: self._update(
             k, layer, b, t, j, bld.fadd(layer.load(k, product, k.index((b, hidden), (j, 1))), self._rbh(k, layer, j))))
 

@@ -8,6 +8,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 import crosscompile
 import minirt
+from crosscompile.compiler import lowered_graph
+from crosscompile.recurrent import R_TRANSPOSED, W_TRANSPOSED
+from crosscompile.target import resolve_target
 from tests.onnx_models import IR_VERSION, reference
 from tests.test_ops_logic import run_typed
 
@@ -16,10 +19,10 @@ STATES = {"LSTM": 2, "GRU": 1, "RNN": 1}
 
 
 def recurrent_case(op, steps=5, batch=3, size=6, hidden=8, direction="forward", bias=True, initial=False,
-                   lengths=None, layout=0, peepholes=False, outputs=None, seed=0, **attrs):
+                   lengths=None, layout=0, peepholes=False, outputs=None, seed=0, runtime_weights=False, **attrs):
     """(model, feeds): X, initial states and sequence lengths are runtime
-    inputs, W, R, B and P initializers; weights scaled so the gates do not
-    saturate."""
+    inputs, W, R, B and P initializers (W and R runtime inputs too with
+    runtime_weights); weights scaled so the gates do not saturate."""
     rng = np.random.default_rng(seed)
     directions = 2 if direction == "bidirectional" else 1
     gh = GATES[op] * hidden
@@ -29,6 +32,8 @@ def recurrent_case(op, steps=5, batch=3, size=6, hidden=8, direction="forward", 
     inits = {"W": weight(directions, gh, size), "R": weight(directions, gh, hidden)}
     x_shape = (steps, batch, size) if layout == 0 else (batch, steps, size)
     feeds = {"X": rng.standard_normal(x_shape).astype(np.float32)}
+    if runtime_weights:
+        feeds.update(W=inits.pop("W"), R=inits.pop("R"))
     names = ["X", "W", "R", ""]
     if bias:
         inits["B"] = (0.5 * rng.standard_normal((directions, 2 * gh))).astype(np.float32)
@@ -68,6 +73,23 @@ def recurrent_case(op, steps=5, batch=3, size=6, hidden=8, direction="forward", 
 @pytest.mark.parametrize("initial,lengths", [(False, None), (True, None), (True, [5, 2, 4]), (False, [1, 5, 3])])
 def test_recurrent_directions_states_and_lengths(tmp_path, op, direction, initial, lengths):
     run_typed(*recurrent_case(op, direction=direction, initial=initial, lengths=lengths), tmp_path)
+
+
+@pytest.mark.parametrize("op", ["LSTM", "GRU", "RNN"])
+@pytest.mark.parametrize("runtime_weights", [False, True])
+def test_hidden_units_in_vectors_and_one_at_a_time(tmp_path, op, runtime_weights):
+    """37 hidden units: whole vectors then single units on any vector width
+    (4, 8 or 16 lanes), and 4 x 37 gate columns, not a whole number of
+    vectors either. Constant W and R are transposed at compile time; as
+    runtime inputs, W is transposed in the run and R read as it is."""
+    model, feeds = recurrent_case(op, steps=6, batch=2, size=21, hidden=37, direction="bidirectional",
+                                  initial=True, lengths=[6, 4], runtime_weights=runtime_weights,
+                                  **({"linear_before_reset": 0} if op == "GRU" else {}))
+    run_typed(model, feeds, tmp_path)
+    _, _, graph = lowered_graph(model, resolve_target("host"), None, {})
+    (node,) = [n for n in graph.nodes if n.op_type == op]
+    transposed = {W_TRANSPOSED, R_TRANSPOSED} & set(node.attrs["input_positions"])
+    assert transposed == (set() if runtime_weights else {W_TRANSPOSED, R_TRANSPOSED})
 
 
 @pytest.mark.parametrize("op", ["LSTM", "GRU", "RNN"])
