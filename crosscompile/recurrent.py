@@ -279,12 +279,17 @@ class _Recurrent(Op):
 
     def scratch_bytes(self, inputs, outputs, attrs):
         """The input projection of every step, one step's H . R^T, the
-        running states, the subclass's extra rows and one direction's W^T
-        (see lower())."""
+        running states, the subclass's extra rows and, for a runtime W, one
+        direction's W^T (see lower())."""
         steps, batch, size, hidden, _ = self._geometry([t.shape for t in inputs], attrs)
         gh = self.gates * hidden
         return 4 * (steps * batch * gh + batch * gh + (len(self.states) + self.extra_rows) * batch * hidden
-                    + size * gh)
+                    + self._w_t_floats(attrs, size, gh))
+
+    @staticmethod
+    def _w_t_floats(attrs, size: int, gh: int) -> int:
+        """Scratch for W transposed in the run: none when it was at compile time."""
+        return 0 if W_TRANSPOSED in attrs["input_positions"] else size * gh
 
     def lower(self, k, inputs, outputs, attrs):
         steps, batch, size, hidden, directions = self._geometry([t.shape for t in inputs], attrs)
@@ -301,7 +306,7 @@ class _Recurrent(Op):
         projected, recurrent = area(steps * batch * gh), area(batch * gh)
         state = {name: area(batch * hidden) for name in self.states}
         extra = [area(batch * hidden) for _ in range(self.extra_rows)]
-        w_t = area(size * gh)
+        w_t = area(self._w_t_floats(attrs, size, gh))
         lengths = given.get(4)
         y = k.outputs[0]
         if lengths is not None:

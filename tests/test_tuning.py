@@ -367,3 +367,25 @@ def test_tuning_on_an_emulated_arm64_board(tmp_path):
             inputs = feeds(shape.x)
             got = sess.load_module("tuned.so").run(inputs, timeout=120)[0]
     np.testing.assert_allclose(got, reference(model, inputs)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_a_table_of_timed_and_counted_shapes_gives_each_value_its_unit():
+    """Counting keeps shapes a board timed before: the table then carries
+    milliseconds and instruction counts side by side, each value with its
+    unit; a table of one kind names it in the headers."""
+    from remote.cli import tune as tune_cli
+    from remote.client.tuning import ShapeTuning, TuningResult
+
+    first = ConvShape((1, 8, 6, 6), (12, 8, 3, 3), (1, 12, 6, 6), (1, 1), (1, 1, 1, 1), (1, 1), 1)
+    second = ConvShape((1, 12, 6, 6), (16, 12, 1, 1), (1, 16, 6, 6), (1, 1), (0, 0, 0, 0), (1, 1), 1)
+    timed = ShapeTuning(first, (8, 3), (8, 2), 2e-4, 1e-4, True, {}, "s")
+    counted = ShapeTuning(second, (8, 3), (8, 3), 2e5, 2e5, False, {}, "instructions")
+    target = resolve_target("rasp4b64")
+    mixed = TuningResult(target, "cache.json", [timed, counted])
+    assert tune_cli.headers(mixed)[4:6] == ("DEFAULT", "BEST")
+    rows = tune_cli.result_rows(mixed)
+    assert rows[0][4:] == ("0.2000 ms", "0.1000 ms", "2.00x", "(cached)")
+    assert rows[1][4:] == ("0.2000 M instr", "0.2000 M instr", "1.00x", "")
+    only = TuningResult(target, "cache.json", [counted])
+    assert tune_cli.headers(only)[4:6] == ("DEFAULT M INSTR", "BEST M INSTR")
+    assert tune_cli.result_rows(only)[0][4:6] == ("0.2000", "0.2000")

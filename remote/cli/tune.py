@@ -17,23 +17,36 @@ from remote.client import display
 from remote.client.tracker import TrackerClient
 
 HEADERS = ("SHAPE", "GEMM MxKxN", "DEFAULT", "BEST", "DEFAULT MS", "BEST MS", "SPEED-UP", "")
-# Columns of counted costs: millions of guest instructions per run.
-COUNT_HEADERS = HEADERS[:4] + ("DEFAULT M INSTR", "BEST M INSTR") + HEADERS[6:]
+# Cost columns by what the rows measured: milliseconds per run on a board,
+# millions of guest instructions per run on an emulated core, or both (a
+# count run keeps shapes a board timed before), each value with its unit.
+COST_HEADERS = {"s": ("DEFAULT MS", "BEST MS"), "instructions": ("DEFAULT M INSTR", "BEST M INSTR"),
+                "mixed": ("DEFAULT", "BEST")}
+UNIT_NAMES = {"s": "ms", "instructions": "M instr"}
 
 
-def _cost(value: float, unit: str) -> str:
-    return f"{value / 1e6:.4f}" if unit == "instructions" else f"{value * 1e3:.4f}"
+def _units(result) -> str:
+    units = {s.unit for s in result.shapes} or {"s"}
+    return units.pop() if len(units) == 1 else "mixed"
+
+
+def headers(result) -> tuple:
+    return HEADERS[:4] + COST_HEADERS[_units(result)] + HEADERS[6:]
+
+
+def _cost(value: float, unit: str, mixed: bool) -> str:
+    text = f"{value / 1e6:.4f}" if unit == "instructions" else f"{value * 1e3:.4f}"
+    return f"{text} {UNIT_NAMES[unit]}" if mixed else text
 
 
 def result_rows(result) -> list:
+    mixed = _units(result) == "mixed"
     rows = []
     for s in result.shapes:
-        note = "(cached)" if s.cached else ""
-        if s.unit == "instructions" and result.shapes[0].unit != "instructions":
-            note = (note + " counted").strip()
         rows.append((s.shape.key, "x".join(str(d) for d in s.shape.gemm),
                      "x".join(map(str, s.default)), "x".join(map(str, s.best)),
-                     _cost(s.default_s, s.unit), _cost(s.best_s, s.unit), f"{s.speedup:.2f}x", note))
+                     _cost(s.default_s, s.unit, mixed), _cost(s.best_s, s.unit, mixed), f"{s.speedup:.2f}x",
+                     "(cached)" if s.cached else ""))
     return rows
 
 
@@ -102,11 +115,13 @@ def run_tune(args, tracker_address) -> int:
     if args.json:
         print(json.dumps(result.as_dict(), indent=2))
     else:
-        counted = bool(result.shapes) and result.shapes[0].unit == "instructions"
+        cost = {"s": "medians per run", "instructions": "guest instructions per run on the emulated core",
+                "mixed": "medians per run on a board (ms) or instructions per run on the emulated core "
+                         "(M instr)"}[_units(result)]
         print(f"target {result.target.name} ({result.target.triple}, {result.target.cpu}): "
               f"{len(result.shapes)} convolution shape(s); register tile MRxNV (MRxNVxPIXELS: transposed), "
-              + ("guest instructions per run on the emulated core" if counted else "medians per run"))
-        print(display.text_table(COUNT_HEADERS if counted else HEADERS, result_rows(result)))
+              + cost)
+        print(display.text_table(headers(result), result_rows(result)))
         print(f"cache: {result.cache_path}")
     return 0
 
