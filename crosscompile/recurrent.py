@@ -32,7 +32,7 @@ from .emit import I64, Kernel
 from .errors import BuildError, ShapeError
 from .gemm import emit_dot_rows, emit_gemm, tile_for
 from .op_base import Op, _check_choice
-from .vectors import _fmuladd, _vector_ptr, splat
+from .vectors import _fmuladd, _vector_ptr, splat, vector_runs
 
 # Input positions of a constant W and R transposed at compile time
 # (passes.transpose_recurrent_weights): past ONNX's eight.
@@ -81,20 +81,6 @@ def _activations(raw: dict, defaults: tuple, directions: int) -> tuple:
             beta = float(betas.pop(0))
         chosen.append((name, alpha, beta))
     return tuple(chosen)
-
-
-def _unit_runs(count: int, lanes: int) -> list:
-    """(first group, groups, units per group) covering `count` hidden
-    units: whole vectors of `lanes`, then the rest one at a time.
-
-    >>> _unit_runs(40, 16), _unit_runs(3, 4)
-    ([(0, 2, 16), (32, 8, 1)], [(0, 3, 1)])
-    """
-    whole = count // lanes if lanes > 1 else 0
-    runs = [(0, whole, lanes)] if whole else []
-    if count - whole * lanes:
-        runs.append((whole * lanes, count - whole * lanes, 1))
-    return runs
 
 
 @dataclass
@@ -384,7 +370,7 @@ class _Recurrent(Op):
             with (bld.if_then(valid) if valid is not None else nullcontext()):
                 # Vectors of hidden units, then one at a time: every value a
                 # unit reads or writes lies next to its neighbours'.
-                for first, count, width in _unit_runs(layer.hidden, k.target.lanes):
+                for first, count, width in vector_runs(layer.hidden, k.target.lanes):
                     with k.loop(first + count, start=first) as group, layer.vectors(k, width):
                         j = bld.mul(group, k.i64(width)) if width > 1 else group
                         new_h = body(b, t, j)

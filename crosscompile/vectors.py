@@ -13,6 +13,20 @@ def _vector_ptr(k: Kernel, ptr: ir.Value, offset: ir.Value, lanes: int) -> ir.Va
     return k.builder.bitcast(k.builder.gep(ptr, [offset]), ir.VectorType(F32, lanes).as_pointer())
 
 
+def vector_runs(count: int, lanes: int) -> list:
+    """(first group, groups, items per group) covering `count` items laid
+    side by side: whole vectors of `lanes` items, then one at a time.
+
+    >>> vector_runs(40, 16), vector_runs(3, 4)
+    ([(0, 2, 16), (32, 8, 1)], [(0, 3, 1)])
+    """
+    whole = count // lanes if lanes > 1 else 0
+    runs = [(0, whole, lanes)] if whole else []
+    if count - whole * lanes:
+        runs.append((whole * lanes, count - whole * lanes, 1))
+    return runs
+
+
 def splat(k: Kernel, value: ir.Value, lanes: int) -> ir.Value:
     b = k.builder
     vty = ir.VectorType(F32, lanes)

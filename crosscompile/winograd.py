@@ -29,7 +29,7 @@ from llvmlite import ir
 
 from .emit import Kernel
 from .gemm import GemmTile, emit_gemm, pack_weights, tile_for
-from .vectors import _vector_ptr, load_strided, splat, vector_epilogue
+from .vectors import _vector_ptr, load_strided, splat, vector_epilogue, vector_runs
 
 # F(2x2, 3x3): output tile 2 x 2, input tile 4 x 4.
 TILE, PATCH = 2, 4
@@ -215,7 +215,7 @@ def _transform_input(k: Kernel, p: WinogradPlan, x_base, padded, v) -> None:
                 src = bld.select(inside, k.index((src_plane, 1), (iy, p.w), (ix, 1)), src_plane)
                 k.store(bld.select(inside, k.load(X, src), k.f32(0.0)), padded, bld.add(dst, x))
         with k.loop(p.th) as ty:
-            for first, count, width in _tile_vectors(p.tw, k.target.lanes):
+            for first, count, width in vector_runs(p.tw, k.target.lanes):
                 with k.loop(first + count, start=first) as group:
                     tx = bld.mul(group, k.i64(width)) if width > 1 else group
                     corner = k.index((dst_plane, 1), (ty, TILE * p.wp), (tx, TILE))
@@ -236,16 +236,6 @@ def _transform_input(k: Kernel, p: WinogradPlan, x_base, padded, v) -> None:
                                 k.store(value, v, at)
 
 
-def _tile_vectors(count: int, lanes: int) -> list:
-    """(first group, groups, tiles per group) covering `count` tiles of a
-    row: vectors of `lanes` tiles, then one tile at a time."""
-    whole = count // lanes if lanes > 1 else 0
-    runs = [(0, whole, lanes)] if whole else []
-    if count - whole * lanes:
-        runs.append((whole * lanes, count - whole * lanes, 1))
-    return runs
-
-
 def _transform_output(k: Kernel, p: WinogradPlan, m, y_base, bias, residual, residual_at) -> None:
     """Y = A^T M A + bias per tile, epilogue and residual applied, for this
     thread's output channels: vectors of whole tiles (each output row of
@@ -259,7 +249,7 @@ def _transform_output(k: Kernel, p: WinogradPlan, m, y_base, bias, residual, res
         start = k.load(bias, r) if bias is not None else k.f32(0.0)
         for ty_first, ty_count, out_rows in _tile_runs(p.oh):
             with k.loop(ty_first + ty_count, start=ty_first) as ty:
-                runs = _tile_vectors(p.ow // TILE, lanes)
+                runs = vector_runs(p.ow // TILE, lanes)
                 if p.ow % TILE:
                     runs.append((p.ow // TILE, 1, 0))  # the last tile, one column
                 for first, count, width in runs:
