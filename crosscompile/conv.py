@@ -15,7 +15,7 @@ from llvmlite import ir
 from . import winograd
 from .emit import Kernel
 from .errors import BuildError, ShapeError
-from .gemm import divide, emit_channel_gemm, emit_gemm, panel_offset, splits_columns
+from .gemm import divide, emit_channel_gemm, emit_gemm, i32_table, panel_offset, splits_columns
 from .op_base import Op, _prod
 from .vectors import _fmuladd, _vector_ptr, load_strided, row_pieces, splat, vector_epilogue
 from .window import _resolve_window, _valid_range, _window_attributes
@@ -66,7 +66,7 @@ class Conv(Op):
         x, w = inputs[0].shape, attrs["weight_shape"]
         geometry = _resolve_window(x, tuple(w[2:]), attrs, what="convolution")
         if attrs.get("winograd"):
-            return 4 * winograd.plan(geometry, x[1], w[0]).scratch_floats
+            return 4 * winograd.plan(geometry, x[1], w[0], attrs["winograd"]).scratch_floats
         if self._pointwise(geometry):
             return 0
         pixels = getattr(attrs.get("gemm_tile"), "pixels", 0)
@@ -185,7 +185,7 @@ class Conv(Op):
         # does not know this string attribute, hence the set's own add().
         set.add(k.function.attributes, '"no-builtins"')
         if attrs.get("winograd"):
-            plan = winograd.plan(geometry, cg, m)
+            plan = winograd.plan(geometry, cg, m, attrs["winograd"])
             with k.loop(x[0]) as image:
                 winograd.emit(k, tile, plan, k.index((image, x[1] * volume_in)), k.index((image, w[0] * n)),
                               k.inputs[1], k.inputs[2] if has_bias else None,
@@ -199,11 +199,11 @@ class Conv(Op):
                              "1-D and 2-D windows in place only; schedule a tile of rows [mr, nv] for it")
         if tile.pixels:
             if pointwise:
-                taps = _i32_table(k, tuple(c * volume_in for c in range(cg)))
-                bases = _i32_table(k, tuple(range(n)))
+                taps = i32_table(k, tuple(c * volume_in for c in range(cg)))
+                bases = i32_table(k, tuple(range(n)))
             else:
-                taps = _i32_table(k, direct.offsets)
-                bases = _i32_table(k, direct.pixel_bases)
+                taps = i32_table(k, direct.offsets)
+                bases = i32_table(k, direct.pixel_bases)
         with k.loop(x[0]) as image, k.loop(group) as g:
             x_base = k.index((image, x[1] * volume_in), (g, cg * volume_in))
             y_base = k.index((image, w[0] * n), (g, m * n))
@@ -344,7 +344,7 @@ def _direct_conv(k: Kernel, tile, plan: _DirectPlan, x_base, a_ptr, bias, epilog
     _copy_padded(k, plan, x_base)
     bld, buf = k.builder, k.scratch
     oh_n, ow_n = plan.geometry[-1][1:]
-    table = _i32_table(k, plan.offsets)
+    table = i32_table(k, plan.offsets)
     rows = plan.rows
     if plan.n_virtual == oh_n * ow_n:
         # The grid is the output (e.g. a strided 1x1 convolution): no copy.
@@ -427,7 +427,7 @@ def _copy_phases(k: Kernel, plan: _DirectPlan, x_base, chans) -> None:
     (_, h, wd), _, (_, sh, sw), _, (_, ph, pw), _, _ = plan.geometry
     bld, X = k.builder, k.inputs[0]
     plane = plan.hq * plan.wq
-    phases = [_i32_table(k, tuple(phase[axis] for phase in plan.planes)) for axis in (0, 1)]
+    phases = [i32_table(k, tuple(phase[axis] for phase in plan.planes)) for axis in (0, 1)]
     with k.loop(chans[1], start=chans[0]) as c, k.loop(len(plan.planes)) as p:
         src_plane = k.index((x_base, 1), (c, h * wd))
         rh, rw = (bld.sext(k.load(table, p), ir.IntType(64)) for table in phases)
@@ -441,16 +441,6 @@ def _copy_phases(k: Kernel, plan: _DirectPlan, x_base, chans) -> None:
                 inside = bld.and_(row_inside, k.in_range(ix, wd))
                 src = bld.select(inside, k.index((src_plane, 1), (iy, wd), (ix, 1)), src_plane)
                 k.store(bld.select(inside, k.load(X, src), k.f32(0.0)), k.scratch, bld.add(dst, x))
-
-
-def _i32_table(k: Kernel, offsets: tuple) -> ir.Value:
-    """Offsets (taps, pixel bases) as a constant i32 array of the module."""
-    ty = ir.ArrayType(ir.IntType(32), len(offsets))
-    gv = ir.GlobalVariable(k.module, ty, name=k.module.get_unique_name("tether.taps"))
-    gv.global_constant = True
-    gv.linkage = "internal"
-    gv.initializer = ir.Constant(ty, list(offsets))
-    return k.builder.gep(gv, [k.i64(0), k.i64(0)])
 
 
 def _im2col(k: Kernel, tile, channels: int, geometry, x_base, chans, cols) -> None:

@@ -25,9 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 from llvmlite import ir
 
-from .conv import _i32_table
 from .errors import BuildError, ShapeError
-from .gemm import divide, emit_gemm, pack_weights, splits_columns
+from .gemm import divide, emit_gemm, i32_table, pack_weights, splits_columns
 from .matmul import strided_matmul
 from .op_base import Op, _ints, _prod
 from .vectors import _vector_ptr, interleave, row_pieces, splat, vector_epilogue
@@ -154,8 +153,8 @@ class ConvTranspose(Op):
         # The zero row would otherwise become a memset call (see Conv._lower_gemm).
         set.add(k.function.attributes, '"no-builtins"')
         epilogue = vector_epilogue(k)
-        sources = _i32_table(k, plan.sources)
-        starts = _i32_table(k, plan.starts)
+        sources = i32_table(k, plan.sources)
+        starts = i32_table(k, plan.starts)
         columns = bld.gep(k.scratch, [k.i64(plan.columns_at)])
         lo, hi = k.part(wd)
         with k.loop(hi, start=lo) as i:  # what a missing row of columns reads

@@ -510,6 +510,16 @@ def _channel_tile_function(k: Kernel, tile: GemmTile, pixels: int, widths: tuple
     return t.function
 
 
+def i32_table(k: Kernel, offsets: tuple) -> ir.Value:
+    """Offsets (taps, pixel bases) as a constant i32 array of the module."""
+    ty = ir.ArrayType(ir.IntType(32), len(offsets))
+    gv = ir.GlobalVariable(k.module, ty, name=k.module.get_unique_name("tether.taps"))
+    gv.global_constant = True
+    gv.linkage = "internal"
+    gv.initializer = ir.Constant(ty, list(offsets))
+    return k.builder.gep(gv, [k.i64(0), k.i64(0)])
+
+
 def prefetch(k: Kernel, ptr: ir.Value, write: int = 0) -> None:
     """llvm.prefetch of the cache line holding *ptr (a no-op where the target has no prefetch)."""
     i8p = ir.IntType(8).as_pointer()

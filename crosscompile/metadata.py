@@ -31,7 +31,8 @@ def module_metadata(imported: Graph, graph: Graph, plan: MemoryPlan, target, pro
         "steps": describe_steps(imported, graph, plan),
         "gemm_tiles": [{"node": node.name, "shape": node.attrs["conv_shape"].key,
                         "tile": node.attrs["gemm_tile"].spec, "tuned": node.attrs["tile_tuned"],
-                        "winograd": bool(node.attrs.get("winograd"))}
+                        "winograd": bool(node.attrs.get("winograd")),
+                        "winograd_tile": int(node.attrs.get("winograd") or 0)}
                        for node in gemm_convs(imported, graph)],
         "producer": producer,
     }

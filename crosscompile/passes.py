@@ -372,10 +372,10 @@ def pack_conv_weights(graph: Graph) -> Graph:
         if tile is not None:
             kind = ("columns" if node.op_type == "ConvTranspose" else
                     "winograd" if node.attrs.get("winograd") else "packed")
-            name = f"{node.inputs[1]}/{kind}{tile.mr}"
+            name = f"{node.inputs[1]}/{kind}{node.attrs.get('winograd') or ''}/{tile.mr}"
             if name not in constants:
                 constants[name] = _packed_weights(kind, constants[node.inputs[1]], node.attrs.get("group", 1),
-                                                  tile.mr)
+                                                  tile.mr, node.attrs.get("winograd") or 0)
                 tensors[name] = Tensor(name, constants[name].shape, "float32")
             attrs = dict(node.attrs, packed_mr=tile.mr,
                          weight_shape=tuple(graph.tensors[node.inputs[1]].shape))
@@ -388,13 +388,13 @@ def pack_conv_weights(graph: Graph) -> Graph:
     return eliminate_dead_code(replace(graph, nodes=nodes, constants=constants, tensors=tensors))
 
 
-def _packed_weights(kind: str, weight: np.ndarray, group: int, mr: int) -> np.ndarray:
+def _packed_weights(kind: str, weight: np.ndarray, group: int, mr: int, winograd_tile: int = 0) -> np.ndarray:
     """A Conv's or ConvTranspose's constant weights in the layout its lowering reads."""
     from . import winograd
     from .conv_transpose import pack_column_weights
     from .gemm import pack_weights
     if kind == "winograd":
-        return winograd.transform_weights(weight, mr)
+        return winograd.transform_weights(weight, mr, winograd_tile)
     if kind == "columns":
         return pack_column_weights(weight, group, mr)
     return np.concatenate([pack_weights(w, mr) for w in np.split(weight, group)])

@@ -265,8 +265,8 @@ def assign_tiles(graph, target, table: Mapping):
 
     Each such Conv gets attrs["gemm_tile"] (the GemmTile), attrs["conv_shape"]
     (its ConvShape), attrs["tile_tuned"] (whether the table chose it) and
-    attrs["winograd"] (whether it runs as Winograd F(2x2, 3x3), where that
-    pays and no tuned tile was chosen for it), which weight packing, the
+    attrs["winograd"] (the output tile, 2 or 4, of the Winograd variant it
+    runs as, where one pays and no tuned tile was chosen for it; else 0), which weight packing, the
     lowering and the module metadata read. Each MatMul and Gemm that runs
     on the micro-kernel (passes.runs_as_tiled_product) gets the target's
     tile of rows as attrs["matmul_tile"], and attrs["pack_rows"] where the
@@ -292,9 +292,9 @@ def assign_tiles(graph, target, table: Mapping):
             tile, tuned = _scheduled_tile(target, table, node, shape,
                                           _adds_residual(graph, node, readers))
             geometry = _resolve_window(shape.x, shape.w[2:], node.attrs, what="convolution")
-            transformed = not tuned and winograd.pays(target, geometry, shape.x[1], shape.w[0], shape.group)
-            if transformed and tile.pixels:
-                tile = tile_for(target)  # the 16 products are plain GEMMs of rows
+            transformed = 0 if tuned else winograd.choose(target, geometry, shape.x[1], shape.w[0], shape.group)
+            if transformed:
+                tile = winograd.product_tile(target, winograd.plan(geometry, shape.x[1], shape.w[0], transformed))
             node = Node(node.op_type, node.name, list(node.inputs), list(node.outputs),
                         dict(node.attrs, gemm_tile=tile, conv_shape=shape, tile_tuned=tuned,
                              winograd=transformed))

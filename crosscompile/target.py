@@ -92,7 +92,7 @@ class Target:
     @property
     def winograd(self) -> bool:
         """Whether dense 3x3 stride-1 convolutions may run as Winograd
-        F(2x2, 3x3) where crosscompile.winograd.pays says it saves work.
+        (see winograd_tiles) where crosscompile.winograd.choose says it saves work.
         On every target: on ARM instruction counts on emulated cores
         measured it, on x86 with AVX2 times against onnxruntime did (single
         convolutions of ResNet-50, VGG-19 and SqueezeNet 0.63 - 0.91 of
@@ -102,6 +102,16 @@ class Target:
         True
         """
         return True
+
+    @property
+    def winograd_tiles(self) -> tuple:
+        """The output tiles of the Winograd variants crosscompile.winograd.choose
+        weighs: F(2x2, 3x3) and F(4x4, 3x3) on every target.
+
+        >>> resolve_target("rasp4b64").winograd_tiles
+        (2, 4)
+        """
+        return (2, 4) if self.winograd else ()
 
     @property
     def reduction_unroll(self) -> int:
