@@ -12,6 +12,13 @@ on a shared machine hits both alike. TVM is timed on one run after
 a warm-up (untuned it takes seconds per image); it is skipped with a note
 when `import tvm` fails.
 
+The first lines name the machine (CPU model, widest vector extension) and
+the target ours is compiled for: the host's by default, or --target's,
+e.g. an AVX2 target on an AVX-512 host to time our AVX2 code there
+(onnxruntime picks its kernels from the CPU it runs on, so it still uses
+AVX-512: the ratio is then ours with AVX2 against onnxruntime with
+AVX-512, not against onnxruntime's AVX2 kernels).
+
 Peak = cores x clock x flop/cycle/core, with the clock read from
 /proc/cpuinfo and --flop-per-cycle (default 32: two 256-bit FMA pipes, as on
 Zen 4, whose AVX-512 runs at that rate; use 64 for two 512-bit FMA units).
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 import statistics
 import sys
 import tempfile
@@ -31,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import crosscompile  # noqa: E402
 import minirt  # noqa: E402
+from crosscompile.target import resolve_target  # noqa: E402
 from tests.onnx_models import ZOO, make_model, zoo_input, zoo_model  # noqa: E402
 
 # ResNet-50's convolutions (input, weight, pad) and SqueezeNet's largest.
@@ -97,6 +106,25 @@ def tvm_runner(model, feeds):
     return lambda: vm["main"](*args)
 
 
+def machine_description() -> str:
+    """The CPU model and its widest x86 vector extension (or the machine
+    name elsewhere), from /proc/cpuinfo."""
+    model, flags = platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() in ("flags", "Features"):
+                    flags = set(value.split())
+    except OSError:
+        pass
+    widest = next((name for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("asimd", "NEON"))
+                   if flag in flags), "no AVX2")
+    return f"{model}, {widest}, {os.cpu_count()} cores"
+
+
 def peak_gflops(cores: int, flop_per_cycle: int, ghz: "float | None") -> tuple[float, float]:
     if ghz:
         return ghz, cores * ghz * flop_per_cycle
@@ -128,6 +156,8 @@ def main() -> int:
                         help="time ours and onnxruntime on this many threads only (repeatable; default 1 and 2)")
     parser.add_argument("--no-convs", action="store_true", help="leave out the convolution GFLOP/s table")
     parser.add_argument("--flop-per-cycle", type=int, default=32, help="float32 flop per cycle per core")
+    parser.add_argument("--target", default="host",
+                        help="compile ours for this target (a preset or triple/cpu/features, default: host)")
     parser.add_argument("--ghz", type=float, help="core clock (default: /proc/cpuinfo, which in a VM "
                                                    "may be the base clock, below the boost clock)")
     args = parser.parse_args()
@@ -141,6 +171,9 @@ def main() -> int:
             use_tvm = False
     cores = os.cpu_count() or 1
     thread_counts = sorted(set(args.threads or (1, 2)))
+    target = resolve_target(args.target)
+    print(f"machine: {machine_description()}; ours compiled for {target.name} ({32 * target.lanes}-bit vectors, "
+          f"{target.vector_registers} registers)")
     print(f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     print(f"{'model':14} {'compile s':>9} {'ours1 ms':>8} {'ours2 ms':>8} {'ort1 ms':>8} {'ort2 ms':>8} "
           f"{'tvm ms':>8} {'ours1/ort1':>10} {'ours2/ort2':>10} {'ours2/tvm':>9}")
@@ -149,7 +182,7 @@ def main() -> int:
             model = zoo_model(name, logits=False)
             feeds = zoo_input(model)
             started = time.perf_counter()
-            lib = crosscompile.build(model, target="host")
+            lib = crosscompile.build(model, target=target)
             compile_s = time.perf_counter() - started
             path = lib.export_library(os.path.join(tmp, f"{name}.so"))
             ours, peers = [float("nan")] * 2, [float("nan")] * 2
@@ -177,7 +210,7 @@ def main() -> int:
         for x_shape, w_shape, pad in CONV_SHAPES:
             model = conv_model(x_shape, w_shape, pad)
             feeds = {"x": np.random.default_rng(1).standard_normal(x_shape).astype(np.float32)}
-            lib = crosscompile.build(model, target="host")
+            lib = crosscompile.build(model, target=target)
             module = minirt.load(lib.export_library(os.path.join(tmp, f"conv{len(os.listdir(tmp))}.so")),
                                  threads=1)
             session = ort_session(model, 1)

@@ -430,24 +430,38 @@ def emit_channel_gemm(k: Kernel, tile: GemmTile, m: int, kdim: int, n: int,
             for t_count, t_first, pixels in ((full_n, 0, tile.pixels), (bool(tail_n), full_n, tail_n)):
                 if not t_count:
                     continue
-                fn = _channel_tile_function(k, tile, pixels, widths, bias is not None, vector_epilogue,
-                                            residual_at if residual is not None else None)
+                fns = [_channel_tile_function(k, tile, pixels, widths, bias is not None, vector_epilogue,
+                                              residual_at if residual is not None else None, contiguous)
+                       for contiguous in (False, True)]
                 with k.loop(k.smin(hi, k.i64(t_first + t_count)), start=k.smax(lo, k.i64(t_first))) as t:
                     col0 = b.mul(t, k.i64(tile.pixels))
                     c_offset = b.add(c_base, b.add(b.mul(row0, k.i64(n)), col0))
                     res = b.gep(residual, [c_offset]) if residual is not None else null
-                    b.call(fn, [a, x_ptr, b.gep(c_ptr, [c_offset]), bias_row, res, k.i64(kdim), k.i64(n),
-                                taps, b.gep(bases, [col0])])
+                    tile_bases = b.gep(bases, [col0])
+                    args = [a, x_ptr, b.gep(c_ptr, [c_offset]), bias_row, res, k.i64(kdim), k.i64(n),
+                            taps, tile_bases]
+                    # Bases rise pixel by pixel: first + pixels - 1 at the
+                    # last means every pixel is its left neighbour's + 1.
+                    span = b.sub(k.load(tile_bases, k.i64(pixels - 1)), k.load(tile_bases, k.i64(0)))
+                    with b.if_else(b.icmp_signed("==", span, ir.Constant(I32, pixels - 1))) as (then, otherwise):
+                        with then:
+                            b.call(fns[True], args)
+                        with otherwise:
+                            b.call(fns[False], args)
 
 
 def _channel_tile_function(k: Kernel, tile: GemmTile, pixels: int, widths: tuple, has_bias: bool,
-                           vector_epilogue: bool, residual_at: "int | None") -> ir.Function:
+                           vector_epilogue: bool, residual_at: "int | None", contiguous: bool = False) -> ir.Function:
     """void(a, x, c, bias, residual, kdim, ldc, taps, bases): one transposed
-    register tile (see emit_channel_gemm), shared like _tile_function's."""
+    register tile (see emit_channel_gemm), shared like _tile_function's.
+    With contiguous, pixel j reads x[bases[0] + j + tap]: one pointer and
+    constant offsets, where a pointer per pixel (bases read one by one)
+    takes more general registers than x86 has past about 10 pixels."""
     key = ("channels", tile.mr, pixels, widths, has_bias, k.epilogue_key if vector_epilogue else None,
-           residual_at)
+           residual_at, contiguous)
     i64 = ir.IntType(64)
-    t = _new_tile_kernel(k, key, f"ctile{{}}_{sum(widths)}x{pixels}", vector_epilogue, residual_at,
+    t = _new_tile_kernel(k, key, f"ctile{{}}_{sum(widths)}x{pixels}{'c' if contiguous else ''}", vector_epilogue,
+                         residual_at,
                          (i64, i64, I32.as_pointer(), I32.as_pointer()))
     if not isinstance(t, Kernel):
         return t
@@ -458,7 +472,11 @@ def _channel_tile_function(k: Kernel, tile: GemmTile, pixels: int, widths: tuple
     if residual_at is not None:  # read after the K loop, one line per channel
         for row in range(sum(widths)):
             prefetch(t, b.gep(res_ptr, [b.mul(t.i64(row), ldc)]))
-    sources = [b.gep(x_ptr, [b.sext(t.load(bases, t.i64(j)), i64)]) for j in range(pixels)]
+    if contiguous:
+        first = b.gep(x_ptr, [b.sext(t.load(bases, t.i64(0)), i64)])
+        sources = [b.gep(first, [t.i64(j)]) for j in range(pixels)]
+    else:
+        sources = [b.gep(x_ptr, [b.sext(t.load(bases, t.i64(j)), i64)]) for j in range(pixels)]
     accs = [[t.variable(ir.Constant(ir.VectorType(F32, w), [0.0] * w)) for w in widths]
             for _ in range(pixels)]
 
