@@ -142,14 +142,22 @@ POINTWISE_CHANNEL_DEPTH = 512
 # took 1.26 / 1.41 ms with it against 0.83 / 0.66 ms with the channel tile
 # (one thread, AMD EPYC Zen 3, interleaved per-layer profiles).
 SQUARE_TILE_DEPTH = 256
-# 1x1 convolutions with at most this many output pixels (7 x 7) take the
+# 1x1 convolutions with at most this many output pixels (14 x 14) take the
 # transposed tile whatever their depth, residual Add included: the tile of
-# rows would leave a quarter of its vectors of pixels empty (49 of 64 with
-# AVX-512). Measured per convolution against the tile of rows, AMD Zen 5,
-# one thread: ResNet-50's 512 -> 2048 with its residual Add 491 -> 429 us
-# (AVX-512) and 917 -> 844 us (AVX2); 1024 -> 2048 at stride 2 974 -> 819
-# and 1787 -> 1648 us. At 14 x 14 the two tiles were even.
-FEW_PIXELS = 64
+# rows would leave vectors of pixels partly empty (49 pixels in 64 lanes
+# with AVX-512; 196 in 3 panels of 64 and a last one of 4). Measured on
+# AMD Zen 5, one thread, against the tile of rows: ResNet-50's 512 -> 2048
+# at 7 x 7 with its residual Add 491 -> 429 us (AVX-512) and 917 -> 844 us
+# (AVX2 code); 1024 -> 2048 at stride 2 974 -> 819 and 1787 -> 1648 us.
+# Up to 14 x 14 rather than 7 x 7, whole models against onnxruntime
+# (AVX-512): ResNet-50 0.89 -> 0.87, DenseNet-121 0.80 -> 0.75; with AVX2
+# code ResNet-50 took the same time either way.
+FEW_PIXELS = 196
+# ... at least this deep (a shallower one's transposes cost more than the
+# tile of rows' empty lanes), and with whole vectors of the transposed
+# tile's channels (ShuffleNet's grouped ones, 60 - 240 channels per group,
+# went from 0.71 to 0.80 of onnxruntime's time with it).
+FEW_PIXELS_DEPTH = 64
 CACHE_LINE_BYTES = 64
 
 
@@ -190,7 +198,8 @@ def default_tile(target, shape: ConvShape, residual: bool = False) -> GemmTile:
     tile = tile_for(target)
     depth = shape.gemm[1]
     threshold = WINDOW_CHANNEL_DEPTH if reads_windows(shape) else POINTWISE_CHANNEL_DEPTH
-    few_pixels = not reads_windows(shape) and shape.gemm[2] <= FEW_PIXELS
+    few_pixels = (not reads_windows(shape) and shape.gemm[2] <= FEW_PIXELS and depth >= FEW_PIXELS_DEPTH
+                  and shape.gemm[0] % channel_tile(tile).mr == 0)
     if target.multiplies_by_lane or (not few_pixels and (depth < threshold or residual)):
         return tile
     square = GemmTile(tile.lanes, tile.lanes, 1, tile.lanes)
