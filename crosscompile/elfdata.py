@@ -57,8 +57,7 @@ def data_object(like: bytes, symbols: "list[tuple[str, bytes]]", alignment: int 
     ehsize = 64 if is64 else 52
     shentsize = 64 if is64 else 40
     layout, cursor = [], ehsize
-    for blob, align in ((bytes(data), alignment), (bytes(symtab), 8), (bytes(strtab), 1),
-                        (bytes(shstrtab), 1)):
+    for blob, align in ((data, alignment), (symtab, 8), (strtab, 1), (shstrtab, 1)):  # not copied
         cursor += -cursor % align
         layout.append((cursor, blob))
         cursor += len(blob)
