@@ -86,8 +86,12 @@ def test_small_outputs_and_fused_residuals_keep_im2col():
     ((1, 3, 224, 224), (64, 3, 3, 3), 0, "square"),        # a 27-deep stem
     ((1, 16, 55, 55), (64, 16, 3, 3), 1, "square"),        # 144 deep
     ((1, 1, 30, 30), (8, 1, 3, 3), 1, "rows"),             # 9 deep
-    ((1, 1024, 14, 14), (256, 1024, 1, 1), 0, "channels"),  # 1x1, 1024 deep
-    ((1, 256, 14, 14), (256, 256, 1, 1), 0, "rows"),       # 1x1, 256 deep
+    ((1, 1024, 28, 28), (256, 1024, 1, 1), 0, "channels"),  # 1x1, 1024 deep
+    ((1, 256, 28, 28), (256, 256, 1, 1), 0, "rows"),       # 1x1, 256 deep
+    ((1, 256, 14, 14), (1024, 256, 1, 1), 0, "few"),       # 1x1 on 196 pixels, residual or not
+    ((1, 512, 7, 7), (2048, 512, 1, 1), 0, "few"),
+    ((1, 240, 14, 14), (60, 240, 1, 1), 0, "rows"),        # 60 channels: not whole vectors of the transposed tile
+    ((1, 32, 14, 14), (256, 32, 1, 1), 0, "rows"),         # 32 deep
 ])
 @pytest.mark.parametrize("target", ["host", "x86_64-unknown-linux-gnu/haswell/+avx,+avx2,+fma", AVX512,
                                     "rasp4b64", "rasp4b"])
@@ -98,13 +102,14 @@ def test_default_tile_follows_kernel_and_depth(x_shape, w_shape, pads, kind, tar
     rows = tile_for(target)
     # default_tile takes the square tile where a vector is a 64-byte line only.
     square = GemmTile(rows.lanes, rows.lanes, 1, rows.lanes) if rows.lanes >= 16 else channel_tile(rows)
-    want = {"rows": rows, "channels": channel_tile(rows), "square": square}[kind]
+    want = {"rows": rows, "channels": channel_tile(rows), "square": square, "few": channel_tile(rows)}[kind]
     if target.multiplies_by_lane:
         # ARM: every convolution keeps the tile of rows (instruction counts, schedule.py).
         want = rows
     assert default_tile(target, shape) == want
-    # A convolution whose output a residual Add takes keeps the tile of rows.
-    assert default_tile(target, shape, residual=True) == rows
+    # A convolution whose output a residual Add takes keeps the tile of
+    # rows, but for a 1x1 one on few pixels.
+    assert default_tile(target, shape, residual=True) == (want if kind == "few" else rows)
 
 
 def test_transposed_tiles_read_any_grid_in_place():
