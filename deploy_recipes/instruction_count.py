@@ -17,6 +17,11 @@ it for ratios between implementations of the same work on the same core.
     >>> round(count.per_inference / 1e6, 1)                                      # doctest: +SKIP
     169.3
 
+On an x86-64 host, ``count_on_host_core`` counts the same way on an
+emulated x86 core of another vector width (qemu's "Haswell": AVX2 without
+AVX-512), running this machine's own Python, minirt and onnxruntime, which
+then picks that core's kernels.
+
 onnxruntime's CPU probe reads /proc/cpuinfo, and under qemu 7.2 that is the
 host's (x86) text, which it cannot parse; ``count_onnx`` therefore runs the
 guest in a private mount namespace (util-linux's unshare; root, or
@@ -25,9 +30,11 @@ unprivileged user namespaces) with the emulated core's cpuinfo bound over it.
 from __future__ import annotations
 
 import os
+import platform
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 from typing import Dict, NamedTuple, Optional, Sequence
 
@@ -139,8 +146,37 @@ def _shape_args(inputs: Dict[str, Sequence[int]]) -> list:
     return [f"{name}={'x'.join(str(int(d)) for d in shape)}" for name, shape in inputs.items()]
 
 
-class _Counter:
-    """Runs the guest script under qemu with the plugin, in one scratch folder."""
+class _Runs:
+    """Runs the guest script under qemu with the plugin, in one scratch
+    folder; subclasses say how (_env, _python, _wrap)."""
+    where = ""
+
+    def count(self, folder: str, plugin: str, kind: str, path: str, inferences: int,
+              inputs: Dict[str, Sequence[int]], save: Optional[str] = None) -> int:
+        out = os.path.join(folder, f"count-{inferences}.txt")
+        script = os.path.join(folder, "guest_run.py")
+        with open(script, "w") as f:
+            f.write(GUEST_SCRIPT)
+        # setarch -R: the same addresses in every run, so that nothing keyed
+        # by an address (allocators, hash tables of pointers) costs differently.
+        argv = ["setarch", "-R", *self._python(plugin, out),
+                script, kind, os.path.abspath(path), str(inferences), *_shape_args(inputs)]
+        if save is not None:
+            argv += ["--save", os.path.abspath(save)]
+        proc = subprocess.run(self._wrap(folder, argv), env=self._env(folder), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+        if proc.returncode != 0 or not os.path.exists(out):
+            raise CountError(f"the counted run of {os.path.basename(path)}{self.where} failed "
+                             f"(exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        with open(out) as f:
+            return int(f.read())
+
+    def _wrap(self, folder: str, argv: list) -> list:
+        return argv
+
+
+class _Counter(_Runs):
+    """Counts in a cached Debian root filesystem of an ARM architecture."""
 
     def __init__(self, release: str, arch: str, cpu: str, python_path: Sequence[str],
                  fake_cpuinfo: bool):
@@ -155,35 +191,21 @@ class _Counter:
         if fake_cpuinfo and cpu not in CORE_PARTS:
             raise ValueError(f"no cpuinfo for {cpu!r}; choose one of {', '.join(CORE_PARTS)}")
 
-    def count(self, folder: str, plugin: str, kind: str, path: str, inferences: int,
-              inputs: Dict[str, Sequence[int]], save: Optional[str] = None) -> int:
-        out = os.path.join(folder, f"count-{inferences}.txt")
-        script = os.path.join(folder, "guest_run.py")
-        with open(script, "w") as f:
-            f.write(GUEST_SCRIPT)
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
-               "PYTHONHOME": self.root + "/usr", "HOME": self.root + "/root",
-               "TMPDIR": folder, "PYTHONPATH": os.pathsep.join(self.python_path),
-               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-               # Both runs compile the same sources (the first would otherwise
-               # write .pyc files that the second only reads) and hash strings alike.
-               "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
-        # setarch -R: the same addresses in every run, so that nothing keyed
-        # by an address (allocators, hash tables of pointers) costs differently.
-        argv = ["setarch", "-R", shutil.which(self.qemu), "-cpu", self.cpu, "-L", self.root,
-                "-plugin", f"{plugin},out={out}", self.root + emulate.guest_python(self.root),
-                script, kind, os.path.abspath(path), str(inferences), *_shape_args(inputs)]
-        if save is not None:
-            argv += ["--save", os.path.abspath(save)]
-        if self.fake_cpuinfo:
-            argv = self._with_cpuinfo(folder, argv)
-        proc = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True)
-        if proc.returncode != 0 or not os.path.exists(out):
-            raise CountError(f"the counted run of {os.path.basename(path)} failed "
-                             f"(exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-        with open(out) as f:
-            return int(f.read())
+    def _env(self, folder: str) -> dict:
+        return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
+                "PYTHONHOME": self.root + "/usr", "HOME": self.root + "/root",
+                "TMPDIR": folder, "PYTHONPATH": os.pathsep.join(self.python_path),
+                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+                # Both runs compile the same sources (the first would otherwise
+                # write .pyc files that the second only reads) and hash strings alike.
+                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
+
+    def _python(self, plugin: str, out: str) -> list:
+        return [shutil.which(self.qemu), "-cpu", self.cpu, "-L", self.root,
+                "-plugin", f"{plugin},out={out}", self.root + emulate.guest_python(self.root)]
+
+    def _wrap(self, folder: str, argv: list) -> list:
+        return self._with_cpuinfo(folder, argv) if self.fake_cpuinfo else argv
 
     def _with_cpuinfo(self, folder: str, argv: list) -> list:
         fake = os.path.join(folder, "cpuinfo")
@@ -196,6 +218,44 @@ class _Counter:
         unshare = ["unshare", "--mount"] if os.geteuid() == 0 else ["unshare", "-r", "--mount"]
         inner = f"mount --bind {shlex.quote(fake)} /proc/cpuinfo && exec \"$@\""
         return unshare + ["sh", "-c", inner, "sh"] + argv
+
+
+class _HostCounter(_Runs):
+    """Runs the guest script with this machine's own Python under qemu
+    user mode emulating another x86 core of its architecture (x86-64
+    hosts): the same interpreter, numpy and onnxruntime, with the CPU
+    features the emulated core reports, so that onnxruntime picks that
+    core's kernels."""
+
+    def __init__(self, cpu: str):
+        if platform.machine() not in ("x86_64", "AMD64"):
+            raise CountError(f"counting on an emulated {cpu} runs this machine's Python under "
+                             f"qemu-x86_64: an x86-64 host only, not {platform.machine()}")
+        need = [(tool, pkg) for tool, pkg in (("qemu-x86_64", "qemu-user"), ("cc", "gcc"))
+                if shutil.which(tool) is None]
+        if need:
+            raise CountError(f"counting instructions needs: apt-get install {' '.join(p for _, p in need)}")
+        self.cpu = cpu
+        # A module built for a newer x86 than the core stops with an illegal instruction.
+        self.where = f" on an emulated {cpu}"
+
+    def _env(self, folder: str) -> dict:
+        return dict(os.environ, PYTHONPATH=PROJECT_ROOT, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+                    PYTHONDONTWRITEBYTECODE="1", PYTHONHASHSEED="0", TMPDIR=folder)
+
+    def _python(self, plugin: str, out: str) -> list:
+        return [shutil.which("qemu-x86_64"), "-cpu", self.cpu, "-plugin", f"{plugin},out={out}",
+                sys.executable]
+
+
+def count_on_host_core(kind: str, path: str, inputs: Dict[str, Sequence[int]], cpu: str = "Haswell",
+                       warmup: int = 1, runs: int = 3) -> Count:
+    """Instructions per inference on an emulated x86 core (qemu's model
+    name, e.g. "Haswell": AVX2 and FMA, no AVX-512) of a compiled module
+    run by minirt (kind "module", built for that core or an older one) or
+    an ONNX model run by this machine's onnxruntime (kind "onnx"), one
+    thread: x86 code of one vector width judged on a host of another."""
+    return _per_inference(_HostCounter(cpu), kind, path, inputs, warmup, runs)
 
 
 def _per_inference(counter: _Counter, kind: str, path: str, inputs: Dict[str, Sequence[int]],

@@ -1,8 +1,11 @@
 """The instruction count of an inference on an emulated ARM core is a number
 to compare from one build to the next (benchmarks/bench_arm.py prints it for
 whole models): counting the same module twice gives the same count, and a
-module with more work counts more.
+module with more work counts more. The same holds on an emulated AVX2 x86
+core (benchmarks/bench_avx2.py), where onnxruntime picks that core's kernels.
 """
+import shutil
+
 import pytest
 
 import crosscompile
@@ -44,3 +47,36 @@ def test_instruction_count_of_an_inference_is_reproducible(tmp_path):
     assert abs(first - second) <= TOLERANCE * first, (first, second)
     # Four times the output channels: about four times the FMAs.
     assert _count(tmp_path, 128) > 2 * first
+
+
+AVX2_TARGET = "x86_64-linux-gnu/haswell/+avx,+avx2,+fma"
+
+
+def test_counts_on_an_emulated_avx2_core_are_reproducible_and_pick_its_kernels(tmp_path):
+    """count_on_host_core runs this machine's own Python under qemu-x86_64
+    as a Haswell (AVX2, no AVX-512), whatever the host's vector width: our
+    AVX2 module counts alike twice, and onnxruntime, choosing its kernels
+    from the emulated core, executes more instructions once AVX2 and FMA
+    are taken away from it."""
+    import onnx
+    import platform
+    model = conv_relu_model(X_SHAPE, (32, X_SHAPE[1], 3, 3), {"pads": [1, 1, 1, 1]})
+    so = crosscompile.build(model, target=AVX2_TARGET).export_library(tmp_path / "conv.so")
+    if platform.machine() != "x86_64":
+        with pytest.raises(instruction_count.CountError, match="x86-64 host only"):
+            instruction_count.count_on_host_core("module", so, {"x": X_SHAPE})
+        return
+    missing = [tool for tool in ("qemu-x86_64", "cc") if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(f"counting instructions needs {', '.join(missing)}: apt-get install qemu-user gcc")
+    first, second = (instruction_count.count_on_host_core("module", so, {"x": X_SHAPE}, runs=4).per_inference
+                     for _ in range(2))
+    assert first > 0 and abs(first - second) <= TOLERANCE * first, (first, second)
+    onnx_path = str(tmp_path / "conv.onnx")
+    onnx.save(model, onnx_path)
+    avx2 = instruction_count.count_on_host_core("onnx", onnx_path, {"x": X_SHAPE}).per_inference
+    older = instruction_count.count_on_host_core("onnx", onnx_path, {"x": X_SHAPE},
+                                                 cpu="Haswell,-avx2,-fma").per_inference
+    assert older > 1.2 * avx2, (avx2, older)
+    with pytest.raises(instruction_count.CountError, match=r"signal 4 \(Illegal instruction\)"):
+        instruction_count.count_on_host_core("module", so, {"x": X_SHAPE}, cpu="Haswell,-avx2,-fma")
