@@ -17,10 +17,11 @@ STB_GLOBAL, STT_OBJECT, STV_HIDDEN = 1, 1, 2
 SECTION = ".rodata.tether_params"
 
 
-def data_object(like: bytes, symbols: "list[tuple[str, bytes]]", alignment: int = 64) -> bytes:
+def data_object(like: bytes, symbols: "list[tuple[str, bytes]]", alignment: int = 64) -> bytearray:
     """An ELF relocatable object defining each (name, data) as a hidden,
     read-only global, with the class, byte order, machine and flags of the
-    object `like`."""
+    object `like` (a bytearray: the parameters are not copied once more
+    into a bytes object)."""
     if like[:4] != b"\x7fELF":
         raise ValueError("not an ELF object")
     is64, little = like[4] == 2, like[5] == 1
@@ -28,11 +29,14 @@ def data_object(like: bytes, symbols: "list[tuple[str, bytes]]", alignment: int 
     machine = struct.unpack_from(end + "H", like, 18)[0]
     flags = struct.unpack_from(end + "I", like, 48 if is64 else 36)[0]
 
-    data, offsets = bytearray(), []
+    # The data section is laid out first and written once, into the
+    # output itself (a 500 MB model's parameters copied piece by piece
+    # into growing buffers took seconds).
+    offsets, data_size = [], 0
     for _, blob in symbols:
-        data.extend(b"\0" * (-len(data) % alignment))
-        offsets.append(len(data))
-        data.extend(blob)
+        data_size += -data_size % alignment
+        offsets.append(data_size)
+        data_size += len(blob)
 
     strtab = bytearray(b"\0")
     name_offsets = []
@@ -57,10 +61,10 @@ def data_object(like: bytes, symbols: "list[tuple[str, bytes]]", alignment: int 
     ehsize = 64 if is64 else 52
     shentsize = 64 if is64 else 40
     layout, cursor = [], ehsize
-    for blob, align in ((data, alignment), (symtab, 8), (strtab, 1), (shstrtab, 1)):  # not copied
+    for size, align in ((data_size, alignment), (len(symtab), 8), (len(strtab), 1), (len(shstrtab), 1)):
         cursor += -cursor % align
-        layout.append((cursor, blob))
-        cursor += len(blob)
+        layout.append((cursor, size))
+        cursor += size
     shoff = cursor + (-cursor % 8)
 
     header = bytearray(b"\x7fELF" + bytes([2 if is64 else 1, 1 if little else 2, 1]) + b"\0" * 9)
@@ -74,21 +78,23 @@ def data_object(like: bytes, symbols: "list[tuple[str, bytes]]", alignment: int 
     sh_fmt = end + ("IIQQQQIIQQ" if is64 else "IIIIIIIIII")
     sym_size = struct.calcsize(sym_fmt)
     sections = [struct.pack(sh_fmt, *([0] * 10))]
-    specs = [  # name, type, flags, (offset, blob), link, info, align, entsize
+    specs = [  # name, type, flags, (offset, size), link, info, align, entsize
         (SECTION, SHT_PROGBITS, SHF_ALLOC, layout[0], 0, 0, alignment, 0),
         (".symtab", SHT_SYMTAB, 0, layout[1], 3, 1, 8 if is64 else 4, sym_size),
         (".strtab", SHT_STRTAB, 0, layout[2], 0, 0, 1, 0),
         (".shstrtab", SHT_STRTAB, 0, layout[3], 0, 0, 1, 0),
     ]
-    for name, kind, sflags, (offset, blob), link, sinfo, align, entsize in specs:
-        sections.append(struct.pack(sh_fmt, sh_names[name], kind, sflags, 0, offset, len(blob),
+    for name, kind, sflags, (offset, size), link, sinfo, align, entsize in specs:
+        sections.append(struct.pack(sh_fmt, sh_names[name], kind, sflags, 0, offset, size,
                                     link, sinfo, align, entsize))
 
-    out = bytearray(header)
-    for offset, blob in layout:
-        out.extend(b"\0" * (offset - len(out)))
-        out.extend(blob)
-    out.extend(b"\0" * (shoff - len(out)))
-    for sec in sections:
-        out.extend(sec)
-    return bytes(out)
+    table = b"".join(sections)
+    out = bytearray(shoff + len(table))  # zeros: the padding between the parts
+    out[:len(header)] = header
+    data_at = layout[0][0]
+    for at, (_, blob) in zip(offsets, symbols):
+        out[data_at + at:data_at + at + len(blob)] = blob
+    for (offset, _), part in zip(layout[1:], (symtab, strtab, shstrtab)):
+        out[offset:offset + len(part)] = part
+    out[shoff:] = table
+    return out
