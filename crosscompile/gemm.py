@@ -412,7 +412,9 @@ def emit_channel_gemm(k: Kernel, tile: GemmTile, m: int, kdim: int, n: int,
     wastes nothing: emit_gemm's vectors of pixels run partly empty when a
     row of the output is 7 or 14 wide. Each finished value is stored on
     its own (C is channel-major), which the long reductions of 3x3
-    convolutions amortise. Threads split the pixel tiles.
+    convolutions amortise. Threads split the pixel tiles. bases must rise
+    from each pixel to the next (a tile whose bases rise by one each runs
+    with one pointer; see _channel_tile_function).
     """
     b = k.builder
     groups, tail_m = -(-m // tile.mr), m % tile.mr
