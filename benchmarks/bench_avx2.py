@@ -26,6 +26,7 @@ import sys
 import tempfile
 
 import onnx
+import onnxruntime
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -42,7 +43,7 @@ def main() -> int:
     parser.add_argument("--cpu", default="Haswell", help="qemu's x86 core model (default Haswell)")
     parser.add_argument("--runs", type=int, default=2, help="inferences counted after the first")
     args = parser.parse_args()
-    print(f"ours for {TARGET}, onnxruntime {__import__('onnxruntime').__version__}, "
+    print(f"ours for {TARGET}, onnxruntime {onnxruntime.__version__}, "
           f"both on qemu-x86_64 -cpu {args.cpu}, one thread")
     print(f"{'model':14} {'ours M':>9} {'ort M':>9} {'ours/ort':>8}")
     with tempfile.TemporaryDirectory(prefix="tether-avx2-") as tmp:

@@ -265,11 +265,6 @@ def choose(target, geometry, channels: int, rows: int, group: int) -> int:
     return best if best and costs[best] < direct else 0
 
 
-def pays(target, geometry, channels: int, rows: int, group: int) -> bool:
-    """Whether some Winograd variant costs fewer instructions than the direct GEMM (see choose)."""
-    return choose(target, geometry, channels, rows, group) > 0
-
-
 def transform_weights(weight: np.ndarray, mr: int, tile: int = 2) -> np.ndarray:
     """[M, C, 3, 3] -> U = G g G^T as patch^2 matrices [M, C], each packed
     for the micro-kernel (gemm.pack_weights), one after the other.

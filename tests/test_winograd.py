@@ -95,11 +95,11 @@ def test_chosen_for_deep_3x3_stride_1_convolutions(target):
     # four tiles use each of 512 x 512 x 36 transformed weights four
     # times, and streaming them costs more than F(2x2, 3x3)'s products do.
     assert chosen == [4, 4, 4, 2]
-    assert not winograd.pays(target, _geometry(56, stride=2), 64, 64, 1)
-    assert not winograd.pays(target, _geometry(56, kernel=5), 64, 64, 1)
-    assert not winograd.pays(target, _geometry(56, kernel=1), 64, 64, 1)
-    assert not winograd.pays(target, _geometry(56), 64, 64, 64)  # depthwise
-    assert not winograd.pays(target, _geometry(56), 8, 64, 1)  # transforms cost more than they save
+    assert not winograd.choose(target, _geometry(56, stride=2), 64, 64, 1)
+    assert not winograd.choose(target, _geometry(56, kernel=5), 64, 64, 1)
+    assert not winograd.choose(target, _geometry(56, kernel=1), 64, 64, 1)
+    assert not winograd.choose(target, _geometry(56), 64, 64, 64)  # depthwise
+    assert not winograd.choose(target, _geometry(56), 8, 64, 1)  # transforms cost more than they save
 
 
 def _magnitude_sums(x: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
