@@ -59,3 +59,28 @@ def test_cases_cover_both_packing_paths_and_several_chunks():
     chunk_columns = [PACK_CHUNK_BYTES // (4 * kdim * tile.nr) * tile.nr for kdim, _ in columns]
     assert any(n > 2 * c for (_, n), c in zip(columns, chunk_columns))
     assert rows
+
+
+AVX2 = "x86_64-unknown-linux-gnu/haswell/+avx,+avx2,+fma"
+HOST_RUNS_AVX2 = HOST.arch == "x86_64" and {"+avx2", "+fma"} <= set(HOST.features.split(","))
+
+
+@pytest.mark.skipif(not HOST_RUNS_AVX2, reason="this host cannot run AVX2 code natively")
+@pytest.mark.parametrize("depth", [1, 3, 4, 6, 27, 67])
+@pytest.mark.parametrize("tile", [[6, 2], [16, 2, 6]])
+def test_avx2_reduction_loops_in_fours_and_their_remainders(tmp_path, depth, tile):
+    """AVX2 micro-kernels take four reduction steps per trip
+    (Target.reduction_unroll), then the remaining ones singly: depths below,
+    at and past four, with every remainder, on both kinds of tile, match
+    onnxruntime whatever this host's own vector width."""
+    target = resolve_target(AVX2)
+    assert target.reduction_unroll == 4
+    x_shape, w_shape = (1, depth, 9, 11), (16, depth, 1, 1)
+    model = conv_relu_model(x_shape, w_shape, {})
+    x = rand(*x_shape, seed=5)
+    (shape,) = conv_shapes(model)
+    lib = crosscompile.build(model, target=AVX2, schedules={shape.key: tile})
+    assert lib.metadata["gemm_tiles"][0]["tile"] == tile
+    module = minirt.load(lib.export_library(tmp_path / "m.so"), threads=1)
+    np.testing.assert_allclose(module.run({"x": x})[0], reference(model, {"x": x})[0], rtol=1e-4, atol=1e-5)
+    module.close()
