@@ -12,12 +12,14 @@ on a shared machine hits both alike. TVM is timed on one run after
 a warm-up (untuned it takes seconds per image); it is skipped with a note
 when `import tvm` fails.
 
-The first lines name the machine (CPU model, widest vector extension) and
-the target ours is compiled for: the host's by default, or --target's,
-e.g. an AVX2 target on an AVX-512 host to time our AVX2 code there
-(onnxruntime picks its kernels from the CPU it runs on, so it still uses
-AVX-512: the ratio is then ours with AVX2 against onnxruntime with
-AVX-512, not against onnxruntime's AVX2 kernels).
+The first lines name the machine (CPU model, widest vector extension),
+the target ours is compiled for (the host's by default, or --target's) and
+the kernels onnxruntime runs. onnxruntime picks its kernels from the CPU it
+runs on, so with --target alone an AVX2 target on an AVX-512 host times
+ours with AVX2 against onnxruntime with AVX-512. --avx2 times AVX2 against
+AVX2 on such a host: ours compiled for AVX2 (AVX2_TARGET unless --target
+names another) and onnxruntime with AVX-512 hidden from its CPU probe
+(benchmarks/onnxruntime_avx2.py), both running natively.
 
 Peak = cores x clock x flop/cycle/core, with the clock read from
 /proc/cpuinfo and --flop-per-cycle (default 32: two 256-bit FMA pipes, as on
@@ -41,6 +43,9 @@ import crosscompile  # noqa: E402
 import minirt  # noqa: E402
 from crosscompile.target import resolve_target  # noqa: E402
 from tests.onnx_models import ZOO, make_model, zoo_input, zoo_model  # noqa: E402
+
+# Ours with --avx2: AVX2 and FMA, 16 vector registers.
+AVX2_TARGET = "x86_64-linux-gnu/haswell/+avx,+avx2,+fma"
 
 # ResNet-50's convolutions (input, weight, pad) and SqueezeNet's largest.
 CONV_SHAPES = [
@@ -156,8 +161,11 @@ def main() -> int:
                         help="time ours and onnxruntime on this many threads only (repeatable; default 1 and 2)")
     parser.add_argument("--no-convs", action="store_true", help="leave out the convolution GFLOP/s table")
     parser.add_argument("--flop-per-cycle", type=int, default=32, help="float32 flop per cycle per core")
-    parser.add_argument("--target", default="host",
+    parser.add_argument("--target", default=None,
                         help="compile ours for this target (a preset or triple/cpu/features, default: host)")
+    parser.add_argument("--avx2", action="store_true",
+                        help="AVX2 against AVX2 on an AVX-512 machine: ours for AVX2, onnxruntime with AVX-512 "
+                             "hidden from its CPU probe")
     parser.add_argument("--ghz", type=float, help="core clock (default: /proc/cpuinfo, which in a VM "
                                                    "may be the base clock, below the boost clock)")
     args = parser.parse_args()
@@ -171,9 +179,13 @@ def main() -> int:
             use_tvm = False
     cores = os.cpu_count() or 1
     thread_counts = sorted(set(args.threads or (1, 2)))
-    target = resolve_target(args.target)
+    peer = "onnxruntime picks its kernels for this CPU"
+    if args.avx2:
+        from benchmarks.onnxruntime_avx2 import use_avx2_onnxruntime
+        peer = use_avx2_onnxruntime()
+    target = resolve_target(args.target or (AVX2_TARGET if args.avx2 else "host"))
     print(f"machine: {machine_description()}; ours compiled for {target.name} ({32 * target.lanes}-bit vectors, "
-          f"{target.vector_registers} registers)")
+          f"{target.vector_registers} registers); {peer}")
     print(f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     print(f"{'model':14} {'compile s':>9} {'ours1 ms':>8} {'ours2 ms':>8} {'ort1 ms':>8} {'ort2 ms':>8} "
           f"{'tvm ms':>8} {'ours1/ort1':>10} {'ours2/ort2':>10} {'ours2/tvm':>9}")
