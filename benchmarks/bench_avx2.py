@@ -15,8 +15,8 @@ image; default squeezenet and resnet50).
 A count is exact and repeatable, but it is not a time: a load folded into
 an FMA counts as one instruction, caches and stalls not at all, and x86
 cores retire several instructions a cycle. Use it for the ratio between
-AVX2 kernels where no AVX2 machine is at hand, and confirm with
-bench_models.py on one.
+AVX2 kernels, and confirm with times: bench_models.py on an AVX2 machine,
+or bench_models.py --avx2 on an AVX-512 one.
 """
 from __future__ import annotations
 
