@@ -120,22 +120,22 @@ class Target:
         - Two on ARM, where the loop's counter, compare and branch were a
           sixth of a step's instructions and the by-lane FMAs leave
           registers for the next step's loads.
-        - Four on x86 with 16 vector registers (AVX2), where a step is
+        - Four on x86 with 256-bit AVX (AVX2), where a step is
           about 20 instructions and the loop took 4 more. Counted on an
           emulated Haswell, ResNet-50 went 837.9 -> 750.2 M instructions
           per inference (776.4 M with two) and SqueezeNet 69.5 -> 64.2 M.
-          Its time (AVX2 code on AMD Zen 5) and onnxruntime's stayed
-          within noise, 54.4 - 56.0 ms.
+          Its time with AVX2 on AMD Zen 5 stayed within noise (54.4 -
+          56.0 ms with one step per trip or four).
         - One with AVX-512, whose steps fold their broadcasts into the
           FMAs: unrolling by four kept its times and made ResNet-50
-          compile 1.1 s longer.
+          compile 1.1 s longer. One with SSE, which was not measured.
 
         >>> resolve_target("rasp4b64").reduction_unroll
         2
         """
         if self.multiplies_by_lane:
             return 2
-        return 1 if self.vector_registers >= 32 else 4
+        return 4 if self.vector_bits == 256 else 1
 
     @property
     def arch(self) -> str:
