@@ -35,10 +35,15 @@ import subprocess
 import sys
 
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "tether", "onnxruntime-avx2")
+# Part of the cached copy's folder name: a copy patched another way is made again.
+PATCH_FORMAT = 2
 
-# Replacements of the same length: ud2 for CPUID (0f a2), ud1 eax, eax for
-# XGETBV (0f 01 d0). The handler tells them apart by their second byte.
-PATCHES = {"cpuid": (b"\x0f\xa2", b"\x0f\x0b"), "xgetbv": (b"\x0f\x01\xd0", b"\x0f\xb9\xc0")}
+# Replacements of the same length, each starting with an opcode that is
+# undefined in 64-bit mode and that no compiler emits there: PUSH ES (06)
+# for CPUID (0f a2), POP ES (07) for XGETBV (0f 01 d0), padded with NOPs.
+# The handler tells them apart by that byte, and leaves every other
+# illegal instruction (ud2 of a failed check, say) to kill the process.
+PATCHES = {"cpuid": (b"\x0f\xa2", b"\x06\x90"), "xgetbv": (b"\x0f\x01\xd0", b"\x07\x90\x90")}
 
 HANDLER_C = r"""
 #define _GNU_SOURCE
@@ -60,7 +65,7 @@ static void on_sigill(int sig, siginfo_t *info, void *context) {
     ucontext_t *uc = context;
     greg_t *g = uc->uc_mcontext.gregs;
     const unsigned char *ip = (const unsigned char *)g[REG_RIP];
-    if (ip[0] == 0x0f && ip[1] == 0x0b) {
+    if (ip[0] == 0x06) { /* CPUID */
         unsigned a, b, c, d, leaf = (unsigned)g[REG_RAX], sub = (unsigned)g[REG_RCX];
         __cpuid_count(leaf, sub, a, b, c, d);
         if (leaf == 7 && sub == 0) {
@@ -77,7 +82,7 @@ static void on_sigill(int sig, siginfo_t *info, void *context) {
         g[REG_RIP] += 2;
         return;
     }
-    if (ip[0] == 0x0f && ip[1] == 0xb9 && ip[2] == 0xc0) {
+    if (ip[0] == 0x07) { /* XGETBV */
         unsigned lo, hi, which = (unsigned)g[REG_RCX];
         __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(which));
         if (which == 0)
@@ -87,7 +92,7 @@ static void on_sigill(int sig, siginfo_t *info, void *context) {
         g[REG_RIP] += 3;
         return;
     }
-    signal(SIGILL, SIG_DFL); /* a real illegal instruction: die of it */
+    signal(SIGILL, SIG_DFL); /* any other illegal instruction: die of it */
 }
 
 __attribute__((constructor)) static void install(void) {
@@ -177,7 +182,7 @@ def use_avx2_onnxruntime(cache: str = CACHE) -> str:
         raise Avx2Unavailable("onnxruntime is not installed: pip install onnxruntime")
     package = list(spec.submodule_search_locations)[0]
     version = importlib.metadata.version("onnxruntime")
-    folder = os.path.join(cache, version)
+    folder = os.path.join(cache, f"{version}-{PATCH_FORMAT}")
     if not os.path.exists(os.path.join(folder, "patched-sites")):
         _prepare(folder, package)
     ctypes.CDLL(os.path.join(folder, "hide_avx512.so"), mode=ctypes.RTLD_GLOBAL)

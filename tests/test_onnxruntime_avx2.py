@@ -54,8 +54,11 @@ def test_patched_cpuid_and_xgetbv_hide_avx512_only(tmp_path):
     # One CPUID per leaf printed (the loop may be unrolled or not) and one XGETBV.
     assert onnxruntime_avx2.patch_library(str(program)) >= 3
     hidden = _answers(program, env=dict(os.environ, LD_PRELOAD=str(handler)))
-    # Vendor and leaf 1 (SSE ... AVX, FMA, OSXSAVE) are untouched.
-    assert hidden["0"] == plain["0"] and hidden["1"] == plain["1"]
+    # Vendor and leaf 1 (SSE ... AVX, FMA, OSXSAVE) are untouched, but for
+    # leaf 1's top byte of EBX: the APIC ID of whichever core ran the program.
+    assert hidden["0"] == plain["0"]
+    assert [v & 0x00FFFFFF if i == 1 else v for i, v in enumerate(hidden["1"])] == \
+        [v & 0x00FFFFFF if i == 1 else v for i, v in enumerate(plain["1"])]
     eax, ebx, ecx, edx = plain["7"]
     assert hidden["7"] == [eax, ebx & ~0xDC230000, ecx & ~0x5842, edx & ~0x03C0010C]
     assert hidden["7"][1] & (1 << 5) == ebx & (1 << 5)  # AVX2 stays as the CPU reports it
@@ -64,6 +67,12 @@ def test_patched_cpuid_and_xgetbv_hide_avx512_only(tmp_path):
     # Without the handler the patched instruction is what it now is: illegal.
     crashed = subprocess.run([program], capture_output=True)
     assert crashed.returncode == -4  # SIGILL
+    # With it, any other illegal instruction still kills the process.
+    trap_c, trap = tmp_path / "trap.c", tmp_path / "trap"
+    trap_c.write_text("int main(void) { __builtin_trap(); return 0; }\n")
+    subprocess.run(["cc", "-o", str(trap), str(trap_c)], check=True)
+    trapped = subprocess.run([str(trap)], capture_output=True, env=dict(os.environ, LD_PRELOAD=str(handler)))
+    assert trapped.returncode == -4
 
 
 RUN = """
