@@ -5,11 +5,12 @@ ConvNeXt block, a pair of Swin blocks (windows, then shifted windows),
 BERT-style encoders (16 and 128 tokens, scores by MatMul and by Einsum),
 a U-Net, an LSTM keyword spotter and a CTC speech model.
 
-    python benchmarks/bench_modern.py [model ...] [--repeat N]
+    python benchmarks/bench_modern.py [model ...] [--repeat N] [--avx2]
 
 Latencies are medians in ms, ours and onnxruntime run interleaved (see
 bench_models.interleaved_medians); ratios are ours / onnxruntime (> 1: we
-are slower).
+are slower). --avx2 times AVX2 against AVX2 on an AVX-512 machine, as
+bench_models.py --avx2 does.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import crosscompile  # noqa: E402
 import minirt  # noqa: E402
-from benchmarks.bench_models import interleaved_medians, ort_session  # noqa: E402
+from benchmarks.bench_models import AVX2_TARGET, interleaved_medians, machine_description, ort_session  # noqa: E402
 from tests.audio_models import kws_lstm, speech_ctc  # noqa: E402
 from tests.onnx_models import sample_input  # noqa: E402
 from tests.segmentation_models import unet  # noqa: E402
@@ -49,7 +50,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*", default=list(MODELS), help=f"default: all of {', '.join(MODELS)}")
     parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--avx2", action="store_true",
+                        help="AVX2 against AVX2 on an AVX-512 machine (see bench_models.py --avx2)")
     args = parser.parse_args()
+    target, peer = "host", "onnxruntime picks its kernels for this CPU"
+    if args.avx2:
+        from benchmarks.onnxruntime_avx2 import use_avx2_onnxruntime
+        target, peer = AVX2_TARGET, use_avx2_onnxruntime()
+    print(f"machine: {machine_description()}; ours compiled for {target}; {peer}")
     print(f"{'model':16} {'compile s':>9} {'ours ms':>9} {'ort ms':>9} {'ours/ort':>8}")
     with tempfile.TemporaryDirectory(prefix="tether-bench-") as tmp:
         for name in args.models:
@@ -57,7 +65,7 @@ def main() -> int:
             model = build_model()
             feeds = make_feeds(model)
             started = time.perf_counter()
-            lib = crosscompile.build(model, target="host")
+            lib = crosscompile.build(model, target=target)
             compile_s = time.perf_counter() - started
             module = minirt.load(lib.export_library(os.path.join(tmp, f"{name}.so")), threads=1)
             session = ort_session(model, 1)
