@@ -17,9 +17,9 @@ The copy is made once per onnxruntime version under
 ~/.cache/tether/onnxruntime-avx2/. x86-64 Linux only; needs objdump
 (binutils) and cc.
 
-    >>> import benchmarks.onnxruntime_avx2 as avx2          # doctest: +SKIP
-    >>> avx2.use_avx2_onnxruntime()                         # doctest: +SKIP
-    >>> import onnxruntime                                   # its AVX2 kernels
+    from benchmarks.onnxruntime_avx2 import use_avx2_onnxruntime
+    print(use_avx2_onnxruntime())
+    import onnxruntime  # the copy: its AVX2 kernels
 """
 from __future__ import annotations
 
