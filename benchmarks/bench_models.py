@@ -181,8 +181,11 @@ def main() -> int:
     thread_counts = sorted(set(args.threads or (1, 2)))
     peer = "onnxruntime picks its kernels for this CPU"
     if args.avx2:
-        from benchmarks.onnxruntime_avx2 import use_avx2_onnxruntime
-        peer = use_avx2_onnxruntime()
+        from benchmarks.onnxruntime_avx2 import Avx2Unavailable, use_avx2_onnxruntime
+        try:
+            peer = use_avx2_onnxruntime()
+        except Avx2Unavailable as exc:
+            parser.error(f"--avx2: {exc}")
     target = resolve_target(args.target or (AVX2_TARGET if args.avx2 else "host"))
     print(f"machine: {machine_description()}; ours compiled for {target.name} ({32 * target.lanes}-bit vectors, "
           f"{target.vector_registers} registers); {peer}")

@@ -55,8 +55,11 @@ def main() -> int:
     args = parser.parse_args()
     target, peer = "host", "onnxruntime picks its kernels for this CPU"
     if args.avx2:
-        from benchmarks.onnxruntime_avx2 import use_avx2_onnxruntime
-        target, peer = AVX2_TARGET, use_avx2_onnxruntime()
+        from benchmarks.onnxruntime_avx2 import Avx2Unavailable, use_avx2_onnxruntime
+        try:
+            target, peer = AVX2_TARGET, use_avx2_onnxruntime()
+        except Avx2Unavailable as exc:
+            parser.error(f"--avx2: {exc}")
     print(f"machine: {machine_description()}; ours compiled for {target}; {peer}")
     print(f"{'model':16} {'compile s':>9} {'ours ms':>9} {'ort ms':>9} {'ours/ort':>8}")
     with tempfile.TemporaryDirectory(prefix="tether-bench-") as tmp:
