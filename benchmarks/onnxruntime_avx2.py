@@ -30,9 +30,12 @@ import os
 import platform
 import re
 import shutil
-import struct
 import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from minirt.elf import load_segments  # noqa: E402
 
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "tether", "onnxruntime-avx2")
 # Part of the cached copy's folder name: a copy patched another way is made again.
@@ -109,20 +112,6 @@ class Avx2Unavailable(RuntimeError):
     """This machine or installation cannot run onnxruntime's AVX2 kernels this way."""
 
 
-def _load_segments(data: bytes) -> list:
-    """(virtual address, file offset, size) of an ELF64 file's PT_LOAD segments."""
-    if data[:4] != b"\x7fELF" or data[4] != 2:
-        raise Avx2Unavailable("not a 64-bit ELF file")
-    (phoff,) = struct.unpack_from("<Q", data, 0x20)
-    entry_size, count = struct.unpack_from("<HH", data, 0x36)
-    segments = []
-    for i in range(count):
-        kind, _, offset, vaddr, _, size = struct.unpack_from("<IIQQQQ", data, phoff + i * entry_size)
-        if kind == 1:
-            segments.append((vaddr, offset, size))
-    return segments
-
-
 def patch_library(path: str) -> int:
     """Replace every CPUID and XGETBV instruction of the shared library at
     path (in place) by its undefined-instruction stand-in; the count."""
@@ -130,10 +119,10 @@ def patch_library(path: str) -> int:
                              check=True).stdout
     sites = re.findall(r"^\s*([0-9a-f]+):\s+(cpuid|xgetbv)\s*$", listing, re.M)
     data = bytearray(open(path, "rb").read())
-    segments = _load_segments(data)
+    segments = load_segments(path)
     for address, op in sites:
         vaddr = int(address, 16)
-        offset = next((o + vaddr - v for v, o, size in segments if v <= vaddr < v + size), None)
+        offset = next((s.offset + vaddr - s.vaddr for s in segments if s.vaddr <= vaddr < s.vaddr + s.filesz), None)
         old, new = PATCHES[op]
         if offset is None or data[offset:offset + len(old)] != old:
             raise Avx2Unavailable(f"{path}: objdump lists {op} at {address:s}, but the file does not hold it there")

@@ -54,15 +54,20 @@ def read_header(path: str) -> ElfHeader | None:
     return ElfHeader(bits, machine, file_type, flags)
 
 
-def file_extent(path: str) -> tuple[int, int]:
-    """(bytes the ELF headers say the file holds, bytes it holds): the loaded
-    segments and the section header table must lie inside the file, or the
-    loader maps pages past its end and the process dies of SIGBUS."""
+class Segment(NamedTuple):
+    vaddr: int   # where the loader maps it, from the object's base
+    offset: int  # where it starts in the file
+    filesz: int  # bytes of it the file holds
+
+
+def _layout(path: str):
+    """(bytes the ELF headers say the file holds, its size, its PT_LOAD
+    segments or None where the program header table cannot be read)."""
     with open(path, "rb") as f:
         head = f.read(64)
         size = os.fstat(f.fileno()).st_size
         if len(head) < 64:
-            return 64, size  # shorter than any shared object's headers
+            return 64, size, None  # shorter than any shared object's headers
         bits = 32 if head[4] == 1 else 64
         endian = "<" if head[5] == 1 else ">"
         if bits == 64:
@@ -73,20 +78,35 @@ def file_extent(path: str) -> tuple[int, int]:
             phentsize, phnum, shentsize, shnum = struct.unpack_from(endian + "HHHH", head, 42)
         need = max(phoff + phentsize * phnum, shoff + shentsize * shnum if shoff else 0)
         if need > size:
-            return need, size
+            return need, size, None
         f.seek(phoff)
         table = f.read(phentsize * phnum)
     if phentsize < (56 if bits == 64 else 32):
-        return need, size  # no program headers to read; the loader refuses such a file
+        return need, size, None  # no program headers to read; the loader refuses such a file
+    segments = []
     for i in range(phnum):
         entry = table[i * phentsize:(i + 1) * phentsize]
         if bits == 64:
-            p_type, _flags, offset, _v, _p, filesz = struct.unpack_from(endian + "IIQQQQ", entry)
+            p_type, _flags, offset, vaddr, _p, filesz = struct.unpack_from(endian + "IIQQQQ", entry)
         else:
-            p_type, offset, _v, _p, filesz = struct.unpack_from(endian + "IIIII", entry)
+            p_type, offset, vaddr, _p, filesz = struct.unpack_from(endian + "IIIII", entry)
         if p_type == 1:  # PT_LOAD
-            need = max(need, offset + filesz)
-    return need, size
+            segments.append(Segment(vaddr, offset, filesz))
+    return need, size, segments
+
+
+def file_extent(path: str) -> tuple[int, int]:
+    """(bytes the ELF headers say the file holds, bytes it holds): the loaded
+    segments and the section header table must lie inside the file, or the
+    loader maps pages past its end and the process dies of SIGBUS."""
+    need, size, segments = _layout(path)
+    return max([need] + [s.offset + s.filesz for s in segments or ()]), size
+
+
+def load_segments(path: str) -> list:
+    """The PT_LOAD segments of an ELF file, or [] where its headers do not
+    hold them (see file_extent)."""
+    return _layout(path)[2] or []
 
 
 def host_machine() -> tuple[int, int] | None:
