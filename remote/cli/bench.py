@@ -217,8 +217,9 @@ def _matplotlib():
     try:
         import matplotlib
     except ImportError:
-        raise ValueError("--plot needs matplotlib, which is not installed: "
-                         "pip install 'tether[plot]' (or pip install matplotlib)") from None
+        from remote.cli.extras import install_command
+        raise ValueError("--plot needs matplotlib, which is not installed; install it with: "
+                         + install_command("plot", "matplotlib>=3.3")) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt

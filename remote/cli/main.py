@@ -59,17 +59,14 @@ def cmd_token(args):
 
 def cmd_compile(args):
     import crosscompile
-    shapes = {}
-    for spec in args.input_shape:
-        name, _, dims = spec.partition("=")
-        try:
-            shapes[name] = tuple(int(d) for d in dims.split(","))
-        except ValueError:
-            raise SystemExit(f"--input-shape {spec!r} must look like name=1,3,224,224")
+    from remote.cli.modelfile import parse_input_shapes
+    from remote.cli.progress import stage
     from remote.client.tuning import default_cache
+    shapes = parse_input_shapes(args.input_shape)
     schedules = None if args.no_tuning else default_cache()
-    lib = crosscompile.build(args.model, target=args.target, input_shapes=shapes or None,
-                             schedules=schedules)
+    with stage(f"compiling {os.path.basename(args.model)} for {args.target}") as ticker:
+        lib = crosscompile.build(args.model, target=args.target, input_shapes=shapes,
+                                 schedules=schedules, progress=ticker.step)
     out = args.output or os.path.splitext(os.path.basename(args.model))[0] + ".so"
     lib.export_library(out)
     meta = lib.metadata
@@ -269,6 +266,8 @@ def _sigterm_as_interrupt():
 
 
 def main(argv=None) -> int:
+    from remote.lifecycle import flush_each_line
+    flush_each_line()
     args = build_parser().parse_args(argv)
     try:
         with _sigterm_as_interrupt():

@@ -71,9 +71,10 @@ def prepare(model: str, target: str, input_shapes=None, tuned: bool = True) -> M
     import crosscompile
     from remote.client.tuning import default_cache
 
-    with stage(f"compiling {os.path.basename(model)} for {target}"):
+    with stage(f"compiling {os.path.basename(model)} for {target}") as ticker:
         lib = crosscompile.build(model, target=target, input_shapes=input_shapes,
-                                 schedules=default_cache() if tuned else None)
+                                 schedules=default_cache() if tuned else None,
+                                 progress=ticker.step)
     folder = tempfile.mkdtemp(prefix="tether-module-")
     # The command removes the folder with ModuleFile.cleanup() when it is done; this
     # covers a command that fails or is interrupted before it gets there.

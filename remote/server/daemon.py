@@ -282,4 +282,6 @@ def run(args) -> int:
     print(f"tether device server listening on {args.host}:{server.port} ({where})", flush=True)
     wait_for_stop_signal()
     server.stop()
+    if server.link is None:  # a registered board's link says so with its lease counts
+        logging.getLogger("tether.server").info("stopped")
     return 0
