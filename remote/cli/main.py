@@ -11,13 +11,11 @@ import threading
 import traceback
 
 from remote.address import split_address
-from remote.defaults import TLS_CA_ENV, TOKEN_ENV, TRACKER_ENV, TRACKER_PORT
-
-DEFAULT_TRACKER = f"127.0.0.1:{TRACKER_PORT}"
+from remote.defaults import TLS_CA_ENV, TOKEN_ENV, TRACKER_HELP, TRACKER_PORT, default_tracker
 
 
 def _tracker_address(value):
-    return split_address(value or os.environ.get(TRACKER_ENV) or DEFAULT_TRACKER, TRACKER_PORT)
+    return split_address(value or default_tracker(), TRACKER_PORT)
 
 
 def cmd_tracker(args):
@@ -153,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", help="show the tracker's devices and queue",
                        epilog="example: tether status --tracker farm.local:9190 --json")
-    p.add_argument("--tracker", help=f"HOST:PORT (default ${TRACKER_ENV} or {DEFAULT_TRACKER})")
+    p.add_argument("--tracker", help=TRACKER_HELP)
     p.add_argument("--json", action="store_true", help="print JSON for machines")
     p.add_argument("--tls-ca", default=None,
                    help=f"PEM certificate to trust when the tracker serves TLS (default ${TLS_CA_ENV})")

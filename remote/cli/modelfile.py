@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 from remote.cli.progress import stage
+from remote.client.display import board_cpu
 
 MODULE_SUFFIXES = (".so", ".tar")
 
@@ -119,7 +120,7 @@ class ModuleChoice:
         with self._lock:
             if target not in self._built:
                 self._say(f"compiling for {target}: the preset that fits {info.get('triple')}, "
-                          f"{info.get('cpu_model') or 'its CPU'} (--target to choose another)")
+                          f"{board_cpu(info)} (--target to choose another)")
                 self._built[target] = prepare(self.model, target, **self._options)
             return self._built[target]
 
