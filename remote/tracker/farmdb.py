@@ -253,11 +253,17 @@ class FarmDatabase:
                 except queue.Empty:
                     break
             stop = batch[-1] is None
-            writes = [item for item in batch if item is not None]
+            ended = [item for item in batch if isinstance(item, dict)]
+            writes = [item for item in batch if isinstance(item, tuple)]
             try:
                 with self.engine.begin() as connection:
+                    if ended:  # one executemany for every session that ended meanwhile
+                        connection.execute(sessions.insert(), ended)
                     results = [write(connection) for write, _ in writes]
-            except Exception:  # noqa: BLE001 - one at a time, so one bad write loses no other
+            except Exception as exc:  # noqa: BLE001 - one at a time, so one bad write loses no other
+                if ended:
+                    log.error("farm database %s: %d ended sessions not kept: %s", self.shown,
+                              len(ended), exc)
                 for write, done in writes:
                     self._write_one(write, done)
             else:
@@ -287,7 +293,7 @@ class FarmDatabase:
         ended = time.time()
         row = {"key": key, "device_id": device_id, "holder": holder[:255],
                "started_at": ended - held_s, "ended_at": ended, "how": how[:255]}
-        self._submit(lambda connection: connection.execute(sessions.insert(), row))
+        self._queue.put(row)
 
     def record(self, kind: str, report: dict, given_labels: Dict[str, str], holder: str,
                timeout: float = 60.0) -> List[int]:
