@@ -97,6 +97,11 @@ def cmd_bench(args):
     return run_bench(args, _tracker_address(args.tracker))
 
 
+def cmd_check(args):
+    from remote.cli.check import run_check
+    return run_check(args, _tracker_address(args.tracker))
+
+
 def cmd_history(args):
     from remote.cli.history import run_history
     return run_history(args, _tracker_address(args.tracker))
@@ -202,7 +207,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_arguments(p)
     p.set_defaults(func=cmd_bench)
 
-    from remote.cli import history
+    from remote.cli import check, history
+    p = sub.add_parser(
+        "check", help="compare a board's outputs with a reference run on this host",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+               "  tether check model.onnx --key rasp4b64 --random 8\n"
+               "  tether check model.onnx --key rasp4b64 --module net.so --inputs images/ "
+               "--label commit=abc123")
+    check.add_arguments(p)
+    p.set_defaults(func=cmd_check)
+
     p = sub.add_parser(
         "history", help="a model's benchmarks on each key over time, from the farm database",
         formatter_class=argparse.RawDescriptionHelpFormatter,
