@@ -364,6 +364,12 @@ class FarmDatabase:
             row["kind"] = kind
         return rows[::-1]
 
+    def latest_id(self, kind: str) -> Optional[int]:
+        """The newest record's id (None: none yet): a cheap "has anything changed?"."""
+        table = TABLES[kind]
+        with self.engine.connect() as connection:
+            return connection.execute(sa.select(sa.func.max(table.c.id))).scalar()
+
     def sessions(self, limit: int = 100) -> List[dict]:
         query = sa.select(sessions).order_by(sessions.c.ended_at.desc()).limit(limit)
         with self.engine.connect() as connection:
