@@ -104,3 +104,19 @@ def test_the_baseline_gate_fails_a_slower_module_and_passes_a_faster_one(farm, m
     marked = [r for r in records if r["regression"]]
     assert [r["labels"].get("commit") for r in marked] == ["after"]
     assert "REGRESSION" in history(farm, "net.so", "--key", "host").stdout
+
+
+def test_a_report_goes_one_board_per_call_and_leaves_out_a_profile_too_big_for_one():
+    from remote.cli.recording import MAX_REQUEST_BYTES, _per_board
+
+    result = {"key": "host", "device_id": "host-1", "samples_s": [0.001] * 20,
+              "profile": [{"op": "Conv", "name": "x" * 200}] * (MAX_REQUEST_BYTES // 200)}
+    report = {"model": {"path": "net.so"}, "results": [result, {**result, "device_id": "h-2"}]}
+    parts = _per_board(report)
+    assert [p["results"][0]["device_id"] for p in parts] == ["host-1", "h-2"]
+    assert all("profile" not in p["results"][0] for p in parts)
+    assert parts[0]["results"][0]["samples_s"] == [0.001] * 20
+    huge = {"model": {"path": "net.so"}, "results": [
+        {"key": "host", "device_id": "host-1", "samples_s": [0.0012345678] * 10000}]}
+    with pytest.raises(ValueError, match="the result of board host-1 is .* bytes, more than"):
+        _per_board(huge)
