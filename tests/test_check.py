@@ -121,6 +121,13 @@ def check_right_and_wrong(farm, models, key, target, tmp_path):
     assert output["max_abs"] == pytest.approx(0.05, rel=1e-3) and not output["passed"]
     kept = {c["labels"]["commit"]: c["passed"] for c in farm.client().results("check", key=key)}
     assert kept == {"right": True, "wrong": False}
+    host, port = farm.tracker
+    shown = subprocess.run([sys.executable, "-m", "remote.cli", "history", "--checks", "--key",
+                            key, "--tracker", f"{host}:{port}"], env=child_env(), cwd=ROOT,
+                           capture_output=True, text=True, timeout=HANG_S)
+    assert shown.returncode == 0, shown.stderr
+    assert f"mlp.onnx on key {key}: 2 check(s)" in shown.stdout
+    assert "BEYOND" in shown.stdout and "commit=wrong" in shown.stdout
 
 
 def test_check_on_this_hosts_board_passes_the_right_module_and_fails_a_wrong_one(models,

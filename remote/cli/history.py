@@ -6,6 +6,7 @@ it on the same board, and REGRESSION where that run is slower than the one
 before beyond ``--max-regression`` with confidence (remote/regression.py).
 ``--json`` prints the records with those marks; ``--plot FILE.png`` draws the
 medians over time, one line per board, regressions circled in red.
+``--checks`` shows the recorded accuracy checks (``tether check``) instead.
 """
 from __future__ import annotations
 
@@ -46,6 +47,24 @@ def table(records: List[dict], marks: Dict[int, dict]) -> str:
                                "VS BEFORE", ""), rows)
 
 
+def checks_table(records: List[dict]) -> str:
+    def worst(record, name, pick):
+        values = [o[name] for o in record["outputs"] if o.get(name) is not None]
+        return pick(values) if values else None
+
+    rows = []
+    for r in records:
+        max_abs, cosine = worst(r, "max_abs", max), worst(r, "cosine", min)
+        top1 = worst(r, "top1", min)
+        rows.append((when(r), r["device_id"], "ok" if r["passed"] else "BEYOND",
+                     "-" if max_abs is None else f"{max_abs:.3g}",
+                     "-" if cosine is None else f"{cosine:.6f}",
+                     "-" if top1 is None else f"{top1:.1%}", (r["inputs"] or {}).get("count", "-"),
+                     " ".join(f"{k}={v}" for k, v in sorted(r["labels"].items())) or "-"))
+    return display.text_table(("WHEN", "BOARD", "VERDICT", "MAX ABS", "COSINE", "TOP-1",
+                               "INPUTS", "LABELS"), rows)
+
+
 def write_plot(path: str, groups: Dict[Tuple[str, str], List[dict]],
                marks: Dict[int, dict]) -> None:
     from remote.cli.bench import _matplotlib
@@ -76,10 +95,23 @@ def run_history(args, tracker_address) -> int:
     if args.plot:
         from remote.cli.bench import _matplotlib
         _matplotlib()  # says what to install before anything is fetched
+    kind = "check" if args.checks else "bench"
+    if args.checks and args.plot:
+        raise ValueError("--plot draws benchmarks; leave out --checks to plot")
     with TrackerClient(*tracker_address, tls_ca=args.tls_ca) as tracker:
-        records = tracker.results("bench", model=os.path.basename(args.model or ""),
+        records = tracker.results(kind, model=os.path.basename(args.model or ""),
                                   key=args.key or "", labels=labels, limit=args.last)
     groups = group(records)
+    if args.checks:
+        if args.json:
+            print(json.dumps(records, indent=2))
+        for (model, key), records_of in ([] if args.json else sorted(groups.items())):
+            print(f"{model} on key {key}: {len(records_of)} check(s)")
+            print("\n".join("  " + line for line in checks_table(records_of).splitlines()))
+            print()
+        if not groups and not args.json:
+            print("no accuracy checks recorded")
+        return 0
     marks = {}
     for records_of in groups.values():
         marks.update(regression.mark_regressions(records_of, threshold))
@@ -114,6 +146,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-regression", default="5%", metavar="PERCENT",
                    help="mark a run slower than the one before it beyond this "
                         "(default 5%%)")
+    p.add_argument("--checks", action="store_true",
+                   help="show the recorded accuracy checks (tether check) instead")
     p.add_argument("--json", action="store_true", help="print the records as JSON")
     p.add_argument("--plot", metavar="FILE.png",
                    help="draw the medians over time (needs matplotlib)")
