@@ -426,7 +426,8 @@ def run_bench(args, tracker_address) -> int:
             raise
         report = build_report(args, modules, runs, tracker.address)
         regressed = compare_with_baseline(report, baseline, args.max_regression_fraction)
-        if not args.no_record and report["results"]:
+        # --post hands the report to a farm page, whose tracker records it.
+        if not args.no_record and not args.post and report["results"]:
             recording.record_report(tracker, "bench", report, report["labels"], say)
     finally:
         waiter.close()
@@ -517,7 +518,9 @@ def add_arguments(p) -> None:
     p.add_argument("--json", metavar="FILE", help="write raw samples and run conditions here")
     p.add_argument("--post", metavar="URL",
                    help="post the report to a tracker's farm page (tether tracker --http), "
-                        "e.g. http://farm.local:9180/ ; it is plotted there per model and board")
+                        "e.g. http://farm.local:9180/ , which records it in its database "
+                        "(instead of the tracker of --tracker); it is plotted there per model "
+                        "and board")
     recording.add_arguments(p)
     p.add_argument("--csv", metavar="FILE", help="write one summary row per board here")
     p.add_argument("--vs", metavar="OLD.json", help="print ratios against an earlier --json")
