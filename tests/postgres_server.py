@@ -38,8 +38,13 @@ def _free_port() -> int:
 
 
 class PostgresServer:
-    def __init__(self, folder: str, port: int, user: str, run_as):
+    def __init__(self, folder: str, port: int, user: str, run_as, bindir: str):
         self.folder, self.port, self.user, self._run_as = folder, port, user, run_as
+        self._bindir = bindir
+
+    def stop(self) -> None:
+        """Stop the server at once, as a crash or an admin would."""
+        stop(self._run_as, self._bindir, os.path.join(self.folder, "data"))
 
     def url(self, database: str = "postgres") -> str:
         return f"postgresql://{self.user}@127.0.0.1:{self.port}/{database}"
@@ -91,10 +96,13 @@ def postgres_server():
             with open(log) as f:
                 raise AssertionError(f"PostgreSQL did not start: {done.stderr[-1000:]}\n"
                                      f"{f.read()[-2000:]}")
-        yield PostgresServer(folder, port, user, prefix)
+        yield PostgresServer(folder, port, user, prefix, bindir)
     finally:
-        if os.path.exists(os.path.join(data, "postmaster.pid")):
-            subprocess.run(prefix + [os.path.join(bindir, "pg_ctl"), "-D", data, "-m",
-                                     "immediate", "-w", "stop"],
-                           capture_output=True, timeout=START_TIMEOUT_S)
+        stop(prefix, bindir, data)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def stop(prefix, bindir: str, data: str) -> None:
+    if os.path.exists(os.path.join(data, "postmaster.pid")):
+        subprocess.run(prefix + [os.path.join(bindir, "pg_ctl"), "-D", data, "-m", "immediate",
+                                 "-w", "stop"], capture_output=True, timeout=START_TIMEOUT_S)

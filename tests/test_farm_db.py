@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from remote.cli.localfarm import LocalFarm
-from remote.errors import InvalidArgument
+from remote.errors import InvalidArgument, RemoteError
 from tests.postgres_server import postgres_server
 from tests.test_tracker import HANG_S, child_env
 
@@ -125,6 +125,23 @@ def test_bad_reports_are_refused_by_name_and_the_tracker_keeps_serving(tmp_path)
             tracker.record("bench", bench_report(), {"": "x"})
         assert tracker.results("bench") == []
         assert len(tracker.record("bench", bench_report())["record_ids"]) == 1
+
+
+def test_a_database_server_that_goes_away_is_named_and_the_tracker_keeps_serving():
+    with postgres_server() as server:
+        url = server.new_database()
+        with farm_on(url, keys=()) as farm:
+            tracker = farm.client()
+            assert tracker.record("bench", bench_report())["record_ids"] == [1]
+            server.stop()
+            shown = farmdb.shown_url(url)
+            with pytest.raises(RemoteError, match=f"the farm database {shown} did not take "
+                                                  "the report: .*Connection refused"):
+                tracker.record("bench", bench_report())
+            with pytest.raises(RemoteError, match=f"the farm database {shown} could not be "
+                                                  "read"):
+                tracker.results("bench")
+            assert tracker.summary()["keys"] == []   # the pool is served as before
 
 
 def test_a_database_that_cannot_be_opened_is_named():

@@ -384,6 +384,9 @@ class TrackerService:
             abort(context, errors.InvalidArgument(f"the report is not JSON: {exc}"))
         except errors.InvalidArgument as exc:
             abort(context, exc)
+        except Exception as exc:  # noqa: BLE001 - the database's own trouble, said as such
+            abort(context, errors.RemoteError(
+                f"the farm database {db.shown} did not take the report: {exc}"))
         return pb.RecordReply(record_ids=ids, database=db.shown)
 
     def QueryResults(self, request, context):
@@ -394,6 +397,9 @@ class TrackerService:
                               request.limit)
         except errors.InvalidArgument as exc:
             abort(context, exc)
+        except Exception as exc:  # noqa: BLE001 - the database's own trouble, said as such
+            abort(context, errors.RemoteError(f"the farm database {db.shown} could not be "
+                                              f"read: {exc}"))
         return pb.ResultsReply(records_json=json.dumps(rows), database=db.shown)
 
     def summary_reply(self):

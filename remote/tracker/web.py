@@ -178,7 +178,13 @@ class FarmPage:
                     data = {**pool(service), **service.log.snapshot(), "now": time.time()}
                     self._send(200, json.dumps(data).encode(), "application/json")
                 elif path == "/api/history":
-                    self._send(200, json.dumps(history.data()).encode(), "application/json")
+                    try:
+                        data = history.data()
+                    except Exception as exc:  # noqa: BLE001 - a database that went away
+                        self._send(503, f"the farm database could not be read: {exc}\n"
+                                   .encode(), "text/plain")
+                        return
+                    self._send(200, json.dumps(data).encode(), "application/json")
                 elif path == "/metrics":
                     from prometheus_client import CONTENT_TYPE_LATEST
                     self._send(200, metrics_text(service, pool(service)), CONTENT_TYPE_LATEST)
