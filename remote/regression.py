@@ -20,7 +20,7 @@ Pure functions over lists of numbers: no I/O, no clock.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -40,6 +40,11 @@ class Comparison:
     regression: bool
     new_samples: int
     baseline_samples: int
+    # With three or more baseline runs: the highest median a run of the
+    # baseline's is expected to reach (one-sided prediction interval of the
+    # runs' medians), and how many runs it came from; else None and 1.
+    run_limit: Optional[float] = None
+    baseline_runs: int = 1
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -47,9 +52,14 @@ class Comparison:
     def text(self) -> str:
         verdict = (f"SLOWER by more than {self.max_regression:.0%}" if self.regression
                    else f"within {self.max_regression:.0%}")
+        runs = (f", above the {self.baseline_runs} baseline runs' limit "
+                f"{self.run_limit * 1e3:.4g} ms" if self.run_limit is not None and
+                self.regression else
+                f", within the {self.baseline_runs} baseline runs' limit "
+                f"{self.run_limit * 1e3:.4g} ms" if self.run_limit is not None else "")
         return (f"median ratio {self.ratio:.3f} [{self.ci_low:.3f}, {self.ci_high:.3f}] "
                 f"({self.confidence:.0%} CI), Mann-Whitney p={self.p_value:.2g} "
-                f"({self.new_samples} vs {self.baseline_samples} samples): {verdict}")
+                f"({self.new_samples} vs {self.baseline_samples} samples{runs}): {verdict}")
 
 
 def parse_threshold(text: str) -> float:
@@ -81,9 +91,30 @@ def ratio_interval(new: np.ndarray, base: np.ndarray, confidence: float = CONFID
     return float(low), float(high)
 
 
+def run_limit(runs: Sequence[Sequence[float]], alpha: float = ALPHA) -> Optional[float]:
+    """The median a further run of the baseline stays under with probability
+    1 - alpha, from the spread of its runs' medians (log scale, Student's t
+    prediction interval); None with fewer than three runs.
+
+    Samples of one run share the machine's state of that moment; a machine
+    that is busier an hour later moves a whole run. Only the spread between
+    runs shows how far that goes."""
+    from scipy.stats import t
+
+    medians = np.log([np.median(run) for run in runs if len(run)])
+    if medians.size < 3:
+        return None
+    spread = float(np.std(medians, ddof=1))
+    return float(np.exp(medians.mean() + t.ppf(1 - alpha, medians.size - 1) * spread
+                        * np.sqrt(1 + 1 / medians.size)))
+
+
 def compare(new: Sequence[float], baseline: Sequence[float], max_regression: float = 0.05,
-            alpha: float = ALPHA, confidence: float = CONFIDENCE) -> Comparison:
-    """The new samples against the baseline's (both per-run times)."""
+            alpha: float = ALPHA, confidence: float = CONFIDENCE,
+            baseline_runs: Optional[Sequence[Sequence[float]]] = None) -> Comparison:
+    """The new samples against the baseline's (both per-run times).
+    ``baseline_runs``, the baseline's samples run by run, adds the between-run
+    check (run_limit) when there are three or more runs."""
     from scipy.stats import mannwhitneyu
 
     new_a, base_a = _clean(new, "new run"), _clean(baseline, "baseline")
@@ -92,9 +123,13 @@ def compare(new: Sequence[float], baseline: Sequence[float], max_regression: flo
     p_value = float(mannwhitneyu(new_a, base_a, alternative="greater").pvalue)
     slower = (p_value < alpha and ratio > 1 + max_regression
               and low > 1 + max_regression / 2)
+    limit = run_limit(baseline_runs or [], alpha)
+    if limit is not None:
+        slower = slower and float(np.median(new_a)) > limit
     return Comparison(ratio=ratio, ci_low=low, ci_high=high, confidence=confidence,
                       p_value=p_value, max_regression=max_regression, regression=bool(slower),
-                      new_samples=int(new_a.size), baseline_samples=int(base_a.size))
+                      new_samples=int(new_a.size), baseline_samples=int(base_a.size),
+                      run_limit=limit, baseline_runs=len(baseline_runs or []) or 1)
 
 
 def mark_regressions(records: List[dict], max_regression: float = 0.05) -> Dict[int, dict]:

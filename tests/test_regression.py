@@ -59,3 +59,20 @@ def test_each_record_is_marked_against_the_one_before_it_on_its_board():
     marked = mark_regressions(records)
     assert set(marked) == {2}
     assert marked[2]["baseline_id"] == 1 and marked[2]["ratio"] > 1.1
+
+
+def test_a_machine_busier_between_runs_is_told_from_a_slower_module_by_the_baseline_runs():
+    """Five baseline runs taken at different loads (medians 0.9 to 1.25): a new run
+    at 1.2 is the machine, not the module; one at 2.2 is beyond what the runs reach
+    (their spread puts the limit near 1.7)."""
+    rng = np.random.default_rng(11)
+    runs = [list(shared_machine(rng, 30, scale, 0.02)) for scale in (1.0, 0.9, 1.25, 1.05, 0.95)]
+    first = runs[0]
+    drifted = shared_machine(rng, 30, 1.2, 0.02)
+    assert compare(drifted, first).regression            # one run cannot tell
+    found = compare(drifted, [s for r in runs for s in r], baseline_runs=runs)
+    assert not found.regression and found.baseline_runs == 5
+    assert "within the 5 baseline runs' limit" in found.text()
+    slower = compare(shared_machine(rng, 30, 2.2, 0.02), [s for r in runs for s in r],
+                     baseline_runs=runs)
+    assert slower.regression and 1.5 < slower.run_limit < 2.0

@@ -288,11 +288,11 @@ def baseline_records(spec: str, tracker: TrackerClient, model: str, key: str) ->
     return f"{spec} ({len(found)} recorded run(s))", found
 
 
-def baseline_samples(record: dict, results: list) -> list:
-    """The baseline's samples from the same board when it has some, else from all."""
-    same = [s for r in results if r.get("device_id") == record["device_id"]
-            for s in r["samples_s"]]
-    return same or [s for r in results for s in r["samples_s"]]
+def baseline_runs(record: dict, results: list) -> list:
+    """The baseline's runs (lists of samples) from the same board when it has
+    some, else from every board."""
+    same = [r["samples_s"] for r in results if r.get("device_id") == record["device_id"]]
+    return same or [r["samples_s"] for r in results]
 
 
 # ------------------------------------------------------------- reports --
@@ -471,8 +471,9 @@ def compare_with_baseline(report: dict, baseline, max_regression: float) -> bool
     named, results = baseline
     regressed = False
     for record in report["results"]:
-        found = regression.compare(record["samples_s"], baseline_samples(record, results),
-                                   max_regression)
+        runs = baseline_runs(record, results)
+        found = regression.compare(record["samples_s"], [s for run in runs for s in run],
+                                   max_regression, baseline_runs=runs)
         record["baseline"] = {"baseline": named, **found.as_dict()}
         regressed |= found.regression
         say(f"{record['device_id']} against {named}: {found.text()}")
