@@ -307,8 +307,8 @@ class FarmDatabase:
         def write(connection):
             ids = []
             for row in rows:
-                (record_id,) = connection.execute(table.insert().returning(table.c.id),
-                                                  row).one()
+                # inserted_primary_key, not RETURNING: SQLite has that only since 3.35.
+                (record_id,) = connection.execute(table.insert(), row).inserted_primary_key
                 ids.append(record_id)
                 if given_labels:
                     connection.execute(labels.insert(), [
