@@ -53,8 +53,10 @@ def cpu_seconds(pid: int) -> float:
 
 
 def measure(boards: int, seconds: float, threads: int, log_dir: str) -> dict:
-    tracker = Child(f"tracker-{boards}", python_argv("remote.tracker", "--host", "127.0.0.1",
-                                                     "--port", "0"), log_dir, env())
+    # The farm database as a tracker keeps it by default, in the run's own folder.
+    tracker = Child(f"tracker-{boards}", python_argv(
+        "remote.tracker", "--host", "127.0.0.1", "--port", "0",
+        "--db", f"sqlite:///{os.path.join(log_dir, f'farm-{boards}.sqlite')}"), log_dir, env())
     sim = subprocess.Popen([sys.executable, os.path.join(ROOT, "benchmarks", "board_sim.py"),
                             "--tracker", f"127.0.0.1:{tracker.port}", "--boards", str(boards),
                             "--key", KEY], stdout=subprocess.PIPE, text=True, env=env())

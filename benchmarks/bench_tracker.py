@@ -1,6 +1,7 @@
 """Tether's tracker against Apache TVM's RPC tracker, side by side in one run.
 
     python benchmarks/bench_tracker.py [--sessions 100] [--devices 100] [--seconds 5]
+    python benchmarks/bench_tracker.py --database [--rounds 3]   # what the farm database costs
 
 1. request -> session -> close: from ``request(key)`` to a connected session
    on a free device and until that session is closed again, with a real
@@ -62,8 +63,9 @@ def describe(samples):
 
 # ------------------------------------------------------ request-to-session --
 
-def ours_request_to_session(sessions: int, server_command):
-    with LocalFarm(keys=[KEY], env=env(), server_command=server_command) as farm:
+def ours_request_to_session(sessions: int, server_command, db_args=("--db", "none")):
+    with LocalFarm(keys=[KEY], env=env(), server_command=server_command,
+                   tracker_args=list(db_args)) as farm:
         tracker = rpc.connect_tracker(*farm.tracker)
         samples = []
         for i in range(sessions + 5):
@@ -147,9 +149,9 @@ def tvm_request_to_session(sessions: int):
 
 # --------------------------------------------------------------- leases/s --
 
-def ours_leases_per_s(devices: int, seconds: float, threads: int):
+def ours_leases_per_s(devices: int, seconds: float, threads: int, db_args=("--db", "none")):
     tracker_proc = Child("tracker", [sys.executable, "-m", "remote.tracker", "--host",
-                                     "127.0.0.1", "--port", "0"], "/tmp", env())
+                                     "127.0.0.1", "--port", "0", *db_args], "/tmp", env())
     sim = subprocess.Popen([sys.executable, os.path.join(ROOT, "benchmarks", "board_sim.py"),
                             "--tracker", f"127.0.0.1:{tracker_proc.port}", "--boards",
                             str(devices), "--key", KEY], stdout=subprocess.PIPE, text=True,
@@ -241,6 +243,56 @@ def put(base, sock, port):
     assert base.recvjson(sock) == base.TrackerCode.SUCCESS
 
 
+# ------------------------------------------------------- farm database --
+
+def database_cost(args) -> dict:
+    """The same tracker without a database and with one (SQLite in a temporary
+    folder: every ended session is written by its writer thread), in turns."""
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="tether-bench-db-")
+    from remote.tracker.farmdb import FarmDatabase
+
+    db = FarmDatabase(f"sqlite:///{folder}/writer.sqlite")
+    calls = 20000
+    start = time.perf_counter()
+    for n in range(calls):
+        db.record_session(KEY, "bench-1", "bench@host", 0.01, "given back by the client")
+    queued = time.perf_counter() - start
+    db.flush(120)
+    drained = time.perf_counter() - start
+    db.close()
+    print(f"farm database, in this process: what an ended session costs the lease path "
+          f"{queued / calls * 1e6:.2f} µs (queue put, {calls} calls); the writer kept "
+          f"{calls / drained:,.0f} sessions/s (SQLite, batched)")
+    print(f"farm database: the tracker with --db none and with SQLite, in turns "
+          f"({args.rounds} rounds); request -> session -> close ({args.sessions} sessions, "
+          f"python board server), then leases/s ({args.devices} devices, {args.threads} "
+          f"threads, {args.seconds:g} s)")
+    figures = {"none": {"ms": [], "rate": []}, "sqlite": {"ms": [], "rate": []}}
+    try:
+        for round_ in range(args.rounds):
+            for name in ("none", "sqlite"):
+                db_args = ("--db", "none" if name == "none" else
+                           f"sqlite:///{folder}/farm-{round_}.sqlite")
+                median, _ = describe(ours_request_to_session(
+                    args.sessions, python_argv("remote.server"), db_args))
+                rate = ours_leases_per_s(args.devices, args.seconds, args.threads, db_args)
+                figures[name]["ms"].append(median)
+                figures[name]["rate"].append(rate)
+                print(f"  round {round_ + 1} {name:<7} median {median:7.2f} ms   "
+                      f"{rate:6.0f} leases/s", flush=True)
+    finally:
+        import shutil
+        shutil.rmtree(folder, ignore_errors=True)
+    ms = {n: statistics.median(f["ms"]) for n, f in figures.items()}
+    rate = {n: statistics.median(f["rate"]) for n, f in figures.items()}
+    print(f"  sqlite/none: request->session {ms['sqlite'] / ms['none']:.3f} (median of rounds; "
+          f"above 1 is slower with the database), leases/s {rate['sqlite'] / rate['none']:.3f} "
+          "(below 1 is slower)")
+    return {"db_request_to_session_ms": ms, "db_leases_per_s": rate}
+
+
 # ------------------------------------------------------------------ main --
 
 def main(argv=None):
@@ -250,7 +302,16 @@ def main(argv=None):
     parser.add_argument("--seconds", type=float, default=5.0, help="length of each leases/s run")
     parser.add_argument("--threads", type=int, default=16, help="client threads for leases/s")
     parser.add_argument("--json", action="store_true", help="also print the figures as JSON")
+    parser.add_argument("--database", action="store_true",
+                        help="measure only what the farm database costs the tracker: "
+                             "--db none against SQLite, in turns")
+    parser.add_argument("--rounds", type=int, default=3, help="turns of --database")
     args = parser.parse_args(argv)
+    if args.database:
+        figures = database_cost(args)
+        if args.json:
+            print(json.dumps(figures))
+        return 0
     try:
         import tvm  # noqa: F401
         have_tvm = True

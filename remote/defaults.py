@@ -46,3 +46,11 @@ def cache_dir() -> str:
         return os.environ[CACHE_ENV]
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "tether")
+
+
+def default_farm_db() -> str:
+    """The tracker's farm database when ``--db`` is not given: a SQLite file in
+    ``$XDG_STATE_HOME/tether``, else ``~/.local/state/tether`` (what outlives a tracker)."""
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(
+        os.path.expanduser("~"), ".local", "state")
+    return "sqlite:///" + os.path.join(base, "tether", "farm.sqlite")

@@ -28,12 +28,20 @@ def get(url: str) -> bytes:
 
 
 def post_report(url: str, device_id: str, median_s: float):
+    """A `tether bench --json` report of 30 samples around ``median_s`` (1 % spread)."""
+    samples = [median_s * (1 + 0.01 * ((i * 7) % 11 - 5) / 5) for i in range(30)]
     report = {"model": {"path": "/models/squeezenet.onnx"}, "results": [
-        {"key": "k", "device_id": device_id, "stats_s": {"median": median_s}}]}
+        {"key": "k", "device_id": device_id, "stats_s": {"median": median_s},
+         "samples_s": samples}]}
     request = urllib.request.Request(url + "api/bench", data=json.dumps(report).encode(),
                                      method="POST")
     with urllib.request.urlopen(request, timeout=HANG_S) as reply:
         assert json.loads(reply.read())["ok"]
+
+
+def history_points(url: str, board: str) -> list:
+    data = json.loads(get(url + "api/history"))
+    return [p for s in data["series"] if s["board"] == board for p in s["points"]]
 
 
 @pytest.fixture(scope="module")
@@ -91,19 +99,35 @@ def test_posted_bench_results_are_kept_and_bad_ones_refused(farm):
     url = farm_page_url(farm)
     post_report(url, "k-1", 0.004)
     post_report(url, "k-1", 0.005)
-    data = json.loads(get(url + "api/summary"))
-    assert [p["report"]["results"][0]["stats_s"]["median"] for p in data["bench"]][-2:] == \
-        [0.004, 0.005]
-    request = urllib.request.Request(url + "api/bench", data=b"{not json", method="POST")
-    with pytest.raises(urllib.error.HTTPError) as caught:
-        urllib.request.urlopen(request, timeout=HANG_S)
-    assert caught.value.code == 400
+    assert [round(p[1], 6) for p in history_points(url, "k-1")][-2:] == [4.0, 5.0]
+    for body in (b"{not json", json.dumps({"model": {"path": "m.onnx"}, "results": [
+            {"key": "k", "device_id": "k-1"}]}).encode()):
+        request = urllib.request.Request(url + "api/bench", data=body, method="POST")
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(request, timeout=HANG_S)
+        assert caught.value.code == 400
+    assert "has no samples_s" in caught.value.read().decode()
+
+
+def test_the_history_marks_regressions_and_outlives_a_tracker_restart():
+    with local_farm(keys=[], tracker_args=["--http", "0"]) as farm:
+        url = farm_page_url(farm)
+        for median in (0.010, 0.010, 0.012, 0.012):   # the third run is 20 % slower
+            post_report(url, "k-9", median)
+        before = history_points(url, "k-9")
+        assert [p[3] is not None for p in before] == [False, False, True, False]
+        assert before[2][3] == pytest.approx(1.2, rel=0.02)
+        farm.restart_tracker()
+        url = farm_page_url(farm)
+        assert history_points(url, "k-9") == before
+        assert json.loads(get(url + "api/history"))["database"].startswith("sqlite:///")
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium package (headless)")
 def test_the_page_in_a_real_browser_shows_boards_queue_and_plots(farm, tmp_path):
     url = farm_page_url(farm)
     post_report(url, "k-2", 0.003)
+    post_report(url, "k-2", 0.0036)   # 20 % slower: marked
     tracker = farm.client()
     with tracker.request("k", timeout=HANG_S, client="browser-test@ci"):
         flags = [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu",
@@ -123,5 +147,6 @@ def test_the_page_in_a_real_browser_shows_boards_queue_and_plots(farm, tmp_path)
     # The page updated itself several times without being reloaded.
     updates = int(re.search(r'data-updates="(\d+)"', html).group(1))
     assert updates >= 2, updates
-    assert re.search(r'<svg class="plot" data-model="squeezenet.onnx"', html)
+    assert re.search(r'<svg class="plot" data-model="squeezenet.onnx on k"', html)
+    assert '<circle class="regression"' in html and "(kept in sqlite:///" in html
     assert shot.stat().st_size > 3_000  # a rendered page, not an empty image

@@ -193,6 +193,7 @@ def test_the_readme_names_what_the_test_command_installs():
         readme = f.read()
     # Those a reader would not guess from "the test suite": the browser and the tools
     # that build an emulated board (compilers and fonts go without saying).
-    for package in ("qemu-user", "debootstrap", "fakeroot", "openssh-server", "chromium"):
+    for package in ("qemu-user", "debootstrap", "fakeroot", "openssh-server", "chromium",
+                    "postgresql"):
         assert package in packages
         assert f"`{package}`" in readme, f"README.md does not say the test command installs {package}"

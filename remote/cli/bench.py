@@ -20,7 +20,8 @@ import threading
 from typing import List, Optional
 
 from remote import errors
-from remote.cli import modelfile
+from remote import regression
+from remote.cli import modelfile, recording
 from remote.cli.progress import ByteBar, Ticker, say
 from remote.client import display
 from remote.client.session import Session
@@ -213,6 +214,8 @@ def _check_options(args) -> None:
         _matplotlib()
     if args.vs:
         load_report(args.vs)
+    recording.parse_labels(args.label)
+    args.max_regression_fraction = regression.parse_threshold(args.max_regression)
 
 
 def _matplotlib():
@@ -227,19 +230,19 @@ def _matplotlib():
     return plt
 
 
-def load_report(path: str) -> dict:
+def load_report(path: str, option: str = "--vs") -> dict:
     """An earlier ``--json`` file, checked enough to compare against."""
     try:
         with open(path) as f:
             data = json.load(f)
     except FileNotFoundError:
-        raise FileNotFoundError(f"--vs {path!r}: no such file; give a file written by "
+        raise FileNotFoundError(f"{option} {path!r}: no such file; give a file written by "
                                 "`tether bench --json`") from None
     except json.JSONDecodeError as exc:
-        raise ValueError(f"--vs {path!r} is not JSON ({exc}); give a file written by "
+        raise ValueError(f"{option} {path!r} is not JSON ({exc}); give a file written by "
                          "`tether bench --json`") from None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA or not data.get("results"):
-        raise ValueError(f"--vs {path!r} is not a `tether bench --json` result "
+        raise ValueError(f"{option} {path!r} is not a `tether bench --json` result "
                          f"(expected schema {SCHEMA!r} with results)")
     return data
 
@@ -265,6 +268,34 @@ def ratios(record: dict, old: dict) -> dict:
         before = _value(old, name)
         out[name] = _value(record, name) / before if before else None
     return out
+
+
+# ------------------------------------------------------------ baseline --
+def baseline_records(spec: str, tracker: TrackerClient, model: str, key: str) -> tuple:
+    """What ``--baseline`` names: (how to say it, per-board results with
+    ``device_id`` and ``samples_s``). A FILE.json from ``--json``, or NAME=VALUE:
+    the farm database's benchmarks of this model on this key with that label."""
+    if spec.endswith(".json") or os.path.isfile(spec):
+        data = load_report(spec, option="--baseline")
+        return spec, data["results"]
+    name, sep, value = spec.partition("=")
+    if not sep or not name:
+        raise ValueError(f"--baseline {spec!r}: give a FILE.json written by --json, or "
+                         "NAME=VALUE naming recorded runs, e.g. commit=abc123")
+    found = tracker.results("bench", model=os.path.basename(model), key=key,
+                            labels={name: value})
+    if not found:
+        raise ValueError(f"--baseline {spec}: the farm database has no benchmark of "
+                         f"{os.path.basename(model)} on key {key!r} labelled {spec}; record one "
+                         f"first (tether bench ... --label {spec})")
+    return f"{spec} ({len(found)} recorded run(s))", found
+
+
+def baseline_runs(record: dict, results: list) -> list:
+    """The baseline's runs (lists of samples) from the same board when it has
+    some, else from every board."""
+    same = [r["samples_s"] for r in results if r.get("device_id") == record["device_id"]]
+    return same or [r["samples_s"] for r in results]
 
 
 # ------------------------------------------------------------- reports --
@@ -319,6 +350,8 @@ def build_report(args, modules: modelfile.ModuleChoice, runs: List[BoardRun],
         "command": ["tether", *sys.argv[1:]],
         "model": next((r.module for r in runs if r.module), modules.first).describe(),
         "target": metadata.get("target", {"name": args.target}),
+        "compiler": metadata.get("producer") or f"tether {tool_version()}",
+        "labels": recording.parse_labels(args.label),
         "module": {"inputs": metadata.get("inputs", []), "outputs": metadata.get("outputs", [])},
         "options": {"key": args.key, "devices": args.devices, "number": args.number,
                     "repeat": args.repeat, "min_repeat_ms": args.min_repeat_ms,
@@ -377,6 +410,8 @@ def run_bench(args, tracker_address) -> int:
     waiter = TrackerClient(host, port, tls_ca=args.tls_ca)
     farm = Farm(tracker, waiter)
     try:
+        baseline = (baseline_records(args.baseline, tracker, args.model, args.key)
+                    if args.baseline else None)
         count = _device_count(tracker, args.key, args.devices)
         say(f"benchmarking on {count} board(s) of key {args.key!r}")
         runs = [BoardRun(i, farm, modules, args) for i in range(count)]
@@ -393,6 +428,10 @@ def run_bench(args, tracker_address) -> int:
             say(f"interrupted: closed the sessions and returned {held} board(s)")
             raise
         report = build_report(args, modules, runs, tracker.address)
+        regressed = compare_with_baseline(report, baseline, args.max_regression_fraction)
+        # --post hands the report to a farm page, whose tracker records it.
+        if not args.no_record and not args.post and report["results"]:
+            recording.record_report(tracker, "bench", report, report["labels"], say)
     finally:
         waiter.close()
         tracker.close()
@@ -422,9 +461,30 @@ def run_bench(args, tracker_address) -> int:
     if not report["results"]:
         raise errors.TetherError(f"no board finished the benchmark: "
                                  f"{report['failures'][0]['error']}")
-    return 1 if report["failures"] else 0
+    if report["failures"]:
+        return 1
+    return EXIT_REGRESSION if regressed else 0
 
 
+def compare_with_baseline(report: dict, baseline, max_regression: float) -> bool:
+    """Each board's samples against the baseline's (kept in the report under
+    ``"baseline"``); whether any board is slower beyond the threshold."""
+    if baseline is None:
+        return False
+    named, results = baseline
+    regressed = False
+    for record in report["results"]:
+        runs = baseline_runs(record, results)
+        found = regression.compare(record["samples_s"], [s for run in runs for s in run],
+                                   max_regression, baseline_runs=runs)
+        record["baseline"] = {"baseline": named, **found.as_dict()}
+        regressed |= found.regression
+        say(f"{record['device_id']} against {named}: {found.text()}")
+    return regressed
+
+
+# The exit status of a run that is slower than its --baseline beyond --max-regression.
+EXIT_REGRESSION = 3
 # How long one call on a board may take when --timeout is not given.
 DEFAULT_CALL_TIMEOUT_S = 60.0
 
@@ -462,9 +522,18 @@ def add_arguments(p) -> None:
     p.add_argument("--json", metavar="FILE", help="write raw samples and run conditions here")
     p.add_argument("--post", metavar="URL",
                    help="post the report to a tracker's farm page (tether tracker --http), "
-                        "e.g. http://farm.local:9180/ ; it is plotted there per model and board")
+                        "e.g. http://farm.local:9180/ , which records it in its database "
+                        "(instead of the tracker of --tracker); it is plotted there per model "
+                        "and board")
+    recording.add_arguments(p)
     p.add_argument("--csv", metavar="FILE", help="write one summary row per board here")
     p.add_argument("--vs", metavar="OLD.json", help="print ratios against an earlier --json")
+    p.add_argument("--baseline", metavar="NAME=VALUE|FILE.json",
+                   help="compare the raw samples with a baseline's (runs recorded with that "
+                        "label, or an earlier --json) and exit 3 when slower beyond "
+                        "--max-regression with confidence")
+    p.add_argument("--max-regression", default="5%", metavar="PERCENT",
+                   help="how much slower than --baseline is tolerated (default 5%%)")
     p.add_argument("--plot", metavar="FILE.png",
                    help="write a latency plot of every board (needs matplotlib)")
     p.add_argument("--profile", action="store_true",

@@ -108,6 +108,11 @@ class LocalFarm:
         self.server_args = list(server_args)
         self.env = env
         self.log_dir = tempfile.mkdtemp(prefix="tether-farm-")
+        if not any(a == "--db" or a.startswith("--db=") for a in self.tracker_args):
+            # A farm of its own keeps its records with its logs (and a restarted
+            # tracker finds them there), not in the user's state folder.
+            self.tracker_args += ["--db", "sqlite:///" + os.path.join(self.log_dir,
+                                                                     "farm.sqlite")]
         self.tracker_proc: Optional[Child] = None
         self.servers: List[Child] = []
         self._per_key: Dict[str, int] = {}

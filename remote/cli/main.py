@@ -92,6 +92,16 @@ def cmd_bench(args):
     return run_bench(args, _tracker_address(args.tracker))
 
 
+def cmd_check(args):
+    from remote.cli.check import run_check
+    return run_check(args, _tracker_address(args.tracker))
+
+
+def cmd_history(args):
+    from remote.cli.history import run_history
+    return run_history(args, _tracker_address(args.tracker))
+
+
 def cmd_tune(args):
     from remote.cli.tune import run_tune
     return run_tune(args, _tracker_address(args.tracker))
@@ -191,6 +201,27 @@ def build_parser() -> argparse.ArgumentParser:
                "--vs run.json --plot latency.png")
     bench.add_arguments(p)
     p.set_defaults(func=cmd_bench)
+
+    from remote.cli import check, history
+    p = sub.add_parser(
+        "check", help="compare a board's outputs with a reference run on this host",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+               "  tether check model.onnx --key rasp4b64 --random 8\n"
+               "  tether check model.onnx --key rasp4b64 --module net.so --inputs images/ "
+               "--label commit=abc123")
+    check.add_arguments(p)
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser(
+        "history", help="a model's benchmarks on each key over time, from the farm database",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+               "  tether history model.onnx --key rasp4b64\n"
+               "  tether history model.onnx --label branch=main --plot trend.png\n"
+               "  tether history --json")
+    history.add_arguments(p)
+    p.set_defaults(func=cmd_history)
 
     p = sub.add_parser(
         "tune", help="find each convolution's fastest register tile on a board and cache it",

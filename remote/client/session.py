@@ -112,6 +112,8 @@ class Session:
         self.timeout = timeout
         self.relayed = relayed
         self._device_id = device_id
+        # The tracker's id of the board (empty for a server reached directly).
+        self.device_id = device_id
         self._on_close = on_close
         self._tls_ca = tls.default_ca(tls_ca)  # TLS when tls_ca or $TETHER_TLS_CA
         self._closed = False

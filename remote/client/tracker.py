@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import getpass
+import json
 import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import grpc
 
@@ -178,6 +179,32 @@ class TrackerClient:
         waiting = [{"key": w.key, "priority": w.priority, "client": w.client,
                     "waited_s": w.waited_s} for w in reply.waiting]
         return display.PoolSummary(tracker=self.address, devices=devices, keys=keys, waiting=waiting)
+
+    def record(self, kind: str, report: dict, labels: Optional[Dict[str, str]] = None,
+               client: Optional[str] = None) -> dict:
+        """Keep a ``tether bench --json`` (kind ``"bench"``) or ``tether check
+        --json`` (``"check"``) report in the farm's database, with its labels.
+        Returns ``{"record_ids": [...], "database": URL}``.
+
+        >>> tracker.record("bench", report, {"commit": "abc123"})   # doctest: +SKIP
+        """
+        reply = self._call(self._stub.RecordResult, pb.RecordRequest(
+            kind=kind, report_json=json.dumps(report, separators=(",", ":")),
+            labels=labels or {}, client=client or default_client_name(),
+            farm_secret=self.farm_secret, user_token=self.token), self.timeout)
+        return {"record_ids": list(reply.record_ids), "database": reply.database}
+
+    def results(self, kind: str = "bench", model: str = "", key: str = "",
+                labels: Optional[Dict[str, str]] = None, limit: int = 0) -> List[dict]:
+        """Recorded benchmarks or checks, oldest first: each board's result
+        with its model, target, board, conditions, raw samples (or measures) and labels.
+
+        >>> tracker.results("bench", model="net.onnx", key="rasp4b64")   # doctest: +SKIP
+        """
+        reply = self._call(self._stub.QueryResults, pb.ResultsQuery(
+            kind=kind, model=model, key=key, labels=labels or {}, limit=limit,
+            farm_secret=self.farm_secret, user_token=self.token), self.timeout)
+        return json.loads(reply.records_json)
 
     def text_summary(self) -> str:
         """The pool as a table a person reads (what ``tether status`` prints)."""

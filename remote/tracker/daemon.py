@@ -4,10 +4,13 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import sys
 import threading
 from typing import Optional
 
-from remote.defaults import FARM_SECRET_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TRACKER_PORT
+from remote.defaults import (FARM_SECRET_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TRACKER_PORT,
+                             default_farm_db)
+from remote.errors import InvalidArgument
 from remote.lifecycle import start_logging, wait_for_stop_signal
 from remote.tracker.service import EVICTION_WINDOW_S, UNUSED_LEASE_S, serve
 from remote.tracker.tokens import DEFAULT_TOKENS_FILE
@@ -36,6 +39,10 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
                              "release and see the pool; the holder shown is the token's name")
     parser.add_argument("--tokens", default=DEFAULT_TOKENS_FILE, metavar="FILE",
                         help=f"the token file (default {DEFAULT_TOKENS_FILE})")
+    parser.add_argument("--db", default=None, metavar="URL",
+                        help="the farm database that keeps every session, benchmark and "
+                             "accuracy check: sqlite:///PATH or postgresql://USER@HOST/NAME "
+                             f"(default {default_farm_db()}); 'none' keeps nothing")
     parser.add_argument("--tls-cert", default=os.environ.get(TLS_CERT_ENV, ""),
                         help=f"PEM certificate: serve over TLS (default ${TLS_CERT_ENV})")
     parser.add_argument("--tls-key", default=os.environ.get(TLS_KEY_ENV, ""),
@@ -77,11 +84,16 @@ def _keep_boards_out_of_full_collections(service, stop: threading.Event) -> None
 def run(args) -> int:
     start_logging()
     _allow_many_links()
-    tracker = serve(args.host, args.port, farm_secret=args.farm_secret,
-                    eviction_window_s=args.eviction_window,
-                    unused_lease_s=args.unused_lease_timeout,
-                    tls_cert=args.tls_cert, tls_key=args.tls_key,
-                    tokens_file=args.tokens if args.require_tokens else None)
+    try:
+        tracker = serve(args.host, args.port, farm_secret=args.farm_secret,
+                        eviction_window_s=args.eviction_window,
+                        unused_lease_s=args.unused_lease_timeout,
+                        tls_cert=args.tls_cert, tls_key=args.tls_key,
+                        tokens_file=args.tokens if args.require_tokens else None,
+                        db_url=None if args.db == "none" else args.db or default_farm_db())
+    except InvalidArgument as exc:  # a --db that cannot be opened: say which and why
+        print(f"tether tracker: {exc}", file=sys.stderr, flush=True)
+        return 2
     stop = threading.Event()
     threading.Thread(target=_keep_boards_out_of_full_collections, args=(tracker.service, stop),
                      name="tracker-gc", daemon=True).start()
@@ -91,8 +103,10 @@ def run(args) -> int:
         from remote.tracker.web import FarmPage
         page = FarmPage(tracker.service, args.host, args.http)
     where = f"; farm page {page.url} and {page.url}metrics" if page else ""
+    db = tracker.service.db
+    kept = f"; results kept in {db.shown}" if db else "; no farm database"
     print(f"tether tracker listening on {args.host}:{tracker.port} ({mode}; clients and "
-          f"boards alike){where}", flush=True)
+          f"boards alike){where}{kept}", flush=True)
     wait_for_stop_signal()
     stop.set()
     if page is not None:

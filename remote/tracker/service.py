@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import itertools
+import json
 import logging
 import os
 import secrets
@@ -18,7 +19,7 @@ import tempfile
 import threading
 import time
 from concurrent import futures
-from typing import Dict, Optional, Set
+from typing import TYPE_CHECKING, Dict, Optional, Set
 
 import grpc
 
@@ -32,6 +33,9 @@ from remote.tracker.boards import FrontDoor
 from remote.tracker.farmlog import FarmLog
 from remote.tracker.scheduler import LeaseRefused, Request, Scheduler
 from remote.tracker.tokens import TokenBook
+
+if TYPE_CHECKING:  # SQLAlchemy is imported only by a tracker that keeps a database
+    from remote.tracker.farmdb import FarmDatabase
 
 log = logging.getLogger("tether.tracker")
 
@@ -72,8 +76,9 @@ class TrackerService:
 
     def __init__(self, farm_secret: str = "", eviction_window_s: float = EVICTION_WINDOW_S,
                  unused_lease_s: float = UNUSED_LEASE_S, clock=time.monotonic,
-                 tokens: Optional[TokenBook] = None):
+                 tokens: Optional[TokenBook] = None, db: Optional["FarmDatabase"] = None):
         self._clock = clock
+        self.db = db           # the farm database (None: --db none); writes off the lease path
         self._tokens = tokens  # set: users need a token (--require-tokens)
         self.log = FarmLog()   # recent events and the counts /metrics shows
         self._lock = threading.Lock()
@@ -94,6 +99,8 @@ class TrackerService:
 
     def close(self):
         self._stop.set()
+        if self.db is not None:
+            self.db.close()
 
     # ---------------------------------------------------------- plumbing --
     def check_secret(self, given: str) -> None:
@@ -141,8 +148,10 @@ class TrackerService:
         lease = self._scheduler.leases.get(token)
         device = self._scheduler.release(token, self._clock())
         if lease is not None and device is not None:
-            self.log.ended(device.key, lease.device_id, lease.client,
-                           self._clock() - lease.granted_at, how)
+            held_s = self._clock() - lease.granted_at
+            self.log.ended(device.key, lease.device_id, lease.client, held_s, how)
+            if self.db is not None:
+                self.db.record_session(device.key, lease.device_id, lease.client, held_s, how)
         self._dispatch_locked()
 
     def _judged_now(self) -> float:
@@ -357,6 +366,42 @@ class TrackerService:
             self._user(context, request)
         return self.summary_reply()
 
+    def _database(self, context) -> "FarmDatabase":
+        if self.db is None:
+            abort(context, errors.InvalidArgument(
+                "this tracker keeps no farm database (started with --db none); start it "
+                "with --db sqlite:///PATH or --db postgresql://... to record results"))
+        return self.db
+
+    def RecordResult(self, request, context):
+        user = self._user(context, request)
+        db = self._database(context)
+        try:
+            report = json.loads(request.report_json)
+            ids = db.record(request.kind, report, dict(request.labels),
+                            user or printable(request.client or context.peer()))
+        except json.JSONDecodeError as exc:
+            abort(context, errors.InvalidArgument(f"the report is not JSON: {exc}"))
+        except errors.InvalidArgument as exc:
+            abort(context, exc)
+        except Exception as exc:  # noqa: BLE001 - the database's own trouble, said as such
+            abort(context, errors.RemoteError(
+                f"the farm database {db.shown} did not take the report: {exc}"))
+        return pb.RecordReply(record_ids=ids, database=db.shown)
+
+    def QueryResults(self, request, context):
+        self._user(context, request)
+        db = self._database(context)
+        try:
+            rows = db.records(request.kind, request.model, request.key, dict(request.labels),
+                              request.limit)
+        except errors.InvalidArgument as exc:
+            abort(context, exc)
+        except Exception as exc:  # noqa: BLE001 - the database's own trouble, said as such
+            abort(context, errors.RemoteError(f"the farm database {db.shown} could not be "
+                                              f"read: {exc}"))
+        return pb.ResultsReply(records_json=json.dumps(rows), database=db.shown)
+
     def summary_reply(self):
         """The pool as the Summary call answers it (no check of who asks)."""
         with self._lock:
@@ -394,21 +439,29 @@ class RunningTracker:
 def serve(host: str = "0.0.0.0", port: int = TRACKER_PORT, farm_secret: Optional[str] = None,
           eviction_window_s: float = EVICTION_WINDOW_S, unused_lease_s: float = UNUSED_LEASE_S,
           tls_cert: str = "", tls_key: str = "", max_workers: int = MAX_WORKERS,
-          tokens_file: Optional[str] = None) -> RunningTracker:
+          tokens_file: Optional[str] = None, db_url: Optional[str] = None) -> RunningTracker:
     """Start a tracker on one port: gRPC for users and tools, frames for boards.
 
     ``farm_secret=None`` reads ``$TETHER_FARM_SECRET``; ``tls_cert``/``tls_key``
     (PEM files) switch on TLS for everything on the port; ``tokens_file`` makes
-    users' requests, releases and summaries need a token from that file.
+    users' requests, releases and summaries need a token from that file;
+    ``db_url`` (SQLAlchemy URL: ``sqlite:///PATH``, ``postgresql://...``)
+    keeps every session, benchmark and accuracy check in that database.
 
     >>> tracker = serve("127.0.0.1", 0)   # doctest: +SKIP
     """
     if farm_secret is None:
         farm_secret = os.environ.get(FARM_SECRET_ENV, "")
     context = server_context(tls_cert, tls_key)
+    if db_url:
+        from remote.tracker.farmdb import FarmDatabase
+        db = FarmDatabase(db_url)
+    else:
+        db = None
     service = TrackerService(farm_secret=farm_secret, eviction_window_s=eviction_window_s,
                              unused_lease_s=unused_lease_s,
-                             tokens=None if tokens_file is None else TokenBook(tokens_file))
+                             tokens=None if tokens_file is None else TokenBook(tokens_file),
+                             db=db)
     # The gRPC server listens on a Unix socket in a folder only this user can
     # enter; the port's front door carries gRPC connections to it.
     folder = tempfile.mkdtemp(prefix="tether-tracker-")

@@ -8,7 +8,12 @@
 - ``/metrics``: Prometheus text, made with the prometheus_client library:
   boards by key and state, queue length, lease wait and session length
   histograms, evictions and sessions.
-- ``POST /api/bench``: a ``tether bench --json`` report (``tether bench --post URL``).
+- ``/api/history``: per model, key and board, the median of every recorded
+  benchmark over time, with the runs slower than the one before beyond 5 %
+  (remote/regression.py) marked; from the farm database, so it outlives the
+  tracker (without a database: the reports posted since it started).
+- ``POST /api/bench``: a ``tether bench --json`` report (``tether bench --post URL``),
+  recorded in the farm database when the tracker keeps one.
 
 Host side only; it reads the tracker's state and never changes it.
 """
@@ -23,6 +28,65 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 log = logging.getLogger("tether.tracker")
 
 MAX_POST_BYTES = 4 << 20
+# The page draws at most this many of the newest recorded benchmarks.
+HISTORY_ROWS = 2000
+
+
+class History:
+    """The page's plots as data, worked out again only when a record was added
+    (marking regressions compares every run with the one before it)."""
+
+    def __init__(self, service):
+        self._service = service
+        self._lock = threading.Lock()
+        self._seen = None
+        self._data: dict = {}
+
+    def data(self) -> dict:
+        db = self._service.db
+        if db is None:
+            return {"database": None, "series": posted_series(self._service.log.snapshot())}
+        with self._lock:
+            latest = db.latest_id("bench")
+            if latest != self._seen:
+                self._data = {"database": db.shown,
+                              "series": recorded_series(db.records("bench",
+                                                                   limit=HISTORY_ROWS))}
+                self._seen = latest
+            return self._data
+
+
+def recorded_series(records: list) -> list:
+    """Per model, key and board: [time, median ms, record id, regression ratio or None]."""
+    from remote.regression import mark_regressions
+
+    groups: dict = {}
+    for r in records:
+        groups.setdefault((r["model_name"], r["key"]), []).append(r)
+    series = []
+    for (model, key), rows in sorted(groups.items()):
+        marks = mark_regressions(rows)
+        for board in sorted({r["device_id"] for r in rows}):
+            series.append({"model": model, "key": key, "board": board, "points": [
+                [r["recorded_at"], r["median_s"] * 1e3, r["id"],
+                 marks[r["id"]]["ratio"] if r["id"] in marks else None]
+                for r in rows if r["device_id"] == board]})
+    return series
+
+
+def posted_series(snapshot: dict) -> list:
+    """The same from reports posted to a tracker without a database (medians only)."""
+    by: dict = {}
+    for posted in snapshot["bench"]:
+        report = posted["report"]
+        model = str((report.get("model") or {}).get("path") or "model").rsplit("/", 1)[-1]
+        for r in report.get("results") or []:
+            median = (r.get("stats_s") or {}).get("median")
+            if median is not None:
+                key = (model, str(r.get("key", "?")), str(r.get("device_id", "")))
+                by.setdefault(key, []).append([posted["time"], median * 1e3, None, None])
+    return [{"model": m, "key": k, "board": b, "points": points}
+            for (m, k, b), points in sorted(by.items())]
 
 
 def pool(service) -> dict:
@@ -92,6 +156,7 @@ class FarmPage:
 
     def __init__(self, service, host: str, port: int):
         page = self
+        history = History(service)
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, fmt, *args):  # the tracker's log, not stderr lines
@@ -112,11 +177,19 @@ class FarmPage:
                 elif path == "/api/summary":
                     data = {**pool(service), **service.log.snapshot(), "now": time.time()}
                     self._send(200, json.dumps(data).encode(), "application/json")
+                elif path == "/api/history":
+                    try:
+                        data = history.data()
+                    except Exception as exc:  # noqa: BLE001 - a database that went away
+                        self._send(503, f"the farm database could not be read: {exc}\n"
+                                   .encode(), "text/plain")
+                        return
+                    self._send(200, json.dumps(data).encode(), "application/json")
                 elif path == "/metrics":
                     from prometheus_client import CONTENT_TYPE_LATEST
                     self._send(200, metrics_text(service, pool(service)), CONTENT_TYPE_LATEST)
                 else:
-                    self._send(404, b"not found: try / , /api/summary or /metrics\n",
+                    self._send(404, b"not found: try / , /api/summary, /api/history or /metrics\n",
                                "text/plain")
 
             def do_POST(self):
@@ -135,6 +208,21 @@ class FarmPage:
                 except (ValueError, AttributeError) as exc:
                     self._send(400, f"not a tether bench --json report: {exc}\n".encode(),
                                "text/plain")
+                    return
+                if service.db is not None:
+                    from remote.errors import InvalidArgument
+                    labels = report.get("labels") or {}
+                    try:
+                        if not isinstance(labels, dict):
+                            raise InvalidArgument("labels must be an object of names to values")
+                        ids = service.db.record("bench", report,
+                                                {str(k): str(v) for k, v in labels.items()},
+                                                "farm page")
+                    except InvalidArgument as exc:
+                        self._send(400, f"{exc}\n".encode(), "text/plain")
+                        return
+                    self._send(200, json.dumps({"ok": True, "record_ids": ids}).encode(),
+                               "application/json")
                     return
                 service.log.add_bench(report)
                 self._send(200, b'{"ok": true}', "application/json")
@@ -174,8 +262,8 @@ PAGE = """<!doctype html>
 <th>device</th><th>holder</th><th>held</th><th>how</th></tr></thead><tbody></tbody></table>
 <h2>Events</h2><table id="events"><thead><tr><th>when</th><th>what</th><th></th></tr></thead>
 <tbody></tbody></table>
-<h2>Benchmarks</h2><div id="bench"><p class="muted">none posted yet
-(tether bench ... --post URL)</p></div>
+<h2>Benchmarks <span id="database" class="muted"></span></h2><div id="bench">
+<p class="muted">none recorded yet (tether bench ... --key KEY records every run)</p></div>
 <script>
 function esc(s) { return String(s).replace(/[&<>"]/g, c => ({"&": "&amp;", "<": "&lt;",
   ">": "&gt;", '"': "&quot;"}[c])); }
@@ -187,7 +275,8 @@ function fill(id, rows) {
     c => "<td>" + c + "</td>").join("") + "</tr>").join("");
 }
 function plot(name, runs) {
-  // One line per board: median latency (ms) of each posted report, in time order.
+  // One line per board: median latency (ms) of each recorded run, in time order;
+  // a run slower than the one before it beyond 5 % is ringed in red.
   const w = 420, h = 160, pad = 30;
   const all = runs.flatMap(r => r.points);
   if (!all.length) return "";
@@ -201,24 +290,20 @@ function plot(name, runs) {
     + r.points.map(p => x(p[0]).toFixed(1) + "," + y(p[1]).toFixed(1)).join(" ") + '"/>'
     + r.points.map(p => '<circle r="3" fill="' + colors[i % colors.length] + '" cx="'
       + x(p[0]).toFixed(1) + '" cy="' + y(p[1]).toFixed(1) + '"><title>' + esc(r.board) + ": "
-      + p[1].toFixed(3) + ' ms</title></circle>').join("")).join("");
+      + p[1].toFixed(3) + ' ms</title></circle>'
+      + (p[3] == null ? "" : '<circle class="regression" r="7" fill="none" stroke="red" '
+        + 'stroke-width="2" cx="' + x(p[0]).toFixed(1) + '" cy="' + y(p[1]).toFixed(1)
+        + '"><title>regression: ' + p[3].toFixed(3) + 'x the run before</title></circle>'))
+      .join("")).join("");
   return '<svg class="plot" data-model="' + esc(name) + '" width="' + w + '" height="' + h
     + '"><text x="' + pad + '" y="16">' + esc(name) + " — median ms, " + v1.toFixed(2)
     + ' max</text>' + lines + "</svg>";
 }
-function benchPlots(posted) {
+function benchPlots(series) {
   const by = {};
-  for (const p of posted) {
-    const rep = p.report, model = (rep.model && rep.model.path || "model").split("/").pop();
-    for (const r of rep.results || []) {
-      const board = (r.key || "?") + " " + (r.device_id || "");
-      const median = r.stats_s && r.stats_s.median;
-      if (median == null) continue;
-      ((by[model] = by[model] || {})[board] = by[model][board] || []).push([p.time, median * 1e3]);
-    }
-  }
-  return Object.keys(by).map(m => plot(m, Object.keys(by[m]).map(
-    b => ({board: b, points: by[m][b]})))).join("");
+  for (const s of series) (by[s.model + " on " + s.key] = by[s.model + " on " + s.key] || [])
+    .push({board: s.board, points: s.points});
+  return Object.keys(by).map(name => plot(name, by[name])).join("");
 }
 async function refresh() {
   try {
@@ -233,7 +318,10 @@ async function refresh() {
       esc(s.key), esc(s.device_id), esc(s.holder), dur(s.held_s), esc(s.how)]));
     fill("events", d.events.slice().reverse().slice(0, 30).map(e => [when(e.time),
       esc(e.kind), esc(e.text)]));
-    if (d.bench.length) document.getElementById("bench").innerHTML = benchPlots(d.bench);
+    const h = await (await fetch("/api/history", {cache: "no-store"})).json();
+    if (h.series.length) document.getElementById("bench").innerHTML = benchPlots(h.series);
+    document.getElementById("database").textContent = h.database ? "(kept in "
+      + h.database + ")" : "(posted since the tracker started; it keeps no database)";
     const u = document.getElementById("updated");
     u.dataset.updates = String(Number(u.dataset.updates) + 1);
     u.textContent = "updated " + when(d.now);
