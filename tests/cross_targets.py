@@ -72,10 +72,11 @@ def emulated_tools(preset):
     return qemu, gcc, sysroot
 
 
-def run_emulated(lib, preset: str, x: np.ndarray, out_shape, folder) -> np.ndarray:
+def run_emulated(lib, preset: str, x: np.ndarray, out_shape, folder, cpu: "str | None" = None) -> np.ndarray:
     """Run a compiled module of one float32 input and output (lib, from
     crosscompile.build for preset) under qemu with DRIVER_C; its output.
-    Skips the test without the tools."""
+    cpu is qemu's -cpu (the core emulated; qemu's default, which runs every
+    instruction it knows, unless given). Skips the test without the tools."""
     qemu, gcc, sysroot = emulated_tools(preset)
     so = lib.export_library(os.path.join(folder, "module.so"))
     driver, data_in, data_out = (os.path.join(folder, name) for name in ("driver", "in.bin", "out.bin"))
@@ -84,7 +85,7 @@ def run_emulated(lib, preset: str, x: np.ndarray, out_shape, folder) -> np.ndarr
     subprocess.run([gcc, "-O1", "-o", driver, driver + ".c", "-ldl"], check=True, capture_output=True)
     np.ascontiguousarray(x, np.float32).tofile(data_in)
     size = int(np.prod(out_shape))
-    proc = subprocess.run([qemu, "-L", sysroot, driver, so, str(lib.metadata["workspace_bytes"]), data_in,
+    proc = subprocess.run([qemu, *(["-cpu", cpu] if cpu else []), "-L", sysroot, driver, so, str(lib.metadata["workspace_bytes"]), data_in,
                            str(x.size), data_out, str(size)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return np.fromfile(data_out, dtype=np.float32).reshape(out_shape)
