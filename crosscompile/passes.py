@@ -398,7 +398,7 @@ def _packed_weights(kind: str, weight: np.ndarray, group: int, mr: int, winograd
     from .conv_transpose import pack_column_weights
     from .gemm import pack_weights
     if kind == "winograd":
-        return winograd.transform_weights(weight, mr, winograd_tile)
+        return winograd.transform_weights(weight, mr, winograd_tile, dtype)
     if kind == "columns":
         return pack_column_weights(weight, group, mr)
     return np.concatenate([pack_weights(w, mr, dtype) for w in np.split(weight, group)])

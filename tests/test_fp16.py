@@ -28,7 +28,7 @@ def _weight(*shape, seed):
 
 
 def conv_net() -> onnx.ModelProto:
-    """x (1, 8, 18, 18) -> 3x3 Conv (read in place) -> Relu -> 1x1 Conv (pointwise)
+    """x (1, 16, 18, 18) -> 3x3 Conv (Winograd) -> Relu -> 1x1 Conv (pointwise)
     + residual -> 3x3 stride-2 Conv -> Relu -> depthwise 3x3 (stays float32) ->
     7x1 Conv of two groups -> y (1, 32, 3, 9)."""
     nodes = [
@@ -41,12 +41,12 @@ def conv_net() -> onnx.ModelProto:
         helper.make_node("Conv", ["r3", "wd", "bd"], ["cd"], pads=[1, 1, 1, 1], group=24),
         helper.make_node("Conv", ["cd", "w4", "b4"], ["y"], group=2),
     ]
-    inits = {"w1": _weight(16, 8, 3, 3, seed=1), "b1": rand(16, seed=2),
+    inits = {"w1": _weight(16, 16, 3, 3, seed=1), "b1": rand(16, seed=2),
              "w2": _weight(16, 16, 1, 1, seed=3), "b2": rand(16, seed=4),
              "w3": _weight(24, 16, 3, 3, seed=5), "b3": rand(24, seed=6),
              "wd": _weight(24, 1, 3, 3, seed=7), "bd": rand(24, seed=8),
              "w4": _weight(32, 12, 7, 1, seed=9), "b4": rand(32, seed=10)}
-    return make_model(nodes, {"x": (1, 8, 18, 18)}, {"y": (1, 32, 3, 9)}, inits, name="fp16_conv_net")
+    return make_model(nodes, {"x": (1, 16, 18, 18)}, {"y": (1, 32, 3, 9)}, inits, name="fp16_conv_net")
 
 
 def matmul_net() -> onnx.ModelProto:
@@ -121,8 +121,9 @@ def test_precision_is_written_into_the_graph_and_weights_are_halves():
     for node in gemm_convs:
         tile = node.attrs["gemm_tile"]
         assert tile.precision == "fp16" and tile.lanes == 2 * target.lanes
-        assert not node.attrs["winograd"]
         assert fp16.constants[node.inputs[1]].dtype == np.float16
+    # The first runs as Winograd, its products in fp16 as well.
+    assert [bool(n.attrs["winograd"]) for n in gemm_convs] == [True, False, False, False]
     assert not any(n.attrs.get("precision") for n in fp32.nodes)
     assert all(fp32.constants[n.inputs[1]].dtype == np.float32 for n in fp32.nodes if "gemm_tile" in n.attrs)
 
