@@ -35,8 +35,10 @@ class GeneratedCode:
     kernels: int
 
 
-def generate(graph: Graph, plan: MemoryPlan, metadata: dict, target, data_layout: str) -> GeneratedCode:
-    """Build the module: one internal kernel per node plus the ABI entry points."""
+def generate(graph: Graph, plan: MemoryPlan, metadata: dict, target, data_layout: str,
+             progress=None) -> GeneratedCode:
+    """Build the module: one internal kernel per node plus the ABI entry points.
+    ``progress(what, done, total)``, when given, hears of every node."""
     module = ir.Module(name=graph.name)
     module.triple = target.triple
     module.data_layout = data_layout
@@ -48,6 +50,8 @@ def generate(graph: Graph, plan: MemoryPlan, metadata: dict, target, data_layout
     # Micro-kernels (gemm.py) shared between the node kernels, by key.
     tiles: dict = {}
     for pos, node in enumerate(graph.nodes):
+        if progress is not None:
+            progress("generating kernels", pos + 1, len(graph.nodes))
         if node.name in plan.aliased_nodes:
             continue
         ins = [graph.tensors[t] for t in node.inputs]

@@ -68,7 +68,7 @@ class CompiledModule:
 
 
 def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = None,
-          schedules=None, precision: str = "fp32") -> CompiledModule:
+          schedules=None, precision: str = "fp32", progress=None) -> CompiledModule:
     """Compile an ONNX model (path or onnx.ModelProto) for a target.
 
     precision "fp16" computes convolutions and matrix products in half
@@ -81,23 +81,31 @@ def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = 
     a transposed tile, see gemm.emit_channel_gemm);
     shapes it does not name get the target's default tile.
 
+    progress(what, done, total), when given, is called as the build moves from
+    step to step (and from node to node while kernels are generated); the
+    CLI draws it as a ticking line.
+
     >>> lib = build("model.onnx", target="rasp4b64")  # doctest: +SKIP
     >>> lib.export_library("net.so")                   # doctest: +SKIP
     >>> build("model.onnx", target="rasp5", precision="fp16")  # doctest: +SKIP
     """
+    report = progress or (lambda _what, _done, _total: None)
     target = resolve_target(target)
     check_precision(precision, target)  # before the model is read
+    report("importing and rewriting the graph", 0, 1)
     imported, folded, graph = lowered_graph(model, target, input_shapes, tile_table(target, schedules),
                                             precision)
     plan = plan_memory(graph)
     metadata = module_metadata(imported, graph, plan, target, PRODUCER)
     machine = _target_machine(target)
-    code = codegen.generate(graph, plan, metadata, target, str(machine.target_data))
+    code = codegen.generate(graph, plan, metadata, target, str(machine.target_data), report)
+    report(f"optimising and emitting {code.kernels} kernels with LLVM", 0, 1)
     obj = _compile(code.module, machine)
     objects = [("module.o", obj)]
     if code.params:
         objects.append(("params.o", data_object(obj, list(code.params.items()))))
     soname = re.sub(r"[^A-Za-z0-9_.-]", "_", graph.name) + ".so"
+    report("linking", 0, 1)
     summary = {
         "ops": len(imported.nodes),
         "kernels": code.kernels,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from remote.defaults import SERVER_PORT, SSH_PASSWORD_ENV, TRACKER_ENV
+from remote.defaults import SERVER_PORT, SSH_PASSWORD_ENV, TRACKER_ENV, TRACKER_HELP
 
 
 def add_emulate_arguments(p):
@@ -11,8 +11,7 @@ def add_emulate_arguments(p):
                    help="arm64 (Pi 4/5 64-bit OS) or armhf (32-bit Raspberry Pi OS)")
     p.add_argument("--release", choices=("bullseye", "bookworm", "trixie"), default="bookworm",
                    help="Debian release whose python3, numpy and protobuf the board runs")
-    p.add_argument("--tracker", default=os.environ.get(TRACKER_ENV),
-                   help=f"tracker HOST:PORT to register with (default ${TRACKER_ENV})")
+    p.add_argument("--tracker", help=TRACKER_HELP)
     p.add_argument("--key", help="device key to register under (default qemu-ARCH)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=0, help="port to listen on (0: any free one)")
@@ -23,7 +22,8 @@ def add_emulate_arguments(p):
 def add_bootstrap_arguments(p):
     p.add_argument("board", metavar="USER@HOST[:PORT]", help="SSH login on the board")
     p.add_argument("--tracker", default=os.environ.get(TRACKER_ENV),
-                   help=f"tracker HOST:PORT as the board reaches it (default ${TRACKER_ENV})")
+                   help=f"tracker HOST:PORT as the board reaches it (default: ${TRACKER_ENV}; "
+                        f"no fallback: on the board, 127.0.0.1 is the board itself)")
     p.add_argument("--key", help="device key (default: the suggested target preset)")
     p.add_argument("--identity", "-i", help="private key file for SSH")
     p.add_argument("--password", default=os.environ.get(SSH_PASSWORD_ENV),

@@ -32,7 +32,8 @@ import time
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 
 from deploy_recipes.devicecode import PROJECT_ROOT, copy_device_files
-from remote.defaults import DEBIAN_MIRROR_ENV, EMULATED_ENV, FARM_SECRET_ENV, TRACKER_ENV, cache_dir
+from remote.defaults import (DEBIAN_MIRROR_ENV, EMULATED_ENV, FARM_SECRET_ENV, cache_dir,
+                             default_tracker)
 from remote.errors import TetherError
 
 RELEASES = ("bullseye", "bookworm", "trixie")
@@ -234,7 +235,13 @@ def build_rootfs(release: str, arch: str, progress: Progress = None,
     os.makedirs(os.path.dirname(root), exist_ok=True)
     # Two processes building the same root filesystem wait for each other.
     with open(root + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if progress is not None:
+                progress(f"waiting for another process that is building {root} "
+                         f"(it holds {root}.lock)")
+            fcntl.flock(lock, fcntl.LOCK_EX)
         if not _current(marker):
             _build_with_retries(root, release, spec, progress, mirror or debian_mirror(),
                                 attempts, retry_delay_s)
@@ -446,8 +453,8 @@ def _build_into(work: str, suite: str, release: str, arch: Arch, progress: Progr
     # The second stage would run maintainer scripts under emulation (minutes);
     # unpacking is all a Python runtime needs.
     debs = sorted(glob.glob(os.path.join(work, "var", "cache", "apt", "archives", "*.deb")))
-    say(f"unpacking {len(debs)} packages")
-    for deb in debs:
+    for done, deb in enumerate(debs, 1):
+        say(f"unpacking packages {done}/{len(debs)}")
         _run(["dpkg-deb", "-x", deb, work], f"dpkg-deb -x {os.path.basename(deb)}")
         os.unlink(deb)
     _link_blas(work, arch)
@@ -520,7 +527,8 @@ class EmulatedBoard:
     def environment(self) -> Dict[str, str]:
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
                "PYTHONPATH": self.code_dir, "PYTHONUNBUFFERED": "1",
-               EMULATED_ENV: f"{ARCHES[self.arch].qemu}, Debian {self.release} {self.arch}"}
+               EMULATED_ENV: f"{ARCHES[self.arch].qemu} -cpu {ARCHES[self.arch].cpu}, "
+                             f"Debian {self.release} {self.arch}"}
         if FARM_SECRET_ENV in os.environ:
             env[FARM_SECRET_ENV] = os.environ[FARM_SECRET_ENV]
         return env
@@ -546,6 +554,9 @@ class EmulatedBoard:
             self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self._log,
                                          env=self.environment(), cwd=self.code_dir,
                                          start_new_session=True)
+            if self.progress is not None:
+                self.progress(f"starting the device server under {ARCHES[self.arch].qemu} "
+                              f"-cpu {ARCHES[self.arch].cpu}")
             self.port = self._read_port(timeout)
         except BaseException as exc:
             self.stop(keep_log=isinstance(exc, EmulationError))
@@ -636,19 +647,23 @@ class EmulatedBoard:
 def run_emulated_board(args) -> int:
     """``tether emulate``: build if needed, then serve until Ctrl-C (or SIGTERM, which
     the command line turns into KeyboardInterrupt too)."""
-    import sys
+    from remote.cli.progress import Steps
+    steps = Steps()  # a ticking line per step on a terminal, plain lines when piped
 
     def say(msg):
-        print(f"[{args.release}-{args.arch}] {msg}", file=sys.stderr, flush=True)
+        steps(f"[{args.release}-{args.arch}] {msg}")
 
     if args.build_only:
-        print(build_rootfs(args.release, args.arch, say))
+        root = build_rootfs(args.release, args.arch, say)
+        steps.close()
+        print(root)
         return 0
-    if not args.tracker:
-        raise ValueError(f"--tracker HOST:PORT is needed (or set {TRACKER_ENV})")
     board = EmulatedBoard(args.release, args.arch, progress=say)
     key = args.key or f"qemu-{args.arch}"
-    port = board.start(args.tracker, key, host=args.host, port=args.port)
+    try:
+        port = board.start(args.tracker or default_tracker(), key, host=args.host, port=args.port)
+    finally:
+        steps.close()
     exited = False
     try:
         print(f"emulated {args.release} {args.arch} board listening on {args.host}:{port} "

@@ -29,6 +29,16 @@ CACHE_ENV = "TETHER_CACHE"              # root filesystems, tuned tiles, native 
 DEBIAN_MIRROR_ENV = "TETHER_DEBIAN_MIRROR"
 SSH_PASSWORD_ENV = "TETHER_SSH_PASSWORD"
 
+# One rule for every command that talks to a tracker, stated in every help text.
+LOCAL_TRACKER = f"127.0.0.1:{TRACKER_PORT}"
+TRACKER_HELP = f"tracker HOST:PORT (default: ${TRACKER_ENV}, else {LOCAL_TRACKER})"
+
+
+def default_tracker() -> str:
+    """The tracker a command uses when none is named: ``$TETHER_TRACKER``, else
+    the one on this machine's default port."""
+    return os.environ.get(TRACKER_ENV) or LOCAL_TRACKER
+
 
 def cache_dir() -> str:
     """``$TETHER_CACHE``, else ``$XDG_CACHE_HOME/tether``, else ``~/.cache/tether``."""

@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import threading
 
 import pytest
 
@@ -23,6 +24,41 @@ def skip_without_emulation_tools(arch="arm64", release="bookworm"):
                     f"apt-get install {' '.join(missing)}")
 
 
+def wait_for_line(proc, wanted, timeout, what=None):
+    """The first line of ``proc``'s stdout (text mode) for which ``wanted(line)`` is true.
+
+    Fails the test with every line seen so far (and the stderr, once ``proc`` is
+    killed) when none comes within ``timeout`` seconds or the output ends first:
+    a child that stops talking must not hang the suite.
+    """
+    seen, found, done = [], [], threading.Event()
+
+    def read():
+        try:
+            for line in proc.stdout:
+                seen.append(line)
+                if wanted(line):
+                    found.append(line)
+                    break
+        except (OSError, ValueError):
+            pass  # the pipe was closed under us: the deadline path reports
+        done.set()
+
+    threading.Thread(target=read, name="stdout-reader", daemon=True).start()
+    done.wait(timeout)
+    if found:
+        return found[0]
+    ended = done.is_set()
+    proc.kill()
+    try:
+        err = proc.stderr.read() if proc.stderr is not None else ""
+    except (OSError, ValueError):
+        err = ""
+    why = "its output ended" if ended else f"none came within {timeout:g} s"
+    pytest.fail(f"waited for {what or 'a line'} from {proc.args!r}; {why}.\n"
+                f"stdout so far:\n{''.join(seen)}\nstderr:\n{err}")
+
+
 def start_emulate(command, farm, key, env, cwd=ROOT):
     """``tether emulate`` for bookworm arm64 (``command`` is how tether is run), once
     ``farm``'s tracker lists it under ``key``; returns the process and its first line."""
@@ -32,7 +68,7 @@ def start_emulate(command, farm, key, env, cwd=ROOT):
          "--tracker", f"127.0.0.1:{farm.tracker[1]}", "--key", key],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd,
         universal_newlines=True)
-    line = proc.stdout.readline()
+    line = wait_for_line(proc, lambda _line: True, 600, "tether emulate's first line")
     if "emulated bookworm arm64 board listening on 127.0.0.1:" not in line:
         proc.kill()
         pytest.fail(f"tether emulate did not start: {line}{proc.communicate()[1]}")

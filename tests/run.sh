@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-debian_packages=(gcc qemu-user debootstrap openssh-server openssh-client gcc-aarch64-linux-gnu gcc-arm-linux-gnueabihf libc6-dev-arm64-cross libc6-dev-armhf-cross chromium fonts-dejavu-core)
+debian_packages=(gcc qemu-user debootstrap fakeroot openssh-server openssh-client gcc-aarch64-linux-gnu gcc-arm-linux-gnueabihf libc6-dev-arm64-cross libc6-dev-armhf-cross chromium fonts-dejavu-core)
 missing=()
 for p in "${debian_packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

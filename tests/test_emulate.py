@@ -17,6 +17,7 @@ import pytest
 
 from deploy_recipes import emulate
 from remote import errors, rpc
+from tests.cli_processes import wait_for_line
 from tests.emulated_boards import (ROOT, TARGET_FOR_ARCH, local_farm, running_board,
                                    skip_without_tools)
 
@@ -174,7 +175,7 @@ def test_tether_emulate_command_serves_until_stopped(tracker, rootfs_builds):
          "--tracker", f"127.0.0.1:{tracker.tracker[1]}", "--key", "emu-cli"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, universal_newlines=True)
     try:
-        line = proc.stdout.readline()
+        line = wait_for_line(proc, lambda _line: True, HANG_S, "tether emulate's first line")
         assert "emulated bookworm arm64 board listening on 127.0.0.1:" in line, proc.stderr.read()
         # Said as the server found it: registered, or still trying (never claimed early).
         assert re.search(rf"\((registered|not yet registered) with 127\.0\.0\.1:{tracker.tracker[1]}",

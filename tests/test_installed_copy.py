@@ -66,7 +66,20 @@ def installed(tmp_path_factory):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True,
         env=_env_outside_the_tree(), cwd=str(base))
     assert install.returncode == 0, install.stdout
+    # As after `pip install .` in a checkout: the build cleaned up after itself.
+    assert sorted(os.listdir(source)) == sorted(["pyproject.toml", "README.md", *PROJECT_PACKAGES])
     return python, str(venv / "bin" / "tether"), str(base)
+
+
+def test_installed_copy_has_the_systemd_units_the_readme_points_to(installed):
+    python, _, outside = installed
+    probe = subprocess.run(
+        [python, "-c", "import deploy_recipes, os; print(os.path.dirname(deploy_recipes.__file__))"],
+        stdout=subprocess.PIPE, universal_newlines=True, env=_env_outside_the_tree(), cwd=outside,
+        check=True)
+    units = os.path.join(probe.stdout.strip(), "systemd")
+    assert sorted(os.listdir(units)) == sorted(os.listdir(os.path.join(ROOT, "deploy_recipes",
+                                                                       "systemd")))
 
 
 def test_installed_copy_ships_the_same_device_files_as_the_tree(installed):

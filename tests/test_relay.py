@@ -15,6 +15,7 @@ from remote import errors
 from remote.proto import pb
 from remote.proto.frames import PROTOCOL_VERSION, FrameSocket
 from tests import session_modules
+from tests.cli_processes import wait_for_line
 from tests.test_tracker import HANG_S, child_env, key_status, local_farm, wait_until
 # The fixture that runs every test here with both board servers, as in test_tracker.
 from tests.test_tracker import kind  # noqa: F401
@@ -155,7 +156,7 @@ def test_a_server_says_it_registered_only_once_it_has():
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=child_env())
         try:
-            line = proc.stdout.readline()
+            line = wait_for_line(proc, lambda _line: True, HANG_S, "the server's first line")
         finally:
             proc.terminate()
             proc.wait(HANG_S)

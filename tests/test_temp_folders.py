@@ -8,7 +8,7 @@ import pytest
 
 from remote import rpc
 from tests.cli_processes import (ROOT, command_line, descendants, ended, interrupt, running,
-                                 skip_without_emulation_tools, start_emulate)
+                                 skip_without_emulation_tools, start_emulate, wait_for_line)
 from tests.emulated_boards import local_farm
 
 TETHER = [sys.executable, "-m", "remote.cli"]
@@ -39,9 +39,9 @@ def test_demo_interrupted_stops_its_farm_and_leaves_no_temporary_folders(tmp_pat
                             stderr=subprocess.PIPE, universal_newlines=True, cwd=ROOT,
                             env=_env(tmp_path))
     with ended(proc):
-        for line in proc.stdout:
-            if line.startswith("5. output"):  # leased, uploaded, now timing runs
-                break
+        # Leased, uploaded, now timing runs. The demo's stdout is a pipe here, as
+        # under any program that watches it: the line must come as it is printed.
+        wait_for_line(proc, lambda line: line.startswith("5. output"), 120, "the demo's output line")
         children = descendants(proc.pid)
         assert len(children) >= 2, "the demo runs a tracker and a device server"
         code, err = interrupt(proc)

@@ -21,6 +21,7 @@ from remote.proto import pb
 from remote.proto.frames import PROTOCOL_VERSION, FrameSocket, frame_bytes
 from remote.tracker.boards import PONG_EVERY_S
 from tests import board_servers
+from tests.cli_processes import wait_for_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Only a hang takes this long: every wait below ends as soon as its state is seen.
@@ -192,7 +193,8 @@ def test_client_killed_while_waiting_or_holding_frees_queue_and_device():
         holder = run_client(farm, "s = tracker.request('k', timeout=300)\n"
                                   "print('holding', flush=True)\ntime.sleep(600)")
         try:
-            assert holder.stdout.readline().strip() == b"holding", holder.stderr.read()
+            wait_for_line(holder, lambda line: line.strip() == b"holding", HANG_S,
+                          "the holder's 'holding' line")
             waiter = run_client(farm, "tracker.request('k', timeout=600)")
             wait_until(lambda: key_status(tracker, "k")["pending"] == 1, "second client queued")
             waiter.kill()

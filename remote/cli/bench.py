@@ -21,11 +21,11 @@ from typing import List, Optional
 
 from remote import errors
 from remote.cli import modelfile
-from remote.cli.progress import ByteBar, say
+from remote.cli.progress import ByteBar, Ticker, say
 from remote.client import display
 from remote.client.session import Session
 from remote.client.tracker import Lease, TrackerClient, default_client_name
-from remote.defaults import TRACKER_ENV
+from remote.defaults import TRACKER_HELP
 
 SCHEMA = "tether.bench/1"
 # Statistics compared against an earlier run, in the order they are shown.
@@ -136,11 +136,13 @@ class BoardRun(threading.Thread):
             cold = modelfile.load_for_board(sess, name, info)
             warm = sess.load_module(name)  # the library is on the board and mapped now
             self.metadata = cold.metadata
-            say(f"{label} benchmarking: {args.repeat} samples"
-                + (f" of at least {args.min_repeat_ms:g} ms" if args.min_repeat_ms else ""))
-            res = cold.benchmark(number=args.number, repeat=args.repeat,
-                                 min_repeat_ms=args.min_repeat_ms, cooldown_ms=args.cooldown_ms,
-                                 timeout=_benchmark_timeout(args))
+            with Ticker(f"{label} benchmarking: {args.repeat} samples"
+                        + (f" of at least {args.min_repeat_ms:g} ms" if args.min_repeat_ms
+                           else "") + " on the board"):
+                res = cold.benchmark(number=args.number, repeat=args.repeat,
+                                     min_repeat_ms=args.min_repeat_ms,
+                                     cooldown_ms=args.cooldown_ms,
+                                     timeout=_benchmark_timeout(args))
             extra = {}
             if args.profile:
                 say(f"{label} profiling each layer: {res.number} runs")
@@ -217,8 +219,9 @@ def _matplotlib():
     try:
         import matplotlib
     except ImportError:
-        raise ValueError("--plot needs matplotlib, which is not installed: "
-                         "pip install 'tether[plot]' (or pip install matplotlib)") from None
+        from remote.cli.extras import install_command
+        raise ValueError("--plot needs matplotlib, which is not installed; install it with: "
+                         + install_command("plot", "matplotlib>=3.3")) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
@@ -268,7 +271,7 @@ def ratios(record: dict, old: dict) -> dict:
 def _headline(record: dict) -> str:
     d = record["device"]
     return (f"device {record['device_id']} at {record['address']} (key {record['key']}): "
-            f"{d['machine'] or '?'}, {d['cpu_model'] or '?'}, {d['cores']} cores, "
+            f"{d['machine'] or '?'}, {display.board_cpu(d)}, {d['cores']} cores, "
             f"{display.size(d['memory_bytes'])}, {d['os'] or '?'}")
 
 
@@ -432,7 +435,7 @@ def add_farm_arguments(p, timeout_help: str) -> None:
     p.add_argument("--wait", type=float, default=300.0,
                    help="seconds to wait for a free board (default 300)")
     p.add_argument("--timeout", type=float, default=None, help=timeout_help)
-    p.add_argument("--tracker", help=f"HOST:PORT (default ${TRACKER_ENV})")
+    p.add_argument("--tracker", help=TRACKER_HELP)
     p.add_argument("--tls-ca", default=None,
                    help="PEM certificate to trust when the farm serves TLS")
 

@@ -107,7 +107,7 @@ def _run_on_the_board(farm, key, model_path, so_path, runs):
     print("\n" + tracker.text_summary() + "\n")
     with tracker.request(key, timeout=30) as sess:
         info = sess.device_info()
-        print(f"4. leased a {info['machine']} board ({info['cpu_model']}, {info['cores']} "
+        print(f"4. leased a {info['machine']} board ({display.board_cpu(info)}, {info['cores']} "
               f"cores, {info['os']})")
         sess.upload(so_path, progress=_progress_bar("upload mlp.so"))
         mod = sess.load_module("mlp.so")

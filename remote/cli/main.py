@@ -11,13 +11,11 @@ import threading
 import traceback
 
 from remote.address import split_address
-from remote.defaults import TLS_CA_ENV, TOKEN_ENV, TRACKER_ENV, TRACKER_PORT
-
-DEFAULT_TRACKER = f"127.0.0.1:{TRACKER_PORT}"
+from remote.defaults import TLS_CA_ENV, TOKEN_ENV, TRACKER_HELP, TRACKER_PORT, default_tracker
 
 
 def _tracker_address(value):
-    return split_address(value or os.environ.get(TRACKER_ENV) or DEFAULT_TRACKER, TRACKER_PORT)
+    return split_address(value or default_tracker(), TRACKER_PORT)
 
 
 def cmd_tracker(args):
@@ -59,17 +57,14 @@ def cmd_token(args):
 
 def cmd_compile(args):
     import crosscompile
-    shapes = {}
-    for spec in args.input_shape:
-        name, _, dims = spec.partition("=")
-        try:
-            shapes[name] = tuple(int(d) for d in dims.split(","))
-        except ValueError:
-            raise SystemExit(f"--input-shape {spec!r} must look like name=1,3,224,224")
+    from remote.cli.modelfile import parse_input_shapes
+    from remote.cli.progress import stage
     from remote.client.tuning import default_cache
+    shapes = parse_input_shapes(args.input_shape)
     schedules = None if args.no_tuning else default_cache()
-    lib = crosscompile.build(args.model, target=args.target, input_shapes=shapes or None,
-                             schedules=schedules, precision=args.precision)
+    with stage(f"compiling {os.path.basename(args.model)} for {args.target}") as ticker:
+        lib = crosscompile.build(args.model, target=args.target, input_shapes=shapes,
+                                 schedules=schedules, progress=ticker.step, precision=args.precision)
     out = args.output or os.path.splitext(os.path.basename(args.model))[0] + ".so"
     lib.export_library(out)
     meta = lib.metadata
@@ -158,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", help="show the tracker's devices and queue",
                        epilog="example: tether status --tracker farm.local:9190 --json")
-    p.add_argument("--tracker", help=f"HOST:PORT (default ${TRACKER_ENV} or {DEFAULT_TRACKER})")
+    p.add_argument("--tracker", help=TRACKER_HELP)
     p.add_argument("--json", action="store_true", help="print JSON for machines")
     p.add_argument("--tls-ca", default=None,
                    help=f"PEM certificate to trust when the tracker serves TLS (default ${TLS_CA_ENV})")
@@ -273,6 +268,8 @@ def _sigterm_as_interrupt():
 
 
 def main(argv=None) -> int:
+    from remote.lifecycle import flush_each_line
+    flush_each_line()
     args = build_parser().parse_args(argv)
     try:
         with _sigterm_as_interrupt():

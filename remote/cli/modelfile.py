@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 from remote.cli.progress import stage
+from remote.client.display import board_cpu
 
 MODULE_SUFFIXES = (".so", ".tar")
 
@@ -73,9 +74,10 @@ def prepare(model: str, target: str, input_shapes=None, tuned: bool = True,
     from remote.client.tuning import default_cache
 
     with stage(f"compiling {os.path.basename(model)} for {target}"
-               + (f" in {precision}" if precision != "fp32" else "")):
+               + (f" in {precision}" if precision != "fp32" else "")) as ticker:
         lib = crosscompile.build(model, target=target, input_shapes=input_shapes,
-                                 schedules=default_cache() if tuned else None, precision=precision)
+                                 schedules=default_cache() if tuned else None, precision=precision,
+                                 progress=ticker.step)
     folder = tempfile.mkdtemp(prefix="tether-module-")
     # The command removes the folder with ModuleFile.cleanup() when it is done; this
     # covers a command that fails or is interrupted before it gets there.
@@ -127,7 +129,7 @@ class ModuleChoice:
         with self._lock:
             if target not in self._built:
                 self._say(f"compiling for {target}: the preset that fits {info.get('triple')}, "
-                          f"{info.get('cpu_model') or 'its CPU'} (--target to choose another)")
+                          f"{board_cpu(info)} (--target to choose another)")
                 self._built[target] = prepare(self.model, target, **self._options)
             return self._built[target]
 

@@ -102,7 +102,7 @@ def run_once(args, tracker_address) -> int:
         with TrackerClient(*tracker_address, tls_ca=args.tls_ca) as tracker:
             with tracker.request(args.key, timeout=args.wait) as sess:
                 info = sess.device_info()
-                say(f"leased {sess.address}: {info['machine']}, {info['cpu_model']}")
+                say(f"leased {sess.address}: {info['machine']}, {display.board_cpu(info)}")
                 module = modules.for_board(info)
                 bar = ByteBar(f"upload {os.path.basename(module.path)}")
                 try:

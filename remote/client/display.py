@@ -78,18 +78,30 @@ def error_html(message: str) -> str:
 
 
 # -------------------------------------------------------------- session --
+def board_cpu(info: dict) -> str:
+    """A board's CPU as a person should read it: an emulated board reports the
+    host's CPU name through qemu, so it says it is emulated, and by what, instead.
+
+    >>> board_cpu({"cpu_model": "Intel Xeon", "emulated": "qemu-aarch64 -cpu cortex-a72"})
+    'emulated by qemu-aarch64 -cpu cortex-a72'
+    """
+    if info.get("emulated"):
+        return f"emulated by {info['emulated']}"
+    return info.get("cpu_model") or "?"
+
+
 def _device_rows(info: dict) -> List[Tuple[str, str]]:
     memory = size(info.get("memory_bytes", 0))
     return [
         ("triple", info.get("triple") or "?"),
-        ("cpu", info.get("cpu_model") or "?"),
+        ("cpu", board_cpu(info)),
         ("cores", str(info.get("cores", "?"))),
         ("memory", memory),
         ("os", info.get("os") or "?"),
         ("python", info.get("python") or "?"),
         ("numpy", info.get("numpy") or "?"),
         ("server", info.get("server_version") or "?"),
-    ] + ([("emulated", info["emulated"])] if info.get("emulated") else [])
+    ]
 
 
 def _session_rows(sess) -> List[Tuple[str, str]]:
@@ -190,9 +202,7 @@ def _since(unix_time: float) -> str:
 
 
 def _capabilities(d: dict) -> str:
-    # An emulated board reports the host's CPU; say it is emulated first.
-    cpu = f"emulated by {d['emulated']}" if d.get("emulated") else d["cpu_model"] or "?"
-    parts = [d["triple"] or "?", cpu, f"{d['cores']} cores"]
+    parts = [d["triple"] or "?", board_cpu(d), f"{d['cores']} cores"]
     if d["memory_bytes"]:
         parts.append(f"{d['memory_bytes'] / 2**30:.1f} GiB")
     if d["os"]:

@@ -12,7 +12,7 @@ import grpc
 
 from remote import errors, tls
 from remote.client import display
-from remote.defaults import FARM_SECRET_ENV, TLS_CA_ENV, TOKEN_ENV
+from remote.defaults import FARM_SECRET_ENV, TLS_CA_ENV, TOKEN_ENV, TRACKER_ENV
 from remote.client.session import Session, device_info_dict
 from remote.client.grpc_layer import from_rpc_error, make_stub, open_channel
 from remote.proto import pb
@@ -64,7 +64,11 @@ class TrackerClient:
             return method(request, timeout=timeout)
         except grpc.RpcError as exc:
             error = from_rpc_error(exc, f"tracker {self.address}")
-        if isinstance(error, errors.ConnectionFailed):
+        if isinstance(error, errors.ConnectionFailed) and "refused" in str(error).lower():
+            # Nothing listens there: TLS cannot be the cause, so no TLS hint.
+            error = type(error)(f"{error} Start one with `tether tracker`, or name the farm's "
+                                f"with --tracker HOST:PORT or ${TRACKER_ENV}.")
+        elif isinstance(error, errors.ConnectionFailed):
             # A TLS/plaintext mismatch shows up only as a dropped connection.
             hint = ("if the tracker serves TLS, give the certificate to trust: --tls-ca FILE on "
                     f"the command line, tls_ca= in Python, or {TLS_CA_ENV}"

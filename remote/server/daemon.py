@@ -14,7 +14,7 @@ from typing import Dict, Optional
 
 from remote.address import split_address
 from remote.defaults import (FARM_SECRET_ENV, SERVER_PORT, TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV,
-                             TRACKER_ENV, TRACKER_PORT)
+                             TRACKER_HELP, TRACKER_PORT, default_tracker)
 from remote.lifecycle import start_logging, wait_for_stop_signal
 from remote.server.registration import TrackerLink, local_address_towards
 from remote.server.service import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_UPLOAD_BYTES, DeviceService
@@ -222,9 +222,9 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     parser.add_argument("--port", type=int, default=SERVER_PORT,
                         help="port to listen on; 0 picks a free one")
-    parser.add_argument("--tracker", default=os.environ.get(TRACKER_ENV),
-                        help=f"tracker HOST:PORT to register with (default ${TRACKER_ENV})")
-    parser.add_argument("--key", help="device key to register under, e.g. rasp4b64")
+    parser.add_argument("--tracker", help=TRACKER_HELP + "; used with --key")
+    parser.add_argument("--key", help="device key to register under, e.g. rasp4b64 "
+                                      "(without it the server stands alone)")
     parser.add_argument("--advertise", help="HOST[:PORT] clients should dial (default: found)")
     parser.add_argument("--relay", action="store_true",
                         help="take sessions only through the tracker, for a board that cannot "
@@ -261,9 +261,7 @@ REGISTER_WAIT_S = 5.0
 def run(args) -> int:
     """Serve until SIGINT/SIGTERM with the options parsed by ``build_parser``."""
     start_logging()
-    if args.key and not args.tracker:
-        raise SystemExit(f"--key needs --tracker HOST:PORT (or set {TRACKER_ENV})")
-    tracker = args.tracker if args.key else None
+    tracker = (args.tracker or default_tracker()) if args.key else None
     server = serve(args.host, args.port, tracker=tracker, key=args.key if tracker else None,
                    advertise=args.advertise, farm_secret=args.farm_secret,
                    attributes=dict(args.attr), max_sessions=args.max_sessions,
@@ -282,4 +280,6 @@ def run(args) -> int:
     print(f"tether device server listening on {args.host}:{server.port} ({where})", flush=True)
     wait_for_stop_signal()
     server.stop()
+    if server.link is None:  # a registered board's link says so with its lease counts
+        logging.getLogger("tether.server").info("stopped")
     return 0

@@ -106,7 +106,7 @@ class TrackerLink:
         fs = self._fs
         if fs is not None:
             fs.close()
-        log.info("lease stats: redeemed=%d overlaps=%d", self.redeemed, self.overlaps)
+        log.info("stopped; lease stats: redeemed=%d overlaps=%d", self.redeemed, self.overlaps)
 
     # --------------------------------------------------------------- link --
     def _run(self):
@@ -121,6 +121,8 @@ class TrackerLink:
                 log.error("tracker %s refused this board: %s", self.tracker, exc)
                 backoff = MAX_BACKOFF_S
             except (OSError, errors.TetherError) as exc:
+                if self._stop.is_set():
+                    return  # close() shut the link's socket under the read: a stop, not a fault
                 self.last_error = _describe(exc, self.tracker)
                 log.warning("tracker %s: %s; trying again in %.1f s", self.tracker,
                             self.last_error, backoff)

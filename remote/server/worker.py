@@ -614,51 +614,56 @@ def zygote(control: socket.socket, args) -> int:
     spare = _fork_spare(own, args)
     server = os.getppid()
     control.send(b"ready")
-    while True:
-        ready, _, _ = select.select([control, wake_r], [], [], 1.0)
-        if os.getppid() != server:
-            return 0  # the server is gone (its end of the control socket may linger in flight)
-        if wake_r in ready:
-            try:
-                while wake_r.recv(512):
-                    pass
-            except BlockingIOError:
-                pass
+    try:
         while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            if spare is not None and pid == spare[0]:
-                spare[1].close()
-                spare = None  # it died waiting; another is forked when needed
+            ready, _, _ = select.select([control, wake_r], [], [], 1.0)
+            if os.getppid() != server:
+                return 0  # the server is gone (its end of the control socket may linger in flight)
+            if wake_r in ready:
+                try:
+                    while wake_r.recv(512):
+                        pass
+                except BlockingIOError:
+                    pass
+            while True:
+                try:
+                    pid, status = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if pid == 0:
+                    break
+                if spare is not None and pid == spare[0]:
+                    spare[1].close()
+                    spare = None  # it died waiting; another is forked when needed
+                    continue
+                session_id = children.pop(pid, "?")
+                control.send(f"exit {session_id} {os.waitstatus_to_exitcode(status)}".encode())
+            if control not in ready:
                 continue
-            session_id = children.pop(pid, "?")
-            control.send(f"exit {session_id} {os.waitstatus_to_exitcode(status)}".encode())
-        if control not in ready:
-            continue
-        try:
-            message, fds, _, _ = socket.recv_fds(control, 65536, 3)
-        except OSError:
-            message = b""
-        if not message:
-            # The server is gone; each child sees its own control socket close.
-            return 0
-        _, session_id, workspace_root = message.decode().split(" ", 2)
-        pid, door = spare if spare is not None else _fork_spare(own, args)
-        try:
-            socket.send_fds(door, [workspace_root.encode()], fds)
-        except OSError:
-            pass  # it died just now: the server hears of its exit and ends the session
-        door.close()
-        for fd in fds:
-            os.close(fd)
-        children[pid] = session_id
-        control.send(f"started {session_id} {pid}".encode())
-        spare = _fork_spare(own, args)
+            try:
+                message, fds, _, _ = socket.recv_fds(control, 65536, 3)
+            except OSError:
+                message = b""
+            if not message:
+                # The server is gone; each child sees its own control socket close.
+                return 0
+            _, session_id, workspace_root = message.decode().split(" ", 2)
+            pid, door = spare if spare is not None else _fork_spare(own, args)
+            try:
+                socket.send_fds(door, [workspace_root.encode()], fds)
+            except OSError:
+                pass  # it died just now: the server hears of its exit and ends the session
+            door.close()
+            for fd in fds:
+                os.close(fd)
+            children[pid] = session_id
+            control.send(f"started {session_id} {pid}".encode())
+            spare = _fork_spare(own, args)
 
+    finally:
+        # A SIGCHLD that comes after the wake socket is closed (as the process
+        # exits) would otherwise be reported as a write to a bad descriptor.
+        signal.set_wakeup_fd(-1)
 
 def _fork_spare(own, args):
     """Fork a child that waits for its session; returns (pid, the socket to send it on)."""
