@@ -69,7 +69,9 @@ def emulated_tools(preset):
     if not (shutil.which(qemu) and shutil.which(gcc) and os.path.isdir(sysroot)):
         pytest.skip(f"needs {qemu}, {gcc} and {sysroot}: "
                     "apt-get install qemu-user gcc-aarch64-linux-gnu gcc-arm-linux-gnueabihf")
-    return qemu, gcc, sysroot
+    # gcc finds cc1 from where it was started: without PATH (env -i) a bare
+    # name resolves through /bin, beside which Debian's usrmerge has no cc1.
+    return qemu, os.path.realpath(shutil.which(gcc)), sysroot
 
 
 def run_emulated(lib, preset: str, x: np.ndarray, out_shape, folder, cpu: "str | None" = None) -> np.ndarray:
