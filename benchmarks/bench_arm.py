@@ -2,6 +2,7 @@
 own aarch64 wheel, one thread each, in the same Debian root filesystem.
 
     python benchmarks/bench_arm.py [model ...] [--targets rasp4b64,rasp5,rasp3b] [--runs N]
+                                   [--precisions fp32,fp16]
 
 Models: squeezenet and resnet50 from the onnx package's light zoo (random
 parameters, as in tests/test_zoo.py), resnet18, mobilenetv2 and
@@ -16,6 +17,11 @@ Per target: rasp4b64 on a Cortex-A72, rasp5 on a Cortex-A76 (both aarch64,
 against onnxruntime); rasp3b is 32-bit ARM, for which there is no onnxruntime
 wheel, so its count (qemu-arm's "max" core: it has no Cortex-A53) is printed
 beside ours for aarch64 on the A72.
+
+With --precisions fp32,fp16, targets with FP16 arithmetic (rasp5) also get a
+row of ours built with precision="fp16", against onnxruntime's float32 count
+on the same core. Every row's output is checked: "cos" is the cosine of
+our output against onnxruntime's (the same input).
 
 The onnxruntime wheel for the root filesystem's Python is fetched once with
 pip (``pip download --platform manylinux_2_28_aarch64``) and unpacked under
@@ -32,12 +38,14 @@ import sys
 import tempfile
 import zipfile
 
+import numpy as np
 import onnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import crosscompile  # noqa: E402
 from deploy_recipes import emulate, instruction_count  # noqa: E402
+from crosscompile.target import resolve_target  # noqa: E402
 from remote.defaults import cache_dir  # noqa: E402
 from tests.architectures import efficientnet_b0, mobilenet_v2, resnet  # noqa: E402
 from tests.onnx_models import zoo_model  # noqa: E402
@@ -93,8 +101,15 @@ def main() -> int:
                         help=f"comma-separated presets of {', '.join(TARGETS)} (default rasp4b64)")
     parser.add_argument("--runs", type=int, default=3, help="inferences counted after the first")
     parser.add_argument("--no-ort", action="store_true", help="count ours only")
+    parser.add_argument("--precisions", default="fp32",
+                        help="comma-separated precisions of ours: fp32, fp16 (fp16 on targets with "
+                             "FP16 arithmetic only; default fp32)")
     args = parser.parse_args()
     targets = args.targets.split(",")
+    precisions = args.precisions.split(",")
+    for precision in precisions:
+        if precision not in ("fp32", "fp16"):
+            parser.error(f"unknown precision {precision!r}; choose from fp32, fp16")
     for name in targets:
         if name not in TARGETS:
             parser.error(f"unknown target {name!r}; choose from {', '.join(TARGETS)}")
@@ -103,30 +118,45 @@ def main() -> int:
             parser.error(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
     site = None if args.no_ort else onnxruntime_site()
 
-    print(f"{'model':15} {'target':9} {'core':11} {'ours M':>9} {'ort M':>9} {'ours/ort':>8}")
+    print(f"{'model':15} {'target':9} {'core':11} {'prec':4} {'ours M':>9} {'ort M':>9} {'ours/ort':>8} "
+          f"{'cos':>8}")
     with tempfile.TemporaryDirectory() as folder:
         for name in args.models:
             model = MODELS[name]()
             inputs = model_inputs(model)
             onnx_path = os.path.join(folder, f"{name}.onnx")
             onnx.save(model, onnx_path)
-            peer = {}  # onnxruntime's count per core, measured once
-            for target in targets:
+            peer = {}  # onnxruntime's count and output per core, measured once
+            for target, precision in [(t, p) for t in targets for p in precisions]:
                 arch, cpu, has_ort = TARGETS[target]
-                so = crosscompile.build(model, target=target).export_library(
-                    os.path.join(folder, f"{name}-{target}.so"))
-                ours = instruction_count.count_module(so, inputs, RELEASE, arch, cpu,
-                                                      runs=args.runs).per_inference
+                if precision == "fp16" and not resolve_target(target).has_fp16_arithmetic:
+                    print(f"{name:15} {target:9} {cpu:11} fp16 (no FP16 arithmetic on this target)", flush=True)
+                    continue
+                so = crosscompile.build(model, target=target, precision=precision).export_library(
+                    os.path.join(folder, f"{name}-{target}-{precision}.so"))
+                saved = os.path.join(folder, f"{name}-{target}-{precision}.npy")
+                ours = instruction_count.count_module(so, inputs, RELEASE, arch, cpu, runs=args.runs,
+                                                      save=saved).per_inference
                 theirs = None
                 if site and has_ort:
                     if cpu not in peer:
-                        peer[cpu] = instruction_count.count_onnx(
-                            onnx_path, inputs, site, RELEASE, arch, cpu, runs=args.runs).per_inference
-                    theirs = peer[cpu]
+                        reference = os.path.join(folder, f"{name}-ort-{cpu}.npy")
+                        peer[cpu] = (instruction_count.count_onnx(
+                            onnx_path, inputs, site, RELEASE, arch, cpu, runs=args.runs,
+                            save=reference).per_inference, np.load(reference))
+                    theirs, want = peer[cpu]
                 ratio = f"{ours / theirs:8.2f}" if theirs else f"{'-':>8}"
                 their_text = f"{theirs / 1e6:9.1f}" if theirs else f"{'-':>9}"
-                print(f"{name:15} {target:9} {cpu:11} {ours / 1e6:9.1f} {their_text} {ratio}", flush=True)
+                agreement = f"{cosine(np.load(saved), want):8.5f}" if theirs else f"{'-':>8}"
+                print(f"{name:15} {target:9} {cpu:11} {precision:4} {ours / 1e6:9.1f} {their_text} {ratio} "
+                      f"{agreement}", flush=True)
     return 0
+
+
+def cosine(got: np.ndarray, want: np.ndarray) -> float:
+    """Cosine of two outputs' values (1.0: the same direction)."""
+    a, b = got.astype(np.float64).ravel(), want.astype(np.float64).ravel()
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from .link import link_shared
 from .metadata import module_metadata
 from .patterns import fuse_attention, fuse_gelu, fuse_layer_norm
 from .memory import plan_memory
+from .precision import check_precision, mark_precision
 from .passes import (eliminate_dead_code, fold_batchnorm, fold_channel_affine, fuse_elementwise,
                      fuse_matmul_affine, fuse_residual_add, mark_split, pack_conv_weights, pack_matmul_weights,
                      transpose_recurrent_weights)
@@ -67,8 +68,13 @@ class CompiledModule:
 
 
 def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = None,
-          schedules=None, progress=None) -> CompiledModule:
+          schedules=None, precision: str = "fp32", progress=None) -> CompiledModule:
     """Compile an ONNX model (path or onnx.ModelProto) for a target.
+
+    precision "fp16" computes convolutions and matrix products in half
+    precision on targets with FP16 arithmetic (Target.has_fp16_arithmetic:
+    rasp5, android-arm64), the module's inputs and outputs staying float32;
+    see crosscompile.precision. Other targets refuse it with a BuildError.
 
     schedules picks each convolution's register tile by its shape: a
     crosscompile.tuning.TuningCache or a mapping {ConvShape.key: (mr, nv)} ((mr, nv, pixels) for
@@ -81,11 +87,14 @@ def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = 
 
     >>> lib = build("model.onnx", target="rasp4b64")  # doctest: +SKIP
     >>> lib.export_library("net.so")                   # doctest: +SKIP
+    >>> build("model.onnx", target="rasp5", precision="fp16")  # doctest: +SKIP
     """
     report = progress or (lambda _what, _done, _total: None)
     target = resolve_target(target)
+    check_precision(precision, target)  # before the model is read
     report("importing and rewriting the graph", 0, 1)
-    imported, folded, graph = lowered_graph(model, target, input_shapes, tile_table(target, schedules))
+    imported, folded, graph = lowered_graph(model, target, input_shapes, tile_table(target, schedules),
+                                            precision)
     plan = plan_memory(graph)
     metadata = module_metadata(imported, graph, plan, target, PRODUCER)
     machine = _target_machine(target)
@@ -108,25 +117,28 @@ def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = 
         "code_bytes": _code_bytes(obj),
         "tuned_convs": sum(1 for tile in metadata["gemm_tiles"] if tile["tuned"]),
         "gemm_convs": len(metadata["gemm_tiles"]),
+        "fp16_kernels": sum(1 for n in graph.nodes if n.attrs.get("precision") == "fp16"),
     }
     return CompiledModule(link_shared([o for _, o in objects], soname), metadata, target,
                           tuple(objects), summary)
 
 
-def tiled_graph(model, target: Target, input_shapes, table):
+def tiled_graph(model, target: Target, input_shapes, table, precision: str = "fp32"):
     """(imported, folded, tiled) graphs of a model: build()'s graph passes up
     to schedule.assign_tiles, which writes each GEMM convolution's tile
-    (from `table`, see schedule.tile_table) into the graph."""
+    (from `table`, see schedule.tile_table) into the graph, after
+    precision.mark_precision has marked the nodes that compute in half."""
     imported = eliminate_dead_code(import_onnx(model, input_shapes))
     folded = fold_channel_affine(fold_batchnorm(imported))
     fused = fuse_attention(fuse_matmul_affine(fuse_gelu(fuse_layer_norm(folded))))
-    tiled = assign_tiles(fuse_residual_add(fuse_elementwise(fused)), target, table)
+    marked = mark_precision(fuse_residual_add(fuse_elementwise(fused)), target, precision)
+    tiled = assign_tiles(marked, target, table)
     return imported, folded, tiled
 
 
-def lowered_graph(model, target: Target, input_shapes, table):
+def lowered_graph(model, target: Target, input_shapes, table, precision: str = "fp32"):
     """(imported, folded, lowered) graphs of a model: all graph passes of build()."""
-    imported, folded, tiled = tiled_graph(model, target, input_shapes, table)
+    imported, folded, tiled = tiled_graph(model, target, input_shapes, table, precision)
     return imported, folded, mark_split(transpose_recurrent_weights(pack_matmul_weights(pack_conv_weights(tiled))))
 
 

@@ -207,7 +207,8 @@ class Conv(Op):
         with k.loop(x[0]) as image, k.loop(group) as g:
             x_base = k.index((image, x[1] * volume_in), (g, cg * volume_in))
             y_base = k.index((image, w[0] * n), (g, m * n))
-            a_ptr = bld.gep(k.inputs[1], [k.index((g, a_group))])
+            # Packed weights hold the tile's element type (halves for an fp16 tile).
+            a_ptr = bld.gep(k.typed(k.inputs[1], tile.dtype), [k.index((g, a_group))])
             bias = bld.gep(k.inputs[2], [k.index((g, m))]) if has_bias else None
             if tile.pixels:
                 if pointwise:

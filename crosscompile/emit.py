@@ -11,13 +11,15 @@ from contextlib import contextmanager
 from llvmlite import ir
 
 F32 = ir.FloatType()
+# Half precision: weights and GEMM arithmetic of an fp16 graph (crosscompile.precision).
+HALF = ir.HalfType()
 I32 = ir.IntType(32)
 I64 = ir.IntType(64)
 F32_PTR = F32.as_pointer()
 I8 = ir.IntType(8)
 # How each tensor dtype is held in memory; kernels take every buffer as a
 # float pointer and view it as its element type (Kernel.typed).
-ELEMENT_TYPES = {"float32": F32, "int64": I64, "int32": I32, "bool": I8}
+ELEMENT_TYPES = {"float32": F32, "float16": HALF, "int64": I64, "int32": I32, "bool": I8}
 
 
 class Kernel:

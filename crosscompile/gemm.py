@@ -16,28 +16,42 @@ channels) instead, and broadcasts one input value per output pixel.
 Example:
     >>> from crosscompile.target import resolve_target
     >>> tile_for(resolve_target("rasp4b64"))
-    GemmTile(lanes=4, mr=8, nv=3, pixels=0)
+    GemmTile(lanes=4, mr=8, nv=3, pixels=0, precision='fp32')
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from llvmlite import ir
 
-from .emit import F32, I32, Kernel
+from .emit import F32, F32_PTR, HALF, I32, Kernel
 from .vectors import (_fmuladd, _load_transposed, _store_transposed, _vector_ptr, broadcast_sources,
                       horizontal_reduce, splat)
 
 
 @dataclass(frozen=True)
 class GemmTile:
-    lanes: int  # float32 lanes in one vector register
+    lanes: int  # elements (of the tile's precision) in one vector register
     mr: int     # rows of C (output channels) per register tile
     nv: int     # vectors of C columns (output pixels) per register tile
     # With pixels, the tile is transposed (emit_channel_gemm): nv vectors of
     # output channels (mr = nv * lanes of them) by `pixels` output pixels.
     pixels: int = 0
+    # "fp16": the tile multiplies and accumulates in half precision, its
+    # packed A (weights, or rows packed by matmul.pack_rows) holds halves,
+    # and what it stores is float32 (see crosscompile.precision).
+    precision: str = "fp32"
+
+    @property
+    def element(self):
+        """The LLVM type the tile computes in: float, or half for an fp16 tile."""
+        return HALF if self.precision == "fp16" else F32
+
+    @property
+    def dtype(self) -> str:
+        """The numpy dtype of the tile's packed A: float32 or float16."""
+        return "float16" if self.precision == "fp16" else "float32"
 
     @property
     def nr(self) -> int:
@@ -54,9 +68,18 @@ class GemmTile:
         return "x".join(str(v) for v in self.spec)
 
 
-def tile_for(target) -> GemmTile:
+def tile_for(target, precision: str = "fp32") -> GemmTile:
     """The register tile for a target: mr * nv accumulators plus nv loaded
-    vectors and one broadcast must fit the vector register file."""
+    vectors and one broadcast must fit the vector register file. An fp16
+    tile has the same shape in registers, each holding twice as many
+    lanes (8 x 3 vectors of 8 halves on AArch64: 8 rows by 24 columns).
+
+    >>> from crosscompile.target import resolve_target
+    >>> tile_for(resolve_target("rasp5"), "fp16")
+    GemmTile(lanes=8, mr=8, nv=3, pixels=0, precision='fp16')
+    """
+    if precision == "fp16":
+        return replace(tile_for(target), lanes=max(1, target.vector_bits // 16), precision="fp16")
     lanes = target.lanes
     registers = target.vector_registers
     if registers >= 32:
@@ -69,9 +92,10 @@ def tile_for(target) -> GemmTile:
     return GemmTile(lanes, 6, 2) if lanes >= 8 else GemmTile(lanes, 4, 2)
 
 
-def pack_weights(weight: np.ndarray, mr: int) -> np.ndarray:
+def pack_weights(weight: np.ndarray, mr: int, dtype: str = "float32") -> np.ndarray:
     """[M, K...] -> [ceil(M / mr), K, mr], zero rows padding the last block,
-    so the micro-kernel reads the mr values of one k contiguously.
+    so the micro-kernel reads the mr values of one k contiguously (as
+    `dtype`: float16 for an fp16 tile).
 
     >>> pack_weights(np.arange(6, dtype=np.float32).reshape(3, 2), 2).tolist()
     [[[0.0, 2.0], [1.0, 3.0]], [[4.0, 0.0], [5.0, 0.0]]]
@@ -81,10 +105,10 @@ def pack_weights(weight: np.ndarray, mr: int) -> np.ndarray:
     blocks = -(-m // mr)
     padded = np.zeros((blocks * mr, a.shape[1]), np.float32)
     padded[:m] = a
-    return np.ascontiguousarray(padded.reshape(blocks, mr, -1).transpose(0, 2, 1))
+    return np.ascontiguousarray(padded.reshape(blocks, mr, -1).transpose(0, 2, 1), dtype)
 
 
-def pack_columns(weight: np.ndarray, nr: int) -> np.ndarray:
+def pack_columns(weight: np.ndarray, nr: int, dtype: str = "float32") -> np.ndarray:
     """[K, N] -> the column-panel layout emit_gemm reads with b_panels (see
     panel_offset): each full panel of nr columns as a [K][nr] block, then
     the last N % nr columns as a [K][N % nr] block.
@@ -95,7 +119,7 @@ def pack_columns(weight: np.ndarray, nr: int) -> np.ndarray:
     kdim, n = weight.shape
     full = n // nr * nr
     panels = weight[:, :full].reshape(kdim, n // nr, nr).transpose(1, 0, 2).reshape(-1)
-    return np.ascontiguousarray(np.concatenate([panels, weight[:, full:].reshape(-1)]), np.float32)
+    return np.ascontiguousarray(np.concatenate([panels, weight[:, full:].reshape(-1)]), dtype)
 
 
 def emit_gemm(k: Kernel, tile: GemmTile, m: int, kdim: int, n: int,
@@ -103,7 +127,7 @@ def emit_gemm(k: Kernel, tile: GemmTile, m: int, kdim: int, n: int,
               c_ptr: ir.Value, c_base, bias: "ir.Value | None", vector_epilogue: bool,
               residual: "ir.Value | None" = None, residual_at: int = 0,
               b_panels: bool = False, pack=None, b_offsets: "ir.Value | None" = None,
-              lda: "int | None" = None, bias_columns: bool = False) -> None:
+              lda: "int | None" = None, bias_columns: bool = False, b_half: bool = False) -> None:
     """C[c_base + i * n + j] = epilogue(bias[i] + sum_p A[i, p] * B[b_base + p * ldb + j]).
 
     a_packed is laid out by pack_weights(A, tile.mr), or with lda given it
@@ -125,7 +149,18 @@ def emit_gemm(k: Kernel, tile: GemmTile, m: int, kdim: int, n: int,
     b_ptr[b_base + b_offsets[p] + j]: every row of B is a window of one
     buffer (ldb unused), which lets a convolution read its input in place
     of an im2col copy (see conv._direct_plan).
+
+    An fp16 tile computes in half precision: packed A holds halves (A read
+    in place, with lda, stays float32), B holds halves with b_half (weights
+    packed in panels) and floats otherwise, converted as loaded; offsets
+    count elements of each. C, bias and residual are float32.
     """
+    b = k.builder
+    if tile.precision == "fp16":
+        if lda is None:
+            a_packed = b.bitcast(a_packed, HALF.as_pointer())
+        if b_half:
+            b_ptr = b.bitcast(b_ptr, HALF.as_pointer())
     full_m, tail_m = divmod(m, tile.mr)
     full_n, tail_n = divmod(n, tile.nr)
     # (count, first block, shape): full blocks, then one partial block.
@@ -133,7 +168,6 @@ def emit_gemm(k: Kernel, tile: GemmTile, m: int, kdim: int, n: int,
     col_blocks = [(full_n, 0, (tile.lanes,) * tile.nv)]
     if tail_n:
         col_blocks.append((1, full_n, tuple(_split(tail_n, tile.lanes))))
-    b = k.builder
     # Threads split the column panels when there are enough of them to go
     # round, otherwise the row blocks.
     panels, blocks = full_n + bool(tail_n), full_m + bool(tail_m)
@@ -195,19 +229,20 @@ def _emit_panels(k, tile, kdim, n, col_blocks, row_blocks, col_lo, col_hi, row_l
             else:
                 b_col = b.gep(b_ptr, [b.add(b_base, col0)])
                 b_ld = k.i64(0 if b_offsets is not None else ldb)
+            b_col = b.bitcast(b_col, F32_PTR)  # the tile's argument type, whatever B holds
             for m_count, m_first, rows in row_blocks:
                 if not m_count:
                     continue
                 bias_kind = ("columns" if bias_columns else "rows") if bias is not None else None
                 fn = _tile_function(k, tile, rows, widths, bias_kind, vector_epilogue,
                                     residual_at if residual is not None else None, b_offsets is not None,
-                                    lda is not None)
+                                    lda is not None, b_ptr.type.pointee == HALF)
                 m_lo = k.smax(row_lo, k.i64(m_first))
                 m_hi = k.smin(row_hi, k.i64(m_first + m_count))
                 with k.loop(m_hi, start=m_lo) as block:
                     row0 = b.mul(block, k.i64(tile.mr))
                     a_step = kdim * tile.mr if lda is None else lda * tile.mr
-                    a = b.gep(a_packed, [b.mul(block, k.i64(a_step))])
+                    a = b.bitcast(b.gep(a_packed, [b.mul(block, k.i64(a_step))]), F32_PTR)
                     c_offset = b.add(c_base, b.add(b.mul(row0, k.i64(n)), col0))
                     c = b.gep(c_ptr, [c_offset])
                     null = ir.Constant(F32.as_pointer(), None)
@@ -240,7 +275,7 @@ def _split(count: int, lanes: int) -> list[int]:
 
 def _tile_function(k: Kernel, tile: GemmTile, rows: int, widths: tuple, bias_kind: "str | None",
                    vector_epilogue: bool, residual_at: "int | None", row_table: bool = False,
-                   rows_apart: bool = False) -> ir.Function:
+                   rows_apart: bool = False, b_half: bool = False) -> ir.Function:
     """The micro-kernel for one register-tile shape, as a function shared by
     every convolution of the module with that shape and epilogue:
     void(a, b, c, bias, residual, kdim, ldb, ldc, b_offsets[, lda]). Sharing keeps code size and compile
@@ -248,9 +283,11 @@ def _tile_function(k: Kernel, tile: GemmTile, rows: int, widths: tuple, bias_kin
     of B starts at b_offsets[p] rather than p * ldb. bias_kind is None,
     "rows" (bias[r] added to row r) or "columns" (bias[j] to column j).
     With rows_apart, A is read in place, row r at a + r * lda, instead of
-    packed."""
+    packed. An fp16 tile accumulates in halves (see emit_gemm; B holds
+    halves with b_half) and widens its sums to float32 for the bias, the
+    epilogue and the store."""
     key = (tile.mr, rows, widths, bias_kind, k.epilogue_key if vector_epilogue else None, residual_at,
-           row_table, rows_apart)
+           row_table, rows_apart, tile.precision, b_half)
     i64 = ir.IntType(64)
     t = _new_tile_kernel(k, key, f"tile{{}}_{rows}x{sum(widths)}", vector_epilogue, residual_at,
                          (i64, i64, i64, I32.as_pointer()) + ((i64,) if rows_apart else ()))
@@ -259,6 +296,12 @@ def _tile_function(k: Kernel, tile: GemmTile, rows: int, widths: tuple, bias_kin
     a_ptr, b_ptr, c_ptr, bias, res_ptr = t.inputs
     kdim, ldb, ldc, b_offsets = t.extra[:4]
     b = t.builder
+    element = tile.element
+    half = element == HALF
+    if half and not rows_apart:
+        a_ptr = b.bitcast(a_ptr, HALF.as_pointer())
+    if b_half:
+        b_ptr = b.bitcast(b_ptr, HALF.as_pointer())
     offsets = [sum(widths[:v]) for v in range(len(widths))]
     if residual_at is not None:
         # The residual is read only after the K loop, from rows far apart that
@@ -266,21 +309,28 @@ def _tile_function(k: Kernel, tile: GemmTile, rows: int, widths: tuple, bias_kin
         for r in range(rows):
             for off in range(0, sum(widths), max(1, tile.lanes)):
                 prefetch(t, b.gep(res_ptr, [b.add(b.mul(t.i64(r), ldc), t.i64(off))]))
-    accs = [[t.variable(ir.Constant(ir.VectorType(F32, w), [0.0] * w)) for w in widths]
+    accs = [[t.variable(ir.Constant(ir.VectorType(element, w), [0.0] * w)) for w in widths]
             for _ in range(rows)]
+
+    def computed(value):
+        """A loaded value (or vector) in the tile's precision: float32 ones narrowed for an fp16 tile."""
+        if not half or getattr(value.type, "element", value.type) == HALF:
+            return value
+        vector = isinstance(value.type, ir.VectorType)
+        return b.fptrunc(value, ir.VectorType(HALF, value.type.count) if vector else HALF)
 
     if rows_apart:
         a_rows = [b.gep(a_ptr, [b.mul(t.i64(r), t.extra[4])]) for r in range(rows)]
 
     def step(p):
         brow = b.sext(t.load(b_offsets, p), i64) if row_table else b.mul(p, ldb)
-        bvecs = [b.load(_vector_ptr(t, b_ptr, b.add(brow, t.i64(off)), w), align=4)
+        bvecs = [computed(b.load(_vector_ptr(t, b_ptr, b.add(brow, t.i64(off)), w), align=2 if b_half else 4))
                  for off, w in zip(offsets, widths)]
         if rows_apart:
             def a(r, w):
-                return splat(t, t.load(a_rows[r], p), w)
+                return splat(t, computed(t.load(a_rows[r], p)), w)
         else:
-            a = broadcast_sources(t, a_ptr, b.mul(p, t.i64(tile.mr)), rows)
+            a = broadcast_sources(t, a_ptr, b.mul(p, t.i64(tile.mr)), rows, tile.lanes)
         for r in range(rows):
             for v, w in enumerate(widths):
                 b.store(_fmuladd(t, a(r, w), bvecs[v], b.load(accs[r][v])), accs[r][v])
@@ -289,6 +339,8 @@ def _tile_function(k: Kernel, tile: GemmTile, rows: int, widths: tuple, bias_kin
         start = t.load(bias, t.i64(r)) if bias_kind == "rows" else None
         for v, w in enumerate(widths):
             value = b.load(accs[r][v])
+            if half:
+                value = b.fpext(value, ir.VectorType(F32, w))
             if start is not None:
                 value = b.fadd(value, splat(t, start, w))
             elif bias_kind == "columns":
@@ -393,7 +445,7 @@ def channel_tile(tile: GemmTile) -> GemmTile:
     output channels by mr output pixels.
 
     >>> channel_tile(GemmTile(16, 6, 4))
-    GemmTile(lanes=16, mr=64, nv=4, pixels=6)
+    GemmTile(lanes=16, mr=64, nv=4, pixels=6, precision='fp32')
     """
     return GemmTile(tile.lanes, tile.lanes * tile.nv, tile.nv, tile.mr)
 

@@ -9,7 +9,7 @@ import math
 import numpy as np
 from llvmlite import ir
 
-from .emit import Kernel
+from .emit import F32, Kernel
 from .op_base import _broadcast_strides
 
 
@@ -124,7 +124,8 @@ def lower_tiled(k: Kernel, op_type: str, inputs, attrs) -> None:
             k.barrier()
             a_ptr, lda = k.scratch, None
         emit_gemm(k, tile, m, kdim, n, a_ptr, k.inputs[1], b_base, n, k.outputs[0], c_base, bias, epilogue,
-                  residual, residual_at or 0, b_panels=packed, lda=lda, bias_columns=True)
+                  residual, residual_at or 0, b_panels=packed, lda=lda, bias_columns=True,
+                  b_half=packed and tile.precision == "fp16")
         if lda is None:
             k.barrier()  # before the next product packs over the scratch
     if batch is None:
@@ -138,8 +139,11 @@ def lower_tiled(k: Kernel, op_type: str, inputs, attrs) -> None:
 def pack_rows(k: Kernel, tile, m: int, kdim: int, a_ptr: ir.Value, a_strides) -> None:
     """scratch = A (m x kdim, read through a_strides) laid out as
     gemm.pack_weights lays out weights, [block][k][row in block], rows past
-    m left unwritten (no tile reads them); threads split the blocks."""
+    m left unwritten (no tile reads them); threads split the blocks. For
+    an fp16 tile the scratch holds A in halves."""
     bld = k.builder
+    element = tile.element
+    scratch = k.scratch if element == F32 else bld.bitcast(k.scratch, element.as_pointer())
     blocks = -(-m // tile.mr)
     lo, hi = k.part(blocks)
     with k.loop(hi, start=lo) as block:
@@ -150,4 +154,6 @@ def pack_rows(k: Kernel, tile, m: int, kdim: int, a_ptr: ir.Value, a_strides) ->
             dst = k.index((block, kdim * tile.mr), (r, 1))
             with k.loop(kdim) as p:
                 value = k.load(a_ptr, k.index((src, 1), (p, a_strides[1])))
-                k.store(value, k.scratch, k.index((dst, 1), (p, tile.mr)))
+                if element != F32:
+                    value = bld.fptrunc(value, element)
+                k.store(value, scratch, k.index((dst, 1), (p, tile.mr)))

@@ -125,7 +125,7 @@ def _fold_affine(graph: Graph, op_type: str, fold) -> Graph:
 
 def _add_constant(constants: dict, tensors: dict, name: str, array: np.ndarray) -> None:
     constants[name] = array
-    tensors[name] = Tensor(name, array.shape, "float32")
+    tensors[name] = Tensor(name, array.shape, str(array.dtype))
 
 
 def fold_channel_affine(graph: Graph) -> Graph:
@@ -315,8 +315,9 @@ def pack_matmul_weights(graph: Graph) -> Graph:
             attrs["bias"] = bool(extra)
         # A Gemm's packed weights carry its transB and alpha: its own.
         name = f"{node.name if node.op_type == 'Gemm' else node.inputs[1]}/panels{tile.nr}"
+        name += "/fp16" if tile.precision == "fp16" else ""
         if name not in constants:
-            _add_constant(constants, tensors, name, pack_columns(np.asarray(weight, np.float32), tile.nr))
+            _add_constant(constants, tensors, name, pack_columns(np.asarray(weight, np.float32), tile.nr, tile.dtype))
         attrs["weight_shape"] = tuple(weight.shape)
         nodes.append(Node(node.op_type, node.name, [node.inputs[0], name, *extra], list(node.outputs), attrs))
     return eliminate_dead_code(replace(graph, nodes=nodes, constants=constants, tensors=tensors))
@@ -373,10 +374,11 @@ def pack_conv_weights(graph: Graph) -> Graph:
             kind = ("columns" if node.op_type == "ConvTranspose" else
                     "winograd" if node.attrs.get("winograd") else "packed")
             name = f"{node.inputs[1]}/{kind}{node.attrs.get('winograd') or ''}/{tile.mr}"
+            name += "/fp16" if tile.precision == "fp16" else ""
             if name not in constants:
                 constants[name] = _packed_weights(kind, constants[node.inputs[1]], node.attrs.get("group", 1),
-                                                  tile.mr, node.attrs.get("winograd") or 0)
-                tensors[name] = Tensor(name, constants[name].shape, "float32")
+                                                  tile.mr, node.attrs.get("winograd") or 0, tile.dtype)
+                tensors[name] = Tensor(name, constants[name].shape, tile.dtype)
             attrs = dict(node.attrs, packed_mr=tile.mr,
                          weight_shape=tuple(graph.tensors[node.inputs[1]].shape))
             node = Node(node.op_type, node.name, [node.inputs[0], name, *node.inputs[2:]],
@@ -388,16 +390,18 @@ def pack_conv_weights(graph: Graph) -> Graph:
     return eliminate_dead_code(replace(graph, nodes=nodes, constants=constants, tensors=tensors))
 
 
-def _packed_weights(kind: str, weight: np.ndarray, group: int, mr: int, winograd_tile: int = 0) -> np.ndarray:
-    """A Conv's or ConvTranspose's constant weights in the layout its lowering reads."""
+def _packed_weights(kind: str, weight: np.ndarray, group: int, mr: int, winograd_tile: int = 0,
+                    dtype: str = "float32") -> np.ndarray:
+    """A Conv's or ConvTranspose's constant weights in the layout its lowering
+    reads (packed ones as dtype: float16 for an fp16 tile)."""
     from . import winograd
     from .conv_transpose import pack_column_weights
     from .gemm import pack_weights
     if kind == "winograd":
-        return winograd.transform_weights(weight, mr, winograd_tile)
+        return winograd.transform_weights(weight, mr, winograd_tile, dtype)
     if kind == "columns":
         return pack_column_weights(weight, group, mr)
-    return np.concatenate([pack_weights(w, mr) for w in np.split(weight, group)])
+    return np.concatenate([pack_weights(w, mr, dtype) for w in np.split(weight, group)])
 
 
 def fuse_residual_add(graph: Graph) -> Graph:

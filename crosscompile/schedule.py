@@ -290,7 +290,11 @@ def assign_tiles(graph, target, table: Mapping):
     on the micro-kernel (passes.runs_as_tiled_product) gets the target's
     tile of rows as attrs["matmul_tile"], and attrs["pack_rows"] where the
     target loads the values it broadcasts a vector at a time
-    (Target.multiplies_by_lane), so that A is first packed like weights.
+    (Target.multiplies_by_lane) or the node computes in fp16 (attrs["precision"],
+    crosscompile.precision: its tile reads A packed as halves), so that A
+    is first packed like weights. A node marked fp16 gets the fp16 tile
+    (gemm.tile_for(target, "fp16"), for Winograd's products too), never a
+    tuned one.
     A depthwise convolution that reads a zero-padded copy of its input
     (conv.depthwise_planes, for the target's vector width) gets the copy's
     (rows, columns) as attrs["padded_planes"]. A ConvTranspose with constant
@@ -306,14 +310,18 @@ def assign_tiles(graph, target, table: Mapping):
             readers.setdefault(name, []).append(node)
     nodes = []
     for node in graph.nodes:
+        half = node.attrs.get("precision") == "fp16"
         if runs_as_gemm(graph, node):
             shape = conv_shape(graph, node)
-            tile, tuned = _scheduled_tile(target, table, node, shape,
-                                          _adds_residual(graph, node, readers))
+            if half:  # tuned tiles were measured in float32
+                tile, tuned = tile_for(target, "fp16"), False
+            else:
+                tile, tuned = _scheduled_tile(target, table, node, shape, _adds_residual(graph, node, readers))
             geometry = _resolve_window(shape.x, shape.w[2:], node.attrs, what="convolution")
             transformed = 0 if tuned else winograd.choose(target, geometry, shape.x[1], shape.w[0], shape.group)
             if transformed:
-                tile = winograd.product_tile(target, winograd.plan(geometry, shape.x[1], shape.w[0], transformed))
+                tile = winograd.product_tile(target, winograd.plan(geometry, shape.x[1], shape.w[0], transformed),
+                                             "fp16" if half else "fp32")
             node = Node(node.op_type, node.name, list(node.inputs), list(node.outputs),
                         dict(node.attrs, gemm_tile=tile, conv_shape=shape, tile_tuned=tuned,
                              winograd=transformed))
@@ -328,8 +336,10 @@ def assign_tiles(graph, target, table: Mapping):
             node = Node(node.op_type, node.name, list(node.inputs), list(node.outputs),
                         dict(node.attrs, columns_tile=tile_for(target)))
         elif runs_as_tiled_product(graph, node):
+            # An fp16 tile reads A packed as halves.
             node = Node(node.op_type, node.name, list(node.inputs), list(node.outputs),
-                        dict(node.attrs, matmul_tile=tile_for(target), pack_rows=target.multiplies_by_lane))
+                        dict(node.attrs, matmul_tile=tile_for(target, "fp16" if half else "fp32"),
+                             pack_rows=target.multiplies_by_lane or half))
         elif node.op_type == "FusedAttention":  # its two products, Q and the scores read in place
             node = Node(node.op_type, node.name, list(node.inputs), list(node.outputs),
                         dict(node.attrs, matmul_tile=tile_for(target)))

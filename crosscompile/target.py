@@ -60,6 +60,46 @@ class Target:
         return Target(spec, triple, cpu, features, _vector_bits(triple, features))
 
     @property
+    def feature_flags(self) -> frozenset:
+        """The LLVM features switched on in ``features`` (without their '+').
+
+        >>> sorted(resolve_target("rasp5").feature_flags)
+        ['dotprod', 'fullfp16', 'neon']
+        """
+        return frozenset(f[1:] for f in self.features.split(",") if f.startswith("+"))
+
+    @property
+    def has_fp16_arithmetic(self) -> bool:
+        """Whether the core computes in half precision (ARM's FEAT_FP16,
+        LLVM's +fullfp16: Cortex-A55, A76 and later): what
+        ``build(..., precision="fp16")`` needs. x86's AVX512-FP16 is not
+        used.
+
+        >>> resolve_target("rasp5").has_fp16_arithmetic, resolve_target("rasp4b64").has_fp16_arithmetic
+        (True, False)
+        """
+        return self.arch in ("aarch64", "arm") and "fullfp16" in self.feature_flags
+
+    @property
+    def has_dot_product(self) -> bool:
+        """Whether the core has 8-bit dot products: ARM's sdot/udot
+        (+dotprod, Cortex-A55/A76 and later) or x86's VNNI (vpdpbusd)."""
+        if self.arch in ("aarch64", "arm"):
+            return "dotprod" in self.feature_flags
+        return self.has_vnni
+
+    @property
+    def has_i8mm(self) -> bool:
+        """Whether the core has ARM's 8-bit matrix multiply (smmla, +i8mm:
+        ARMv8.6, Cortex-A510/A710 and later; not the A55 or A76)."""
+        return self.arch in ("aarch64", "arm") and "i8mm" in self.feature_flags
+
+    @property
+    def has_vnni(self) -> bool:
+        """Whether an x86 core has VNNI dot products (+avx512vnni or +avxvnni)."""
+        return self.arch in ("x86_64", "i386") and bool({"avx512vnni", "avxvnni"} & self.feature_flags)
+
+    @property
     def lanes(self) -> int:
         """float32 lanes in one vector register.
 
@@ -238,8 +278,12 @@ TARGETS: dict[str, Target] = {
     "rasp3b": Target("rasp3b", "armv7l-unknown-linux-gnueabihf", "cortex-a53", "+neon"),
     "rasp4b": Target("rasp4b", "armv7l-unknown-linux-gnueabihf", "cortex-a72", "+neon"),
     "rasp4b64": Target("rasp4b64", "aarch64-unknown-linux-gnu", "cortex-a72", "+neon"),
-    "rasp5": Target("rasp5", "aarch64-unknown-linux-gnu", "cortex-a76", "+neon"),
-    "android-arm64": Target("android-arm64", "aarch64-unknown-linux-android", "generic", "+neon"),
+    # The Cortex-A76 is ARMv8.2 with FP16 arithmetic and dot products (no i8mm).
+    "rasp5": Target("rasp5", "aarch64-unknown-linux-gnu", "cortex-a76", "+neon,+fullfp16,+dotprod"),
+    # Phones of the A55/A76 class (big.LITTLE pairs of ARMv8.2 cores); an
+    # older phone (Cortex-A53) gets its own target from target_for_board.
+    "android-arm64": Target("android-arm64", "aarch64-unknown-linux-android", "generic",
+                            "+neon,+fullfp16,+dotprod"),
     "android-armv7": Target("android-armv7", "armv7-unknown-linux-androideabi", "generic", "+neon"),
 }
 
@@ -285,26 +329,45 @@ def target_for_board(info: dict) -> str:
         if not cpu and name in model.replace(" ", "-"):
             cpu = name
     host = TARGETS["host"]
+    flags = set(info.get("cpu_features") or ())
     if arch == "aarch64":
         if "android" in triple:
-            return "android-arm64"
-        return {"cortex-a76": "rasp5", "cortex-a72": "rasp4b64", "": "rasp4b64"}.get(
-            cpu, f"{triple}/{cpu}/+neon")
+            preset = "android-arm64"
+        else:
+            preset = {"cortex-a76": "rasp5", "cortex-a72": "rasp4b64", "": "rasp4b64"}.get(cpu, "")
+        # An AArch64 kernel lists every core's "asimd"; without it (a board
+        # that reported no flags, or qemu-user showing its host's) the
+        # preset of the core stands.
+        if "asimd" not in flags:
+            return preset or f"{triple}/{cpu}/+neon"
+        features = ",".join(["+neon"] + [f"+{feature}" for hwcap, feature in ARM_HWCAP_FEATURES
+                                         if hwcap in flags])
+        if preset and TARGETS[preset].feature_flags == set(features.replace("+", "").split(",")):
+            return preset
+        return f"{triple}/{cpu or 'generic'}/{features}"
     if arch.startswith("arm"):
         if "android" in triple:
             return "android-armv7"
         return "rasp4b" if cpu == "cortex-a72" else "rasp3b"
-    if triple == host.triple and set(info.get("cpu_features") or ()) >= _host_flags():
+    if triple == host.triple and flags >= _host_flags():
         return "host"
-    flags = set(info.get("cpu_features") or ())
+    vnni = "".join(f",+{feature}" for name, feature in X86_VNNI_FEATURES if name in flags)
     if arch == "x86_64" and "avx512f" in flags:
-        return f"{triple}/x86-64-v4/+avx512f,+avx512bw,+avx512dq,+avx512vl,+avx2,+fma"
+        return f"{triple}/x86-64-v4/+avx512f,+avx512bw,+avx512dq,+avx512vl,+avx2,+fma{vnni}"
     if arch == "x86_64" and "avx2" in flags:
-        return f"{triple}/x86-64-v3/+avx2,+fma"
+        return f"{triple}/x86-64-v3/+avx2,+fma{vnni}"
     return triple
+
+
+# /proc/cpuinfo "Features" of an AArch64 core -> the LLVM feature it shows:
+# FP16 arithmetic (asimdhp), dot products (asimddp), 8-bit matrix multiply.
+ARM_HWCAP_FEATURES = (("asimdhp", "fullfp16"), ("asimddp", "dotprod"), ("i8mm", "i8mm"))
+# /proc/cpuinfo "flags" of an x86 core -> the LLVM feature of its VNNI.
+X86_VNNI_FEATURES = (("avx512_vnni", "avx512vnni"), ("avx_vnni", "avxvnni"))
+_X86_VECTOR_FLAGS = {"avx2": "avx2", "avx512f": "avx512f", "fma": "fma",
+                     **{feature: name for name, feature in X86_VNNI_FEATURES}}
 
 
 def _host_flags() -> set:
     """The host's vector flags, as /proc/cpuinfo spells them."""
-    features = TARGETS["host"].features.split(",")
-    return {f[1:] for f in features if f.startswith("+") and f[1:] in ("avx2", "avx512f", "fma")}
+    return {_X86_VECTOR_FLAGS[f] for f in TARGETS["host"].feature_flags if f in _X86_VECTOR_FLAGS}

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from .emit import F32, Kernel
+from .emit import F32, HALF, Kernel
 
 
 def _vector_ptr(k: Kernel, ptr: ir.Value, offset: ir.Value, lanes: int) -> ir.Value:
-    return k.builder.bitcast(k.builder.gep(ptr, [offset]), ir.VectorType(F32, lanes).as_pointer())
+    """A pointer to `lanes` elements of ptr's element type from ptr[offset]."""
+    return k.builder.bitcast(k.builder.gep(ptr, [offset]), ir.VectorType(ptr.type.pointee, lanes).as_pointer())
 
 
 def vector_runs(count: int, lanes: int) -> list:
@@ -29,7 +30,7 @@ def vector_runs(count: int, lanes: int) -> list:
 
 def splat(k: Kernel, value: ir.Value, lanes: int) -> ir.Value:
     b = k.builder
-    vty = ir.VectorType(F32, lanes)
+    vty = ir.VectorType(value.type, lanes)
     one = b.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
     return b.shuffle_vector(one, ir.Constant(vty, ir.Undefined),
                             ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes))
@@ -42,15 +43,18 @@ def lane_splat(k: Kernel, vec: ir.Value, lane: int, lanes: int) -> ir.Value:
                                     ir.Constant(ir.VectorType(ir.IntType(32), lanes), [lane] * lanes))
 
 
-def broadcast_sources(k: Kernel, ptr: ir.Value, offset: ir.Value, count: int):
+def broadcast_sources(k: Kernel, ptr: ir.Value, offset: ir.Value, count: int, lanes: "int | None" = None):
     """values(i, lanes): element offset + i of ptr (i < count) splatted to
     `lanes` lanes. Where the target multiplies by a lane, the elements are
     loaded a vector at a time (whole vectors only: none past offset + count)
     and splatted from registers; elsewhere each is loaded on its own and
-    splatted, which x86 folds into a broadcast from memory."""
-    lanes = k.target.lanes
+    splatted, which x86 folds into a broadcast from memory. A vector holds
+    `lanes` of ptr's elements: the target's float32 lanes unless given (twice
+    as many halves)."""
+    lanes = lanes or k.target.lanes
     vectors = count // lanes if k.target.multiplies_by_lane and lanes > 1 else 0
-    loaded = [k.builder.load(_vector_ptr(k, ptr, k.builder.add(offset, k.i64(q * lanes)), lanes), align=4)
+    align = 2 if ptr.type.pointee == HALF else 4
+    loaded = [k.builder.load(_vector_ptr(k, ptr, k.builder.add(offset, k.i64(q * lanes)), lanes), align=align)
               for q in range(vectors)]
 
     def values(i: int, width: int) -> ir.Value:
@@ -63,7 +67,7 @@ def broadcast_sources(k: Kernel, ptr: ir.Value, offset: ir.Value, count: int):
 def _fmuladd(k: Kernel, a, b, c):
     # fmuladd fuses where the target has FMA and stays mul + add elsewhere
     # (armv7 without VFPv4): llvm.fma could become a libm call there.
-    name = f"llvm.fmuladd.v{a.type.count}f32"
+    name = f"llvm.fmuladd.v{a.type.count}{'f16' if a.type.element == HALF else 'f32'}"
     fn = k.module.globals.get(name)
     if fn is None:
         fn = ir.Function(k.module, ir.FunctionType(a.type, [a.type] * 3), name=name)

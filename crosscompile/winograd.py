@@ -197,7 +197,7 @@ def plan(geometry, channels: int, rows: int, tile: int = 2) -> "WinogradPlan | N
     return WinogradPlan(tile, channels, rows, oh, ow, pt, pl, h, w)
 
 
-def product_tile(target, p: WinogradPlan) -> GemmTile:
+def product_tile(target, p: WinogradPlan, precision: str = "fp32") -> GemmTile:
     """The register tile of a plan's products M_i = U_i V_i: the target's
     tile of rows (vectors of tiles), or on targets that broadcast from
     memory (x86) the transposed tile (vectors of output channels by
@@ -208,9 +208,10 @@ def product_tile(target, p: WinogradPlan) -> GemmTile:
     F(4x4, 3x3) of 256 channels at 14 x 14 (16 tiles) 0.49 / 0.39,
     128 at 28 x 28 (49) 0.40 / 0.37, 64 at 56 x 56 (196) 0.44 / 0.47;
     F(2x2, 3x3) of 512 at 7 x 7 (16) 0.79 / 0.61, 64 at 56 x 56 (784)
-    0.59 / 0.66."""
-    rows_tile = tile_for(target)
-    if target.multiplies_by_lane or p.tiles >= rows_tile.nr:
+    0.59 / 0.66. In fp16 the products take the fp16 tile of rows (the
+    transforms stay float32: they add and subtract, a small share)."""
+    rows_tile = tile_for(target, precision)
+    if target.multiplies_by_lane or p.tiles >= rows_tile.nr or precision == "fp16":
         return rows_tile
     return channel_tile(rows_tile)
 
@@ -265,9 +266,9 @@ def choose(target, geometry, channels: int, rows: int, group: int) -> int:
     return best if best and costs[best] < direct else 0
 
 
-def transform_weights(weight: np.ndarray, mr: int, tile: int = 2) -> np.ndarray:
+def transform_weights(weight: np.ndarray, mr: int, tile: int = 2, dtype: str = "float32") -> np.ndarray:
     """[M, C, 3, 3] -> U = G g G^T as patch^2 matrices [M, C], each packed
-    for the micro-kernel (gemm.pack_weights), one after the other.
+    for the micro-kernel (gemm.pack_weights, as dtype), one after the other.
 
     >>> transform_weights(np.ones((1, 1, 3, 3), np.float32), 1).ravel().tolist()[:4]
     [1.0, 1.5, 0.5, 1.0]
@@ -277,7 +278,7 @@ def transform_weights(weight: np.ndarray, mr: int, tile: int = 2) -> np.ndarray:
     # indices took seconds on VGG-19's weights).
     rows = np.tensordot(g, weight.astype(np.float64), axes=([1], [2]))  # [a, m, c, s]
     u = np.tensordot(rows, g, axes=([3], [1])).transpose(0, 3, 1, 2).astype(np.float32)  # [a, b, m, c]
-    return np.concatenate([pack_weights(u[a, b], mr).ravel() for a in range(len(g)) for b in range(len(g))])
+    return np.concatenate([pack_weights(u[a, b], mr, dtype).ravel() for a in range(len(g)) for b in range(len(g))])
 
 
 def emit(k: Kernel, tile: GemmTile, p: WinogradPlan, x_base, y_base, u_packed, bias,
@@ -296,6 +297,7 @@ def emit(k: Kernel, tile: GemmTile, p: WinogradPlan, x_base, y_base, u_packed, b
     if tile.pixels:
         taps = i32_table(k, tuple(c * p.tiles for c in range(p.channels)))
         bases = i32_table(k, tuple(range(p.tiles)))
+    u_packed = k.typed(u_packed, tile.dtype)  # halves for an fp16 tile
     with k.loop(p.positions) as i:
         u_i = bld.gep(u_packed, [bld.mul(i, k.i64(u_size))])
         if tile.pixels:

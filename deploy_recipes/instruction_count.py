@@ -288,11 +288,13 @@ def count_module(path: str, inputs: Dict[str, Sequence[int]], release: str = "bo
 
 def count_onnx(path: str, inputs: Dict[str, Sequence[int]], site: str, release: str = "bookworm",
                arch: str = "arm64", cpu: str = "cortex-a72", warmup: int = 1,
-               runs: int = 3) -> Count:
+               runs: int = 3, save: Optional[str] = None) -> Count:
     """Instructions per inference of an ONNX model run by onnxruntime, one thread.
 
     ``site`` is a folder holding the unpacked onnxruntime wheel for the guest
     (its ``onnxruntime`` package); see benchmarks/bench_arm.py for fetching it.
+    With ``save``, the model's first output is written there (.npy), as
+    count_module does.
     """
     counter = _Counter(release, arch, cpu, [site], fake_cpuinfo=True)
-    return _per_inference(counter, "onnx", path, inputs, warmup, runs)
+    return _per_inference(counter, "onnx", path, inputs, warmup, runs, save)

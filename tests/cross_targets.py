@@ -69,13 +69,16 @@ def emulated_tools(preset):
     if not (shutil.which(qemu) and shutil.which(gcc) and os.path.isdir(sysroot)):
         pytest.skip(f"needs {qemu}, {gcc} and {sysroot}: "
                     "apt-get install qemu-user gcc-aarch64-linux-gnu gcc-arm-linux-gnueabihf")
-    return qemu, gcc, sysroot
+    # gcc finds cc1 from where it was started: without PATH (env -i) a bare
+    # name resolves through /bin, beside which Debian's usrmerge has no cc1.
+    return qemu, os.path.realpath(shutil.which(gcc)), sysroot
 
 
-def run_emulated(lib, preset: str, x: np.ndarray, out_shape, folder) -> np.ndarray:
+def run_emulated(lib, preset: str, x: np.ndarray, out_shape, folder, cpu: "str | None" = None) -> np.ndarray:
     """Run a compiled module of one float32 input and output (lib, from
     crosscompile.build for preset) under qemu with DRIVER_C; its output.
-    Skips the test without the tools."""
+    cpu is qemu's -cpu (the core emulated; qemu's default, which runs every
+    instruction it knows, unless given). Skips the test without the tools."""
     qemu, gcc, sysroot = emulated_tools(preset)
     so = lib.export_library(os.path.join(folder, "module.so"))
     driver, data_in, data_out = (os.path.join(folder, name) for name in ("driver", "in.bin", "out.bin"))
@@ -84,7 +87,7 @@ def run_emulated(lib, preset: str, x: np.ndarray, out_shape, folder) -> np.ndarr
     subprocess.run([gcc, "-O1", "-o", driver, driver + ".c", "-ldl"], check=True, capture_output=True)
     np.ascontiguousarray(x, np.float32).tofile(data_in)
     size = int(np.prod(out_shape))
-    proc = subprocess.run([qemu, "-L", sysroot, driver, so, str(lib.metadata["workspace_bytes"]), data_in,
+    proc = subprocess.run([qemu, *(["-cpu", cpu] if cpu else []), "-L", sysroot, driver, so, str(lib.metadata["workspace_bytes"]), data_in,
                            str(x.size), data_out, str(size)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return np.fromfile(data_out, dtype=np.float32).reshape(out_shape)

@@ -355,7 +355,8 @@ def build_report(args, modules: modelfile.ModuleChoice, runs: List[BoardRun],
         "module": {"inputs": metadata.get("inputs", []), "outputs": metadata.get("outputs", [])},
         "options": {"key": args.key, "devices": args.devices, "number": args.number,
                     "repeat": args.repeat, "min_repeat_ms": args.min_repeat_ms,
-                    "cooldown_ms": args.cooldown_ms, "target": args.target},
+                    "cooldown_ms": args.cooldown_ms, "target": args.target,
+                    "precision": args.precision},
         "tracker": tracker,
         "results": [r.record for r in runs if r.record is not None],
         "failures": [{"device_id": r.lease.device_id if r.lease else None,
@@ -404,7 +405,7 @@ def run_bench(args, tracker_address) -> int:
     old = load_report(args.vs) if args.vs else None
     modules = modelfile.ModuleChoice(args.model, args.target,
                                      modelfile.parse_input_shapes(args.input_shape),
-                                     tuned=not args.no_tuning, say=say)
+                                     tuned=not args.no_tuning, say=say, precision=args.precision)
     host, port = tracker_address
     tracker = TrackerClient(host, port, tls_ca=args.tls_ca)
     waiter = TrackerClient(host, port, tls_ca=args.tls_ca)
@@ -504,6 +505,7 @@ def add_arguments(p) -> None:
     p.add_argument("--target", default=None,
                    help="preset or triple[/cpu[/features]] to compile an ONNX model for "
                         "(default: the preset that fits each leased board)")
+    modelfile.add_precision_argument(p)
     p.add_argument("--key", required=True, help="device key of the boards to use")
     p.add_argument("--devices", default="1", metavar="N|all",
                    help="how many boards of the key to use at once (default 1)")

@@ -64,7 +64,7 @@ def cmd_compile(args):
     schedules = None if args.no_tuning else default_cache()
     with stage(f"compiling {os.path.basename(args.model)} for {args.target}") as ticker:
         lib = crosscompile.build(args.model, target=args.target, input_shapes=shapes,
-                                 schedules=schedules, progress=ticker.step)
+                                 schedules=schedules, progress=ticker.step, precision=args.precision)
     out = args.output or os.path.splitext(os.path.basename(args.model))[0] + ".so"
     lib.export_library(out)
     meta = lib.metadata
@@ -79,6 +79,8 @@ def cmd_compile(args):
           f"{s['folded_into_conv']} BatchNorm/Mul/Add folded into Conv)")
     print(f"  workspace {s['workspace_bytes']} bytes; parameters {s['param_bytes']} bytes; "
           f"code {s['code_bytes']} bytes")
+    if s["fp16_kernels"]:
+        print(f"  {s['fp16_kernels']} convolutions and matrix products compute in fp16")
     if s["gemm_convs"] and schedules is None:
         print(f"  default register tiles for {s['gemm_convs']} GEMM convolutions (--no-tuning)")
     elif s["gemm_convs"]:
@@ -184,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="preset (host, rasp3b, rasp4b, rasp4b64, rasp5, android-arm64, "
                         "android-armv7) or triple[/cpu[/features]]")
     p.add_argument("-o", "--output", help="output .so (default: MODEL.so)")
+    from remote.cli.modelfile import add_precision_argument
+    add_precision_argument(p)
     p.add_argument("--input-shape", action="append", default=[], metavar="NAME=D0,D1,...",
                    help="fix an input's unknown dimensions")
     p.add_argument("--no-tuning", action="store_true",

@@ -56,10 +56,11 @@ def parse_input_shapes(specs) -> Optional[Dict[str, Tuple[int, ...]]]:
     return shapes or None
 
 
-def prepare(model: str, target: str, input_shapes=None, tuned: bool = True) -> ModuleFile:
+def prepare(model: str, target: str, input_shapes=None, tuned: bool = True,
+            precision: str = "fp32") -> ModuleFile:
     """Compile ``model`` for ``target`` when it is ONNX (with the register
-    tiles `tether tune` cached for the target, unless not ``tuned``); take a
-    built module as it is."""
+    tiles `tether tune` cached for the target, unless not ``tuned``, in
+    ``precision``: see crosscompile.precision); take a built module as it is."""
     if not os.path.isfile(model):
         raise FileNotFoundError(f"{model!r}: no such file; give an .onnx model or a module "
                                 f"built with `tether compile`")
@@ -72,9 +73,10 @@ def prepare(model: str, target: str, input_shapes=None, tuned: bool = True) -> M
     import crosscompile
     from remote.client.tuning import default_cache
 
-    with stage(f"compiling {os.path.basename(model)} for {target}") as ticker:
+    with stage(f"compiling {os.path.basename(model)} for {target}"
+               + (f" in {precision}" if precision != "fp32" else "")) as ticker:
         lib = crosscompile.build(model, target=target, input_shapes=input_shapes,
-                                 schedules=default_cache() if tuned else None,
+                                 schedules=default_cache() if tuned else None, precision=precision,
                                  progress=ticker.step)
     folder = tempfile.mkdtemp(prefix="tether-module-")
     # The command removes the folder with ModuleFile.cleanup() when it is done; this
@@ -87,6 +89,13 @@ def prepare(model: str, target: str, input_shapes=None, tuned: bool = True) -> M
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
+
+
+def add_precision_argument(p) -> None:
+    """--precision of the commands that compile an ONNX model."""
+    p.add_argument("--precision", choices=("fp32", "fp16"), default="fp32",
+                   help="compute convolutions and matrix products in this precision (default "
+                        "fp32); fp16 needs a core with FP16 arithmetic (rasp5, android-arm64)")
 
 
 def board_target(info: dict) -> str:
@@ -102,10 +111,10 @@ class ModuleChoice:
     made the first time a board of it is leased)."""
 
     def __init__(self, model: str, target: Optional[str], input_shapes=None, tuned: bool = True,
-                 say=lambda message: None):
+                 say=lambda message: None, precision: str = "fp32"):
         self.model = model
         self.target = target
-        self._options = dict(input_shapes=input_shapes, tuned=tuned)
+        self._options = dict(input_shapes=input_shapes, tuned=tuned, precision=precision)
         self._say = say
         self._built: Dict[str, ModuleFile] = {}
         self._lock = threading.Lock()

@@ -96,7 +96,8 @@ def run_once(args, tracker_address) -> int:
     if bool(args.input) == bool(args.random):
         raise ValueError("give the inputs: --input x.npy (or NAME=x.npy, or a .npz) or --random")
     modules = modelfile.ModuleChoice(args.model, args.target,
-                                     modelfile.parse_input_shapes(args.input_shape), say=say)
+                                     modelfile.parse_input_shapes(args.input_shape), say=say,
+                                     precision=args.precision)
     try:
         with TrackerClient(*tracker_address, tls_ca=args.tls_ca) as tracker:
             with tracker.request(args.key, timeout=args.wait) as sess:
@@ -135,6 +136,7 @@ def add_arguments(p) -> None:
     p.add_argument("--target", default=None,
                    help="preset to compile an ONNX model for (default: the one that fits the "
                         "leased board)")
+    modelfile.add_precision_argument(p)
     p.add_argument("--input", action="append", default=[], metavar="[NAME=]FILE.npy",
                    help="input values (.npy per input, or one .npz by input name)")
     p.add_argument("--random", action="store_true", help="random inputs of the right shapes")

@@ -30,9 +30,16 @@ def _read(path: str) -> str:
         return ""
 
 
-def _cpuinfo():
+def parse_cpuinfo(text: str):
+    """(model, feature flags, ARM "CPU part") from the text of /proc/cpuinfo:
+    the first core's, which on big.LITTLE phones is a little one (the
+    flags are the same on every core: the kernel shows what all share).
+
+    >>> parse_cpuinfo("Features : fp asimd asimdhp")[1]
+    ['fp', 'asimd', 'asimdhp']
+    """
     model, features, part = "", [], ""
-    for line in _read("/proc/cpuinfo").splitlines():
+    for line in text.splitlines():
         name, _, value = line.partition(":")
         name, value = name.strip().lower(), value.strip()
         if name in ("model name", "hardware", "cpu model", "processor") and not model \
@@ -42,6 +49,11 @@ def _cpuinfo():
             features = value.split()
         elif name == "cpu part" and not part:
             part = value  # ARM cores: which core (0xd08 is a Cortex-A72)
+    return model, features, part
+
+
+def _cpuinfo():
+    model, features, part = parse_cpuinfo(_read("/proc/cpuinfo"))
     if not model:
         model = platform.processor() or platform.machine()
     return model, features, part
