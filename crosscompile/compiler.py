@@ -17,6 +17,7 @@ from .frontend import import_onnx
 from .link import link_shared
 from .metadata import module_metadata
 from .patterns import fuse_attention, fuse_gelu, fuse_layer_norm
+from .quantized import lower_qdq
 from .memory import plan_memory
 from .passes import (eliminate_dead_code, fold_batchnorm, fold_channel_affine, fuse_elementwise,
                      fuse_matmul_affine, fuse_residual_add, mark_split, pack_conv_weights, pack_matmul_weights,
@@ -110,7 +111,7 @@ def tiled_graph(model, target: Target, input_shapes, table):
     to schedule.assign_tiles, which writes each GEMM convolution's tile
     (from `table`, see schedule.tile_table) into the graph."""
     imported = eliminate_dead_code(import_onnx(model, input_shapes))
-    folded = fold_channel_affine(fold_batchnorm(imported))
+    folded = fold_channel_affine(fold_batchnorm(lower_qdq(imported, target)))
     fused = fuse_attention(fuse_matmul_affine(fuse_gelu(fuse_layer_norm(folded))))
     tiled = assign_tiles(fuse_residual_add(fuse_elementwise(fused)), target, table)
     return imported, folded, tiled

@@ -2,7 +2,9 @@
 brought to one.
 
 - QDQ (QuantizeLinear / DequantizeLinear around float ops) imports as is:
-  QuantizeLinear and DequantizeLinear are ops of their own (below).
+  QuantizeLinear and DequantizeLinear are ops of their own (below), and
+  so are the integer kernels quantized.lower_qdq writes (IntegerConv,
+  IntegerMatMul).
 - QOperator (QLinearConv, QLinearMatMul, com.microsoft's QLinearAdd, ...)
   and dynamic quantization (MatMulInteger, ConvInteger) are rewritten by
   expand_operators, before import, into the QDQ form of the same
@@ -28,6 +30,7 @@ from onnx import helper, numpy_helper
 from .emit import F32, I32, Kernel
 from .errors import BuildError, ShapeError
 from .op_base import Op, _axis, _prod
+from .window import _resolve_window, _valid_range
 
 # The integer types a quantized tensor may have, with their ranges.
 QUANT_RANGES = {"uint8": (0, 255), "int8": (-128, 127)}
@@ -282,6 +285,125 @@ class DynamicQuantizeLinear(Op):
         with k.loop(size) as i:
             scaled = k.clamp(b.fdiv(k.load(k.inputs[0], i), scale), -ROUNDING_LIMIT, ROUNDING_LIMIT)
             k.store(saturate(k, b.fadd(round_half_even(k, scaled), offset), "uint8"), y, i)
+
+
+# -- the integer kernels quantized.lower_qdq writes ---------------------------------------
+
+def _requantize(k: Kernel, acc: ir.Value, count: int, multiplier, out: ir.Value, base: ir.Value, attrs) -> None:
+    """out[base + p] = saturate(round(acc[p] * multiplier(p)) + y_zero) for
+    p < count, clamped to [lowest, highest] (lowest is y_zero after a Relu)."""
+    b = k.builder
+    zero = attrs["output_zero"]
+    lo, hi = attrs["lowest"] - zero, attrs["highest"] - zero
+    with k.loop(count) as p:
+        value = b.fmul(b.sitofp(k.load(acc, p), F32), multiplier(p))
+        value = b.fadd(round_half_even(k, k.clamp(value, lo, hi)), k.f32(zero))
+        k.store(saturate(k, value, attrs["output_dtype"]), out, k.index((base, 1), (p, 1)))
+
+
+class _IntegerOp(Op):
+    """Written by lower_qdq only; a model naming it is refused."""
+
+    def attributes(self, raw, constants, opset):
+        raise BuildError(f"{self.op_type} is written by crosscompile's quantization pass, not read from models")
+
+    def output_dtype(self, inputs, attrs):
+        return attrs["output_dtype"]
+
+    @staticmethod
+    def buffers(k: Kernel, inputs, attrs):
+        """The kernel's typed pointers (x, integer weight, int32 bias, int32
+        sums in scratch, y) and x's zero point as an i32."""
+        return (k.typed(k.inputs[0], inputs[0].dtype), k.typed(k.inputs[1], "int16"),
+                k.typed(k.inputs[2], "int32"), k.typed(k.scratch, "int32"),
+                k.typed(k.outputs[0], attrs["output_dtype"]), ir.Constant(I32, attrs["input_zero"]))
+
+
+class IntegerConv(_IntegerOp):
+    """A quantized 1-D or 2-D convolution, NCHW, with groups: for each
+    output channel, int32 sums over a plane held in scratch, one kernel tap
+    at a time along output rows (contiguous for stride 1, so LLVM widens
+    and vectorises the multiply-accumulate), padding skipped by computing
+    each tap's valid output range here; then one requantizing pass."""
+
+    op_type = "IntegerConv"
+
+    def infer(self, inputs, attrs):
+        x, w = inputs[0], inputs[1]
+        *_, out = _resolve_window(x, attrs["kernel_shape"] or tuple(w[2:]), attrs, what="convolution")
+        return [(x[0], w[0], *out[5 - len(x):])]
+
+    def scratch_bytes(self, inputs, outputs, attrs):
+        return 4 * _prod(outputs[0].shape[2:])
+
+    def lower(self, k, inputs, outputs, attrs):
+        x_shape, w_shape = inputs[0].shape, inputs[1].shape
+        spatial, kernel, strides, dilations, begin, _, out = _resolve_window(
+            x_shape, attrs["kernel_shape"] or tuple(w_shape[2:]), attrs, what="convolution")
+        (_, height, width), (_, kh_count, kw_count) = spatial, kernel
+        (_, sh, sw), (_, dh, dw), (_, ph, pw), (_, oh_count, ow_count) = strides, dilations, begin, out
+        batch, channels = x_shape[:2]
+        filters, group = w_shape[0], attrs["group"]
+        per_group, per_filter = channels // group, filters // group
+        plane = oh_count * ow_count
+        b, dtype = k.builder, inputs[0].dtype
+        x, w, bias, acc, y, x_zero = self.buffers(k, inputs, attrs)
+        with k.loop(batch) as n, k.loop(filters) as m:
+            start = k.load(bias, m)
+            with k.loop(plane) as p:
+                k.store(start, acc, p)
+            first = b.mul(b.udiv(m, k.i64(per_filter)), k.i64(per_group))
+            with k.loop(per_group) as c:
+                source = k.index((n, channels * height * width), (first, height * width), (c, height * width))
+                taps = k.index((m, per_group * kh_count * kw_count), (c, kh_count * kw_count))
+                for kh in range(kh_count):
+                    rows = _valid_range(kh * dh - ph, sh, height, oh_count)
+                    for kw in range(kw_count):
+                        cols = _valid_range(kw * dw - pw, sw, width, ow_count)
+                        if rows[0] == rows[1] or cols[0] == cols[1]:
+                            continue
+                        tap = b.sext(k.load(w, k.index((taps, 1), (kh * kw_count + kw, 1))), I32)
+                        with k.loop(rows[1], start=rows[0]) as oh:
+                            line = k.index((source, 1), (oh, sh * width), (kh * dh - ph, width), (kw * dw - pw, 1))
+                            with k.loop(cols[1], start=cols[0]) as ow:
+                                value = b.sub(_extend(k, k.load(x, k.index((line, 1), (ow, sw))), dtype), x_zero)
+                                at = k.index((oh, ow_count), (ow, 1))
+                                k.store(b.add(k.load(acc, at), b.mul(value, tap)), acc, at)
+            multiplier = k.load(k.inputs[3], m)
+            _requantize(k, acc, plane, lambda p: multiplier, y, k.index((n, filters * plane), (m, plane)), attrs)
+
+
+class IntegerMatMul(_IntegerOp):
+    """A quantized matrix product x (..., K) by a constant (K, N): for each
+    row, int32 sums over N held in scratch, a row of weights at a time
+    (contiguous, widened and vectorised by LLVM); then the row is
+    requantized with one multiplier per column."""
+
+    op_type = "IntegerMatMul"
+
+    def infer(self, inputs, attrs):
+        x, w = inputs[0], inputs[1]
+        if x[-1] != w[0]:
+            raise ShapeError(f"IntegerMatMul inner dimensions differ: {tuple(x)} x {tuple(w)}")
+        return [(*x[:-1], w[1])]
+
+    def scratch_bytes(self, inputs, outputs, attrs):
+        return 4 * inputs[1].shape[1]
+
+    def lower(self, k, inputs, outputs, attrs):
+        depth, columns = inputs[1].shape
+        rows = _prod(inputs[0].shape[:-1])
+        b, dtype = k.builder, inputs[0].dtype
+        x, w, bias, acc, y, x_zero = self.buffers(k, inputs, attrs)
+        with k.loop(rows) as r:
+            with k.loop(columns) as j:
+                k.store(k.load(bias, j), acc, j)
+            with k.loop(depth) as d:
+                value = b.sub(_extend(k, k.load(x, k.index((r, depth), (d, 1))), dtype), x_zero)
+                with k.loop(columns) as j:
+                    product = b.mul(value, b.sext(k.load(w, k.index((d, columns), (j, 1))), I32))
+                    k.store(b.add(k.load(acc, j), product), acc, j)
+            _requantize(k, acc, columns, lambda j: k.load(k.inputs[3], j), y, k.index((r, columns)), attrs)
 
 
 # -- QOperator and integer-op models, rewritten to QDQ before import ----------------------

@@ -3,9 +3,13 @@ quantized by onnxruntime's own quantizer (quantize_static in QDQ and
 QOperator form, quantize_dynamic), so the tests meet what users' tools write.
 
     from tests.quantized_models import quantized_model
-    model = quantized_model("qdq_per_channel", tmp_path)   # an onnx.ModelProto
+    model = quantized_model("qdq_per_channel_s8")   # an onnx.ModelProto
 """
 from __future__ import annotations
+
+import functools
+import pathlib
+import tempfile
 
 import numpy as np
 import onnx
@@ -58,6 +62,25 @@ def conv_net(seed: int = 0) -> onnx.ModelProto:
     return make_model(nodes, {"x": INPUT_SHAPE}, {"y": (1, 10)}, inits)
 
 
+def dense_net(seed: int = 0) -> onnx.ModelProto:
+    """A small convolution and two dense layers, the shape of what
+    quantize_dynamic is used for (it quantizes Conv and MatMul only).
+    Input "x" (1, 3, 12, 12), output "y" (1, 10)."""
+    rng = np.random.default_rng(seed)
+    inits = _conv(rng, "c1", 3, 4, 3)
+    inits["fc1_w"] = (rng.standard_normal((4 * 6 * 6, 32)) / 12).astype(np.float32)
+    inits["fc2_w"] = (rng.standard_normal((32, 10)) / np.sqrt(32)).astype(np.float32)
+    nodes = [
+        helper.make_node("Conv", ["x", "c1_w", "c1_b"], ["c1"], pads=[1, 1, 1, 1], strides=[2, 2]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("Flatten", ["r1"], ["flat"]),
+        helper.make_node("MatMul", ["flat", "fc1_w"], ["fc1"]),
+        helper.make_node("Relu", ["fc1"], ["r2"]),
+        helper.make_node("MatMul", ["r2", "fc2_w"], ["y"]),
+    ]
+    return make_model(nodes, {"x": INPUT_SHAPE}, {"y": (1, 10)}, inits)
+
+
 def calibration(count: int = 8, seed: int = 1) -> list:
     rng = np.random.default_rng(seed)
     return [{"x": rng.standard_normal(INPUT_SHAPE).astype(np.float32)} for _ in range(count)]
@@ -72,20 +95,36 @@ def calibration(count: int = 8, seed: int = 1) -> list:
 STATIC_FORMS = {
     "qdq_per_tensor_u8": ("QDQ", False, "QUInt8", "QUInt8", False),
     "qdq_per_channel_s8": ("QDQ", True, "QInt8", "QInt8", True),
-    "qdq_per_channel_u8s8": ("QDQ", True, "QUInt8", "QInt8", True),
     "qoperator_u8": ("QOperator", False, "QUInt8", "QUInt8", False),
+    "qdq_per_channel_u8s8": ("QDQ", True, "QUInt8", "QInt8", True),
     "qoperator_per_channel_s8": ("QOperator", True, "QUInt8", "QInt8", True),
 }
 FORMS = tuple(STATIC_FORMS) + ("dynamic",)
+# The forms the default test run covers (one of each kind); the others run
+# with `pytest -m quantized_forms`.
+DEFAULT_FORMS = ("qdq_per_tensor_u8", "qdq_per_channel_s8", "qoperator_u8", "dynamic")
 
 
-def quantized_model(form: str, folder) -> onnx.ModelProto:
-    """conv_net quantized in one of FORMS (files written under folder)."""
+def quantized_model(form: str) -> onnx.ModelProto:
+    """conv_net (dense_net for "dynamic") quantized in one of FORMS; made
+    once per process."""
+    model = onnx.ModelProto()
+    model.ParseFromString(_quantized_bytes(form))
+    return model
+
+
+@functools.lru_cache(maxsize=None)
+def _quantized_bytes(form: str) -> bytes:
+    with tempfile.TemporaryDirectory() as folder:
+        return _quantize(form, pathlib.Path(folder)).SerializeToString()
+
+
+def _quantize(form: str, folder: pathlib.Path) -> onnx.ModelProto:
     from onnxruntime.quantization import (CalibrationDataReader, QuantFormat, QuantType, quantize_dynamic,
                                           quantize_static)
 
     source, target = folder / "fp32.onnx", folder / f"{form}.onnx"
-    onnx.save(conv_net(), source)
+    onnx.save(dense_net() if form == "dynamic" else conv_net(), source)
     if form == "dynamic":
         quantize_dynamic(str(source), str(target))
         return onnx.load(target)

@@ -15,7 +15,7 @@ from onnx import TensorProto, helper
 import crosscompile
 import minirt
 from tests.onnx_models import make_model
-from tests.quantized_models import FORMS, calibration, output_step, quantized_model
+from tests.quantized_models import DEFAULT_FORMS, FORMS, calibration, output_step, quantized_model
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -29,9 +29,10 @@ def assert_within_one_step(ours: np.ndarray, theirs: np.ndarray, step: float, wh
         f"{what}: {close:.4%} of elements within one step {step:g}; largest difference {diff.max():g}")
 
 
-@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("form", [
+    pytest.param(form, marks=[] if form in DEFAULT_FORMS else [pytest.mark.quantized_forms]) for form in FORMS])
 def test_quantized_model_matches_onnxruntime_on_host(form, tmp_path):
-    model = quantized_model(form, tmp_path)
+    model = quantized_model(form)
     module = minirt.load(crosscompile.build(model).export_library(tmp_path / "net.so"))
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     # The dynamic form's output is float: its step is that of the int32
@@ -40,6 +41,21 @@ def test_quantized_model_matches_onnxruntime_on_host(form, tmp_path):
         theirs = session.run(None, feeds)[0]
         step = output_step(model) or 1e-3 * float(np.abs(theirs).max())
         assert_within_one_step(module.run(feeds)[0], theirs, step, form)
+
+
+@pytest.mark.parametrize("form", ["qdq_per_channel_s8", "qoperator_u8"])
+def test_quantized_convolutions_and_products_become_integer_kernels(form):
+    """The pass writes its decision into the graph: no float Conv, MatMul or
+    Gemm is left of the quantized ones, each integer node names its kernel."""
+    from crosscompile.compiler import lowered_graph
+    from crosscompile.schedule import tile_table
+
+    target = crosscompile.Target.parse("aarch64-linux-gnu/cortex-a72")
+    _, _, graph = lowered_graph(quantized_model(form), target, None, tile_table(target, None))
+    kinds = [node.op_type for node in graph.nodes]
+    assert kinds.count("IntegerConv") == 4 and kinds.count("IntegerMatMul") == 2, kinds
+    assert not {"Conv", "MatMul", "Gemm"} & set(kinds), kinds
+    assert all(n.attrs["int8_kernel"] == "widening" for n in graph.nodes if n.op_type.startswith("Integer"))
 
 
 def _dequantized_matmul(dtype: int, values) -> onnx.ModelProto:
