@@ -1,7 +1,7 @@
 """Instructions per inference on emulated ARM cores: ours against onnxruntime's
 own aarch64 wheel, one thread each, in the same Debian root filesystem.
 
-    python benchmarks/bench_arm.py [model ...] [--targets rasp4b64,rasp5,rasp3b] [--runs N]
+    python benchmarks/bench_arm.py [model ...] [--targets rasp4b64,rasp5,rasp3b] [--runs N] [--int8]
 
 Models: squeezenet and resnet50 from the onnx package's light zoo (random
 parameters, as in tests/test_zoo.py), resnet18, mobilenetv2 and
@@ -16,6 +16,10 @@ Per target: rasp4b64 on a Cortex-A72, rasp5 on a Cortex-A76 (both aarch64,
 against onnxruntime); rasp3b is 32-bit ARM, for which there is no onnxruntime
 wheel, so its count (qemu-arm's "max" core: it has no Cortex-A53) is printed
 beside ours for aarch64 on the A72.
+
+With --int8 each model is first quantized (crosscompile.quantizer: QDQ,
+uint8 activations, int8 weights per channel, 4 random calibration samples)
+and both count the same quantized model.
 
 The onnxruntime wheel for the root filesystem's Python is fetched once with
 pip (``pip download --platform manylinux_2_28_aarch64``) and unpacked under
@@ -37,6 +41,7 @@ import onnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import crosscompile  # noqa: E402
+from crosscompile.quantizer import quantize_model  # noqa: E402
 from deploy_recipes import emulate, instruction_count  # noqa: E402
 from remote.defaults import cache_dir  # noqa: E402
 from tests.architectures import efficientnet_b0, mobilenet_v2, resnet  # noqa: E402
@@ -93,6 +98,7 @@ def main() -> int:
                         help=f"comma-separated presets of {', '.join(TARGETS)} (default rasp4b64)")
     parser.add_argument("--runs", type=int, default=3, help="inferences counted after the first")
     parser.add_argument("--no-ort", action="store_true", help="count ours only")
+    parser.add_argument("--int8", action="store_true", help="count the models quantized to int8 (QDQ)")
     args = parser.parse_args()
     targets = args.targets.split(",")
     for name in targets:
@@ -110,6 +116,10 @@ def main() -> int:
             inputs = model_inputs(model)
             onnx_path = os.path.join(folder, f"{name}.onnx")
             onnx.save(model, onnx_path)
+            if args.int8:
+                quantize_model(model, onnx_path, random=4)
+                model = onnx.load(onnx_path)
+                name = f"{name}-int8"
             peer = {}  # onnxruntime's count per core, measured once
             for target in targets:
                 arch, cpu, has_ort = TARGETS[target]

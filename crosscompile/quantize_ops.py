@@ -27,7 +27,9 @@ import onnx
 from llvmlite import ir
 from onnx import helper, numpy_helper
 
+from . import int8_dot
 from .emit import F32, I32, Kernel
+from .int8_dot import ROUNDING_LIMIT, ROUNDING_MAGIC
 from .errors import BuildError, ShapeError
 from .op_base import Op, _axis, _prod
 from .window import _resolve_window, _valid_range
@@ -37,12 +39,6 @@ QUANT_RANGES = {"uint8": (0, 255), "int8": (-128, 127)}
 # ... and what DequantizeLinear also takes: int32 (a bias quantized with
 # scale x_scale * w_scale, as quantize_static writes it).
 DEQUANTIZE_DTYPES = ("uint8", "int8", "int32")
-# 1.5 * 2**23: adding and subtracting it rounds a float32 of magnitude
-# below 2**22 to the nearest integer, ties to even, in the default
-# rounding mode, with no libm call (llvm.roundeven becomes one on targets
-# without a rounding instruction).
-ROUNDING_MAGIC = 12582912.0
-ROUNDING_LIMIT = 4194304.0
 
 TENSOR_DTYPES = {onnx.TensorProto.UINT8: "uint8", onnx.TensorProto.INT8: "int8"}
 
@@ -329,21 +325,25 @@ class IntegerConv(_IntegerOp):
     op_type = "IntegerConv"
 
     def infer(self, inputs, attrs):
-        x, w = inputs[0], inputs[1]
-        *_, out = _resolve_window(x, attrs["kernel_shape"] or tuple(w[2:]), attrs, what="convolution")
-        return [(x[0], w[0], *out[5 - len(x):])]
+        x = inputs[0]
+        *_, out = _resolve_window(x, attrs["kernel_shape"], attrs, what="convolution")
+        return [(x[0], attrs["filters"], *out[5 - len(x):])]
 
     def scratch_bytes(self, inputs, outputs, attrs):
-        return 4 * _prod(outputs[0].shape[2:])
+        plane = _prod(outputs[0].shape[2:])
+        if attrs["int8_kernel"] == "dot":
+            return _prod(inputs[1].shape[1:]) * -(-plane // 4) * 4
+        return 4 * plane
 
     def lower(self, k, inputs, outputs, attrs):
-        x_shape, w_shape = inputs[0].shape, inputs[1].shape
-        spatial, kernel, strides, dilations, begin, _, out = _resolve_window(
-            x_shape, attrs["kernel_shape"] or tuple(w_shape[2:]), attrs, what="convolution")
-        (_, height, width), (_, kh_count, kw_count) = spatial, kernel
-        (_, sh, sw), (_, dh, dw), (_, ph, pw), (_, oh_count, ow_count) = strides, dilations, begin, out
+        if attrs["int8_kernel"] == "dot":
+            int8_dot.lower_conv(k, inputs, outputs, attrs)
+            return
+        x_shape = inputs[0].shape
+        height, width, kh_count, kw_count, sh, sw, dh, dw, ph, pw, oh_count, ow_count = int8_dot.conv_geometry(
+            x_shape, attrs)
         batch, channels = x_shape[:2]
-        filters, group = w_shape[0], attrs["group"]
+        filters, group = attrs["filters"], attrs["group"]
         per_group, per_filter = channels // group, filters // group
         plane = oh_count * ow_count
         b, dtype = k.builder, inputs[0].dtype
@@ -382,15 +382,17 @@ class IntegerMatMul(_IntegerOp):
     op_type = "IntegerMatMul"
 
     def infer(self, inputs, attrs):
-        x, w = inputs[0], inputs[1]
-        if x[-1] != w[0]:
-            raise ShapeError(f"IntegerMatMul inner dimensions differ: {tuple(x)} x {tuple(w)}")
-        return [(*x[:-1], w[1])]
+        return [(*inputs[0][:-1], attrs["columns"])]
 
     def scratch_bytes(self, inputs, outputs, attrs):
-        return 4 * inputs[1].shape[1]
+        if attrs["int8_kernel"] == "dot":
+            return _prod(inputs[0].shape[:-1]) * inputs[1].shape[0] * 4
+        return 4 * attrs["columns"]
 
     def lower(self, k, inputs, outputs, attrs):
+        if attrs["int8_kernel"] == "dot":
+            int8_dot.lower_matmul(k, inputs, outputs, attrs)
+            return
         depth, columns = inputs[1].shape
         rows = _prod(inputs[0].shape[:-1])
         b, dtype = k.builder, inputs[0].dtype

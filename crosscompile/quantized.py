@@ -37,10 +37,50 @@ from .quantize_ops import QUANT_RANGES, dequantize_array
 from .target import Target
 
 
-def int8_kernel(target: Target) -> str:
-    """The integer kernel variant for a target: "widening" (8-bit values
-    widened and multiplied into 32-bit sums), which every target runs."""
-    return "widening"
+def int8_kernel(target: Target, weight: np.ndarray, group: int) -> str:
+    """The integer kernel for a convolution or product on a target:
+
+    - "dot": the dot-product micro-kernel (int8_dot.py), where the core has
+      sdot (Target.int8_dot_product), the weights less their zero point fit
+      int8 (symmetric int8 weights, as quantize_static writes them) and the
+      convolution has one group;
+    - "widening": 8-bit values widened and multiplied into 32-bit sums, on
+      every target (and depthwise convolutions everywhere).
+    """
+    fits = weight.size == 0 or (weight.min() >= -128 and weight.max() <= 127)
+    return "dot" if target.int8_dot_product and fits and group == 1 else "widening"
+
+
+def int8_tile(target: Target) -> tuple:
+    """(rows, vectors of 4 columns) of the dot-product tile: 16 sums, 4
+    loaded vectors and a broadcast in AArch64's 32 registers."""
+    return (4, 4) if target.vector_registers >= 32 else (2, 4)
+
+
+def _round_up(value: int, step: int) -> int:
+    return -(-value // step) * step
+
+
+def _dot_constants(op: str, weight: np.ndarray, bias: np.ndarray, multipliers: np.ndarray, offset: int):
+    """(weight, bias, multipliers) in the dot-product kernel's layouts, the
+    bias corrected for activations entering as x - offset (see int8_dot.py):
+    a convolution's weight as (M, KH, KW, C padded to 4) rows; a product's
+    as [K / 4][N padded to 4][4], its bias and multipliers padded to N."""
+    if op == "Conv":
+        sums = weight.reshape(weight.shape[0], -1).astype(np.int64).sum(axis=1)
+        rows = np.moveaxis(weight, 1, -1)
+        pad = _round_up(rows.shape[-1], 4) - rows.shape[-1]
+        rows = np.pad(rows, [(0, 0)] * (rows.ndim - 1) + [(0, pad)])
+        corrected = bias.astype(np.int64) + offset * sums
+        return np.ascontiguousarray(rows.astype(np.int8)), corrected.astype(np.int32), multipliers
+    depth, columns = weight.shape
+    sums = weight.astype(np.int64).sum(axis=0)
+    padded = np.pad(weight, [(0, _round_up(depth, 4) - depth), (0, _round_up(columns, 4) - columns)])
+    packed = padded.reshape(-1, 4, padded.shape[1]).transpose(0, 2, 1)
+    extra = padded.shape[1] - columns
+    corrected = np.pad(bias.astype(np.int64) + offset * sums, (0, extra))
+    return (np.ascontiguousarray(packed.astype(np.int8)), corrected.astype(np.int32),
+            np.pad(multipliers, (0, extra)).astype(np.float32))
 
 
 # -- the pass -------------------------------------------------------------------------
@@ -167,6 +207,13 @@ def _integer_node(graph: Graph, match: _Match, target: Target, constants: dict, 
     else:
         scaled = match.bias.astype(np.float64).reshape(-1) / bias_scale.astype(np.float64)
         bias = np.clip(np.rint(scaled), -2**31, 2**31 - 1).astype(np.int32)
+    group = op.attrs["group"] if conv else 1
+    columns = weight.shape[1]
+    kernel = int8_kernel(target, weight, group)
+    x_dtype = graph.tensors[match.x].dtype
+    if kernel == "dot":
+        offset = (128 if x_dtype == "uint8" else 0) - match.x_zero
+        weight, bias, multipliers = _dot_constants(op.op_type if conv else "MatMul", weight, bias, multipliers, offset)
     names = [f"{op.name}/integer_weight", f"{op.name}/integer_bias", f"{op.name}/multipliers"]
     for name, value in zip(names, (weight, bias, multipliers)):
         constants[name] = value
@@ -174,10 +221,13 @@ def _integer_node(graph: Graph, match: _Match, target: Target, constants: dict, 
     lo, hi = QUANT_RANGES[match.y_dtype]
     attrs = {"input_zero": match.x_zero, "output_zero": match.y_zero, "output_dtype": match.y_dtype,
              "lowest": max(lo, match.y_zero) if match.relu else lo, "highest": hi,
-             "int8_kernel": int8_kernel(target)}
+             "int8_kernel": kernel, "int8_tile": int8_tile(target)}
     if conv:
-        attrs.update({key: op.attrs[key] for key in ("kernel_shape", "strides", "pads", "auto_pad",
-                                                      "dilations", "group")})
+        attrs.update({key: op.attrs[key] for key in ("strides", "pads", "auto_pad", "dilations", "group")})
+        attrs["kernel_shape"] = tuple(match.weight.shape[2:])
+        attrs["filters"] = int(match.weight.shape[0])
+    else:
+        attrs["columns"] = int(columns)
     return Node("IntegerConv" if conv else "IntegerMatMul", op.name, [match.x] + names,
                 list(match.quantize.outputs), attrs)
 

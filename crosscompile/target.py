@@ -114,6 +114,20 @@ class Target:
         return (2, 4) if self.winograd else ()
 
     @property
+    def int8_dot_product(self) -> bool:
+        """Whether the core has AArch64's 8-bit dot-product instructions
+        (sdot/udot, ARMv8.2 +dotprod): named in the features, or implied by
+        a core that always has them, unless the features say -dotprod.
+
+        >>> resolve_target("rasp5").int8_dot_product, resolve_target("rasp4b64").int8_dot_product
+        (True, False)
+        """
+        flags = set(self.features.split(","))
+        if self.arch != "aarch64" or "-dotprod" in flags:
+            return False
+        return "+dotprod" in flags or self.cpu in _DOTPROD_CORES
+
+    @property
     def reduction_unroll(self) -> int:
         """Steps per trip of a GEMM micro-kernel's reduction loop.
 
@@ -177,6 +191,12 @@ class Target:
         return {"name": self.name, "triple": self.triple, "cpu": self.cpu,
                 "features": self.features}
 
+
+# AArch64 cores whose every implementation has the dot-product instructions
+# (ARMv8.2 and later with FEAT_DotProd; LLVM's CPU models enable them).
+_DOTPROD_CORES = {"cortex-a55", "cortex-a65", "cortex-a75", "cortex-a76", "cortex-a76ae", "cortex-a77",
+                  "cortex-a78", "cortex-a78c", "cortex-x1", "cortex-x2", "cortex-a510", "cortex-a710",
+                  "cortex-a715", "cortex-a720", "neoverse-n1", "neoverse-n2", "neoverse-v1", "apple-m1"}
 
 # Linux system call numbers of futex.
 _FUTEX_NUMBER = {"x86_64": 202, "aarch64": 98, "arm": 240, "i386": 240}
