@@ -46,7 +46,7 @@ TENSOR_DTYPES = {onnx.TensorProto.UINT8: "uint8", onnx.TensorProto.INT8: "int8"}
 def _unsupported_dtype(what: str, dtype: str, allowed) -> BuildError:
     return BuildError(f"{what} is {dtype}; quantized tensors of {dtype} are not supported "
                       f"(supported: {', '.join(allowed)}); quantize the model to 8 bits, e.g. "
-                      "`tether quantize MODEL -o OUT.onnx`")
+                      "`tether quantize MODEL --calibrate DIR -o OUT.onnx`")
 
 
 # -- the arithmetic, in numpy: the reference the kernels and tests follow ---------------
