@@ -1,5 +1,6 @@
 """The 8-bit dot-product micro-kernel (AArch64 sdot, ARMv8.2 +dotprod):
-a tile of int32 sums, 4 x 4 products a time per instruction.
+a tile of int32 sums, 4 x 4 products a time per instruction; and its
+ARMv8.0 form (smull + sadalp, 8 products in two instructions).
 
 Both operands are int8 in groups of 4 along the reduction. One side is
 "vectors": 16 bytes holding 4 columns x 4 reduction values, packed as
@@ -40,11 +41,31 @@ V4I8 = ir.VectorType(I8, 4)
 
 
 def _sdot(k: Kernel, acc: ir.Value, a: ir.Value, b: ir.Value) -> ir.Value:
-    name = "llvm.aarch64.neon.sdot.v4i32.v16i8"
+    return _intrinsic(k, "llvm.aarch64.neon.sdot.v4i32.v16i8", V4I32, [acc, a, b])
+
+
+V8I8 = ir.VectorType(I8, 8)
+V8I16 = ir.VectorType(ir.IntType(16), 8)
+
+
+def _intrinsic(k: Kernel, name: str, result, args: list) -> ir.Value:
     fn = k.module.globals.get(name)
     if fn is None:
-        fn = ir.Function(k.module, ir.FunctionType(V4I32, [V4I32, V16I8, V16I8]), name=name)
-    return k.builder.call(fn, [acc, a, b])
+        fn = ir.Function(k.module, ir.FunctionType(result, [a.type for a in args]), name=name)
+    return k.builder.call(fn, args)
+
+
+def _half(k: Kernel, vector: ir.Value, high: bool) -> ir.Value:
+    start = 8 if high else 0
+    return k.builder.shuffle_vector(vector, ir.Constant(V16I8, ir.Undefined),
+                                    ir.Constant(ir.VectorType(I32, 8), list(range(start, start + 8))))
+
+
+def _pair_sums(k: Kernel, acc: ir.Value, a: ir.Value, b: ir.Value) -> ir.Value:
+    """acc (4 x i32) + the sums of adjacent pairs of a * b (8 x int8 each):
+    smull then sadalp, ARMv8.0's widening multiply-accumulate."""
+    product = _intrinsic(k, "llvm.aarch64.neon.smull.v8i16", V8I16, [a, b])
+    return k.builder.add(acc, _intrinsic(k, "llvm.aarch64.neon.saddlp.v4i32.v8i16", V4I32, [product]))
 
 
 def _splat(k: Kernel, value: ir.Value, vector: ir.VectorType) -> ir.Value:
@@ -64,6 +85,7 @@ class DotTile:
     """
 
     def __init__(self, depth4: int, vector, broadcast, bias, multiplier, out, out_ptr, attrs):
+        self.kind = attrs["int8_kernel"]
         self.depth4, self.vector, self.broadcast = depth4, vector, broadcast
         self.bias, self.multiplier, self.out, self.out_ptr, self.attrs = bias, multiplier, out, out_ptr, attrs
 
@@ -71,22 +93,40 @@ class DotTile:
 def emit_tile(k: Kernel, tile: DotTile, row0: ir.Value, rows: int, column0: ir.Value, vectors: int,
               last_lanes: int = 4) -> None:
     """One tile: rows x (vectors * 4) sums from (row0, column0), all
-    written but the last vector's lanes beyond last_lanes."""
+    written but the last vector's lanes beyond last_lanes.
+
+    With tile.kind "dot" each sum is one register, 16 products a sdot.
+    With "pairs" (AArch64 without dot products) each is two registers of
+    pair sums, columns 0-1 and 2-3, 8 products a smull + sadalp, added
+    pairwise (addp) at the end."""
     b = k.builder
-    accs = [[k.variable(tile.bias(b.add(row0, k.i64(i)), b.add(column0, k.i64(4 * v))))
-             for v in range(vectors)] for i in range(rows)]
+    zero = ir.Constant(V4I32, [0] * 4)
+    parts = 1 if tile.kind == "dot" else 2
+    accs = [[[k.variable(zero) for _ in range(parts)] for v in range(vectors)] for i in range(rows)]
     with k.loop(tile.depth4) as g:
         loaded = [b.load(b.bitcast(tile.vector(g, b.add(column0, k.i64(4 * v))), V16I8.as_pointer()), align=1)
                   for v in range(vectors)]
+        if parts == 2:
+            loaded = [(_half(k, a, False), _half(k, a, True)) for a in loaded]
         for i in range(rows):
             word = b.load(b.bitcast(tile.broadcast(b.add(row0, k.i64(i)), g), I32.as_pointer()), align=1)
             splat = b.bitcast(_splat(k, word, V4I32), V16I8)
+            if parts == 2:
+                splat = _half(k, splat, False)
             for v in range(vectors):
-                b.store(_sdot(k, b.load(accs[i][v]), loaded[v], splat), accs[i][v])
+                for part in range(parts):
+                    acc = accs[i][v][part]
+                    if parts == 1:
+                        b.store(_sdot(k, b.load(acc), loaded[v], splat), acc)
+                    else:
+                        b.store(_pair_sums(k, b.load(acc), loaded[v][part], splat), acc)
     for i in range(rows):
         for v in range(vectors):
             row, column = b.add(row0, k.i64(i)), b.add(column0, k.i64(4 * v))
-            values = _requantize_vector(k, b.load(accs[i][v]), tile.multiplier(row, column), tile.attrs)
+            sums = [b.load(acc) for acc in accs[i][v]]
+            total = sums[0] if parts == 1 else _intrinsic(k, "llvm.aarch64.neon.addp.v4i32", V4I32, sums)
+            total = b.add(total, tile.bias(row, column))
+            values = _requantize_vector(k, total, tile.multiplier(row, column), tile.attrs)
             at = b.gep(tile.out_ptr, [tile.out(row, column)])
             lanes = last_lanes if v == vectors - 1 else 4
             if lanes == 4:

@@ -331,12 +331,12 @@ class IntegerConv(_IntegerOp):
 
     def scratch_bytes(self, inputs, outputs, attrs):
         plane = _prod(outputs[0].shape[2:])
-        if attrs["int8_kernel"] == "dot":
+        if attrs["int8_kernel"] != "widening":
             return _prod(inputs[1].shape[1:]) * -(-plane // 4) * 4
         return 4 * plane
 
     def lower(self, k, inputs, outputs, attrs):
-        if attrs["int8_kernel"] == "dot":
+        if attrs["int8_kernel"] != "widening":
             int8_dot.lower_conv(k, inputs, outputs, attrs)
             return
         x_shape = inputs[0].shape
@@ -385,12 +385,12 @@ class IntegerMatMul(_IntegerOp):
         return [(*inputs[0][:-1], attrs["columns"])]
 
     def scratch_bytes(self, inputs, outputs, attrs):
-        if attrs["int8_kernel"] == "dot":
+        if attrs["int8_kernel"] != "widening":
             return _prod(inputs[0].shape[:-1]) * inputs[1].shape[0] * 4
         return 4 * attrs["columns"]
 
     def lower(self, k, inputs, outputs, attrs):
-        if attrs["int8_kernel"] == "dot":
+        if attrs["int8_kernel"] != "widening":
             int8_dot.lower_matmul(k, inputs, outputs, attrs)
             return
         depth, columns = inputs[1].shape

@@ -44,17 +44,23 @@ def int8_kernel(target: Target, weight: np.ndarray, group: int) -> str:
       sdot (Target.int8_dot_product), the weights less their zero point fit
       int8 (symmetric int8 weights, as quantize_static writes them) and the
       convolution has one group;
-    - "widening": 8-bit values widened and multiplied into 32-bit sums, on
-      every target (and depthwise convolutions everywhere).
+    - "pairs": the same tiles with ARMv8.0's smull + sadalp, on the other
+      AArch64 cores (Cortex-A53, A72), under the same conditions;
+    - "widening": 8-bit values widened and multiplied into 32-bit sums
+      along output rows, on every target (x86, 32-bit ARM, and depthwise
+      convolutions everywhere).
     """
     fits = weight.size == 0 or (weight.min() >= -128 and weight.max() <= 127)
-    return "dot" if target.int8_dot_product and fits and group == 1 else "widening"
+    if target.arch != "aarch64" or not fits or group != 1:
+        return "widening"
+    return "dot" if target.int8_dot_product else "pairs"
 
 
-def int8_tile(target: Target) -> tuple:
-    """(rows, vectors of 4 columns) of the dot-product tile: 16 sums, 4
-    loaded vectors and a broadcast in AArch64's 32 registers."""
-    return (4, 4) if target.vector_registers >= 32 else (2, 4)
+def int8_tile(kernel: str) -> tuple:
+    """(rows, vectors of 4 columns) of a dot-product tile in AArch64's 32
+    registers: 16 sum registers, the loaded vectors and a broadcast ("pairs"
+    keeps two registers per sum, so half the columns)."""
+    return (4, 2) if kernel == "pairs" else (4, 4)
 
 
 def _round_up(value: int, step: int) -> int:
@@ -211,7 +217,7 @@ def _integer_node(graph: Graph, match: _Match, target: Target, constants: dict, 
     columns = weight.shape[1]
     kernel = int8_kernel(target, weight, group)
     x_dtype = graph.tensors[match.x].dtype
-    if kernel == "dot":
+    if kernel in ("dot", "pairs"):
         offset = (128 if x_dtype == "uint8" else 0) - match.x_zero
         weight, bias, multipliers = _dot_constants(op.op_type if conv else "MatMul", weight, bias, multipliers, offset)
     names = [f"{op.name}/integer_weight", f"{op.name}/integer_bias", f"{op.name}/multipliers"]
@@ -221,7 +227,7 @@ def _integer_node(graph: Graph, match: _Match, target: Target, constants: dict, 
     lo, hi = QUANT_RANGES[match.y_dtype]
     attrs = {"input_zero": match.x_zero, "output_zero": match.y_zero, "output_dtype": match.y_dtype,
              "lowest": max(lo, match.y_zero) if match.relu else lo, "highest": hi,
-             "int8_kernel": kernel, "int8_tile": int8_tile(target)}
+             "int8_kernel": kernel, "int8_tile": int8_tile(kernel)}
     if conv:
         attrs.update({key: op.attrs[key] for key in ("strides", "pads", "auto_pad", "dilations", "group")})
         attrs["kernel_shape"] = tuple(match.weight.shape[2:])

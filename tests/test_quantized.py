@@ -47,19 +47,28 @@ def test_quantized_model_matches_onnxruntime_on_host(form, tmp_path):
         assert_within_one_step(module.run(feeds)[0], theirs, step, form)
 
 
-@pytest.mark.parametrize("form", ["qdq_per_channel_s8", "qoperator_u8"])
-def test_quantized_convolutions_and_products_become_integer_kernels(form):
-    """The pass writes its decision into the graph: no float Conv, MatMul or
-    Gemm is left of the quantized ones, each integer node names its kernel."""
+@pytest.mark.parametrize("form, target, kernels", [
+    ("qdq_per_channel_s8", "rasp5", {"dot", "widening"}),
+    ("qdq_per_channel_s8", "rasp4b64", {"pairs", "widening"}),
+    ("qdq_per_channel_s8", "rasp4b", {"widening"}),
+    ("qoperator_u8", "rasp5", {"widening"}),  # uint8 weights less their zero point do not fit int8
+])
+def test_quantized_convolutions_and_products_become_integer_kernels(form, target, kernels):
+    """The pass writes its decisions into the graph: no float Conv, MatMul or
+    Gemm is left of the quantized ones, and each integer node names the
+    kernel the target's capabilities chose (depthwise convolutions widening)."""
     from crosscompile.compiler import lowered_graph
     from crosscompile.schedule import tile_table
+    from crosscompile.target import resolve_target
 
-    target = crosscompile.Target.parse("aarch64-linux-gnu/cortex-a72")
+    target = resolve_target(target)
     _, _, graph = lowered_graph(quantized_model(form), target, None, tile_table(target, None))
     kinds = [node.op_type for node in graph.nodes]
     assert kinds.count("IntegerConv") == 4 and kinds.count("IntegerMatMul") == 2, kinds
     assert not {"Conv", "MatMul", "Gemm"} & set(kinds), kinds
-    assert all(n.attrs["int8_kernel"] == "widening" for n in graph.nodes if n.op_type.startswith("Integer"))
+    integer = [n for n in graph.nodes if n.op_type.startswith("Integer")]
+    assert {n.attrs["int8_kernel"] for n in integer} == kernels
+    assert all(n.attrs["int8_kernel"] == "widening" for n in integer if n.attrs.get("group", 1) > 1)
 
 
 def _dequantized_matmul(dtype: int, values) -> onnx.ModelProto:
