@@ -2,7 +2,7 @@
 own aarch64 wheel, one thread each, in the same Debian root filesystem.
 
     python benchmarks/bench_arm.py [model ...] [--targets rasp4b64,rasp5,rasp3b] [--runs N]
-                                   [--precisions fp32,fp16]
+                                   [--precisions fp32,fp16] [--int8]
 
 Models: squeezenet and resnet50 from the onnx package's light zoo (random
 parameters, as in tests/test_zoo.py), resnet18, mobilenetv2 and
@@ -22,6 +22,10 @@ With --precisions fp32,fp16, targets with FP16 arithmetic (rasp5) also get a
 row of ours built with precision="fp16", against onnxruntime's float32 count
 on the same core. Every row's output is checked: "cos" is the cosine of
 our output against onnxruntime's (the same input).
+
+With --int8 each model is first quantized (crosscompile.quantizer: QDQ,
+uint8 activations, int8 weights per channel, 4 random calibration samples)
+and both count the same quantized model.
 
 The onnxruntime wheel for the root filesystem's Python is fetched once with
 pip (``pip download --platform manylinux_2_28_aarch64``) and unpacked under
@@ -44,6 +48,7 @@ import onnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import crosscompile  # noqa: E402
+from crosscompile.quantizer import quantize_model  # noqa: E402
 from deploy_recipes import emulate, instruction_count  # noqa: E402
 from crosscompile.target import resolve_target  # noqa: E402
 from remote.defaults import cache_dir  # noqa: E402
@@ -104,6 +109,7 @@ def main() -> int:
     parser.add_argument("--precisions", default="fp32",
                         help="comma-separated precisions of ours: fp32, fp16 (fp16 on targets with "
                              "FP16 arithmetic only; default fp32)")
+    parser.add_argument("--int8", action="store_true", help="count the models quantized to int8 (QDQ)")
     args = parser.parse_args()
     targets = args.targets.split(",")
     precisions = args.precisions.split(",")
@@ -126,6 +132,10 @@ def main() -> int:
             inputs = model_inputs(model)
             onnx_path = os.path.join(folder, f"{name}.onnx")
             onnx.save(model, onnx_path)
+            if args.int8:
+                quantize_model(model, onnx_path, random=4)
+                model = onnx.load(onnx_path)
+                name = f"{name}-int8"
             peer = {}  # onnxruntime's count and output per core, measured once
             for target, precision in [(t, p) for t in targets for p in precisions]:
                 arch, cpu, has_ort = TARGETS[target]

@@ -17,6 +17,7 @@ from .frontend import import_onnx
 from .link import link_shared
 from .metadata import module_metadata
 from .patterns import fuse_attention, fuse_gelu, fuse_layer_norm
+from .quantized import lower_qdq
 from .memory import plan_memory
 from .precision import check_precision, mark_precision
 from .passes import (eliminate_dead_code, fold_batchnorm, fold_channel_affine, fuse_elementwise,
@@ -129,7 +130,7 @@ def tiled_graph(model, target: Target, input_shapes, table, precision: str = "fp
     (from `table`, see schedule.tile_table) into the graph, after
     precision.mark_precision has marked the nodes that compute in half."""
     imported = eliminate_dead_code(import_onnx(model, input_shapes))
-    folded = fold_channel_affine(fold_batchnorm(imported))
+    folded = fold_channel_affine(fold_batchnorm(lower_qdq(imported, target)))
     fused = fuse_attention(fuse_matmul_affine(fuse_gelu(fuse_layer_norm(folded))))
     marked = mark_precision(fuse_residual_add(fuse_elementwise(fused)), target, precision)
     tiled = assign_tiles(marked, target, table)

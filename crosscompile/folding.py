@@ -20,6 +20,10 @@ SHAPE_OPS = {"Shape", "Size"}
 # Ops that must never be folded even with constant inputs.
 NONDETERMINISTIC = {"RandomNormal", "RandomUniform", "RandomNormalLike",
                     "RandomUniformLike", "Multinomial", "Bernoulli"}
+# Quantization stays in the graph even on constants (a weight's
+# DequantizeLinear): quantized.lower_qdq needs the integer weights and folds
+# the ones it does not lower itself.
+QUANTIZATION = {"QuantizeLinear", "DequantizeLinear"}
 
 
 def shape_value(op_type: str, shape: tuple, raw: dict) -> np.ndarray:
@@ -32,7 +36,7 @@ def shape_value(op_type: str, shape: tuple, raw: dict) -> np.ndarray:
 
 def can_fold(np_node: onnx.NodeProto, constants: dict) -> bool:
     present = [name for name in np_node.input if name]
-    return (np_node.op_type not in NONDETERMINISTIC and bool(present)
+    return (np_node.op_type not in NONDETERMINISTIC | QUANTIZATION and bool(present)
             and all(name in constants for name in present))
 
 

@@ -12,6 +12,7 @@ from . import folding
 from .errors import BuildError, ShapeError, UnsupportedOpError
 from .ir import Graph, Node, Tensor
 from .ops import OPS
+from .quantize_ops import expand_operators
 
 # Model inputs and outputs: float32 data, integer ids and indices, masks.
 SUPPORTED_DTYPES = ("float32", "int64", "int32", "bool")
@@ -48,7 +49,7 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
 
     >>> g = import_onnx("model.onnx", input_shapes={"input": (1, 784)})  # doctest: +SKIP
     """
-    proto = load_model(model)
+    proto = expand_operators(load_model(model))
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 1)
     g = proto.graph
     input_shapes = dict(input_shapes or {})

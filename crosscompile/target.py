@@ -82,10 +82,17 @@ class Target:
 
     @property
     def has_dot_product(self) -> bool:
-        """Whether the core has 8-bit dot products: ARM's sdot/udot
-        (+dotprod, Cortex-A55/A76 and later) or x86's VNNI (vpdpbusd)."""
+        """Whether the core has 8-bit dot products: ARM's sdot/udot (+dotprod,
+        named in the features or implied by a core that always has them, unless
+        the features say -dotprod) or x86's VNNI (vpdpbusd).
+
+        >>> resolve_target("rasp5").has_dot_product, resolve_target("rasp4b64").has_dot_product
+        (True, False)
+        """
         if self.arch in ("aarch64", "arm"):
-            return "dotprod" in self.feature_flags
+            if "-dotprod" in self.features.split(","):
+                return False
+            return "dotprod" in self.feature_flags or self.cpu in _DOTPROD_CORES
         return self.has_vnni
 
     @property
@@ -217,6 +224,12 @@ class Target:
         return {"name": self.name, "triple": self.triple, "cpu": self.cpu,
                 "features": self.features}
 
+
+# AArch64 cores whose every implementation has the dot-product instructions
+# (ARMv8.2 and later with FEAT_DotProd; LLVM's CPU models enable them).
+_DOTPROD_CORES = {"cortex-a55", "cortex-a65", "cortex-a75", "cortex-a76", "cortex-a76ae", "cortex-a77",
+                  "cortex-a78", "cortex-a78c", "cortex-x1", "cortex-x2", "cortex-a510", "cortex-a710",
+                  "cortex-a715", "cortex-a720", "neoverse-n1", "neoverse-n2", "neoverse-v1", "apple-m1"}
 
 # Linux system call numbers of futex.
 _FUTEX_NUMBER = {"x86_64": 202, "aarch64": 98, "arm": 240, "i386": 240}

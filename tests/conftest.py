@@ -65,17 +65,24 @@ def pytest_addoption(parser):
                           "about 10 more minutes on 2 cores)")
 
 
-def pytest_collection_modifyitems(config, items):
-    """Leave the full emulated model zoo out unless --full-zoo is given.
+# Markers of tests left out of the default run, unless a -m expression names them.
+OPT_IN_MARKERS = ("quantized_forms", "quantized_zoo")
 
-    It is reported as deselected, not skipped: the default run keeps one
+
+def pytest_collection_modifyitems(config, items):
+    """Leave the full emulated model zoo out unless --full-zoo is given, and
+    the tests marked with an OPT_IN_MARKERS marker unless `-m` names it.
+
+    They are reported as deselected, not skipped: the default run keeps one
     representative model per emulated architecture.
     """
-    if config.getoption("--full-zoo"):
-        return
+    wanted = config.getoption("-m") or ""
+    left_out = [m for m in OPT_IN_MARKERS if m not in wanted]
+    if not config.getoption("--full-zoo"):
+        left_out.append("full_zoo")
     kept, left = [], []
     for item in items:
-        (left if item.get_closest_marker("full_zoo") else kept).append(item)
+        (left if any(item.get_closest_marker(m) for m in left_out) else kept).append(item)
     if left:
         config.hook.pytest_deselected(items=left)
         items[:] = kept

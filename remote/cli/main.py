@@ -89,6 +89,16 @@ def cmd_compile(args):
     return 0
 
 
+def cmd_quantize(args):
+    from crosscompile.quantizer import quantize_model
+    report = quantize_model(args.model, args.output, calibrate=args.calibrate, random=args.random,
+                            per_channel=not args.per_tensor)
+    print(f"quantized {args.model} -> {args.output} (QDQ: uint8 activations, int8 weights "
+          f"{'per tensor' if args.per_tensor else 'per channel'})")
+    print("  " + report.text())
+    return 0
+
+
 def cmd_bench(args):
     from remote.cli.bench import run_bench
     return run_bench(args, _tracker_address(args.tracker))
@@ -193,6 +203,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-tuning", action="store_true",
                    help="use the default register tiles, not those `tether tune` cached")
     p.set_defaults(func=cmd_compile)
+
+    p = sub.add_parser("quantize", help="quantize an fp32 ONNX model to int8 (QDQ), ready to compile",
+                       epilog="examples:\n"
+                              "  tether quantize model.onnx --calibrate samples/ -o model_int8.onnx\n"
+                              "  tether quantize model.onnx --random 8 -o model_int8.onnx",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="fp32 ONNX model file")
+    data = p.add_mutually_exclusive_group(required=True)
+    data.add_argument("--calibrate", metavar="DIR",
+                      help="folder of calibration samples: one .npy per sample (one input) or .npz "
+                           "with an array per input name")
+    data.add_argument("--random", type=int, metavar="N",
+                      help="calibrate on N random normal samples (to try speed; real data gives accuracy)")
+    p.add_argument("-o", "--output", required=True, help="the int8 ONNX model to write")
+    p.add_argument("--per-tensor", action="store_true", help="one weight scale per tensor, not per channel")
+    p.set_defaults(func=cmd_quantize)
 
     from remote.cli import bench, run, tune
     p = sub.add_parser(

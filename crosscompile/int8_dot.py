@@ -1,0 +1,292 @@
+"""The 8-bit dot-product micro-kernel (AArch64 sdot, ARMv8.2 +dotprod):
+a tile of int32 sums, 4 x 4 products a time per instruction; and its
+ARMv8.0 form (smull + sadalp, 8 products in two instructions).
+
+Both operands are int8 in groups of 4 along the reduction. One side is
+"vectors": 16 bytes holding 4 columns x 4 reduction values, packed as
+[depth / 4][columns][4]; the other is "broadcasts": 4 reduction values of
+one row (an i32 load, splat to every lane). A tile is `rows` rows by
+`vectors` x 4 columns, its sums in rows x vectors registers; each sum
+starts from an int32 bias and ends requantized to 8 bits, 4 columns at a
+time, into an output whose columns are contiguous.
+
+uint8 activations enter as int8 (x - 128): the pass (quantized.py) folds
+(128 - x_zero) * sum(w) into the bias, so sums are those of
+(x - x_zero) * (w - w_zero).
+
+IntegerConv uses it with filters as rows (broadcast weights) and output
+pixels as columns (activations packed from the input per call);
+IntegerMatMul with rows of x as rows (copied to int8 per call) and the
+weight's columns as columns (packed at compile time).
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+
+from .emit import F32, I8, I32, Kernel
+from .op_base import _prod
+from .window import _resolve_window, _valid_range
+
+# 1.5 * 2**23: adding and subtracting it rounds a float32 of magnitude
+# below 2**22 to the nearest integer, ties to even, in the default
+# rounding mode, with no libm call (llvm.roundeven becomes one on targets
+# without a rounding instruction).
+ROUNDING_MAGIC = 12582912.0
+ROUNDING_LIMIT = 4194304.0
+
+V16I8 = ir.VectorType(I8, 16)
+V4I32 = ir.VectorType(I32, 4)
+V4F32 = ir.VectorType(F32, 4)
+V4I8 = ir.VectorType(I8, 4)
+
+
+def _sdot(k: Kernel, acc: ir.Value, a: ir.Value, b: ir.Value) -> ir.Value:
+    return _intrinsic(k, "llvm.aarch64.neon.sdot.v4i32.v16i8", V4I32, [acc, a, b])
+
+
+V8I8 = ir.VectorType(I8, 8)
+V8I16 = ir.VectorType(ir.IntType(16), 8)
+
+
+def _intrinsic(k: Kernel, name: str, result, args: list) -> ir.Value:
+    fn = k.module.globals.get(name)
+    if fn is None:
+        fn = ir.Function(k.module, ir.FunctionType(result, [a.type for a in args]), name=name)
+    return k.builder.call(fn, args)
+
+
+def _half(k: Kernel, vector: ir.Value, high: bool) -> ir.Value:
+    start = 8 if high else 0
+    return k.builder.shuffle_vector(vector, ir.Constant(V16I8, ir.Undefined),
+                                    ir.Constant(ir.VectorType(I32, 8), list(range(start, start + 8))))
+
+
+def _pair_sums(k: Kernel, acc: ir.Value, a: ir.Value, b: ir.Value) -> ir.Value:
+    """acc (4 x i32) + the sums of adjacent pairs of a * b (8 x int8 each):
+    smull then sadalp, ARMv8.0's widening multiply-accumulate."""
+    product = _intrinsic(k, "llvm.aarch64.neon.smull.v8i16", V8I16, [a, b])
+    return k.builder.add(acc, _intrinsic(k, "llvm.aarch64.neon.saddlp.v4i32.v8i16", V4I32, [product]))
+
+
+def _splat(k: Kernel, value: ir.Value, vector: ir.VectorType) -> ir.Value:
+    b = k.builder
+    one = b.insert_element(ir.Constant(vector, ir.Undefined), value, ir.Constant(I32, 0))
+    return b.shuffle_vector(one, ir.Constant(vector, ir.Undefined), ir.Constant(ir.VectorType(I32, vector.count), [0] * vector.count))
+
+
+class DotTile:
+    """What a tile reads and writes; the callables emit addresses and values:
+
+    vector(k4, column) -> i8* of the 16 packed bytes at reduction group k4, column;
+    broadcast(row, k4) -> i8* of the 4 bytes of row at group k4;
+    bias(row, column) / multiplier(row, column) -> <4 x i32> / <4 x float>
+    for the 4 columns from column on; out(row, column) -> element offset in
+    the output of (row, column), whose next 3 columns follow it.
+    """
+
+    def __init__(self, depth4: int, vector, broadcast, bias, multiplier, out, out_ptr, attrs):
+        self.kind = attrs["int8_kernel"]
+        self.depth4, self.vector, self.broadcast = depth4, vector, broadcast
+        self.bias, self.multiplier, self.out, self.out_ptr, self.attrs = bias, multiplier, out, out_ptr, attrs
+
+
+def emit_tile(k: Kernel, tile: DotTile, row0: ir.Value, rows: int, column0: ir.Value, vectors: int,
+              last_lanes: int = 4) -> None:
+    """One tile: rows x (vectors * 4) sums from (row0, column0), all
+    written but the last vector's lanes beyond last_lanes.
+
+    With tile.kind "dot" each sum is one register, 16 products a sdot.
+    With "pairs" (AArch64 without dot products) each is two registers of
+    pair sums, columns 0-1 and 2-3, 8 products a smull + sadalp, added
+    pairwise (addp) at the end."""
+    b = k.builder
+    zero = ir.Constant(V4I32, [0] * 4)
+    parts = 1 if tile.kind == "dot" else 2
+    accs = [[[k.variable(zero) for _ in range(parts)] for v in range(vectors)] for i in range(rows)]
+    with k.loop(tile.depth4) as g:
+        loaded = [b.load(b.bitcast(tile.vector(g, b.add(column0, k.i64(4 * v))), V16I8.as_pointer()), align=1)
+                  for v in range(vectors)]
+        if parts == 2:
+            loaded = [(_half(k, a, False), _half(k, a, True)) for a in loaded]
+        for i in range(rows):
+            word = b.load(b.bitcast(tile.broadcast(b.add(row0, k.i64(i)), g), I32.as_pointer()), align=1)
+            splat = b.bitcast(_splat(k, word, V4I32), V16I8)
+            if parts == 2:
+                splat = _half(k, splat, False)
+            for v in range(vectors):
+                for part in range(parts):
+                    acc = accs[i][v][part]
+                    if parts == 1:
+                        b.store(_sdot(k, b.load(acc), loaded[v], splat), acc)
+                    else:
+                        b.store(_pair_sums(k, b.load(acc), loaded[v][part], splat), acc)
+    for i in range(rows):
+        for v in range(vectors):
+            row, column = b.add(row0, k.i64(i)), b.add(column0, k.i64(4 * v))
+            sums = [b.load(acc) for acc in accs[i][v]]
+            total = sums[0] if parts == 1 else _intrinsic(k, "llvm.aarch64.neon.addp.v4i32", V4I32, sums)
+            total = b.add(total, tile.bias(row, column))
+            values = _requantize_vector(k, total, tile.multiplier(row, column), tile.attrs)
+            at = b.gep(tile.out_ptr, [tile.out(row, column)])
+            lanes = last_lanes if v == vectors - 1 else 4
+            if lanes == 4:
+                b.store(values, b.bitcast(at, V4I8.as_pointer()), align=1)
+            else:
+                for lane in range(lanes):
+                    b.store(b.extract_element(values, ir.Constant(I32, lane)), b.gep(at, [k.i64(lane)]))
+
+
+def _requantize_vector(k: Kernel, acc: ir.Value, multiplier: ir.Value, attrs) -> ir.Value:
+    """saturate(round_half_even(acc * multiplier) + y_zero) of 4 lanes (as
+    quantize_ops._requantize does one)."""
+    b = k.builder
+    zero = attrs["output_zero"]
+    # Clamped to [lowest, highest] - y_zero before rounding (integer bounds,
+    # so the same as after): the result is in the output type's range.
+    with k.vector_constants(4):
+        value = b.fmul(b.sitofp(acc, V4F32), multiplier)
+        value = k.clamp(value, attrs["lowest"] - zero, attrs["highest"] - zero)
+        value = b.fsub(b.fadd(value, k.f32(ROUNDING_MAGIC)), k.f32(ROUNDING_MAGIC))
+        value = b.fadd(value, k.f32(zero))
+    return b.trunc(b.fptosi(value, V4I32), V4I8)
+
+
+def emit_tiles(k: Kernel, tile: DotTile, rows: int, columns: int, tile_rows: int, tile_vectors: int) -> None:
+    """Every tile of a rows x columns output: full tiles in loops, then the
+    row and column remainders as smaller tiles (a last vector of fewer
+    than 4 columns stores only those)."""
+    full_rows = rows - rows % tile_rows
+    whole_vectors = columns // 4
+    full_vectors = whole_vectors - whole_vectors % tile_vectors
+    row_parts = [(full_rows, tile_rows, None)] + ([(rows % tile_rows, rows % tile_rows, full_rows)]
+                                                  if rows % tile_rows else [])
+    for count, height, start in row_parts:
+        def columns_of(row0):
+            if full_vectors:
+                with k.loop(full_vectors // tile_vectors) as c:
+                    emit_tile(k, tile, row0, height, k.builder.mul(c, k.i64(4 * tile_vectors)), tile_vectors)
+            if whole_vectors % tile_vectors:
+                emit_tile(k, tile, row0, height, k.i64(4 * full_vectors), whole_vectors % tile_vectors)
+            if columns % 4:
+                emit_tile(k, tile, row0, height, k.i64(4 * whole_vectors), 1, columns % 4)
+        if start is None:
+            if count:
+                with k.loop(count // height) as r:
+                    columns_of(k.builder.mul(r, k.i64(height)))
+        else:
+            columns_of(k.i64(start))
+
+
+def _as_int8(k: Kernel, value: ir.Value, dtype: str) -> ir.Value:
+    """An 8-bit activation as the kernel's int8: uint8 less 128 (its top bit flipped)."""
+    return k.builder.xor(value, ir.Constant(I8, 0x80)) if dtype == "uint8" else value
+
+
+def _fill(k: Kernel, ptr: ir.Value, start: ir.Value, count: int, value: ir.Value) -> None:
+    if count > 0:
+        with k.loop(count) as i:
+            k.store(value, ptr, k.index((start, 1), (i, 1)))
+
+
+def conv_geometry(x_shape, attrs) -> tuple:
+    """(height, width, kernel rows, kernel columns, strides, dilations and
+    begin pads along rows and columns, output rows, output columns) of a
+    1-D or 2-D IntegerConv."""
+    spatial, kernel, strides, dilations, begin, _, out = _resolve_window(
+        x_shape, attrs["kernel_shape"], attrs, what="convolution")
+    return (*spatial[1:], *kernel[1:], strides[1], strides[2], dilations[1], dilations[2], begin[1], begin[2],
+            *out[1:])
+
+
+def lower_conv(k: Kernel, inputs, outputs, attrs) -> None:
+    """IntegerConv with the dot-product kernel: per image, the input packed
+    (as int8) into scratch as [kernel row][kernel column][channel / 4]
+    groups of [output pixel][4 channels] (the weight's order, see
+    quantized._dot_constants), padding as the input's zero point; then the
+    tiles of filters x output pixels."""
+    x_shape = inputs[0].shape
+    height, width, kh_count, kw_count, sh, sw, dh, dw, ph, pw, oh_count, ow_count = conv_geometry(x_shape, attrs)
+    batch, channels = x_shape[:2]
+    filters = attrs["filters"]
+    groups4 = inputs[1].shape[-1] // 4
+    plane = oh_count * ow_count
+    plane4 = -(-plane // 4) * 4
+    depth4 = kh_count * kw_count * groups4
+    b, dtype = k.builder, inputs[0].dtype
+    x = k.typed(k.inputs[0], dtype)
+    packed = k.typed(k.scratch, "int8")
+    offset = 128 if dtype == "uint8" else 0
+    pad = ir.Constant(I8, (attrs["input_zero"] - offset) & 0xFF)
+    weight, bias = k.typed(k.inputs[1], "int8"), k.typed(k.inputs[2], "int32")
+    y = k.typed(k.outputs[0], attrs["output_dtype"])
+    with k.loop(batch) as n:
+        for kh in range(kh_count):
+            rows = _valid_range(kh * dh - ph, sh, height, oh_count)
+            for kw in range(kw_count):
+                cols = _valid_range(kw * dw - pw, sw, width, ow_count)
+                with k.loop(groups4) as c4:
+                    group = k.index((c4, plane4 * 4), ((kh * kw_count + kw) * groups4, plane4 * 4))
+                    _fill(k, packed, group, rows[0] * ow_count * 4, pad)
+                    _fill(k, packed, k.index((group, 1), (rows[1] * ow_count * 4, 1)),
+                          (oh_count - rows[1]) * ow_count * 4, pad)
+                    lines, valid = [], []
+                    for j in range(4):
+                        channel = b.add(b.mul(c4, k.i64(4)), k.i64(j))
+                        valid.append(b.icmp_signed("<", channel, k.i64(channels)))
+                        lines.append(k.index((n, channels * height * width),
+                                             (k.smin(channel, k.i64(channels - 1)), height * width),
+                                             (kh * dh - ph, width), (kw * dw - pw, 1)))
+                    with k.loop(rows[1], start=rows[0]) as oh:
+                        row = k.index((group, 1), (oh, ow_count * 4))
+                        _fill(k, packed, row, cols[0] * 4, pad)
+                        _fill(k, packed, k.index((row, 1), (cols[1] * 4, 1)), (ow_count - cols[1]) * 4, pad)
+                        with k.loop(cols[1], start=cols[0]) as ow:
+                            for j in range(4):
+                                value = k.load(x, k.index((lines[j], 1), (oh, sh * width), (ow, sw)))
+                                value = b.select(valid[j], _as_int8(k, value, dtype), pad)
+                                k.store(value, packed, k.index((row, 1), (ow, 4), (j, 1)))
+        kp = depth4 * 4
+
+        def vector(g, column):
+            return b.gep(packed, [k.index((g, plane4 * 4), (column, 4))])
+
+        def broadcast(row, g):
+            return b.gep(weight, [k.index((row, kp), (g, 4))])
+        tile = DotTile(depth4, vector, broadcast,
+                       lambda row, column: _splat(k, k.load(bias, row), V4I32),
+                       lambda row, column: _splat(k, k.load(k.inputs[3], row), V4F32),
+                       lambda row, column: k.index((n, filters * plane), (row, plane), (column, 1)), y, attrs)
+        emit_tiles(k, tile, filters, plane, *attrs["int8_tile"])
+
+
+def lower_matmul(k: Kernel, inputs, outputs, attrs) -> None:
+    """IntegerMatMul with the dot-product kernel: the rows of x copied (as
+    int8, the reduction padded to 4) into scratch; then the tiles of rows
+    x columns of the packed weight."""
+    depth4, columns4 = inputs[1].shape[:2]
+    depth, columns = inputs[0].shape[-1], attrs["columns"]
+    rows = _prod(inputs[0].shape[:-1])
+    kp = depth4 * 4
+    b, dtype = k.builder, inputs[0].dtype
+    x = k.typed(k.inputs[0], dtype)
+    copied = k.typed(k.scratch, "int8")
+    weight, bias = k.typed(k.inputs[1], "int8"), k.typed(k.inputs[2], "int32")
+    y = k.typed(k.outputs[0], attrs["output_dtype"])
+    with k.loop(rows) as r:
+        with k.loop(depth) as d:
+            k.store(_as_int8(k, k.load(x, k.index((r, depth), (d, 1))), dtype), copied, k.index((r, kp), (d, 1)))
+        _fill(k, copied, k.index((r, kp), (depth, 1)), kp - depth, ir.Constant(I8, 0))
+
+    def vector(g, column):
+        return b.gep(weight, [k.index((g, columns4 * 4), (column, 4))])
+
+    def broadcast(row, g):
+        return b.gep(copied, [k.index((row, kp), (g, 4))])
+
+    def load_vector(ptr, column, vector_type):
+        return b.load(b.bitcast(b.gep(ptr, [column]), vector_type.as_pointer()), align=4)
+    tile = DotTile(depth4, vector, broadcast,
+                   lambda row, column: load_vector(bias, column, V4I32),
+                   lambda row, column: load_vector(k.inputs[3], column, V4F32),
+                   lambda row, column: k.index((row, columns), (column, 1)), y, attrs)
+    emit_tiles(k, tile, rows, columns, *attrs["int8_tile"])
