@@ -217,7 +217,7 @@ def test_busy_cores_give_the_single_thread_result(cnn_module, busy_cores, thread
 def test_busy_cores_on_an_emulated_arm_board(tmp_path, busy_cores):
     """The same on an emulated Cortex-A72 board (aarch64's weaker memory
     order than x86's), 3 threads on cores that every spinner also wants."""
-    got, want = run_on_emulated_board(tmp_path, "rasp4b64", threads=3, runs=6)
+    got, want = run_on_emulated_board(tmp_path, "rasp4b64", threads=3, runs=3)
     for run in got:
         assert_arm_close(run, want)
     assert all(p.poll() is None for p in busy_cores.processes), "the load ended before the runs"
