@@ -2,15 +2,22 @@
 TVM (relax, llvm target, untuned, its default threads) side by side, then
 GFLOP/s of the main convolution shapes against the machine's peak.
 
-    python benchmarks/bench_models.py [model ...] [--repeat N] [--no-tvm] [--threads 1]
+    python benchmarks/bench_models.py [model ...] [--repeat N] [--no-tvm] [--threads 1] [--busy N]
 
 Every model of the onnx package's light zoo (random parameters, as in
-tests/test_zoo.py), one 1x3x224x224 image. Latencies are medians in ms;
+tests/test_zoo.py), or MobileNetV2 and EfficientNet-B0 as torchvision
+builds them (tests/architectures.py) when named, one 1x3x224x224 image. Latencies are medians in ms;
 ratios are ours / peer (> 1: we are slower). Ours and onnxruntime run
 interleaved, one run of each in turn, so that load from other processes
 on a shared machine hits both alike. TVM is timed on one run after
 a warm-up (untuned it takes seconds per image); it is skipped with a note
 when `import tvm` fails.
+
+--busy N runs N spinning processes (started and stopped by pid) while
+ours and onnxruntime are timed, as the other work of a busy board would,
+and alternates them one run each rather than in blocks: a block of runs
+back to back lets a spinner's time slice fall in the other side's block.
+The table then also gives ours at 2 threads over ours at 1.
 
 The first lines name the machine (CPU model, widest vector extension),
 the target ours is compiled for (the host's by default, or --target's) and
@@ -42,6 +49,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import crosscompile  # noqa: E402
 import minirt  # noqa: E402
 from crosscompile.target import resolve_target  # noqa: E402
+from tests import architectures  # noqa: E402
+from tests.competing_load import CompetingLoad  # noqa: E402
 from tests.onnx_models import ZOO, make_model, zoo_input, zoo_model  # noqa: E402
 
 # Ours with --avx2: AVX2 and FMA, 16 vector registers.
@@ -57,6 +66,9 @@ CONV_SHAPES = [
     ((1, 512, 7, 7), (512, 512, 3, 3), 1),
     ((1, 64, 55, 55), (256, 64, 3, 3), 1),
 ]
+
+# Torchvision-like models built here (tests/architectures.py) by name.
+ARCHITECTURES = {"mobilenet_v2": architectures.mobilenet_v2, "efficientnet_b0": architectures.efficientnet_b0}
 
 
 def median_seconds(fn, repeat: int) -> float:
@@ -154,7 +166,9 @@ def conv_model(x_shape, w_shape, pad):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("models", nargs="*", default=ZOO, help=f"default: all of {', '.join(ZOO)}")
+    parser.add_argument("models", nargs="*", default=ZOO, choices=ZOO + sorted(ARCHITECTURES),
+                        metavar="model", help=f"default: all of {', '.join(ZOO)}; also "
+                                              f"{', '.join(sorted(ARCHITECTURES))} (random weights)")
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--no-tvm", action="store_true", help="leave TVM out")
     parser.add_argument("--threads", type=int, choices=(1, 2), action="append",
@@ -166,6 +180,8 @@ def main() -> int:
     parser.add_argument("--avx2", action="store_true",
                         help="AVX2 against AVX2 on an AVX-512 machine: ours for AVX2, onnxruntime with AVX-512 "
                              "hidden from its CPU probe")
+    parser.add_argument("--busy", type=int, default=0, metavar="N",
+                        help="time ours and onnxruntime while N spinning processes compete for the cores")
     parser.add_argument("--ghz", type=float, help="core clock (default: /proc/cpuinfo, which in a VM "
                                                    "may be the base clock, below the boost clock)")
     args = parser.parse_args()
@@ -190,11 +206,15 @@ def main() -> int:
     print(f"machine: {machine_description()}; ours compiled for {target.name} ({32 * target.lanes}-bit vectors, "
           f"{target.vector_registers} registers); {peer}")
     print(f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    if args.busy:
+        print(f"competing load: {args.busy} spinning processes while ours and onnxruntime are timed, "
+              "alternating one run each")
     print(f"{'model':14} {'compile s':>9} {'ours1 ms':>8} {'ours2 ms':>8} {'ort1 ms':>8} {'ort2 ms':>8} "
-          f"{'tvm ms':>8} {'ours1/ort1':>10} {'ours2/ort2':>10} {'ours2/tvm':>9}")
+          f"{'tvm ms':>8} {'ours1/ort1':>10} {'ours2/ort2':>10} {'ours2/tvm':>9} {'ours2/ours1':>11}")
+    pacing = {"block": 1, "settle_s": 0.0} if args.busy else {}
     with tempfile.TemporaryDirectory(prefix="tether-bench-") as tmp:
         for name in args.models:
-            model = zoo_model(name, logits=False)
+            model = zoo_model(name, logits=False) if name in ZOO else ARCHITECTURES[name]()
             feeds = zoo_input(model)
             started = time.perf_counter()
             lib = crosscompile.build(model, target=target)
@@ -204,8 +224,9 @@ def main() -> int:
             for threads in thread_counts:
                 module = minirt.load(path, threads=threads)
                 session = ort_session(model, threads)
-                mine, peer = interleaved_medians([lambda: module.run(feeds), lambda: session.run(None, feeds)],
-                                                 args.repeat)
+                with CompetingLoad(args.busy):
+                    mine, peer = interleaved_medians([lambda: module.run(feeds), lambda: session.run(None, feeds)],
+                                                     args.repeat, **pacing)
                 ours[threads - 1], peers[threads - 1] = mine, peer
                 module.close()
             tvm_s = float("nan")
@@ -213,7 +234,7 @@ def main() -> int:
                 tvm_s = median_seconds(tvm_runner(model, feeds), 1)
             print(f"{name:14} {compile_s:9.1f} {ours[0] * 1e3:8.1f} {ours[1] * 1e3:8.1f} {peers[0] * 1e3:8.1f} "
                   f"{peers[1] * 1e3:8.1f} {tvm_s * 1e3:8.0f} {ours[0] / peers[0]:10.2f} {ours[1] / peers[1]:10.2f} "
-                  f"{ours[1] / tvm_s:9.3f}  load {os.getloadavg()[0]:.2f}", flush=True)
+                  f"{ours[1] / tvm_s:9.3f} {ours[1] / ours[0]:11.2f}  load {os.getloadavg()[0]:.2f}", flush=True)
         if args.no_convs:
             return 0
 

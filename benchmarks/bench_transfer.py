@@ -26,7 +26,10 @@ the resident memory (VmRSS) of each server's processes, after start and after
 one session, and the size of the native executable per architecture.
 
     pip install apache-tvm        # the peer; without it its column is skipped
-    python benchmarks/bench_transfer.py [--mib 64] [--repeat 5]
+    python benchmarks/bench_transfer.py [--mib 64] [--repeat 5] [--busy N]
+
+--busy N runs N spinning processes (a busy board's other work) during the
+measurements.
 
 Numbers are medians of --repeat runs; this machine is shared and noisy, so
 compare the ratios of one run rather than absolute figures across runs.
@@ -56,6 +59,7 @@ sys.path.insert(0, ROOT)
 from remote import rpc  # noqa: E402
 from remote.cli.localfarm import Child, python_argv  # noqa: E402
 from remote.cli.native import TRIPLE_FLAGS, build_native  # noqa: E402
+from tests.competing_load import CompetingLoad  # noqa: E402
 from remote.defaults import cache_dir  # noqa: E402
 
 MIB = 1 << 20
@@ -443,28 +447,9 @@ def ratio(a: float, b: "float | None") -> str:
     return f"{a / b:>8.2f}x" if b else f"{'-':>9}"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mib", type=int, default=64, help="size of files and tensors (MiB)")
-    parser.add_argument("--repeat", type=int, default=5)
-    args = parser.parse_args()
-    try:
-        import tvm  # noqa: F401
-        have_tvm = True
-    except ImportError:
-        have_tvm = False
-    size = args.mib * MIB
-    folder = tempfile.mkdtemp(prefix="tether-bench-")
-    blob_path = os.path.join(folder, "blob.bin")
-    with open(blob_path, "wb") as f:
-        for _ in range(args.mib):
-            f.write(os.urandom(MIB))
-        os.fsync(f.fileno())  # a file at rest: no writeback of it during the uploads
-    tensor = np.random.default_rng(1).standard_normal(size // 4).astype(np.float32)
-    image = np.random.default_rng(2).standard_normal((1, 3, 224, 224)).astype(np.float32)
-    so_path = inference_model(folder)
-    sizes = binary_sizes()
-
+def measure_all(args, have_tvm, folder, blob_path, tensor, image, so_path, size):
+    """Every measurement of the table: (figures, memory, raw MiB/s, raw
+    round trip, what the TVM peer is)."""
     raw_mibs, raw_rt = raw_limits(args.mib * 4, args.repeat)
     kinds = ("native", "python")
     figures = tether_transfers(kinds, args, blob_path, folder, tensor, image, so_path, size)
@@ -492,10 +477,43 @@ def main() -> int:
     if have_tvm:
         figures["tvm"]["small call"] = figures["tvm"]["small call, no polling"] = times[-1]
 
+    return figures, memory, raw_mibs, raw_rt, peer
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=64, help="size of files and tensors (MiB)")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--busy", type=int, default=0, metavar="N",
+                        help="run N spinning processes (started and stopped by pid) during the measurements")
+    args = parser.parse_args()
+    try:
+        import tvm  # noqa: F401
+        have_tvm = True
+    except ImportError:
+        have_tvm = False
+    size = args.mib * MIB
+    folder = tempfile.mkdtemp(prefix="tether-bench-")
+    blob_path = os.path.join(folder, "blob.bin")
+    with open(blob_path, "wb") as f:
+        for _ in range(args.mib):
+            f.write(os.urandom(MIB))
+        os.fsync(f.fileno())  # a file at rest: no writeback of it during the uploads
+    tensor = np.random.default_rng(1).standard_normal(size // 4).astype(np.float32)
+    image = np.random.default_rng(2).standard_normal((1, 3, 224, 224)).astype(np.float32)
+    so_path = inference_model(folder)
+    sizes = binary_sizes()
+
+    with CompetingLoad(args.busy):
+        figures, memory, raw_mibs, raw_rt, peer = measure_all(args, have_tvm, folder, blob_path, tensor,
+                                                              image, so_path, size)
+
     native, python, theirs = figures["native"], figures["python"], figures["tvm"]
     print(f"loopback, {args.mib} MiB files/tensors, median of {args.repeat}; "
           f"raw socket: {raw_mibs:.0f} MiB/s, {raw_rt * 1e6:.1f} us round trip")
     print(f"tvm: {peer}")
+    if args.busy:
+        print(f"competing load: {args.busy} spinning processes ran during every measurement")
     print(f"{'measurement':<36}{'native':>10}{'python':>10}{'tvm':>10}"
           f"{'native/tvm':>11}{'native/py':>10}{'raw limit':>11}")
 

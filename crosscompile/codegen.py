@@ -82,11 +82,19 @@ def _lower(module: ir.Module, name: str, node, ins, outs, target, tiles: dict) -
         # The op stores intermediate values (e.g. Softmax): one extra pass,
         # split between the threads of a parallel kernel once all have stored.
         k.barrier()
-        lo, hi = k.part(outs[0].size)
-        with k.loop(hi, start=lo) as i:
-            k.store(k.activate(k.load(k.outputs[0], i)), k.outputs[0], i)
+        size = outs[0].size
+        blocks = -(-size // EPILOGUE_BLOCK)
+        with k.share(blocks) as (lo, hi):
+            end = k.smin(k.builder.mul(hi, k.i64(EPILOGUE_BLOCK)), k.i64(size))
+            with k.loop(end, start=k.builder.mul(lo, k.i64(EPILOGUE_BLOCK))) as i:
+                k.store(k.activate(k.load(k.outputs[0], i)), k.outputs[0], i)
     k.finish()
     return k.function
+
+
+# Elements of an output that the threads take at a time for a separate
+# epilogue pass.
+EPILOGUE_BLOCK = 1024
 
 
 def _activation(op_type: str, attrs: dict):
@@ -149,9 +157,10 @@ def _emit_run(module: ir.Module, graph: Graph, plan: MemoryPlan, kernels, declar
               params: dict, target, parallel: bool, profiled: bool = False) -> None:
     """tether_run, or with parallel tether_run_parallel(inputs, outputs,
     workspace, thread, threads, state): every one of `threads` threads calls
-    it at once with the same buffers and a zeroed int32[2] state. Parallel
-    kernels get the thread number and split their work; the others run on
-    thread 0 while the rest wait at a barrier when they next need its result.
+    it at once with the same buffers and a zeroed struct tether_sync.
+    Parallel kernels share their work out between the threads (Kernel.share);
+    the others run on thread 0 while the rest wait at a barrier when they
+    next need its result.
     With profiled, tether_run_profiled(inputs, outputs, workspace, mark, ctx):
     one thread, calling mark(ctx, i) before kernel i and mark(ctx, n) after
     the last."""
@@ -167,11 +176,20 @@ def _emit_run(module: ir.Module, graph: Graph, plan: MemoryPlan, kernels, declar
     # personality routine (a libc++ symbol) out of the module.
     fn.attributes.add("nounwind")
     inputs, outputs, workspace = fn.args[:3]
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
     if parallel:
         thread, threads, state = fn.args[3:]
     else:
-        thread, threads, state = ir.Constant(I32, 0), ir.Constant(I32, 1), ir.Constant(I32.as_pointer(), None)
-    b = ir.IRBuilder(fn.append_basic_block("entry"))
+        # One thread: parallel kernels take every shared range at once from
+        # a private sync state (without a syscall pointer, so never a
+        # system call).
+        thread, threads = ir.Constant(I32, 0), ir.Constant(I32, 1)
+        state = b.alloca(I32, ir.Constant(I32, 4))
+        for i in range(4):
+            b.store(ir.Constant(I32, 0), b.gep(state, [ir.Constant(I32, i)]))
+    # This thread's cursor: where its next shared range starts (Kernel.share).
+    cursor = b.alloca(I32)
+    b.store(ir.Constant(I32, 0), cursor)
 
     # Reject NULL pointers up front: a caller bug should not crash the board.
     checks = [inputs] if graph.inputs else []
@@ -218,10 +236,10 @@ def _emit_run(module: ir.Module, graph: Graph, plan: MemoryPlan, kernels, declar
             buffers.append(scratch)
         if OPS[node.op_type].parallel(node.attrs):
             if serial_pending and parallel:
-                b.call(barrier, [state, threads])
-            b.call(kernel, buffers + [thread, threads, state])
+                b.call(barrier, [state, threads, cursor])
+            b.call(kernel, buffers + [thread, threads, state, cursor])
             if parallel:
-                b.call(barrier, [state, threads])
+                b.call(barrier, [state, threads, cursor])
             serial_pending = False
         elif parallel:
             with b.if_then(b.icmp_signed("==", thread, ir.Constant(I32, 0))):

@@ -99,6 +99,11 @@ class Conv(Op):
                 bias = k.inputs[2] if len(inputs) == 3 else None
                 if attrs.get("padded_planes"):
                     emit_depthwise_padded(k, lanes, c_n, geometry, attrs["padded_planes"], x, y, bias, epilogue)
+                    if inputs[0].shape[0] > 1:
+                        # Before the next image's copy of a channel
+                        # overwrites this one's, which another thread may
+                        # still be reading.
+                        k.barrier()
                 else:
                     emit_depthwise(k, lanes, c_n, geometry, x, y, bias, epilogue)
             k.activated = epilogue or not k.epilogue
@@ -247,15 +252,18 @@ class Conv(Op):
                 _im2col(k, tile, cg, geometry, x_base, (k.i64(0), k.i64(cg)),
                         (ends[0], k.smin(ends[1], k.i64(n))))
         else:
-            _im2col(k, tile, cg, geometry, x_base, k.part(cg), (k.i64(0), k.i64(n)))
+            with k.share(cg) as channels:
+                _im2col(k, tile, cg, geometry, x_base, channels, (k.i64(0), k.i64(n)))
             k.barrier()  # every thread's GEMM reads all of im2col
             b_ptr, b_base = k.scratch, k.i64(0)
         emit_gemm(k, tile, m, kdim, n, a_ptr, b_ptr, b_base, n,
                   k.outputs[0], y_base, bias, epilogue,
                   k.inputs[-1] if residual_at is not None else None, residual_at or 0,
                   b_panels=not pointwise, pack=pack)
-        if not pointwise and pack is None:
-            k.barrier()  # before the next image or group overwrites im2col
+        if not pointwise:
+            # Before the next image or group overwrites im2col (also the
+            # packed chunks: the next image's chunks go to other threads).
+            k.barrier()
 
 
 @dataclass(frozen=True)
@@ -357,8 +365,7 @@ def _direct_conv(k: Kernel, tile, plan: _DirectPlan, x_base, a_ptr, bias, epilog
     emit_gemm(k, tile, rows, len(plan.offsets), plan.n_virtual, a_ptr, buf, k.i64(0), 0,
               cbuf, k.i64(0), bias, epilogue, b_offsets=table)
     k.barrier()  # each thread copies out rows other threads computed
-    r_lo, r_hi = k.part(rows)
-    with k.loop(r_hi, start=r_lo) as r, k.loop(oh_n) as oh:
+    with k.share(rows) as (r_lo, r_hi), k.loop(r_hi, start=r_lo) as r, k.loop(oh_n) as oh:
         src = k.index((r, plan.n_virtual), (oh, plan.wq))
         dst = k.index((y_base, 1), (r, oh_n * ow_n), (oh, ow_n))
         with k.loop(ow_n) as ow:
@@ -373,18 +380,22 @@ def _copy_padded(k: Kernel, plan: _DirectPlan, x_base) -> None:
     bld, buf = k.builder, k.scratch
     plane = plan.hq * plan.wq
     n_planes = len(plan.planes)
-    c_lo, c_hi = k.part(plan.channels)
-    if n_planes > UNROLLED_PLANES:
-        _copy_phases(k, plan, x_base, (c_lo, c_hi))
-    else:
-        _copy_planes(k, plan, x_base, (c_lo, c_hi))
-    tail_lo, tail_hi = k.part(plan.buffer_floats - plan.channels * n_planes * plane)
+    with k.share(plan.channels) as channels:
+        if n_planes > UNROLLED_PLANES:
+            _copy_phases(k, plan, x_base, channels)
+        else:
+            _copy_planes(k, plan, x_base, channels)
     base = plan.channels * n_planes * plane
-    with k.loop(tail_hi, start=tail_lo) as i:
-        k.store(k.f32(0.0), buf, bld.add(i, k.i64(base)))
+    tail = plan.buffer_floats - base
+    with k.share(-(-tail // ZERO_BLOCK)) as (lo, hi):
+        end = k.smin(bld.mul(hi, k.i64(ZERO_BLOCK)), k.i64(tail))
+        with k.loop(end, start=bld.mul(lo, k.i64(ZERO_BLOCK))) as i:
+            k.store(k.f32(0.0), buf, bld.add(i, k.i64(base)))
     k.barrier()  # the GEMM's windows cross the channels other threads copied
 
 
+# Floats of a buffer's zero tail that the threads take at a time.
+ZERO_BLOCK = 1024
 # Planes (stride phases) whose copy loops are written out one by one, each
 # with its valid columns known at compile time: strides up to 2. A patch
 # embedding's stride 8 has 64 phases, and O3 took minutes over the 134
@@ -524,8 +535,7 @@ def emit_depthwise(k: Kernel, lanes: int, channels: int, geometry, X: ir.Value, 
     hi = min((wd - 1 - kw * dw + pw) // sw + 1 for kw in range(kw_n))
     hi = max(lo, min(hi, ow_n))
     pieces, vec_end = row_pieces(lo, hi, lanes, sw)
-    c_lo, c_hi = k.part(channels)
-    with k.loop(c_hi, start=c_lo) as c:
+    with k.share(channels) as (c_lo, c_hi), k.loop(c_hi, start=c_lo) as c:
         taps = [[k.load(W, k.index((c, kh_n * kw_n), (kh * kw_n + kw, 1))) for kw in range(kw_n)]
                 for kh in range(kh_n)]
         start = k.load(bias, c) if bias is not None else k.f32(0.0)
@@ -630,8 +640,7 @@ def emit_depthwise_padded(k: Kernel, lanes: int, channels: int, geometry, planes
     hq, wq = planes
     b = k.builder
     W = k.inputs[1]
-    c_lo, c_hi = k.part(channels)
-    with k.loop(c_hi, start=c_lo) as c:
+    with k.share(channels) as (c_lo, c_hi), k.loop(c_hi, start=c_lo) as c:
         buf = k.index((c, hq * wq))
         src_plane = k.index((c, h * wd))
         lo, hi = pw, min(pw + wd, wq)

@@ -156,8 +156,7 @@ class ConvTranspose(Op):
         sources = i32_table(k, plan.sources)
         starts = i32_table(k, plan.starts)
         columns = bld.gep(k.scratch, [k.i64(plan.columns_at)])
-        lo, hi = k.part(wd)
-        with k.loop(hi, start=lo) as i:  # what a missing row of columns reads
+        with k.share(wd) as (lo, hi), k.loop(hi, start=lo) as i:  # what a missing row of columns reads
             k.store(k.f32(0.0), k.scratch, k.index((i, 1), (plan.zero_at, 1)))
         with k.loop(x[0]) as image, k.loop(group) as g:
             x_base = k.index((image, x[1] * volume_in), (g, cg * volume_in))
@@ -330,7 +329,8 @@ def _multiply_panels(k, tile, plan: ColumnPlan, weights, base, columns) -> None:
         emit_gemm(k, tile, rows, kdim, n, weights, k.scratch, k.i64(0), n, columns, k.i64(0), None, False,
                   b_panels=True, pack=pack)
         return
-    pack(k.i64(0), k.i64(-(-n // tile.nr)), *k.part(kdim))
+    with k.share(kdim) as depth:
+        pack(k.i64(0), k.i64(-(-n // tile.nr)), *depth)
     k.barrier()  # the GEMM's panels hold rows other threads copied
     emit_gemm(k, tile, rows, kdim, n, weights, k.scratch, k.i64(0), n, columns, k.i64(0), None, False,
               b_panels=True)
@@ -403,8 +403,7 @@ def _gather(k, plan: ColumnPlan, sources, first_line, lines: int, bias_at, y_bas
     bld = k.builder
     (dz, h, wd), (kz, kh_n, kw_n), _, _, _, (oz, oh_n, ow_n) = plan.geometry
     taps, n = kz * kh_n * kw_n, plan.n
-    lo, hi = k.part(plan.channels * lines)
-    with k.loop(hi, start=lo) as pair:
+    with k.share(plan.channels * lines) as (lo, hi), k.loop(hi, start=lo) as pair:
         m = divide(k, pair, lines)
         line = bld.add(first_line, bld.sub(pair, bld.mul(m, k.i64(lines))))
         start = k.load(bias, bld.add(bias_at, m)) if bias is not None else k.f32(0.0)

@@ -36,8 +36,8 @@ class Kernel:
                  target, epilogue=(), scratch: bool = False, extra_args=(),
                  parallel: bool = False, *, tiles: dict):
         pointers = n_inputs + n_outputs + int(scratch)
-        if parallel:  # (thread, threads, barrier state): see part() and barrier()
-            extra_args = (I32, I32, I32.as_pointer()) + tuple(extra_args)
+        if parallel:  # (thread, threads, sync state, cursor): see share() and barrier()
+            extra_args = (I32, I32, I32.as_pointer(), I32.as_pointer()) + tuple(extra_args)
         fnty = ir.FunctionType(ir.VoidType(), [F32_PTR] * pointers + list(extra_args))
         self.function = ir.Function(module, fnty, name=name)
         self.function.linkage = "internal"
@@ -53,8 +53,8 @@ class Kernel:
         self.extra = list(self.function.args[pointers:])
         self.parallel = parallel
         if parallel:
-            self.thread, self.threads, self.sync = self.extra[:3]
-            self.extra = self.extra[3:]
+            self.thread, self.threads, self.sync, self.cursor = self.extra[:4]
+            self.extra = self.extra[4:]
         # Identifies the epilogue for sharing functions between kernels.
         self.epilogue_key = repr(epilogue)
         self.target = target
@@ -168,10 +168,70 @@ class Kernel:
         finally:
             self.parallel = parallel
 
+    @contextmanager
+    def share(self, count: int):
+        """Run the body emitted inside on chunks [lo, hi) (i64 values) of
+        range(count) that the threads take in turn from a shared counter
+        until none is left, so that a thread the system deschedules leaves
+        its share to the others instead of holding them up at the next
+        barrier; the whole range at once in a kernel that is not parallel.
+        Every thread must reach the same share() calls in the same order
+        (as with barrier()).
+
+        The counter is the low bits of the barrier's arrival word (see
+        barrier_function), which the last thread to arrive at a barrier
+        clears. Between two barriers the ranges follow one another on it:
+        each thread's cursor holds where the current range starts, and a
+        thread leaves a range only once the counter has passed its end, so
+        no thread takes items of the next range early."""
+        if not self.parallel:
+            yield self.i64(0), self.i64(count)
+            return
+        if count >= WORK_LIMIT:
+            raise ValueError(f"a shared range of {count} items exceeds {WORK_LIMIT}; share larger items")
+        b = self.builder
+        with b.goto_entry_block():
+            chunk_slot = b.alloca(I32)
+        base = b.load(self.cursor)
+        size = ir.Constant(I32, count)
+        first = b.load_atomic(self.sync, "monotonic", 4)
+        before = b.block
+        claim = b.append_basic_block("claim")
+        take = b.append_basic_block("take")
+        body = b.append_basic_block("share")
+        after = b.append_basic_block("shared")
+        b.branch(claim)
+        b.position_at_end(claim)
+        word = b.phi(I32)
+        word.add_incoming(first, before)
+        rel = b.sub(b.and_(word, ir.Constant(I32, WORK_MASK)), base)
+        b.cbranch(b.icmp_unsigned(">=", rel, size), after, take)
+        b.position_at_end(take)
+        # The rest split in CHUNKS_PER_THREAD per thread: large chunks
+        # first (few claims), small ones last (threads finish together).
+        # Divided in double precision, as in part().
+        f64 = ir.DoubleType()
+        parts = b.uitofp(b.mul(self.threads, ir.Constant(I32, CHUNKS_PER_THREAD)), f64)
+        chunk = b.fptoui(b.fdiv(b.uitofp(b.sub(size, rel), f64), parts), I32)
+        chunk = b.select(b.icmp_unsigned("<", chunk, ir.Constant(I32, 1)), ir.Constant(I32, 1), chunk)
+        chunk = b.select(b.icmp_signed("<=", self.threads, ir.Constant(I32, 1)), b.sub(size, rel), chunk)
+        b.store(chunk, chunk_slot)
+        result = b.cmpxchg(self.sync, word, b.add(word, chunk), "acq_rel", "monotonic")
+        word.add_incoming(b.extract_value(result, 0), take)
+        b.cbranch(b.extract_value(result, 1), body, claim)
+        b.position_at_end(body)
+        lo = b.zext(rel, I64)
+        yield lo, b.add(lo, b.zext(b.load(chunk_slot), I64))
+        word.add_incoming(b.load_atomic(self.sync, "monotonic", 4), b.block)
+        b.branch(claim)
+        b.position_at_end(after)
+        b.store(b.add(base, size), self.cursor)
+
     def barrier(self) -> None:
         """Wait until every thread of a parallel kernel has arrived here."""
         if self.parallel:
-            self.builder.call(barrier_function(self.module, self.target), [self.sync, self.threads])
+            self.builder.call(barrier_function(self.module, self.target),
+                              [self.sync, self.threads, self.cursor])
 
     def smax(self, a: ir.Value, b: ir.Value) -> ir.Value:
         return self.builder.select(self.builder.icmp_signed(">", a, b), a, b)
@@ -375,109 +435,153 @@ ERFC_SCALED = (0.00035272904076, 0.55768901924, 0.051364641976, -0.50719867673,
 
 
 def barrier_function(module: ir.Module, target) -> ir.Function:
-    """`void tether.barrier(i32 *state, i32 threads)`: a counting barrier
-    built from atomics alone, since the module links no libc.
+    """`void tether.barrier(i32 *state, i32 threads, i32 *cursor)`: a
+    counting barrier built from atomics alone, since the module links no
+    libc.
 
-    state is the caller's struct tether_sync (docs/module-abi.md):
-    state[0] counts arrived threads, state[1] is the generation, and the
-    pointer-sized field at byte 8, when not NULL, is the C library's
-    `long syscall(long, ...)`. The last thread to arrive resets the count
-    and moves the generation on; the others spin on the generation with the
-    CPU's spin-wait hint, then sleep on it with futex (through that syscall
-    pointer): on a busy board a spinning thread would take the core from
-    the thread everybody waits for. A thread about to sleep first sets the
-    generation's top bit (SLEEPING), and the last thread makes the wake-up
-    system call only when it finds that bit: most barriers of a run end
-    within the spin, and the call would cost microseconds each time.
+    state is the caller's struct tether_sync (docs/module-abi.md): state[0]
+    is the arrival word, state[1] the generation, and the pointer-sized
+    field at byte 8, when not NULL, is the C library's
+    `long syscall(long, ...)`. The arrival word counts arrived threads in
+    its top bits (ARRIVAL each) and in its low bits the items that
+    Kernel.share() handed out since the last barrier. The last thread to
+    arrive clears the word and moves the generation on; each thread clears
+    its own cursor (where its next shared range starts) as it leaves.
+
+    The others wait in three stages: they spin briefly on the generation
+    with the CPU's spin-wait hint (most barriers of a run on idle cores end
+    there), then ask the system to run something else (sched_yield) between
+    looks, which costs a system call when nothing else wants the core but
+    hands it over at once when something does (the thread everybody waits
+    for, on a busy board), then sleep on the generation with futex. A
+    thread about to sleep first sets the generation's top bit (SLEEPING),
+    and the last thread makes the wake-up system call only when it finds
+    that bit, since the call would cost microseconds each time.
     """
     existing = module.globals.get("tether.barrier")
     if existing is not None:
         return existing
-    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [I32.as_pointer(), I32]), name="tether.barrier")
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [I32.as_pointer(), I32, I32.as_pointer()]),
+                     name="tether.barrier")
     fn.linkage = "internal"
     # The call through the syscall pointer could unwind as far as LLVM
     # knows; without nounwind, 32-bit ARM code would then reference the
     # C++ unwinder's personality routine, which the loader cannot resolve.
     fn.attributes.add("nounwind")
-    state, threads = fn.args
+    state, threads, cursor = fn.args
     b = ir.IRBuilder(fn.append_basic_block("entry"))
     done = fn.append_basic_block("done")
+    alone = fn.append_basic_block("alone")
     arrive = fn.append_basic_block("arrive")
-    b.cbranch(b.icmp_signed("<=", threads, ir.Constant(I32, 1)), done, arrive)
+    b.cbranch(b.icmp_signed("<=", threads, ir.Constant(I32, 1)), alone, arrive)
+    b.position_at_end(alone)
+    b.store(ir.Constant(I32, 0), state)
+    b.branch(done)
     b.position_at_end(arrive)
-    count_ptr = state
+    word_ptr = state
     gen_ptr = b.gep(state, [ir.Constant(I32, 1)])
-    futex = _futex(b, module, target, state)
+    syscall = _syscall(b, target, state)
     number = ir.Constant(I32, GENERATION_MASK)
     generation = b.and_(b.load_atomic(gen_ptr, "acquire", 4), number)
-    arrived = b.atomic_rmw("add", count_ptr, ir.Constant(I32, 1), "acq_rel")
+    word = b.atomic_rmw("add", word_ptr, ir.Constant(I32, ARRIVAL), "acq_rel")
+    arrived = b.lshr(word, ir.Constant(I32, ARRIVAL_SHIFT))
     last = fn.append_basic_block("last")
     wait = fn.append_basic_block("wait")
-    b.cbranch(b.icmp_signed("==", arrived, b.sub(threads, ir.Constant(I32, 1))), last, wait)
+    b.cbranch(b.icmp_unsigned("==", arrived, b.sub(threads, ir.Constant(I32, 1))), last, wait)
     b.position_at_end(last)
-    b.store_atomic(ir.Constant(I32, 0), count_ptr, "monotonic", 4)
+    b.store_atomic(ir.Constant(I32, 0), word_ptr, "monotonic", 4)
     # Only this thread moves the generation on; the others may only set
     # SLEEPING, which the exchange clears and reports.
     following = b.and_(b.add(generation, ir.Constant(I32, 1)), number)
     before = b.atomic_rmw("xchg", gen_ptr, following, "acq_rel")
-    if futex is not None:
+    if syscall is not None:
         sleepers = b.icmp_unsigned("!=", b.and_(before, ir.Constant(I32, SLEEPING)), ir.Constant(I32, 0))
         with b.if_then(sleepers):
-            futex(gen_ptr, FUTEX_WAKE_PRIVATE, ir.Constant(I32, 0x7FFFFFFF))
+            syscall(target.futex_syscall, b.ptrtoint(gen_ptr, syscall.word), FUTEX_WAKE_PRIVATE, 0x7FFFFFFF, 0)
     b.branch(done)
     b.position_at_end(wait)
-    spins = b.phi(I32)
-    spins.add_incoming(ir.Constant(I32, 0), arrive)
+    looks = b.phi(I32)
+    looks.add_incoming(ir.Constant(I32, 0), arrive)
     _spin_hint(b, module, target)
     now = b.and_(b.load_atomic(gen_ptr, "acquire", 4), number)
     again = fn.append_basic_block("again")
     b.cbranch(b.icmp_signed("==", now, generation), again, done)
     b.position_at_end(again)
-    next_spin = b.add(spins, ir.Constant(I32, 1))
-    spins.add_incoming(next_spin, again)
-    if futex is not None:
+    next_look = b.add(looks, ir.Constant(I32, 1))
+    looks.add_incoming(next_look, again)
+    if syscall is not None:
+        spun = target.spins_before_yield
+        stage = fn.append_basic_block("yield")
+        b.cbranch(b.icmp_signed(">", next_look, ir.Constant(I32, spun)), stage, wait)
+        b.position_at_end(stage)
         sleep = fn.append_basic_block("sleep")
-        b.cbranch(b.icmp_signed(">", next_spin, ir.Constant(I32, target.spins_before_sleep)), sleep, wait)
+        give = fn.append_basic_block("give")
+        b.cbranch(b.icmp_signed(">", next_look, ir.Constant(I32, spun + YIELDS_BEFORE_SLEEP)), sleep, give)
+        b.position_at_end(give)
+        syscall(target.sched_yield_syscall)
+        looks.add_incoming(next_look, b.block)
+        b.branch(wait)
         b.position_at_end(sleep)
         flagged = b.or_(generation, ir.Constant(I32, SLEEPING))
         seen = b.atomic_rmw("or", gen_ptr, ir.Constant(I32, SLEEPING), "acq_rel")
         asleep = fn.append_basic_block("asleep")
         b.cbranch(b.icmp_signed("==", b.and_(seen, number), generation), asleep, done)
         b.position_at_end(asleep)
-        futex(gen_ptr, FUTEX_WAIT_PRIVATE, flagged)  # returns at once if it changed
-        spins.add_incoming(ir.Constant(I32, 0), b.block)
+        # Returns at once if the generation changed since it was flagged.
+        syscall(target.futex_syscall, b.ptrtoint(gen_ptr, syscall.word), FUTEX_WAIT_PRIVATE, flagged, 0)
+        looks.add_incoming(next_look, b.block)
         b.branch(wait)
     else:
         b.branch(wait)
     b.position_at_end(done)
+    b.store(ir.Constant(I32, 0), cursor)
     b.ret_void()
     return fn
 
 
+# The arrival word of struct tether_sync: arrived threads above
+# ARRIVAL_SHIFT (up to MAX_THREADS), items handed out by Kernel.share()
+# below it (a shared range must be smaller than WORK_LIMIT).
+ARRIVAL_SHIFT = 23
+ARRIVAL = 1 << ARRIVAL_SHIFT
+WORK_LIMIT = 1 << 22
+WORK_MASK = ARRIVAL - 1
+MAX_THREADS = 255
+# Chunks per thread a shared range is split into (see Kernel.share).
+CHUNKS_PER_THREAD = 4
+# sched_yield calls a barrier's waiter makes, after its spin, before it
+# sleeps: each hands the core to another runnable thread if there is one.
+YIELDS_BEFORE_SLEEP = 200
 # The generation's top bit: a waiter is (about to be) asleep on the futex.
 SLEEPING = -0x80000000
 GENERATION_MASK = 0x7FFFFFFF
 FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE = 128, 129
 
 
-def _futex(b: ir.IRBuilder, module: ir.Module, target, state: ir.Value):
-    """A callable emitting futex(addr, op, value, NULL) through the syscall
-    pointer in the sync state when it is set, or None for an unknown arch."""
-    number = target.futex_syscall
-    if number is None:
+def _syscall(b: ir.IRBuilder, target, state: ir.Value):
+    """A callable emitting syscall(number, args...) through the syscall
+    pointer in the sync state when it is set (nothing when it is NULL), or
+    None where the target's system call numbers are not known. Arguments
+    are Python ints or values of the target's `long` (its .word type)."""
+    if target.futex_syscall is None:
         return None
     word = ir.IntType(target.long_bits)
     fnty = ir.FunctionType(word, [word], var_arg=True)
     slot = b.bitcast(b.gep(state, [ir.Constant(I32, 2)]), fnty.as_pointer().as_pointer())
-    syscall = b.load(slot)
-    present = b.icmp_unsigned("!=", syscall, ir.Constant(fnty.as_pointer(), None))
+    pointer = b.load(slot)
+    present = b.icmp_unsigned("!=", pointer, ir.Constant(fnty.as_pointer(), None))
 
-    def call(addr, op, value):
+    def call(number, *args):
         with b.if_then(present):
             # Every argument is a full `long`: syscall() reads them as such.
-            wide = b.zext(value, word) if word.width > 32 else value
-            b.call(syscall, [ir.Constant(word, number), b.ptrtoint(addr, word),
-                             ir.Constant(word, op), wide, ir.Constant(word, 0)])
+            values = [ir.Constant(word, number)]
+            for arg in args:
+                if isinstance(arg, int):
+                    values.append(ir.Constant(word, arg))
+                else:
+                    values.append(b.zext(arg, word) if arg.type.width < word.width else arg)
+            b.call(pointer, values)
+    call.word = word
     return call
 
 

@@ -172,24 +172,26 @@ def emit_gemm(k: Kernel, tile: GemmTile, m: int, kdim: int, n: int,
     # round, otherwise the row blocks.
     panels, blocks = full_n + bool(tail_n), full_m + bool(tail_m)
     split_columns = splits_columns(tile, m, n)
-    col_lo, col_hi = k.part(panels) if split_columns else (k.i64(0), k.i64(panels))
-    row_lo, row_hi = (k.i64(0), k.i64(blocks)) if split_columns else k.part(blocks)
     if pack is None:
-        _emit_panels(k, tile, kdim, n, col_blocks, row_blocks, col_lo, col_hi, row_lo, row_hi,
-                     a_packed, b_ptr, b_base, ldb, c_ptr, c_base, bias, vector_epilogue,
-                     residual, residual_at, b_panels, b_offsets, lda, bias_columns)
+        with k.share(panels if split_columns else blocks) as share:
+            every = (k.i64(0), k.i64(blocks if split_columns else panels))
+            cols, rows = (share, every) if split_columns else (every, share)
+            _emit_panels(k, tile, kdim, n, col_blocks, row_blocks, *cols, *rows,
+                         a_packed, b_ptr, b_base, ldb, c_ptr, c_base, bias, vector_epilogue,
+                         residual, residual_at, b_panels, b_offsets, lda, bias_columns)
         return
     if not split_columns:
         raise ValueError("pack needs the columns split between threads")
     chunk = max(1, PACK_CHUNK_BYTES // (4 * kdim * tile.nr))
-    chunks = b.add(divide(k, b.sub(b.sub(col_hi, col_lo), k.i64(1)), chunk), k.i64(1))
-    with k.loop(chunks) as q:
-        first = b.add(col_lo, b.mul(q, k.i64(chunk)))
-        end = k.smin(b.add(first, k.i64(chunk)), col_hi)
-        pack(first, end)
-        _emit_panels(k, tile, kdim, n, col_blocks, row_blocks, first, end, row_lo, row_hi,
-                     a_packed, b_ptr, b_base, ldb, c_ptr, c_base, bias, vector_epilogue,
-                     residual, residual_at, b_panels, b_offsets)
+    with k.share(panels) as (col_lo, col_hi):
+        chunks = b.add(divide(k, b.sub(b.sub(col_hi, col_lo), k.i64(1)), chunk), k.i64(1))
+        with k.loop(chunks) as q:
+            first = b.add(col_lo, b.mul(q, k.i64(chunk)))
+            end = k.smin(b.add(first, k.i64(chunk)), col_hi)
+            pack(first, end)
+            _emit_panels(k, tile, kdim, n, col_blocks, row_blocks, first, end, k.i64(0), k.i64(blocks),
+                         a_packed, b_ptr, b_base, ldb, c_ptr, c_base, bias, vector_epilogue,
+                         residual, residual_at, b_panels, b_offsets)
 
 
 def divide(k: Kernel, value: ir.Value, divisor: int) -> ir.Value:
@@ -471,37 +473,37 @@ def emit_channel_gemm(k: Kernel, tile: GemmTile, m: int, kdim: int, n: int,
     b = k.builder
     groups, tail_m = -(-m // tile.mr), m % tile.mr
     full_n, tail_n = divmod(n, tile.pixels)
-    lo, hi = k.part(full_n + bool(tail_n))
     null = ir.Constant(F32.as_pointer(), None)
-    for g_count, g_first, rows in ((groups - bool(tail_m), 0, tile.mr), (bool(tail_m), groups - 1, tail_m)):
-        if not g_count:
-            continue
-        widths = tuple(_split(rows, tile.lanes))
-        with k.loop(g_first + g_count, start=g_first) as g:
-            row0 = b.mul(g, k.i64(tile.mr))
-            a = b.gep(a_packed, [b.mul(g, k.i64(kdim * tile.mr))])
-            bias_row = b.gep(bias, [row0]) if bias is not None else null
-            for t_count, t_first, pixels in ((full_n, 0, tile.pixels), (bool(tail_n), full_n, tail_n)):
-                if not t_count:
-                    continue
-                fns = [_channel_tile_function(k, tile, pixels, widths, bias is not None, vector_epilogue,
-                                              residual_at if residual is not None else None, contiguous)
-                       for contiguous in (False, True)]
-                with k.loop(k.smin(hi, k.i64(t_first + t_count)), start=k.smax(lo, k.i64(t_first))) as t:
-                    col0 = b.mul(t, k.i64(tile.pixels))
-                    c_offset = b.add(c_base, b.add(b.mul(row0, k.i64(n)), col0))
-                    res = b.gep(residual, [c_offset]) if residual is not None else null
-                    tile_bases = b.gep(bases, [col0])
-                    args = [a, x_ptr, b.gep(c_ptr, [c_offset]), bias_row, res, k.i64(kdim), k.i64(n),
-                            taps, tile_bases]
-                    # Bases rise pixel by pixel: first + pixels - 1 at the
-                    # last means every pixel is its left neighbour's + 1.
-                    span = b.sub(k.load(tile_bases, k.i64(pixels - 1)), k.load(tile_bases, k.i64(0)))
-                    with b.if_else(b.icmp_signed("==", span, ir.Constant(I32, pixels - 1))) as (then, otherwise):
-                        with then:
-                            b.call(fns[True], args)
-                        with otherwise:
-                            b.call(fns[False], args)
+    with k.share(full_n + bool(tail_n)) as (lo, hi):
+        for g_count, g_first, rows in ((groups - bool(tail_m), 0, tile.mr), (bool(tail_m), groups - 1, tail_m)):
+            if not g_count:
+                continue
+            widths = tuple(_split(rows, tile.lanes))
+            with k.loop(g_first + g_count, start=g_first) as g:
+                row0 = b.mul(g, k.i64(tile.mr))
+                a = b.gep(a_packed, [b.mul(g, k.i64(kdim * tile.mr))])
+                bias_row = b.gep(bias, [row0]) if bias is not None else null
+                for t_count, t_first, pixels in ((full_n, 0, tile.pixels), (bool(tail_n), full_n, tail_n)):
+                    if not t_count:
+                        continue
+                    fns = [_channel_tile_function(k, tile, pixels, widths, bias is not None, vector_epilogue,
+                                                  residual_at if residual is not None else None, contiguous)
+                           for contiguous in (False, True)]
+                    with k.loop(k.smin(hi, k.i64(t_first + t_count)), start=k.smax(lo, k.i64(t_first))) as t:
+                        col0 = b.mul(t, k.i64(tile.pixels))
+                        c_offset = b.add(c_base, b.add(b.mul(row0, k.i64(n)), col0))
+                        res = b.gep(residual, [c_offset]) if residual is not None else null
+                        tile_bases = b.gep(bases, [col0])
+                        args = [a, x_ptr, b.gep(c_ptr, [c_offset]), bias_row, res, k.i64(kdim), k.i64(n),
+                                taps, tile_bases]
+                        # Bases rise pixel by pixel: first + pixels - 1 at the
+                        # last means every pixel is its left neighbour's + 1.
+                        span = b.sub(k.load(tile_bases, k.i64(pixels - 1)), k.load(tile_bases, k.i64(0)))
+                        with b.if_else(b.icmp_signed("==", span, ir.Constant(I32, pixels - 1))) as (then, otherwise):
+                            with then:
+                                b.call(fns[True], args)
+                            with otherwise:
+                                b.call(fns[False], args)
 
 
 def _channel_tile_function(k: Kernel, tile: GemmTile, pixels: int, widths: tuple, has_bias: bool,

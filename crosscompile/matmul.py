@@ -145,8 +145,7 @@ def pack_rows(k: Kernel, tile, m: int, kdim: int, a_ptr: ir.Value, a_strides) ->
     element = tile.element
     scratch = k.scratch if element == F32 else bld.bitcast(k.scratch, element.as_pointer())
     blocks = -(-m // tile.mr)
-    lo, hi = k.part(blocks)
-    with k.loop(hi, start=lo) as block:
+    with k.share(blocks) as (lo, hi), k.loop(hi, start=lo) as block:
         first = bld.mul(block, k.i64(tile.mr))
         count = k.smin(bld.sub(k.i64(m), first), k.i64(tile.mr))
         with k.loop(count) as r:

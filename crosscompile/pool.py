@@ -51,8 +51,7 @@ class _Pool(Op):
         bld = k.builder
         X, Y = k.inputs[0], k.outputs[0]
         in_strides, out_strides = _c_strides(dims), _c_strides(out)
-        lo, hi = k.part(x[0] * x[1])
-        with k.loop(hi, start=lo) as nc, k.nested_loops(out) as opos:
+        with k.share(x[0] * x[1]) as (lo, hi), k.loop(hi, start=lo) as nc, k.nested_loops(out) as opos:
             acc = k.variable(k.f32(-math.inf if is_max else 0.0))
             valid = k.variable(k.f32(0.0))
             padded = k.variable(k.f32(0.0))
@@ -103,8 +102,7 @@ class _Pool(Op):
         # Explicit vectors for the interior columns, where every fused op has a vector form.
         lanes = k.target.lanes
         vectors = vector_epilogue(k) or not k.epilogue
-        nc_lo, nc_hi = k.part(x[0] * x[1])
-        with k.loop(nc_hi, start=nc_lo) as nc, k.loop(oh_n) as oh:
+        with k.share(x[0] * x[1]) as (nc_lo, nc_hi), k.loop(nc_hi, start=nc_lo) as nc, k.loop(oh_n) as oh:
             plane = k.index((nc, h * wd))
             rows = []
             for kh in range(kh_n):
@@ -196,12 +194,11 @@ def global_pool(k: Kernel, planes: int, size: int, is_max: bool) -> None:
     bld = k.builder
     lanes = k.target.lanes
     step = 2 * lanes if lanes > 1 and size >= 2 * lanes else 0
-    lo, hi = k.part(planes)
 
     def combine(a, b):
         return k.maximum(a, b) if is_max else bld.fadd(a, b)
 
-    with k.loop(hi, start=lo) as p:
+    with k.share(planes) as (lo, hi), k.loop(hi, start=lo) as p:
         base = k.index((p, size))
         acc = k.variable(k.f32(-math.inf if is_max else 0.0))
         if step:

@@ -357,8 +357,7 @@ def _transform_input(k: Kernel, p: WinogradPlan, x_base, padded, v) -> None:
     bld, X = k.builder, k.inputs[0]
     variant, ops, step = p.variant, _Ops(k), p.tile
     size = variant.patch
-    c_lo, c_hi = k.part(p.channels)
-    with k.loop(c_hi, start=c_lo) as c:
+    with k.share(p.channels) as (c_lo, c_hi), k.loop(c_hi, start=c_lo) as c:
         src_plane = k.index((x_base, 1), (c, p.h * p.w))
         dst_plane = k.index((c, p.hp * p.wp))
         with k.loop(p.hp) as y:
@@ -419,8 +418,7 @@ def _transform_output(k: Kernel, p: WinogradPlan, m, y_base, bias, residual, res
     variant, ops, step = p.variant, _Ops(k), p.tile
     size = variant.patch
     lanes = k.target.lanes if vector_epilogue(k) or not k.epilogue else 1
-    r_lo, r_hi = k.part(p.rows)
-    with k.loop(r_hi, start=r_lo) as r:
+    with k.share(p.rows) as (r_lo, r_hi), k.loop(r_hi, start=r_lo) as r:
         start = k.load(bias, r) if bias is not None else k.f32(0.0)
         for ty_first, ty_count, out_rows in _tile_runs(p.oh, step):
             with k.loop(ty_first + ty_count, start=ty_first) as ty:

@@ -16,6 +16,8 @@ from . import elf
 from .errors import InputError, ModuleLoadError, ProfilingUnsupported, RunError
 
 ABI_VERSION = 1
+# Threads tether_run_parallel takes at most (docs/module-abi.md).
+MAX_THREADS = 255
 WORKSPACE_ALIGNMENT = 64
 # tether_run return codes (docs/module-abi.md).
 RUN_ERRORS = {1: "a required pointer was NULL"}
@@ -137,6 +139,9 @@ class Module:
             threads = os.cpu_count() or 1
         if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
             raise InputError(f"threads must be a positive integer, got {threads!r}")
+        if threads > MAX_THREADS:
+            raise InputError(f"threads must be at most {MAX_THREADS} (the module's barrier counts no "
+                             f"more), got {threads}")
         self.threads = threads if self._parallel is not None else 1
         with self._pool_lock:
             if self._pool is not None and self._pool.size != self.threads:

@@ -20,6 +20,7 @@ import pytest
 from remote import errors, rpc
 from remote.cli.localfarm import Child
 from tests import board_servers, session_modules
+from tests.competing_load import cpu_ticks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -209,6 +210,48 @@ def test_sessions_beyond_max_are_refused_or_queued_as_configured():
     finally:
         refusing.stop()
         queueing.stop()
+
+
+def process_state(pid: int) -> str:
+    """The state letter of /proc/PID/stat: R running, S asleep, ..."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def wait_asleep(pid: int, times: int, within: float = 30.0) -> list:
+    """Wait until a process has been seen asleep (S) `times` looks in a
+    row, 10 ms apart; the states seen, for the failure message."""
+    deadline = time.monotonic() + within
+    seen, row = [], 0
+    while row < times:
+        state = process_state(pid)
+        seen.append(state)
+        row = row + 1 if state == "S" else 0
+        assert time.monotonic() < deadline, f"{pid} was not asleep {times} looks in a row: {''.join(seen[-200:])}"
+        time.sleep(0.01)
+    return seen
+
+
+def test_an_idle_session_uses_no_cpu_and_still_answers(server):
+    """Readers poll for the next frame only while frames come back to back:
+    a session process whose client has stopped calling sleeps in the
+    kernel, spending no CPU, and answers the next call (and a fast run of
+    them) as before."""
+    with connect(server) as sess:
+        for _ in range(300):  # back to back: the readers poll
+            sess.ping()
+        pid = serving_pid(sess)
+        wait_asleep(pid, 3)
+        before = (cpu_ticks(pid), cpu_ticks(server.proc.pid))
+        seen = wait_asleep(pid, 100)
+        after = (cpu_ticks(pid), cpu_ticks(server.proc.pid))
+        # Clock ticks (1/100 s): the looks above spanned a second or more.
+        assert after[0] - before[0] <= 1, f"the idle session process used {after[0] - before[0]} ticks ({seen})"
+        assert after[1] - before[1] <= 1, f"the idle server used {after[1] - before[1]} ticks"
+        for _ in range(300):
+            sess.ping()
+        check_addone_echo = sess.listdir()
+        assert isinstance(check_addone_echo, list)
 
 
 # ------------------------------------------------------------- transfers --

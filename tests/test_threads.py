@@ -12,6 +12,7 @@ import crosscompile
 import minirt
 from minirt import InputError
 from minirt.timing import time_module
+from tests.competing_load import CompetingLoad, cores
 from tests.cross_targets import emulated_tools
 from tests.onnx_models import make_model, rand, reference
 
@@ -77,6 +78,8 @@ def test_bad_thread_count_is_an_input_error(cnn_module):
     _, module = cnn_module
     with pytest.raises(InputError, match="threads must be a positive integer, got 0"):
         module.set_threads(0)
+    with pytest.raises(InputError, match="threads must be at most 255 .*got 256"):
+        module.set_threads(256)
 
 
 def test_module_without_the_parallel_entry_point_runs_on_one_thread(tmp_path):
@@ -101,6 +104,7 @@ PARALLEL_DRIVER_C = r"""
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 struct tether_sync { int32_t arrived, generation; long (*syscall)(long, ...); };
@@ -117,9 +121,11 @@ static void *work(void *arg) {
     return NULL;
 }
 
-/* driver MODULE.so WORKSPACE_BYTES IN.bin N_IN OUT.bin N_OUT THREADS */
+/* driver MODULE.so WORKSPACE_BYTES IN.bin N_IN OUT.bin N_OUT THREADS [RUNS]:
+   OUT.bin gets the outputs of RUNS runs (default 1) one after another. */
 int main(int argc, char **argv) {
-    if (argc != 8) { fprintf(stderr, "usage\n"); return 2; }
+    if (argc != 8 && argc != 9) { fprintf(stderr, "usage\n"); return 2; }
+    int runs = argc == 9 ? atoi(argv[8]) : 1;
     void *lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
     if (!lib) { fprintf(stderr, "dlopen: %s\n", dlerror()); return 3; }
     run = (run_parallel_fn)dlsym(lib, "tether_run_parallel");
@@ -132,23 +138,28 @@ int main(int argc, char **argv) {
     if (!f || fread(in, sizeof(float), n_in, f) != n_in) { fprintf(stderr, "read\n"); return 5; }
     fclose(f);
     ins[0] = in; outs[0] = out;
-    sync_state.syscall = syscall;
-    pthread_t ids[16];
-    for (int t = 1; t < threads; t++) pthread_create(&ids[t], NULL, work, (void *)(intptr_t)t);
-    work((void *)0);
-    for (int t = 1; t < threads; t++) pthread_join(ids[t], NULL);
-    for (int t = 0; t < threads; t++)
-        if (status[t] != 0) { fprintf(stderr, "thread %d: %d\n", t, status[t]); return 6; }
     f = fopen(argv[5], "wb");
-    fwrite(out, sizeof(float), n_out, f);
+    for (int run = 0; run < runs; run++) {
+        sync_state.arrived = sync_state.generation = 0;
+        sync_state.syscall = syscall;
+        memset(out, 0, n_out * sizeof(float));
+        pthread_t ids[16];
+        for (int t = 1; t < threads; t++) pthread_create(&ids[t], NULL, work, (void *)(intptr_t)t);
+        work((void *)0);
+        for (int t = 1; t < threads; t++) pthread_join(ids[t], NULL);
+        for (int t = 0; t < threads; t++)
+            if (status[t] != 0) { fprintf(stderr, "thread %d: %d\n", t, status[t]); return 6; }
+        fwrite(out, sizeof(float), n_out, f);
+    }
     fclose(f);
     return 0;
 }
 """
 
 
-@pytest.mark.parametrize("preset", ["rasp4b64", "rasp3b"])
-def test_parallel_run_on_emulated_arm_boards(tmp_path, preset):
+def run_on_emulated_board(tmp_path, preset, threads: int, runs: int = 1):
+    """small_cnn's outputs of `runs` runs on `threads` threads, through
+    tether_run_parallel under qemu, and onnxruntime's."""
     qemu, gcc, sysroot = emulated_tools(preset)
     model = small_cnn()
     x = rand(2, 3, 37, 41, seed=9)
@@ -161,10 +172,52 @@ def test_parallel_run_on_emulated_arm_boards(tmp_path, preset):
     x.tofile(tmp_path / "in.bin")
     proc = subprocess.run([qemu, "-L", sysroot, str(tmp_path / "driver"), so,
                            str(lib.metadata["workspace_bytes"]), str(tmp_path / "in.bin"),
-                           str(x.size), str(tmp_path / "out.bin"), str(want.size), "3"],
-                          capture_output=True, text=True, timeout=300)
+                           str(x.size), str(tmp_path / "out.bin"), str(want.size), str(threads), str(runs)],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
-    got = np.fromfile(tmp_path / "out.bin", dtype=np.float32).reshape(want.shape)
+    got = np.fromfile(tmp_path / "out.bin", dtype=np.float32).reshape((runs,) + want.shape)
+    return got, want
+
+
+def assert_arm_close(got, want):
     # ARMv7 NEON rounds differently (no fused multiply-add, flush to zero):
     # an absolute floor scaled to the output, as in tests/test_zoo.py.
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
+@pytest.mark.parametrize("preset", ["rasp4b64", "rasp3b"])
+def test_parallel_run_on_emulated_arm_boards(tmp_path, preset):
+    got, want = run_on_emulated_board(tmp_path, preset, threads=3)
+    assert_arm_close(got[0], want)
+
+
+@pytest.fixture
+def busy_cores():
+    """A spinning process on every core this process may use, for the
+    duration of the test: the module's threads then get the cores only
+    part of the time, and one at a time."""
+    with CompetingLoad(cores()) as load:
+        yield load
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_busy_cores_give_the_single_thread_result(cnn_module, busy_cores, threads):
+    """With every core also running a spinner, a thread is often
+    descheduled in the middle of a kernel: the others take its share of
+    the work, and every run still gives onnxruntime's result."""
+    model, module = cnn_module
+    x = rand(2, 3, 37, 41, seed=9)
+    want = reference(model, {"x": x})[0]
+    module.set_threads(threads)
+    for _ in range(15):
+        np.testing.assert_allclose(module.run({"x": x})[0], want, rtol=1e-5, atol=1e-6)
+    assert all(p.poll() is None for p in busy_cores.processes), "the load ended before the runs"
+
+
+def test_busy_cores_on_an_emulated_arm_board(tmp_path, busy_cores):
+    """The same on an emulated Cortex-A72 board (aarch64's weaker memory
+    order than x86's), 3 threads on cores that every spinner also wants."""
+    got, want = run_on_emulated_board(tmp_path, "rasp4b64", threads=3, runs=3)
+    for run in got:
+        assert_arm_close(run, want)
+    assert all(p.poll() is None for p in busy_cores.processes), "the load ended before the runs"

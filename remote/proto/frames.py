@@ -214,6 +214,9 @@ class FrameSocket:
         self.max_header = MAX_HEADER_BYTES
         # TLS sockets take no recv flags; neither polls without them.
         self.spin = spin if _DONTWAIT and not isinstance(sock, ssl.SSLSocket) else 0.0
+        # Whether the last frame came within the polling window: only then
+        # does the next read poll first (see _recv_some).
+        self.back_to_back = True
         self.body_left = 0
         # Small frames arrive whole in one recv; what it read past the frame
         # waits here for the next read.
@@ -342,14 +345,20 @@ class FrameSocket:
     def _recv_some(self) -> int:
         """Read what has arrived into the free end of the read buffer.
 
-        With ``spin``, first poll without blocking for up to that long: a
-        reply that arrives within microseconds is then picked up without the
-        thread going to sleep and being woken, which costs more than the
-        call. Only where the socket has no Python-level timeout (that would
-        poll() before every recv).
+        With ``spin``, while frames arrive back to back (each within that
+        long of the reader starting to wait), first poll without blocking for
+        up to that long: a reply that arrives within microseconds is then
+        picked up without the thread going to sleep and being woken, which
+        costs more than the call. Once a frame takes longer, the reader
+        blocks at once until frames come back to back again, so a reader
+        whose calls are far apart, or whose peer is idle, burns no CPU
+        polling. Only where the socket has no Python-level timeout (that
+        would poll() before every recv).
         """
         view = self._view[self._end:]
-        if self.spin and self.sock.gettimeout() is None:
+        if not self.spin or self.sock.gettimeout() is not None:
+            return self.sock.recv_into(view)
+        if self.back_to_back:
             recv_into = self.sock.recv_into
             deadline = 0.0
             while True:
@@ -362,7 +371,11 @@ class FrameSocket:
                         deadline = now + self.spin
                     elif now > deadline:
                         break
-        return self.sock.recv_into(view)
+        self.back_to_back = False
+        start = time.monotonic()
+        n = self.sock.recv_into(view)
+        self.back_to_back = time.monotonic() - start <= self.spin
+        return n
 
     def recv_body_into(self, buffer) -> None:
         view = memoryview(buffer).cast("B")

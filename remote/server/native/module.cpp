@@ -3,6 +3,7 @@
 #include <pthread.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -18,6 +19,8 @@ namespace tether {
 namespace {
 
 constexpr int32_t kAbiVersion = 1;
+// Threads tether_run_parallel takes at most (docs/module-abi.md).
+constexpr int kMaxThreads = 255;
 constexpr size_t kWorkspaceAlignment = 64;
 // Worker threads run the module's kernels, which may keep large arrays on
 // the stack: give them what a main thread gets (musl's default is 128 KiB).
@@ -312,6 +315,7 @@ void Module::set_threads(int n) {
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
     n = cores > 0 ? static_cast<int>(cores) : 1;
   }
+  n = std::min(n, kMaxThreads);
   threads_ = parallel_ ? n : 1;
   if (pool_ && pool_->size() != threads_) pool_.reset();
 }

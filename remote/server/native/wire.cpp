@@ -481,7 +481,11 @@ bool FrameConn::fill(size_t count, int64_t deadline_ms, ReadStatus* status) {
     start_ = 0;
   }
   if (buffer_.size() < count) buffer_.resize(count);
-  if (poll_us_ > 0 && !deadline_ms) {
+  bool polling = poll_us_ > 0 && !deadline_ms;
+  // Poll only while frames come back to back (docs/sessions.md, "Small
+  // calls"): once one takes longer than the window, block at once until
+  // they do again, so an idle or slow peer costs no CPU.
+  if (polling && back_to_back_) {
     int64_t until = 0;
     while (end_ < count) {
       ssize_t n = ::recv(fd_, buffer_.data() + end_, buffer_.size() - end_, MSG_DONTWAIT);
@@ -496,6 +500,8 @@ bool FrameConn::fill(size_t count, int64_t deadline_ms, ReadStatus* status) {
       else if (now > until) break;
     }
   }
+  int64_t blocked_at = polling && end_ < count ? monotonic_us() : 0;
+  if (blocked_at) back_to_back_ = false;
   while (end_ < count) {
     if (deadline_ms) {
       int64_t left = deadline_ms - monotonic_ms();
@@ -519,6 +525,7 @@ bool FrameConn::fill(size_t count, int64_t deadline_ms, ReadStatus* status) {
     }
     end_ += static_cast<size_t>(n);
   }
+  if (blocked_at && monotonic_us() - blocked_at <= poll_us_) back_to_back_ = true;
   return true;
 }
 

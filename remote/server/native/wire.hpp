@@ -131,6 +131,7 @@ class FrameConn {
   size_t start_ = 0, end_ = 0;
   int64_t body_left_ = 0;
   int poll_us_ = 0;
+  bool back_to_back_ = true;  // the last frame came within the polling window
   std::string seen_;
 };
 
