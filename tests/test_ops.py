@@ -8,7 +8,7 @@ from onnx import helper
 import crosscompile
 import minirt
 
-from tests.onnx_models import conv_relu_model, make_model, rand, run_host, single_op
+from tests.onnx_models import assert_zoo_close, conv_relu_model, make_model, rand, run_host, single_op
 
 
 def conv_model(x_shape, w_shape, bias=True, opset=13, **attrs):
@@ -349,7 +349,10 @@ def test_residual_add_after_conv_runs_in_the_conv_epilogue(tmp_path, op_type, co
              helper.make_node("Relu", ["s"], ["y"])]
     model = make_model(nodes, {"x": (2, 16, 9, 13)}, {"y": None},
                        {"w1": weight(1), "b1": rand(16, seed=2), "w2": weight(3)})
-    lib = run_host(model, tmp_path)
+    # Whether a 3x3 convolution goes through Winograd's transforms (which round
+    # differently from a direct sum) depends on the host's vector width: compare
+    # as a model, not to the last bits.
+    lib = run_host(model, tmp_path, close=assert_zoo_close)
     assert lib.summary["kernels"] == 2
 
 
