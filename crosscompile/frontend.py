@@ -19,8 +19,7 @@ from .quantize_ops import EXPANSIONS, expand_operators
 SUPPORTED_DTYPES = ("float32", "int64", "int32", "bool")
 # Ops the frontend evaluates itself instead of lowering (any other standard
 # op also folds when all its inputs are constants).
-FRONTEND_OPS = {"Constant", "ConstantOfShape", "Shape", "Size", "Range",
-                "Floor", "Ceil"}
+FRONTEND_OPS = {"Constant", "ConstantOfShape", "Shape", "Size", "Range"}
 
 
 def supported_ops() -> list[str]:

@@ -322,6 +322,7 @@ def main(argv=None) -> int:
     parser.add_argument("--op", action="append", default=[], metavar="OP_TYPE",
                         help="only the cases using this op (repeatable)")
     parser.add_argument("--per-op", action="store_true", help="also print the counts per op")
+    parser.add_argument("--json", metavar="FILE", help="also write every case's result to FILE")
     args = parser.parse_args(argv)
     cases = discover(everything=not args.in_scope, op_type=args.op[0] if len(args.op) == 1 else None)
     if args.op:
@@ -335,6 +336,11 @@ def main(argv=None) -> int:
     if tty:
         print(file=sys.stderr)
     counts = report(results, per_op_table=args.per_op)
+    if args.json:
+        import json
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump([{"suite": r.case.suite, "name": r.case.name, "ops": r.case.ops, "status": r.status,
+                        "detail": r.detail} for r in results], f, indent=1)
     return 0 if not counts.get("mismatch") and not counts.get("crash") else 1
 
 
