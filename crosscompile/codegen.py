@@ -79,8 +79,9 @@ def _lower(module: ir.Module, name: str, node, ins, outs, target, tiles: dict) -
         # split between the threads of a parallel kernel once all have stored.
         k.barrier()
         lo, hi = k.part(outs[0].size)
+        out = k.typed(k.outputs[0], outs[0].dtype)
         with k.loop(hi, start=lo) as i:
-            k.store(k.activate(k.load(k.outputs[0], i)), k.outputs[0], i)
+            k.store(k.activate(k.load(out, i)), out, i)
     k.finish()
     return k.function
 
