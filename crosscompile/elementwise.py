@@ -69,6 +69,19 @@ class Sigmoid(Unary):
         return k.sigmoid(x)
 
 
+class Swish(Unary):
+    """x * sigmoid(alpha * x)."""
+
+    op_type = "Swish"
+    vectorizable = True
+
+    def attributes(self, raw, constants, opset):
+        return {"alpha": float(raw.get("alpha", 1.0))}
+
+    def apply(self, k, x, attrs):
+        return k.builder.fmul(x, k.sigmoid(k.builder.fmul(x, k.f32(attrs["alpha"]))))
+
+
 class Tanh(Unary):
     op_type = "Tanh"
     vectorizable = True

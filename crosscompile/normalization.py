@@ -64,7 +64,7 @@ class LayerNormalization(Op):
             normalized, [row_strides] + [_broadcast_strides(t.shape, normalized) for t in inputs[1:]])
         with k.loop(_prod(x[:axis])) as o:
             base = k.index((o, length))
-            mean, rstd = row_statistics(k, base, length, attrs["epsilon"])
+            mean, rstd = self.statistics(k, base, length, attrs["epsilon"])
             for statistic, ptr in zip((mean, rstd), k.outputs[1:]):
                 k.store(statistic, ptr, o)
             with k.nested_loops(shape) as idx:
@@ -74,6 +74,29 @@ class LayerNormalization(Op):
                 if len(affine) == 2:
                     value = bld.fadd(value, k.load(k.inputs[2], k.index(*zip(idx, affine[1]))))
                 k.store(k.activate(value), k.outputs[0], at)
+
+    def statistics(self, k: Kernel, base, length: int, epsilon: float):
+        """(the value subtracted, the factor) of one row."""
+        return row_statistics(k, base, length, epsilon)
+
+
+class RMSNormalization(LayerNormalization):
+    """Y = X / sqrt(mean(X^2) + epsilon) * Scale over the axes from `axis`
+    on (opset 23); statistics are kept in float32 whatever stash_type says."""
+
+    op_type = "RMSNormalization"
+    counts_outputs = False
+
+    def infer(self, inputs, attrs):
+        if len(inputs) != 2:
+            raise ShapeError(f"RMSNormalization takes X and Scale; got {len(inputs)} inputs")
+        return super().infer(inputs, attrs)[:1]
+
+    def statistics(self, k, base, length, epsilon):
+        bld = k.builder
+        squares = reduce_row(k, k.inputs[0], base, length, bld.fadd, 0.0, lambda v: bld.fmul(v, v))
+        mean_square = bld.fmul(squares, k.f32(1.0 / length))
+        return k.f32(0.0), bld.fdiv(k.f32(1.0), k.sqrt(bld.fadd(mean_square, k.f32(epsilon))))
 
 
 def _per_channel_rows(k: Kernel, x, groups: int, epsilon: float, scale_of, bias_of) -> None:

@@ -20,6 +20,7 @@ from .gemm import emit_dot_rows
 from .matmul import lower_tiled, packed_rows_floats, strided_matmul, tiled_geometry
 from .op_base import (ALL_DTYPES, REGISTERED, AliasOp, Op, copy_strided, _axis, _broadcast_strides, _c_strides, _check_choice, _const_float,
                       _const_ints, _ints, _prod)
+from .ranking import extreme_index
 from .reduce import broadcast_scalar, reduce_row
 from .vectors import horizontal_reduce, load_strided
 
@@ -180,14 +181,9 @@ class Softmax(Op):
         """Per row: its maximum, then the sum of exp(x - max), both in vector
         accumulators when the row is contiguous, then one pass writing each
         output (row_output)."""
-        shape = inputs[0].shape
-        axis = _axis(attrs["axis"], len(shape))
-        if attrs["flatten"]:
-            length, inner = _prod(shape[axis:]), 1
-        else:
-            length, inner = shape[axis], _prod(shape[axis + 1:])
+        outer, length, inner = self.rows(inputs[0].shape, attrs)
         X, bld = k.inputs[0], k.builder
-        with k.loop(_prod(shape[:axis])) as o, k.loop(inner) as r:
+        with k.loop(outer) as o, k.loop(inner) as r:
             base = k.index((o, length * inner), (r, 1))
             peak = reduce_row(k, X, base, length, k.maximum, -math.inf, stride=inner)
 
@@ -197,6 +193,15 @@ class Softmax(Op):
             with k.loop(length) as j:
                 at = k.index((base, 1), (j, inner))
                 k.store(k.activate(output(at)), k.outputs[0], at)
+
+    @staticmethod
+    def rows(shape, attrs):
+        """(outer, length, inner): the rows normalised, each of length
+        elements inner apart."""
+        axis = _axis(attrs["axis"], len(shape))
+        if attrs["flatten"]:
+            return _prod(shape[:axis]), _prod(shape[axis:]), 1
+        return _prod(shape[:axis]), shape[axis], _prod(shape[axis + 1:])
 
     def row_output(self, k: Kernel, X, base, length: int, inner: int, peak, shifted_exp):
         """The function from the element offset of a row's value to its
@@ -236,6 +241,25 @@ class LogSoftmax(Softmax):
         log_total = safe_log(k, reduce_row(k, X, base, length, bld.fadd, 0.0, shifted_exp, stride=inner))
         # (x - max) first: exact near the maximum, where the result is small.
         return lambda at: bld.fsub(bld.fsub(k.load(X, at), peak), log_total)
+
+
+class Hardmax(Softmax):
+    """1 at the first largest element of each of Softmax's rows, 0 elsewhere."""
+
+    op_type = "Hardmax"
+
+    def lower(self, k, inputs, outputs, attrs):
+        outer, length, inner = self.rows(inputs[0].shape, attrs)
+        if outputs[0].size == 0:
+            k.activated = True
+            return
+        bld = k.builder
+        with k.loop(outer) as o, k.loop(inner) as r:
+            base = k.index((o, length * inner), (r, 1))
+            where = extreme_index(k, k.inputs[0], base, length, inner)
+            with k.loop(length) as j:
+                value = bld.select(bld.icmp_signed("==", j, where), k.f32(1.0), k.f32(0.0))
+                k.store(k.activate(value), k.outputs[0], k.index((base, 1), (j, inner)))
 
 
 class Flatten(AliasOp):

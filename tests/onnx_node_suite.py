@@ -50,7 +50,7 @@ class Case:
             inputs, outputs = self.generated.data_sets[0]
             model = onnx.ModelProto()
             model.CopyFrom(self.generated.model)
-            return model, [np.asarray(v) for v in inputs], [np.asarray(v) for v in outputs]
+            return model, [_plain(v) for v in inputs], [_plain(v) for v in outputs]
         return (onnx.load(self.path), *_load_data(os.path.dirname(self.path)))
 
 
@@ -137,6 +137,14 @@ def _float32_io(model) -> bool:
             and all(k == onnx.TensorProto.FLOAT or k not in floats for k in kinds))
 
 
+def _plain(value):
+    """value as an array, or None for a sequence, map or optional (which
+    no module takes)."""
+    if isinstance(value, (list, tuple, dict)) or value is None:
+        return None
+    return np.asarray(value)
+
+
 def _load_data(case_dir: str):
     data_dir = os.path.join(case_dir, "test_data_set_0")
     inputs = [numpy_helper.to_array(_read(p)) for p in sorted(glob.glob(os.path.join(data_dir, "input_*.pb")))]
@@ -180,9 +188,11 @@ def run_case(case: Case, workdir: str, rtol=1e-4, atol=1e-5) -> Result:
     graph_inputs = [vi for vi in model.graph.input if vi.name not in {i.name for i in model.graph.initializer}]
     feeds = {}
     for vi, value in zip(graph_inputs, inputs):
+        if value is None:
+            return Result(case, "refused", f"input {vi.name!r} is not a plain tensor: dtype sequence "
+                          "(or an optional or map)")
         if value.dtype == object:
-            return Result(case, "refused", f"input {vi.name!r} is not a plain tensor: dtype string "
-                          "(or a sequence or map)")
+            return Result(case, "refused", f"input {vi.name!r} is not a plain tensor: dtype string")
         if vi.name in compile_time:
             model.graph.initializer.append(numpy_helper.from_array(value, vi.name))
         else:
@@ -205,6 +215,8 @@ def run_case(case: Case, workdir: str, rtol=1e-4, atol=1e-5) -> Result:
         if len(got) != len(expected):
             return Result(case, "mismatch", f"{len(got)} outputs, expected {len(expected)}")
         for i, (g, w) in enumerate(zip(got, expected)):
+            if w is None:
+                return Result(case, "mismatch", f"output {i}: a tensor, expected a sequence")
             if g.shape != w.shape or g.dtype != w.dtype:
                 return Result(case, "mismatch", f"output {i}: {g.dtype}{g.shape}, expected {w.dtype}{w.shape}")
             if not np.allclose(g, w, rtol=rtol, atol=atol, equal_nan=True):
