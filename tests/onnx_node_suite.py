@@ -335,13 +335,24 @@ def main(argv=None) -> int:
                         help="only the cases using this op (repeatable)")
     parser.add_argument("--per-op", action="store_true", help="also print the counts per op")
     parser.add_argument("--json", metavar="FILE", help="also write every case's result to FILE")
+    parser.add_argument("--log", metavar="FILE",
+                        help="append each case's result to FILE as one JSON line as soon as it is known")
+    parser.add_argument("--shard", metavar="I/N", default="1/1",
+                        help="run only every N-th case starting at the I-th (to split a sweep between processes)")
     args = parser.parse_args(argv)
     cases = discover(everything=not args.in_scope, op_type=args.op[0] if len(args.op) == 1 else None)
     if args.op:
         cases = [c for c in cases if set(args.op) & set(c.ops)]
+    index, count = (int(part) for part in args.shard.split("/"))
+    cases = cases[index - 1::count]
     tty = sys.stderr.isatty()
 
     def progress(number, total, result):
+        if args.log:
+            import json
+            with open(args.log, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"suite": result.case.suite, "name": result.case.name, "ops": result.case.ops,
+                                    "status": result.status, "detail": result.detail}) + "\n")
         if tty:
             print(f"\r{number}/{total} {result.case.name[:60]:60}", end="", file=sys.stderr, flush=True)
     results = run_all(cases, progress)
