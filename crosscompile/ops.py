@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from . import attention, conv, conv_transpose, einsum, elementwise, indexing, layout, logic, normalization, pool, quantize_ops, ranking, recurrent, reduce, resize, scan, trigonometry  # noqa: F401 (their op classes register themselves)
+from . import attention, conv, conv_transpose, einsum, elementwise, indexing, layout, logic, losses, normalization, pool, quantize_ops, ranking, recurrent, reduce, resize, scan, trigonometry  # noqa: F401 (their op classes register themselves)
 from .emit import I64, Kernel
 from .errors import BuildError, ShapeError
 from .elementwise import safe_log
