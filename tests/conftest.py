@@ -63,19 +63,26 @@ def pytest_addoption(parser):
     parser.addoption("--full-zoo", action="store_true",
                      help="also run every model of the emulated model zoo (tests marked full_zoo; "
                           "about 10 more minutes on 2 cores)")
+    parser.addoption("--node-suite", action="store_true",
+                     help="also run all 2,001 onnx backend node cases (tests marked node_suite; "
+                          "tens of minutes on 2 cores)")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Leave the full emulated model zoo out unless --full-zoo is given.
+    """Leave the full emulated model zoo out unless --full-zoo is given, and
+    the full onnx node-suite sweep unless --node-suite is.
 
-    It is reported as deselected, not skipped: the default run keeps one
-    representative model per emulated architecture.
+    They are reported as deselected, not skipped: the default run keeps one
+    representative model per emulated architecture and a sample of the
+    node cases.
     """
-    if config.getoption("--full-zoo"):
+    optional = [marker for marker, option in (("full_zoo", "--full-zoo"), ("node_suite", "--node-suite"))
+                if not config.getoption(option)]
+    if not optional:
         return
     kept, left = [], []
     for item in items:
-        (left if item.get_closest_marker("full_zoo") else kept).append(item)
+        (left if any(item.get_closest_marker(m) for m in optional) else kept).append(item)
     if left:
         config.hook.pytest_deselected(items=left)
         items[:] = kept

@@ -14,9 +14,12 @@ initializers. Every other input stays a runtime input.
 
 A case is in scope when every op in its model is one crosscompile supports
 and its floating-point tensors are float32; tests/test_onnx_node_suite.py
-runs those.
+runs a few of those per op by default, and every case with --node-suite.
 
-    python -m tests.onnx_node_suite            # every case: counts, refusals by reason
+    python -m tests.onnx_node_suite                  # every case: counts, refusals by reason
+    python -m tests.onnx_node_suite --op Trilu       # the cases of one op
+    python -m tests.onnx_node_suite --shard 1/2 --log a.jsonl &   # a sweep in two processes
+    python -m tests.onnx_node_suite --shard 2/2 --log b.jsonl
 """
 from __future__ import annotations
 
