@@ -84,10 +84,11 @@ def _lower(module: ir.Module, name: str, node, ins, outs, target, tiles: dict) -
         k.barrier()
         size = outs[0].size
         blocks = -(-size // EPILOGUE_BLOCK)
+        out = k.typed(k.outputs[0], outs[0].dtype)
         with k.share(blocks) as (lo, hi):
             end = k.smin(k.builder.mul(hi, k.i64(EPILOGUE_BLOCK)), k.i64(size))
             with k.loop(end, start=k.builder.mul(lo, k.i64(EPILOGUE_BLOCK))) as i:
-                k.store(k.activate(k.load(k.outputs[0], i)), k.outputs[0], i)
+                k.store(k.activate(k.load(out, i)), out, i)
     k.finish()
     return k.function
 

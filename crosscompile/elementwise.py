@@ -6,8 +6,10 @@ from __future__ import annotations
 import numpy as np
 
 from .emit import Kernel
-from .errors import ShapeError
-from .op_base import Op, _broadcast_strides, _check_choice, _const_float
+from .errors import BuildError, ShapeError
+from llvmlite import ir
+
+from .op_base import NUMERIC_DTYPES, Op, _broadcast_strides, _check_choice, _const_float
 
 
 class Unary(Op):
@@ -24,8 +26,19 @@ class Unary(Op):
         raise NotImplementedError
 
     def lower(self, k, inputs, outputs, attrs):
+        src, dst = k.typed(k.inputs[0], inputs[0].dtype), k.typed(k.outputs[0], outputs[0].dtype)
         with k.loop(outputs[0].size) as i:
-            k.store(k.activate(self.apply(k, k.load(k.inputs[0], i), attrs)), k.outputs[0], i)
+            k.store(k.activate(self.apply(k, k.load(src, i), attrs)), dst, i)
+
+
+def is_float(value) -> bool:
+    """Whether an IR value is a float32 scalar or vector (else an integer)."""
+    element = value.type.element if isinstance(value.type, ir.VectorType) else value.type
+    return isinstance(element, ir.FloatType)
+
+
+def _int_zero(value):
+    return ir.Constant(value.type, 0)
 
 
 class Relu(Unary):
@@ -54,6 +67,19 @@ class Sigmoid(Unary):
 
     def apply(self, k, x, attrs):
         return k.sigmoid(x)
+
+
+class Swish(Unary):
+    """x * sigmoid(alpha * x)."""
+
+    op_type = "Swish"
+    vectorizable = True
+
+    def attributes(self, raw, constants, opset):
+        return {"alpha": float(raw.get("alpha", 1.0))}
+
+    def apply(self, k, x, attrs):
+        return k.builder.fmul(x, k.sigmoid(k.builder.fmul(x, k.f32(attrs["alpha"]))))
 
 
 class Tanh(Unary):
@@ -108,19 +134,29 @@ class Clip(Unary):
 
 
 class Neg(Unary):
+    """-x, of float32 or integer tensors."""
+
     op_type = "Neg"
     vectorizable = True
+    data_dtypes = NUMERIC_DTYPES
 
     def apply(self, k, x, attrs):
-        return k.builder.fsub(k.f32(0.0), x)
+        if is_float(x):
+            return k.builder.fsub(k.f32(0.0), x)
+        return k.builder.sub(_int_zero(x), x)
 
 
 class Abs(Unary):
+    """|x|, of float32 or integer tensors."""
+
     op_type = "Abs"
     vectorizable = True
+    data_dtypes = NUMERIC_DTYPES
 
     def apply(self, k, x, attrs):
-        return k.maximum(x, k.builder.fsub(k.f32(0.0), x))
+        if is_float(x):
+            return k.maximum(x, k.builder.fsub(k.f32(0.0), x))
+        return k.smax(x, k.builder.sub(_int_zero(x), x))
 
 
 class Exp(Unary):
@@ -214,6 +250,10 @@ class Elementwise(Op):
     def combine(self, k: Kernel, values: list):
         raise NotImplementedError
 
+    def evaluate(self, k: Kernel, values: list, attrs: dict):
+        """combine(), for an op whose result depends on its attributes too."""
+        return self.combine(k, values)
+
     def operand_shapes(self, shapes, attrs):
         """The shapes broadcast against each other (an op may reinterpret one)."""
         return list(shapes)
@@ -224,7 +264,7 @@ class Elementwise(Op):
         dest = k.typed(k.outputs[0], out.dtype)
         if all(t.shape == out.shape for t in inputs):
             with k.loop(out.size) as i:
-                value = self.combine(k, [k.load(ptr, i) for ptr in sources])
+                value = self.evaluate(k, [k.load(ptr, i) for ptr in sources], attrs)
                 k.store(k.activate(value), dest, i)
             return
         shape = out.shape or (1,)
@@ -234,7 +274,7 @@ class Elementwise(Op):
         shape, (out_strides, *in_strides) = _merge_dims(shape, [out_strides, *in_strides])
         with k.nested_loops(shape) as idx:
             values = [k.load(ptr, k.index(*zip(idx, st))) for ptr, st in zip(sources, in_strides)]
-            k.store(k.activate(self.combine(k, values)), dest, k.index(*zip(idx, out_strides)))
+            k.store(k.activate(self.evaluate(k, values, attrs)), dest, k.index(*zip(idx, out_strides)))
 
 
 def _merge_dims(shape, strides_list):
@@ -266,43 +306,116 @@ def _fold(fn):
     return combine
 
 
-class Add(Elementwise):
+def _arithmetic(float_op: str, int_op: str):
+    """A fold by one IRBuilder method for float32 and another for integers."""
+    return _fold(lambda k, a, b: getattr(k.builder, float_op if is_float(a) else int_op)(a, b))
+
+
+def _integer_divisor(k: Kernel, y):
+    """y, with 0 and -1 replaced by 1 (where the callers pick the result
+    themselves): integer division by 0 and INT_MIN / -1 trap on x86."""
+    b = k.builder
+    odd = b.or_(b.icmp_signed("==", y, _int_zero(y)), b.icmp_signed("==", y, ir.Constant(y.type, -1)))
+    return b.select(odd, ir.Constant(y.type, 1), y)
+
+
+def _divide(k, a, b_):
+    """a / b: float32 division, or integer division truncating toward zero
+    (C's and onnxruntime's); an integer divided by 0 gives 0 instead of a
+    trap, by -1 its negation."""
+    b = k.builder
+    if is_float(a):
+        return b.fdiv(a, b_)
+    quotient = b.sdiv(a, _integer_divisor(k, b_))
+    quotient = b.select(b.icmp_signed("==", b_, ir.Constant(b_.type, -1)), b.sub(_int_zero(a), a), quotient)
+    return b.select(b.icmp_signed("==", b_, _int_zero(b_)), _int_zero(a), quotient)
+
+
+class _Arithmetic(Elementwise):
+    data_dtypes = NUMERIC_DTYPES
+
+
+class Add(_Arithmetic):
     op_type = "Add"
-    combine = _fold(lambda k, a, b: k.builder.fadd(a, b))
+    combine = _arithmetic("fadd", "add")
 
 
-class Sub(Elementwise):
+class Sub(_Arithmetic):
     op_type = "Sub"
-    combine = _fold(lambda k, a, b: k.builder.fsub(a, b))
+    combine = _arithmetic("fsub", "sub")
 
 
-class Mul(Elementwise):
+class Mul(_Arithmetic):
     op_type = "Mul"
-    combine = _fold(lambda k, a, b: k.builder.fmul(a, b))
+    combine = _arithmetic("fmul", "mul")
 
 
-class Div(Elementwise):
+class Div(_Arithmetic):
     op_type = "Div"
-    combine = _fold(lambda k, a, b: k.builder.fdiv(a, b))
+    combine = _fold(_divide)
 
 
-class Sum(Elementwise):
+class Sum(_Arithmetic):
     op_type = "Sum"
     arity = (1, 1 << 16)
-    combine = _fold(lambda k, a, b: k.builder.fadd(a, b))
+    combine = _arithmetic("fadd", "add")
 
 
-class Max(Elementwise):
+def _extreme(k, a, b, predicate):
+    if is_float(a):
+        return k.maximum(a, b) if predicate == ">" else k.minimum(a, b)
+    return k.builder.select(k.builder.icmp_signed(predicate, a, b), a, b)
+
+
+class Max(_Arithmetic):
     op_type = "Max"
     arity = (1, 1 << 16)
-    combine = _fold(lambda k, a, b: k.maximum(a, b))
+    combine = _fold(lambda k, a, b: _extreme(k, a, b, ">"))
 
 
-class Min(Elementwise):
+class Min(_Arithmetic):
     op_type = "Min"
     arity = (1, 1 << 16)
-    combine = _fold(lambda k, a, b: k.minimum(a, b))
+    combine = _fold(lambda k, a, b: _extreme(k, a, b, "<"))
 
+
+class Mod(_Arithmetic):
+    """The remainder of a / b: with fmod=0 it takes the divisor's sign
+    (Python's %), with fmod=1 the dividend's (C's fmod). An integer
+    remainder by 0 is 0; a float one NaN."""
+
+    op_type = "Mod"
+
+    def attributes(self, raw, constants, opset):
+        return {"fmod": int(raw.get("fmod", 0))}
+
+    def evaluate(self, k, values, attrs):
+        a, d = values
+        b = k.builder
+        if is_float(a):
+            # a - trunc(a / d) * d; trunc by rounding, stepped toward zero.
+            q = b.fdiv(a, d)
+            t = round_even(k, q)
+            aq, at = k.maximum(q, b.fsub(k.f32(0.0), q)), k.maximum(t, b.fsub(k.f32(0.0), t))
+            step = b.select(b.fcmp_ordered("<", q, k.f32(0.0)), k.f32(-1.0), k.f32(1.0))
+            t = b.select(b.fcmp_ordered(">", at, aq), b.fsub(t, step), t)
+            r = b.fsub(a, b.fmul(t, d))
+            # An infinite divisor leaves a finite dividend whole.
+            r = b.select(b.fcmp_ordered("==", k.maximum(d, b.fsub(k.f32(0.0), d)), k.f32(np.inf)), a, r)
+            if attrs["fmod"]:
+                return r
+            differs = b.xor(b.fcmp_ordered("<", r, k.f32(0.0)), b.fcmp_ordered("<", d, k.f32(0.0)))
+            fix = b.and_(b.fcmp_ordered("!=", r, k.f32(0.0)), differs)
+            return b.select(fix, b.fadd(r, d), r)
+        r = b.srem(a, _integer_divisor(k, d))
+        r = b.select(b.icmp_signed("==", d, ir.Constant(d.type, -1)), _int_zero(a), r)
+        r = b.select(b.icmp_signed("==", d, _int_zero(d)), _int_zero(a), r)
+        if attrs["fmod"]:
+            return r
+        # The divisor's sign: a non-zero remainder of the other sign moves by d.
+        differs = b.xor(b.icmp_signed("<", r, _int_zero(r)), b.icmp_signed("<", d, _int_zero(d)))
+        fix = b.and_(b.icmp_signed("!=", r, _int_zero(r)), differs)
+        return b.select(fix, b.add(r, d), r)
 
 class Mean(Elementwise):
     op_type = "Mean"
@@ -409,3 +522,237 @@ def _power_of_value(k: Kernel, x, y):
     signed = b.select(b.and_(negative, odd), b.fsub(k.f32(0.0), magnitude), magnitude)
     result = b.select(b.and_(negative, b.not_(integer)), k.f32(np.nan), signed)
     return b.select(b.fcmp_ordered("==", y, k.f32(0.0)), k.f32(1.0), result)
+
+
+def expm1(k: Kernel, x):
+    """exp(x) - 1, exact near 0 where that difference cancels: with
+    u = exp(x), (u - 1) * x / log(u) (Kahan's form), x itself where u
+    rounds to 1."""
+    b = k.builder
+    u = k.exp(x)
+    um1 = b.fsub(u, k.f32(1.0))
+    ratio = b.fmul(um1, b.fdiv(x, k.log(u)))
+    ratio = b.select(b.fcmp_ordered("==", um1, k.f32(-1.0)), um1, ratio)
+    ratio = b.select(b.fcmp_ordered(">", x, k.f32(80.0)), u, ratio)
+    return b.select(b.fcmp_ordered("==", u, k.f32(1.0)), x, ratio)
+
+
+def log1p(k: Kernel, u):
+    """log(1 + u) for u >= 0, exact for small u where 1 + u rounds:
+    log(w) * u / (w - 1) with w = 1 + u (Goldberg's form)."""
+    b = k.builder
+    w = b.fadd(u, k.f32(1.0))
+    wm1 = b.fsub(w, k.f32(1.0))
+    scaled = b.fmul(k.log(w), b.fdiv(u, wm1))
+    return b.select(b.fcmp_ordered("==", wm1, k.f32(0.0)), u, scaled)
+
+
+def softplus(k: Kernel, x):
+    """log(1 + exp(x)) = max(x, 0) + log1p(exp(-|x|)): no overflow for large x."""
+    b = k.builder
+    ax = k.maximum(x, b.fsub(k.f32(0.0), x))
+    return b.fadd(k.maximum(x, k.f32(0.0)), log1p(k, k.exp(b.fsub(k.f32(0.0), ax))))
+
+
+class Softplus(Unary):
+    op_type = "Softplus"
+
+    def apply(self, k, x, attrs):
+        return softplus(k, x)
+
+
+class Mish(Unary):
+    """x * tanh(softplus(x))."""
+
+    op_type = "Mish"
+
+    def apply(self, k, x, attrs):
+        return k.builder.fmul(x, k.tanh(softplus(k, x)))
+
+
+class Elu(Unary):
+    """x for x >= 0, alpha * (exp(x) - 1) below."""
+
+    op_type = "Elu"
+
+    def attributes(self, raw, constants, opset):
+        return {"alpha": float(raw.get("alpha", 1.0))}
+
+    def apply(self, k, x, attrs):
+        b = k.builder
+        return b.select(b.fcmp_ordered("<", x, k.f32(0.0)), b.fmul(expm1(k, x), k.f32(attrs["alpha"])), x)
+
+
+class Selu(Elu):
+    """gamma * Elu(x) with Selu's own alpha and gamma defaults."""
+
+    op_type = "Selu"
+
+    def attributes(self, raw, constants, opset):
+        return {"alpha": float(raw.get("alpha", 1.67326319217681884765625)),
+                "gamma": float(raw.get("gamma", 1.05070102214813232421875))}
+
+    def apply(self, k, x, attrs):
+        return k.builder.fmul(super().apply(k, x, attrs), k.f32(attrs["gamma"]))
+
+
+class Celu(Unary):
+    """max(0, x) + min(0, alpha * (exp(x / alpha) - 1))."""
+
+    op_type = "Celu"
+
+    def attributes(self, raw, constants, opset):
+        alpha = float(raw.get("alpha", 1.0))
+        if alpha == 0.0:
+            raise BuildError("Celu's alpha must not be 0")
+        return {"alpha": alpha}
+
+    def apply(self, k, x, attrs):
+        b = k.builder
+        alpha = k.f32(attrs["alpha"])
+        negative = k.minimum(b.fmul(expm1(k, b.fdiv(x, alpha)), alpha), k.f32(0.0))
+        value = b.fadd(k.maximum(x, k.f32(0.0)), negative)
+        return b.select(b.fcmp_unordered("uno", x, x), x, value)
+
+
+class Softsign(Unary):
+    op_type = "Softsign"
+
+    def apply(self, k, x, attrs):
+        b = k.builder
+        return b.fdiv(x, b.fadd(k.f32(1.0), k.maximum(x, b.fsub(k.f32(0.0), x))))
+
+
+class ThresholdedRelu(Unary):
+    """x where x > alpha, else 0."""
+
+    op_type = "ThresholdedRelu"
+
+    def attributes(self, raw, constants, opset):
+        return {"alpha": float(raw.get("alpha", 1.0))}
+
+    def apply(self, k, x, attrs):
+        b = k.builder
+        return b.select(b.fcmp_ordered(">", x, k.f32(attrs["alpha"])), x, k.f32(0.0))
+
+
+class Shrink(Unary):
+    """x + bias below -lambd, x - bias above lambd, 0 between."""
+
+    op_type = "Shrink"
+
+    def attributes(self, raw, constants, opset):
+        return {"lambd": float(raw.get("lambd", 0.5)), "bias": float(raw.get("bias", 0.0))}
+
+    def apply(self, k, x, attrs):
+        b = k.builder
+        lambd, bias = attrs["lambd"], k.f32(attrs["bias"])
+        high = b.select(b.fcmp_ordered(">", x, k.f32(lambd)), b.fsub(x, bias), k.f32(0.0))
+        return b.select(b.fcmp_ordered("<", x, k.f32(-lambd)), b.fadd(x, bias), high)
+
+
+# 1.5 * 2**23: adding and subtracting it rounds a float32 of magnitude below
+# 2**22 to an integer, ties to even (no libm call: llvm.roundeven, floor and
+# ceil become calls on targets without a rounding instruction). From 2**22 on
+# every float32 is an integer already.
+ROUND_MAGIC = 12582912.0
+ROUND_LIMIT = 4194304.0
+
+
+def round_even(k: Kernel, x):
+    b = k.builder
+    ax = k.maximum(x, b.fsub(k.f32(0.0), x))
+    rounded = b.fsub(b.fadd(x, k.f32(ROUND_MAGIC)), k.f32(ROUND_MAGIC))
+    return b.select(b.fcmp_ordered("<", ax, k.f32(ROUND_LIMIT)), rounded, x)
+
+
+class Round(Unary):
+    """Nearest integer, halves to even (numpy.round)."""
+
+    op_type = "Round"
+
+    def apply(self, k, x, attrs):
+        return round_even(k, x)
+
+
+class _RoundToward(Unary):
+    """Floor and Ceil: the nearest integer, moved one step toward `step`
+    where it lies on the wrong side of x."""
+
+    step = 0.0
+    wrong_side = ""
+
+    def apply(self, k, x, attrs):
+        b = k.builder
+        r = round_even(k, x)
+        return b.select(b.fcmp_ordered(self.wrong_side, r, x), b.fadd(r, k.f32(self.step)), r)
+
+
+class Floor(_RoundToward):
+    op_type = "Floor"
+    step, wrong_side = -1.0, ">"
+
+
+class Ceil(_RoundToward):
+    op_type = "Ceil"
+    step, wrong_side = 1.0, "<"
+
+
+class Sign(Unary):
+    """1 above 0, -1 below, 0 at 0 (NaN stays NaN)."""
+
+    op_type = "Sign"
+
+    def apply(self, k, x, attrs):
+        b = k.builder
+        up = b.select(b.fcmp_ordered(">", x, k.f32(0.0)), k.f32(1.0), x)
+        return b.select(b.fcmp_ordered("<", x, k.f32(0.0)), k.f32(-1.0), up)
+
+
+class _FloatTest(Op):
+    """A float32 tensor in, a bool tensor of one test per element out."""
+
+    def infer(self, inputs, attrs):
+        return [inputs[0]]
+
+    def output_dtype(self, inputs, attrs):
+        super().output_dtype(inputs, attrs)
+        return "bool"
+
+    def test(self, k: Kernel, x, attrs):
+        raise NotImplementedError
+
+    def lower(self, k, inputs, outputs, attrs):
+        from .emit import I8
+        dest = k.typed(k.outputs[0], "bool")
+        with k.loop(outputs[0].size) as i:
+            k.store(k.builder.zext(self.test(k, k.load(k.inputs[0], i), attrs), I8), dest, i)
+        k.activated = True
+
+
+class IsNaN(_FloatTest):
+    op_type = "IsNaN"
+
+    def test(self, k, x, attrs):
+        return k.builder.fcmp_unordered("uno", x, x)
+
+
+class IsInf(_FloatTest):
+    """x is +inf (when detect_positive) or -inf (when detect_negative)."""
+
+    op_type = "IsInf"
+
+    def attributes(self, raw, constants, opset):
+        return {"negative": bool(raw.get("detect_negative", 1)), "positive": bool(raw.get("detect_positive", 1))}
+
+    def test(self, k, x, attrs):
+        b = k.builder
+        positive = b.fcmp_ordered("==", x, k.f32(np.inf))
+        negative = b.fcmp_ordered("==", x, k.f32(-np.inf))
+        if attrs["positive"] and attrs["negative"]:
+            return b.or_(positive, negative)
+        if attrs["positive"]:
+            return positive
+        if attrs["negative"]:
+            return negative
+        return b.fcmp_ordered("!=", x, x)  # detects nothing: false everywhere

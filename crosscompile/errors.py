@@ -12,16 +12,30 @@ class BuildError(Exception):
 
 
 class UnsupportedOpError(BuildError):
-    """The model uses an ONNX op that crosscompile cannot lower."""
+    """The model uses ONNX ops that crosscompile cannot lower.
 
-    def __init__(self, node_name: str, op_type: str, supported: list[str]):
-        self.node_name = node_name
-        self.op_type = op_type
-        self.supported = sorted(supported)
+    unsupported maps each such op type to the names of the nodes using it,
+    in model order; op_type and node_name are the first of them. refused
+    holds what other nodes of the model were refused for (their attributes
+    or shapes). The message names them all; `tether ops` lists the
+    supported ops.
+    """
+
+    def __init__(self, unsupported: "dict[str, list[str]]", refused: "list[str]" = ()):
+        self.unsupported = {op: list(names) for op, names in unsupported.items()}
+        self.op_type, names = next(iter(self.unsupported.items()))
+        self.node_name = names[0]
+        parts = []
+        for op, names in self.unsupported.items():
+            shown = ", ".join(repr(n) for n in names[:3])
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            count = f"{len(names)} node{'s' * (len(names) > 1)}"
+            parts.append(f"{op!r} ({count}: {shown}{more})")
+        kinds = len(parts)
         super().__init__(
-            f"unsupported op {op_type!r} in node {node_name!r}; "
-            f"supported ops: {', '.join(self.supported)}"
-        )
+            f"unsupported op{'s' * (kinds > 1)} {'; '.join(parts)}. "
+            "`tether ops` (or crosscompile.supported_ops()) lists the supported ones"
+            + "".join(f"; also {reason}" for reason in refused))
 
 
 class ShapeError(BuildError):

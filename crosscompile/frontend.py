@@ -6,29 +6,31 @@ import os
 
 import numpy as np
 import onnx
+import onnx.defs
 from onnx import helper, numpy_helper
 
 from . import folding
 from .errors import BuildError, ShapeError, UnsupportedOpError
 from .ir import Graph, Node, Tensor
 from .ops import OPS
-from .quantize_ops import expand_operators
+from .quantize_ops import EXPANSIONS, expand_operators
 
 # Model inputs and outputs: float32 data, integer ids and indices, masks.
 SUPPORTED_DTYPES = ("float32", "int64", "int32", "bool")
 # Ops the frontend evaluates itself instead of lowering (any other standard
 # op also folds when all its inputs are constants).
-FRONTEND_OPS = {"Constant", "ConstantOfShape", "Shape", "Size", "Range",
-                "Floor", "Ceil"}
+FRONTEND_OPS = {"Constant", "ConstantOfShape", "Shape", "Size", "Range"}
 
 
 def supported_ops() -> list[str]:
-    """ONNX op types a model may use: lowered ops plus compile-time ones.
+    """ONNX op types a model may use: lowered ops (not the graph's own
+    fused ones), compile-time ones and the quantized ops rewritten before
+    import.
 
     >>> "Conv" in supported_ops()
     True
     """
-    return sorted(set(OPS) | FRONTEND_OPS)
+    return sorted({op for op in OPS if onnx.defs.has(op)} | FRONTEND_OPS | set(EXPANSIONS))
 
 
 def load_model(model: "str | os.PathLike | onnx.ModelProto") -> onnx.ModelProto:
@@ -72,10 +74,21 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
 
     nodes = []
     dropped = {}  # optional outputs we do not compute -> node description
+    # Every unsupported op and every node refusing its attributes or shapes
+    # is named in one error: their nodes, and the nodes fed by their outputs
+    # (which cannot be inferred), are skipped until the end.
+    unsupported, refused, unknown = {}, [], set()
     for index, np_node in enumerate(g.node):
         name = np_node.name or f"{np_node.op_type}_{index}"
         if np_node.domain not in ("", "ai.onnx"):
-            raise UnsupportedOpError(name, f"{np_node.domain}.{np_node.op_type}", supported_ops())
+            unsupported.setdefault(f"{np_node.domain}.{np_node.op_type}", []).append(name)
+            unknown.update(np_node.output)
+            continue
+        if unknown.intersection(np_node.input):
+            if np_node.op_type not in OPS and np_node.op_type not in FRONTEND_OPS:
+                unsupported.setdefault(np_node.op_type, []).append(name)
+            unknown.update(np_node.output)
+            continue
         raw = {a.name: _attribute_value(a) for a in np_node.attribute}
         if np_node.op_type == "Constant":
             _add_constant(constants, tensors, np_node.output[0], _constant_value(name, raw))
@@ -95,7 +108,9 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
             if np_node.op_type in FRONTEND_OPS:
                 raise BuildError(f"{where}: its inputs must be constants (it is evaluated at compile "
                                  "time); a runtime input here is not supported")
-            raise UnsupportedOpError(name, np_node.op_type, supported_ops())
+            unsupported.setdefault(np_node.op_type, []).append(name)
+            unknown.update(np_node.output)
+            continue
 
         compile_time, runtime, positions = {}, [], []
         for pos, tensor_name in enumerate(np_node.input):
@@ -122,7 +137,9 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
             shapes = op.infer([tensors[t].shape for t in runtime], attrs)
             dtypes = op.output_dtype([tensors[t] for t in runtime], attrs)
         except BuildError as exc:
-            raise type(exc)(f"{where}: {exc}") from None
+            refused.append(type(exc)(f"{where}: {exc}"))
+            unknown.update(np_node.output)
+            continue
 
         # An output left unnamed (LSTM's Y when only Y_h is wanted) is still
         # computed, into a tensor of its own.
@@ -136,6 +153,11 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
             tensors[out] = Tensor(out, tuple(shape), dtype)
         nodes.append(Node(np_node.op_type, name, runtime, outputs, attrs))
 
+    if unsupported:
+        raise UnsupportedOpError(unsupported, [str(exc) for exc in refused])
+    if refused:
+        also = "".join(f"; {exc}" for exc in refused[1:])
+        raise type(refused[0])(f"{refused[0]}{also}")
     outputs = []
     for vi in g.output:
         if vi.name in dropped:

@@ -9,17 +9,18 @@ element type, and the broadcasting loops are elementwise.Elementwise's.
 """
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import ir
 from onnx import TensorProto
 
 from .elementwise import Elementwise
-from .emit import F32, I8, ELEMENT_TYPES
+from .emit import F32, I8, I32, ELEMENT_TYPES
 from .errors import BuildError
 from .op_base import Op
 
 INTEGERS = ("int64", "int32")
 # TensorProto data type number -> dtype name, for Cast's `to`.
-CAST_TARGETS = {1: "float32", 6: "int32", 7: "int64", 9: "bool"}
+CAST_TARGETS = {1: "float32", 6: "int32", 7: "int64", 9: "bool", 2: "uint8", 3: "int8"}
 
 
 def _same_dtype(op_type, inputs, allowed) -> str:
@@ -121,7 +122,7 @@ class Cast(Op):
         if to not in CAST_TARGETS:
             name = TensorProto.DataType.Name(to) if to in TensorProto.DataType.values() else to
             raise BuildError(f"Cast of a runtime tensor to {name} is not supported; supported: "
-                             "FLOAT, INT64, INT32, BOOL")
+                             "FLOAT, INT64, INT32, BOOL, UINT8, INT8")
         return {"to": CAST_TARGETS[to]}
 
     def infer(self, inputs, attrs):
@@ -131,10 +132,37 @@ class Cast(Op):
         return attrs["to"]
 
     def lower(self, k, inputs, outputs, attrs):
-        source, target = inputs[0].dtype, attrs["to"]
+        source, target = inputs[0].dtype, outputs[0].dtype
         src, dst = k.typed(k.inputs[0], source), k.typed(k.outputs[0], target)
         with k.loop(outputs[0].size) as i:
             k.store(k.activate(convert(k, k.load(src, i), source, target)), dst, i)
+
+
+class CastLike(Cast):
+    """Cast to the dtype of the second input (only its dtype is read)."""
+
+    op_type = "CastLike"
+
+    def folds_constant(self, pos, value):
+        return pos == 1
+
+    def attributes(self, raw, constants, opset):
+        like = constants.get(1)
+        if like is None:
+            return {}
+        dtype = np.asarray(like).dtype.name
+        if dtype not in CAST_TARGETS.values():
+            raise BuildError(f"CastLike to {dtype} is not supported; supported: "
+                             f"{', '.join(CAST_TARGETS.values())}")
+        return {"to": dtype}
+
+    def output_dtype(self, inputs, attrs):
+        if "to" in attrs:
+            return attrs["to"]
+        if len(inputs) != 2 or inputs[1].dtype not in CAST_TARGETS.values():
+            raise BuildError(f"CastLike takes the tensor and one whose dtype ({', '.join(CAST_TARGETS.values())}) "
+                             "it is cast to")
+        return inputs[1].dtype
 
 
 def convert(k, value: ir.Value, source: str, target: str) -> ir.Value:
@@ -147,10 +175,14 @@ def convert(k, value: ir.Value, source: str, target: str) -> ir.Value:
         if source == "float32":
             return b.zext(b.fcmp_unordered("!=", value, ir.Constant(F32, 0.0)), I8)
         return b.zext(b.icmp_unsigned("!=", value, ir.Constant(value.type, 0)), I8)
+    unsigned = source in ("bool", "uint8")
     if source == "float32":
-        return b.fptosi(value, to)
+        # 8-bit targets through i32, so that uint8's 128..255 convert too.
+        return b.trunc(b.fptosi(value, I32), to) if to.width < 32 else b.fptosi(value, to)
     if target == "float32":
-        return b.uitofp(value, F32) if source == "bool" else b.sitofp(value, F32)
+        return b.uitofp(value, F32) if unsigned else b.sitofp(value, F32)
     if to.width > value.type.width:
-        return b.zext(value, to) if source == "bool" else b.sext(value, to)
+        return b.zext(value, to) if unsigned else b.sext(value, to)
+    if to.width == value.type.width:
+        return value
     return b.trunc(value, to)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from .elementwise import _merge_dims
 from .emit import Kernel
 from .errors import BuildError, ShapeError
-from .op_base import Op, _axis, _broadcast_strides, _prod
+from .op_base import Op, _axis, _broadcast_strides, _check_choice, _prod
 from .reduce import broadcast_scalar, reduce_row
 
 
@@ -64,7 +64,7 @@ class LayerNormalization(Op):
             normalized, [row_strides] + [_broadcast_strides(t.shape, normalized) for t in inputs[1:]])
         with k.loop(_prod(x[:axis])) as o:
             base = k.index((o, length))
-            mean, rstd = row_statistics(k, base, length, attrs["epsilon"])
+            mean, rstd = self.statistics(k, base, length, attrs["epsilon"])
             for statistic, ptr in zip((mean, rstd), k.outputs[1:]):
                 k.store(statistic, ptr, o)
             with k.nested_loops(shape) as idx:
@@ -74,6 +74,29 @@ class LayerNormalization(Op):
                 if len(affine) == 2:
                     value = bld.fadd(value, k.load(k.inputs[2], k.index(*zip(idx, affine[1]))))
                 k.store(k.activate(value), k.outputs[0], at)
+
+    def statistics(self, k: Kernel, base, length: int, epsilon: float):
+        """(the value subtracted, the factor) of one row."""
+        return row_statistics(k, base, length, epsilon)
+
+
+class RMSNormalization(LayerNormalization):
+    """Y = X / sqrt(mean(X^2) + epsilon) * Scale over the axes from `axis`
+    on (opset 23); statistics are kept in float32 whatever stash_type says."""
+
+    op_type = "RMSNormalization"
+    counts_outputs = False
+
+    def infer(self, inputs, attrs):
+        if len(inputs) != 2:
+            raise ShapeError(f"RMSNormalization takes X and Scale; got {len(inputs)} inputs")
+        return super().infer(inputs, attrs)[:1]
+
+    def statistics(self, k, base, length, epsilon):
+        bld = k.builder
+        squares = reduce_row(k, k.inputs[0], base, length, bld.fadd, 0.0, lambda v: bld.fmul(v, v))
+        mean_square = bld.fmul(squares, k.f32(1.0 / length))
+        return k.f32(0.0), bld.fdiv(k.f32(1.0), k.sqrt(bld.fadd(mean_square, k.f32(epsilon))))
 
 
 def _per_channel_rows(k: Kernel, x, groups: int, epsilon: float, scale_of, bias_of) -> None:
@@ -154,3 +177,38 @@ class GroupNormalization(Op):
                 return lambda c: k.load(k.inputs[pos], k.builder.udiv(c, k.i64(per_group)))
             return lambda c: k.load(k.inputs[pos], c)
         _per_channel_rows(k, x, groups, attrs["epsilon"], param(1), param(2))
+
+
+class LpNormalization(Op):
+    """x / ||x||_p along axis (default -1) for p = 1 or 2 (default 2); where
+    the norm is 0 the result is 0 (ONNX's reference)."""
+
+    op_type = "LpNormalization"
+
+    def attributes(self, raw, constants, opset):
+        p = int(raw.get("p", 2))
+        _check_choice("p", p, (1, 2))
+        return {"axis": int(raw.get("axis", -1)), "p": p}
+
+    def infer(self, inputs, attrs):
+        _axis(attrs["axis"], len(inputs[0]))
+        return [inputs[0]]
+
+    def lower(self, k, inputs, outputs, attrs):
+        shape = inputs[0].shape
+        axis = _axis(attrs["axis"], len(shape))
+        outer, length, inner = _prod(shape[:axis]), shape[axis], _prod(shape[axis + 1:])
+        b, X = k.builder, k.inputs[0]
+        with k.loop(outer) as o, k.loop(inner) as r:
+            base = k.index((o, length * inner), (r, 1))
+            total = k.variable(k.f32(0.0))
+            with k.loop(length) as j:
+                x = k.load(X, k.index((base, 1), (j, inner)))
+                term = b.fmul(x, x) if attrs["p"] == 2 else k.maximum(x, b.fsub(k.f32(0.0), x))
+                b.store(b.fadd(b.load(total), term), total)
+            norm = k.sqrt(b.load(total)) if attrs["p"] == 2 else b.load(total)
+            zero = b.fcmp_ordered("==", norm, k.f32(0.0))
+            with k.loop(length) as j:
+                at = k.index((base, 1), (j, inner))
+                value = b.select(zero, k.f32(0.0), b.fdiv(k.load(X, at), norm))
+                k.store(k.activate(value), k.outputs[0], at)

@@ -19,6 +19,11 @@ from .ir import Tensor
 
 
 Shape = tuple
+# Every dtype a tensor of the graph may have; ops that only move elements
+# take them all.
+ALL_DTYPES = ("float32", "int64", "int32", "bool", "uint8", "int8")
+# The dtypes arithmetic takes.
+NUMERIC_DTYPES = ("float32", "int64", "int32")
 # ONNX op type -> the class lowering it, filled as the op modules are imported.
 REGISTERED: dict = {}
 
@@ -79,6 +84,9 @@ class Op:
     positional_inputs = False
     # apply() works on vectors as well as scalars (fused into vector epilogues).
     vectorizable = False
+    # The dtypes the runtime inputs may have (all the same one, which the
+    # outputs get), unless output_dtype says otherwise.
+    data_dtypes: tuple = ("float32",)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -105,12 +113,19 @@ class Op:
         """The dtype of every output, from the runtime inputs, or a list of
         one dtype per output (TopK's values and int64 indices); raising
         BuildError refuses inputs of dtypes the op does not take. Most ops
-        take and give float32 only."""
-        for tensor in inputs:
-            if tensor.dtype != "float32":
-                raise BuildError(f"input {tensor.name!r} has dtype {tensor.dtype}; {self.op_type} takes "
-                                 "float32 tensors only (a Cast to float32 before it would do)")
-        return "float32"
+        take and give float32 only; the others name theirs in data_dtypes."""
+        if self.data_dtypes == ("float32",):
+            for tensor in inputs:
+                if tensor.dtype != "float32":
+                    raise BuildError(f"input {tensor.name!r} has dtype {tensor.dtype}; {self.op_type} takes "
+                                     "float32 tensors only (a Cast to float32 before it would do)")
+            return "float32"
+        dtypes = {t.dtype for t in inputs}
+        if len(dtypes) != 1 or not dtypes <= set(self.data_dtypes):
+            shown = ", ".join(f"{t.name!r} {t.dtype}" for t in inputs)
+            raise BuildError(f"{self.op_type} takes inputs of one dtype among {', '.join(self.data_dtypes)}; "
+                             f"got dtype {shown}")
+        return dtypes.pop()
 
     def lower(self, k: Kernel, inputs: list[Tensor], outputs: list[Tensor], attrs: dict) -> None:
         raise NotImplementedError
@@ -123,6 +138,20 @@ class Op:
         """lower() splits its work between threads (Kernel.part/barrier):
         every thread of tether_run_parallel calls the kernel, not only the first."""
         return False
+
+
+def copy_strided(k: Kernel, out_shape, src_strides, dtype: str = "float32", base: int = 0, src=None,
+                 dst=None, dst_offset: int = 0) -> None:
+    """dst[i] = src[base + sum(idx * src_strides)] over out_shape in C
+    order, for elements of dtype (src and dst default to input and output 0)."""
+    src = k.typed(k.inputs[0] if src is None else src, dtype)
+    dst = k.typed(k.outputs[0] if dst is None else dst, dtype)
+    shape = tuple(out_shape) or (1,)
+    strides = list(src_strides) or [0]
+    dst_strides = _broadcast_strides(shape, shape)
+    with k.nested_loops(shape) as idx:
+        value = k.load(src, k.index(*zip(idx, strides), (base, 1)))
+        k.store(k.activate(value), dst, k.index(*zip(idx, dst_strides), (dst_offset, 1)))
 
 
 class AliasOp(Op):

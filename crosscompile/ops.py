@@ -12,14 +12,15 @@ import math
 
 import numpy as np
 
-from . import attention, conv, conv_transpose, einsum, elementwise, logic, normalization, pool, quantize_ops, ranking, recurrent, reduce, resize, scan  # noqa: F401 (their op classes register themselves)
+from . import attention, conv, conv_transpose, einsum, elementwise, indexing, layout, logic, losses, normalization, pool, quantize_ops, ranking, recurrent, reduce, resize, scan, trigonometry  # noqa: F401 (their op classes register themselves)
 from .emit import I64, Kernel
 from .errors import BuildError, ShapeError
 from .elementwise import safe_log
 from .gemm import emit_dot_rows
 from .matmul import lower_tiled, packed_rows_floats, strided_matmul, tiled_geometry
-from .op_base import (REGISTERED, AliasOp, Op, _axis, _broadcast_strides, _c_strides, _check_choice, _const_float,
+from .op_base import (ALL_DTYPES, REGISTERED, AliasOp, Op, copy_strided, _axis, _broadcast_strides, _c_strides, _check_choice, _const_float,
                       _const_ints, _ints, _prod)
+from .ranking import extreme_index
 from .reduce import broadcast_scalar, reduce_row
 from .vectors import horizontal_reduce, load_strided
 
@@ -142,6 +143,7 @@ class Expand(Op):
 
     op_type = "Expand"
     compile_time_inputs = (1,)
+    data_dtypes = ALL_DTYPES
 
     def attributes(self, raw, constants, opset):
         shape = _const_ints(constants, 1)
@@ -157,7 +159,7 @@ class Expand(Op):
 
     def lower(self, k, inputs, outputs, attrs):
         out = outputs[0].shape
-        _copy_strided(k, out, _broadcast_strides(inputs[0].shape, out))
+        copy_strided(k, out, _broadcast_strides(inputs[0].shape, out), inputs[0].dtype)
 
 
 class Softmax(Op):
@@ -179,14 +181,9 @@ class Softmax(Op):
         """Per row: its maximum, then the sum of exp(x - max), both in vector
         accumulators when the row is contiguous, then one pass writing each
         output (row_output)."""
-        shape = inputs[0].shape
-        axis = _axis(attrs["axis"], len(shape))
-        if attrs["flatten"]:
-            length, inner = _prod(shape[axis:]), 1
-        else:
-            length, inner = shape[axis], _prod(shape[axis + 1:])
+        outer, length, inner = self.rows(inputs[0].shape, attrs)
         X, bld = k.inputs[0], k.builder
-        with k.loop(_prod(shape[:axis])) as o, k.loop(inner) as r:
+        with k.loop(outer) as o, k.loop(inner) as r:
             base = k.index((o, length * inner), (r, 1))
             peak = reduce_row(k, X, base, length, k.maximum, -math.inf, stride=inner)
 
@@ -196,6 +193,15 @@ class Softmax(Op):
             with k.loop(length) as j:
                 at = k.index((base, 1), (j, inner))
                 k.store(k.activate(output(at)), k.outputs[0], at)
+
+    @staticmethod
+    def rows(shape, attrs):
+        """(outer, length, inner): the rows normalised, each of length
+        elements inner apart."""
+        axis = _axis(attrs["axis"], len(shape))
+        if attrs["flatten"]:
+            return _prod(shape[:axis]), _prod(shape[axis:]), 1
+        return _prod(shape[:axis]), shape[axis], _prod(shape[axis + 1:])
 
     def row_output(self, k: Kernel, X, base, length: int, inner: int, peak, shifted_exp):
         """The function from the element offset of a row's value to its
@@ -235,6 +241,25 @@ class LogSoftmax(Softmax):
         log_total = safe_log(k, reduce_row(k, X, base, length, bld.fadd, 0.0, shifted_exp, stride=inner))
         # (x - max) first: exact near the maximum, where the result is small.
         return lambda at: bld.fsub(bld.fsub(k.load(X, at), peak), log_total)
+
+
+class Hardmax(Softmax):
+    """1 at the first largest element of each of Softmax's rows, 0 elsewhere."""
+
+    op_type = "Hardmax"
+
+    def lower(self, k, inputs, outputs, attrs):
+        outer, length, inner = self.rows(inputs[0].shape, attrs)
+        if outputs[0].size == 0:
+            k.activated = True
+            return
+        bld = k.builder
+        with k.loop(outer) as o, k.loop(inner) as r:
+            base = k.index((o, length * inner), (r, 1))
+            where = extreme_index(k, k.inputs[0], base, length, inner)
+            with k.loop(length) as j:
+                value = bld.select(bld.icmp_signed("==", j, where), k.f32(1.0), k.f32(0.0))
+                k.store(k.activate(value), k.outputs[0], k.index((base, 1), (j, inner)))
 
 
 class Flatten(AliasOp):
@@ -379,19 +404,6 @@ class LRN(Op):
 
 # -- data movement --------------------------------------------------------------------
 
-def _copy_strided(k: Kernel, out_shape, src_strides, base: int = 0, src=None, dst=None,
-                  dst_offset: int = 0) -> None:
-    """dst[i] = src[base + sum(idx * src_strides)] over out_shape in C order."""
-    src = k.inputs[0] if src is None else src
-    dst = k.outputs[0] if dst is None else dst
-    shape = tuple(out_shape) or (1,)
-    strides = list(src_strides) or [0]
-    dst_strides = _broadcast_strides(shape, shape)
-    with k.nested_loops(shape) as idx:
-        value = k.load(src, k.index(*zip(idx, strides), (base, 1)))
-        k.store(k.activate(value), dst, k.index(*zip(idx, dst_strides), (dst_offset, 1)))
-
-
 class Gather(Op):
     """Gather along an axis. Constant indices (a channel pick) become one
     copy loop each; runtime indices (token ids into an embedding table) are
@@ -517,6 +529,7 @@ class GatherElements(Op):
 
 class Transpose(Op):
     op_type = "Transpose"
+    data_dtypes = ALL_DTYPES
 
     def attributes(self, raw, constants, opset):
         return {"perm": _ints(raw, "perm")}
@@ -532,11 +545,12 @@ class Transpose(Op):
         x = inputs[0].shape
         perm = attrs["perm"] or tuple(range(len(x)))[::-1]
         strides = _c_strides(x)
-        _copy_strided(k, outputs[0].shape, [strides[p] for p in perm])
+        copy_strided(k, outputs[0].shape, [strides[p] for p in perm], inputs[0].dtype)
 
 
 class Concat(Op):
     op_type = "Concat"
+    data_dtypes = ALL_DTYPES
 
     def attributes(self, raw, constants, opset):
         if "axis" not in raw:
@@ -557,13 +571,14 @@ class Concat(Op):
         out = outputs[0].shape
         axis = _axis(attrs["axis"], len(out))
         outer, inner = _prod(out[:axis]), _prod(out[axis + 1:])
-        offset = 0
+        offset, dtype = 0, outputs[0].dtype
+        dst = k.typed(k.outputs[0], dtype)
         for ptr, t in zip(k.inputs, inputs):
             chunk = t.shape[axis] * inner
             if chunk:
                 with k.loop(outer) as o, k.loop(chunk) as j:
-                    value = k.load(ptr, k.index((o, chunk), (j, 1)))
-                    k.store(k.activate(value), k.outputs[0], k.index((o, out[axis] * inner), (j, 1), (offset, 1)))
+                    value = k.load(k.typed(ptr, dtype), k.index((o, chunk), (j, 1)))
+                    k.store(k.activate(value), dst, k.index((o, out[axis] * inner), (j, 1), (offset, 1)))
             offset += chunk
 
 
@@ -575,6 +590,7 @@ class Split(Op):
     op_type = "Split"
     compile_time_inputs = (1,)
     counts_outputs = True
+    data_dtypes = ALL_DTYPES
 
     def attributes(self, raw, constants, opset):
         split = _ints(raw, "split") if opset < 13 else _const_ints(constants, 1)
@@ -599,13 +615,14 @@ class Split(Op):
         x = inputs[0].shape
         axis = _axis(attrs["axis"], len(x))
         outer, inner = _prod(x[:axis]), _prod(x[axis + 1:])
-        offset = 0
+        offset, dtype = 0, inputs[0].dtype
+        src = k.typed(k.inputs[0], dtype)
         for ptr, t in zip(k.outputs, outputs):
             chunk = t.shape[axis] * inner
             if chunk:
                 with k.loop(outer) as o, k.loop(chunk) as j:
-                    value = k.load(k.inputs[0], k.index((o, x[axis] * inner), (j, 1), (offset, 1)))
-                    k.store(value, ptr, k.index((o, chunk), (j, 1)))
+                    value = k.load(src, k.index((o, x[axis] * inner), (j, 1), (offset, 1)))
+                    k.store(value, k.typed(ptr, dtype), k.index((o, chunk), (j, 1)))
             offset += chunk
         k.activated = True
 
@@ -615,6 +632,7 @@ class Slice(Op):
 
     op_type = "Slice"
     compile_time_inputs = (1, 2, 3, 4)
+    data_dtypes = ALL_DTYPES
 
     def attributes(self, raw, constants, opset):
         if opset < 10:
@@ -647,7 +665,7 @@ class Slice(Op):
         begin, step, out = self._resolve(x, attrs)
         strides = _c_strides(x)
         base = sum(b * s for b, s in zip(begin, strides))
-        _copy_strided(k, out, [s * st for s, st in zip(strides, step)], base)
+        copy_strided(k, out, [s * st for s, st in zip(strides, step)], inputs[0].dtype, base)
 
 
 class Pad(Op):

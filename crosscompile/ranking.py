@@ -33,6 +33,21 @@ def _beats(k: Kernel, a: ir.Value, b: ir.Value, largest: bool, or_equal: bool = 
     return k.builder.fcmp_ordered(predicate, a, b)
 
 
+def extreme_index(k: Kernel, data, src, length: int, stride: int, largest: bool = True,
+                  last: bool = False) -> ir.Value:
+    """The i64 position of the largest (or smallest) of the length values
+    at data[src + j * stride]: the first of equal ones, or the last."""
+    bld = k.builder
+    best = k.variable(k.load(data, src))
+    where = k.variable(k.i64(0))
+    with k.loop(length, start=1) as j:
+        value = k.load(data, k.index((src, 1), (j, stride)))
+        better = _beats(k, value, bld.load(best), largest, last)
+        bld.store(bld.select(better, value, bld.load(best)), best)
+        bld.store(bld.select(better, j, bld.load(where)), where)
+    return bld.load(where)
+
+
 def _row_geometry(shape, axis):
     """(outer, length, inner) of the rows along axis."""
     return _prod(shape[:axis]), shape[axis], _prod(shape[axis + 1:])
@@ -141,18 +156,11 @@ class _ArgExtreme(Op):
     def lower(self, k, inputs, outputs, attrs):
         x = inputs[0].shape
         outer, length, inner = _row_geometry(x, _axis(attrs["axis"], len(x)))
-        bld = k.builder
         data, out = k.typed(k.inputs[0], inputs[0].dtype), k.typed(k.outputs[0], "int64")
         with k.loop(outer) as o, k.loop(inner) as r:
             src = k.index((o, length * inner), (r, 1))
-            best = k.variable(k.load(data, src))
-            where = k.variable(k.i64(0))
-            with k.loop(length, start=1) as j:
-                value = k.load(data, k.index((src, 1), (j, inner)))
-                better = _beats(k, value, bld.load(best), self.largest, bool(attrs["select_last_index"]))
-                bld.store(bld.select(better, value, bld.load(best)), best)
-                bld.store(bld.select(better, j, bld.load(where)), where)
-            k.store(bld.load(where), out, k.index((o, inner), (r, 1)))
+            where = extreme_index(k, data, src, length, inner, self.largest, bool(attrs["select_last_index"]))
+            k.store(where, out, k.index((o, inner), (r, 1)))
         k.activated = True
 
 
@@ -163,3 +171,4 @@ class ArgMax(_ArgExtreme):
 class ArgMin(_ArgExtreme):
     op_type = "ArgMin"
     largest = False
+

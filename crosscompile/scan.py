@@ -1,6 +1,6 @@
-"""CumSum: running sums along one axis (positions from a mask, a
-cumulative distribution before sampling), inclusive or exclusive, from
-either end."""
+"""CumSum and CumProd: running sums or products along one axis (positions
+from a mask, a cumulative distribution before sampling), inclusive or
+exclusive, from either end."""
 from __future__ import annotations
 
 from llvmlite import ir
@@ -18,22 +18,23 @@ class CumSum(Op):
 
     op_type = "CumSum"
     compile_time_inputs = (1,)
+    product = False
 
     def attributes(self, raw, constants, opset):
         axis = _const_ints(constants, 1)
         if axis is None or len(axis) != 1:
-            raise BuildError("CumSum needs its axis as a constant scalar input")
+            raise BuildError(f"{self.op_type} needs its axis as a constant scalar input")
         return {"axis": axis[0], "exclusive": int(raw.get("exclusive", 0)), "reverse": int(raw.get("reverse", 0))}
 
     def infer(self, inputs, attrs):
         if len(inputs) != 1:
-            raise ShapeError(f"CumSum takes one runtime input (a constant axis), got {len(inputs)}")
+            raise ShapeError(f"{self.op_type} takes one runtime input (a constant axis), got {len(inputs)}")
         _axis(attrs["axis"], len(inputs[0]))
         return [inputs[0]]
 
     def output_dtype(self, inputs, attrs):
         if inputs[0].dtype not in SUMMED_DTYPES:
-            raise BuildError(f"CumSum of {inputs[0].name!r} of dtype {inputs[0].dtype} is not supported; "
+            raise BuildError(f"{self.op_type} of {inputs[0].name!r} of dtype {inputs[0].dtype} is not supported; "
                              f"supported: {', '.join(SUMMED_DTYPES)}")
         return inputs[0].dtype
 
@@ -44,10 +45,13 @@ class CumSum(Op):
         bld = k.builder
         src, dst = k.typed(k.inputs[0], dtype), k.typed(k.outputs[0], dtype)
         floating = dtype == "float32"
-        add = bld.fadd if floating else bld.add
-        zero = ir.Constant(ELEMENT_TYPES[dtype], 0)
+        if self.product:
+            add = bld.fmul if floating else bld.mul
+        else:
+            add = bld.fadd if floating else bld.add
+        start = ir.Constant(ELEMENT_TYPES[dtype], int(self.product))
         with k.loop(outer) as o, k.loop(inner) as r:
-            total = k.variable(zero)
+            total = k.variable(start)
             with k.loop(length) as step:
                 j = bld.sub(k.i64(length - 1), step) if attrs["reverse"] else step
                 at = k.index((o, length * inner), (j, inner), (r, 1))
@@ -57,3 +61,10 @@ class CumSum(Op):
                 k.store(k.activate(result), dst, at)
                 bld.store(running, total)
         k.activated = True
+
+
+class CumProd(CumSum):
+    """Running products, with CumSum's attributes (opset 26)."""
+
+    op_type = "CumProd"
+    product = True

@@ -63,6 +63,9 @@ def pytest_addoption(parser):
     parser.addoption("--full-zoo", action="store_true",
                      help="also run every model of the emulated model zoo (tests marked full_zoo; "
                           "about 10 more minutes on 2 cores)")
+    parser.addoption("--node-suite", action="store_true",
+                     help="also run all 2,001 onnx backend node cases (tests marked node_suite; "
+                          "tens of minutes on 2 cores)")
 
 
 # Markers of tests left out of the default run, unless a -m expression names them.
@@ -70,16 +73,19 @@ OPT_IN_MARKERS = ("quantized_forms", "quantized_zoo")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Leave the full emulated model zoo out unless --full-zoo is given, and
-    the tests marked with an OPT_IN_MARKERS marker unless `-m` names it.
+    """Leave the full emulated model zoo out unless --full-zoo is given, the
+    full onnx node-suite sweep unless --node-suite is, and the tests marked
+    with an OPT_IN_MARKERS marker unless `-m` names it.
 
     They are reported as deselected, not skipped: the default run keeps one
-    representative model per emulated architecture.
+    representative model per emulated architecture and a sample of the
+    node cases.
     """
     wanted = config.getoption("-m") or ""
     left_out = [m for m in OPT_IN_MARKERS if m not in wanted]
-    if not config.getoption("--full-zoo"):
-        left_out.append("full_zoo")
+    left_out += [marker for marker, option in (("full_zoo", "--full-zoo"),
+                                               ("node_suite", "--node-suite"))
+                 if not config.getoption(option)]
     kept, left = [], []
     for item in items:
         (left if any(item.get_closest_marker(m) for m in left_out) else kept).append(item)

@@ -1,21 +1,31 @@
 """The ONNX backend node tests shipped in the onnx package, run through
 crosscompile on the host: the node cases (generated in memory by
 onnx.backend.test.case.node, since wheels do not ship their data files) and
-the pytorch-converted and pytorch-operator directories.
+the pytorch-converted and pytorch-operator directories, 2,001 cases with
+onnx 1.23.
+
+Every case ends in one of four states: it passes, it is refused with a named
+reason (a BuildError: an op, a dtype or a domain crosscompile does not take),
+it computes a wrong result (mismatch), or something else fails (crash).
+Inputs an op needs at compile time (shapes, axes, pads) and every input of
+the ops evaluated at compile time are given to the compiler as constants:
+crosscompile specialises a module on them, as it does for an exporter's
+initializers. Every other input stays a runtime input.
 
 A case is in scope when every op in its model is one crosscompile supports
-and its floating-point tensors are float32. Inputs an op needs at compile
-time (shapes, axes, pads) and every input of the ops evaluated at compile
-time are given to the compiler as constants: crosscompile specialises a
-module on them, as it does for an exporter's initializers. Other int64,
-int32 and bool inputs (indices, masks) stay runtime inputs.
+and its floating-point tensors are float32; tests/test_onnx_node_suite.py
+runs a few of those per op by default, and every case with --node-suite.
 
-    python -m tests.onnx_node_suite            # pass count per op
+    python -m tests.onnx_node_suite                  # every case: counts, refusals by reason
+    python -m tests.onnx_node_suite --op Trilu       # the cases of one op
+    python -m tests.onnx_node_suite --shard 1/2 --log a.jsonl &   # a sweep in two processes
+    python -m tests.onnx_node_suite --shard 2/2 --log b.jsonl
 """
 from __future__ import annotations
 
 import glob
 import os
+import re
 import sys
 import tempfile
 from collections import defaultdict
@@ -43,15 +53,35 @@ class Case:
             inputs, outputs = self.generated.data_sets[0]
             model = onnx.ModelProto()
             model.CopyFrom(self.generated.model)
-            return model, [np.asarray(v) for v in inputs], [np.asarray(v) for v in outputs]
+            return model, [_plain(v) for v in inputs], [_plain(v) for v in outputs]
         return (onnx.load(self.path), *_load_data(os.path.dirname(self.path)))
 
 
 @dataclass
 class Result:
     case: Case
-    status: str  # "pass", "mismatch", "rejected" (a BuildError), "crash"
+    status: str  # "pass", "mismatch", "refused" (a BuildError), "crash"
     detail: str = ""
+
+    @property
+    def reason(self) -> str:
+        """What a refusal is for, grouped across cases: the op types, the
+        dtype or the first words of the message."""
+        if self.status != "refused":
+            return ""
+        if self.detail.startswith("unsupported op"):
+            return "unsupported op " + ", ".join(self.unsupported_ops)
+        found = re.search(r"dtype (\w+)", self.detail)
+        if found:
+            return f"dtype {found.group(1)}"
+        return re.sub(r"^node '[^']*' ", "", self.detail)[:70]
+
+    @property
+    def unsupported_ops(self) -> list:
+        """The op types an UnsupportedOpError named."""
+        if self.status != "refused" or not self.detail.startswith("unsupported op"):
+            return []
+        return re.findall(r"'([^']+)' \(\d+ nodes?:", self.detail)
 
 
 def supported_op_types() -> set:
@@ -59,8 +89,10 @@ def supported_op_types() -> set:
     return set(supported_ops())
 
 
-def discover() -> list:
-    """All cases whose ops are all supported and whose float tensors are float32."""
+def discover(everything: bool = False, op_type: "str | None" = None) -> list:
+    """The cases whose ops are all supported and whose float tensors are
+    float32, or with everything=True all of them; with op_type only the
+    node cases of that op (onnx generates no others then, which is quicker)."""
     import warnings
 
     from onnx.backend.test.case.node import collect_testcases
@@ -69,17 +101,20 @@ def discover() -> list:
     cases = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        generated = collect_testcases(None)
+        generated = collect_testcases(op_type)
     for case in generated:
         model = case.model
         ops = sorted({n.op_type for n in model.graph.node})
-        if (ops and all(n.domain in ("", "ai.onnx") for n in model.graph.node)
-                and set(ops) <= supported and _float32_io(model)):
+        if everything or (ops and all(n.domain in ("", "ai.onnx") for n in model.graph.node)
+                          and set(ops) <= supported and _float32_io(model)):
             cases.append(Case("node", case.name, ops, generated=case))
-    for suite in SUITES:
+    for suite in SUITES if op_type is None else ():
         for path in sorted(glob.glob(os.path.join(DATA, suite, "*", "model.onnx"))):
             model = onnx.load(path, load_external_data=False)
             ops = sorted({n.op_type for n in model.graph.node})
+            if everything:
+                cases.append(Case(suite, os.path.basename(os.path.dirname(path)), ops, path=path))
+                continue
             if not ops or any(n.domain not in ("", "ai.onnx") for n in model.graph.node):
                 continue
             if not set(ops) <= supported or not _float32_io(model):
@@ -103,6 +138,14 @@ def _float32_io(model) -> bool:
     out_kinds = [vi.type.tensor_type.elem_type for vi in model.graph.output]
     return (all(k in OUTPUT_TYPES for k in out_kinds)
             and all(k == onnx.TensorProto.FLOAT or k not in floats for k in kinds))
+
+
+def _plain(value):
+    """value as an array, or None for a sequence, map or optional (which
+    no module takes)."""
+    if isinstance(value, (list, tuple, dict)) or value is None:
+        return None
+    return np.asarray(value)
 
 
 def _load_data(case_dir: str):
@@ -135,52 +178,112 @@ def run_case(case: Case, workdir: str, rtol=1e-4, atol=1e-5) -> Result:
     rtol/atol."""
     import crosscompile
     import minirt
+    from crosscompile.frontend import FRONTEND_OPS
     from crosscompile.ops import OPS
 
     model, inputs, expected = case.load()
     if case.generated is not None:
         rtol, atol = max(rtol, case.generated.rtol), case.generated.atol
-    # Float inputs an op needs at compile time (Clip's bounds, Pad's value).
-    from crosscompile.frontend import FRONTEND_OPS
+    # Inputs an op needs at compile time (Clip's bounds, Pad's value).
     compile_time = {name for node in model.graph.node if node.op_type in OPS
                     for pos, name in enumerate(node.input) if pos in OPS[node.op_type].compile_time_inputs}
     compile_time |= {name for node in model.graph.node if node.op_type in FRONTEND_OPS for name in node.input}
     graph_inputs = [vi for vi in model.graph.input if vi.name not in {i.name for i in model.graph.initializer}]
     feeds = {}
     for vi, value in zip(graph_inputs, inputs):
+        if value is None:
+            return Result(case, "refused", f"input {vi.name!r} is not a plain tensor: dtype sequence "
+                          "(or an optional or map)")
         if value.dtype == object:
-            return Result(case, "rejected", f"input {vi.name!r} is not a plain tensor")
-        if value.dtype in RUNTIME_DTYPES and vi.name not in compile_time:
-            feeds[vi.name] = value
-        else:  # compile-time input: becomes a constant
+            return Result(case, "refused", f"input {vi.name!r} is not a plain tensor: dtype string")
+        if vi.name in compile_time:
             model.graph.initializer.append(numpy_helper.from_array(value, vi.name))
+        else:
+            feeds[vi.name] = value
     kept = [vi for vi in model.graph.input if vi.name not in {i.name for i in model.graph.initializer}]
     del model.graph.input[:]
     model.graph.input.extend(kept)
     try:
         lib = crosscompile.build(model, "host", input_shapes={n: v.shape for n, v in feeds.items()})
     except crosscompile.BuildError as exc:
-        return Result(case, "rejected", str(exc).splitlines()[0][:300])
+        return Result(case, "refused", str(exc).splitlines()[0][:300])
     except Exception as exc:  # noqa: BLE001 - any other exception is a compiler bug
         return Result(case, "crash", f"{type(exc).__name__}: {exc}"[:300])
-    path = lib.export_library(os.path.join(workdir, f"{case.name}.so"))
-    got = minirt.load(path).run(feeds)
-    if case.name in ONNXRUNTIME_DIFFERS:
-        from tests.onnx_models import reference
-        expected = reference(model, feeds)
-    for i, (g, w) in enumerate(zip(got, expected)):
-        if g.shape != w.shape:
-            return Result(case, "mismatch", f"output {i}: shape {g.shape}, expected {w.shape}")
-        if not np.allclose(g, w, rtol=rtol, atol=atol, equal_nan=True):
-            err = float(np.max(np.abs(g - w)))
-            return Result(case, "mismatch", f"output {i}: max abs error {err:g}")
+    try:
+        path = lib.export_library(os.path.join(workdir, f"{case.name}.so"))
+        got = minirt.load(path).run(feeds)
+        if case.name in ONNXRUNTIME_DIFFERS:
+            from tests.onnx_models import reference
+            expected = reference(model, feeds)
+        if len(got) != len(expected):
+            return Result(case, "mismatch", f"{len(got)} outputs, expected {len(expected)}")
+        for i, (g, w) in enumerate(zip(got, expected)):
+            if w is None:
+                return Result(case, "mismatch", f"output {i}: a tensor, expected a sequence")
+            if g.shape != w.shape or g.dtype != w.dtype:
+                return Result(case, "mismatch", f"output {i}: {g.dtype}{g.shape}, expected {w.dtype}{w.shape}")
+            if not np.allclose(g, w, rtol=rtol, atol=atol, equal_nan=True):
+                err = float(np.max(np.abs(g.astype(np.float64) - w.astype(np.float64))))
+                return Result(case, "mismatch", f"output {i}: max abs error {err:g}")
+    except Exception as exc:  # noqa: BLE001 - a module that fails to load or run
+        return Result(case, "crash", f"{type(exc).__name__}: {exc}"[:300])
     return Result(case, "pass")
 
 
-def run_all(cases=None) -> list:
+def run_isolated(case: Case, workdir: str, timeout: float = 300.0) -> Result:
+    """run_case in a forked child, so that a module which kills its process
+    (a segfault) or never ends is counted as a crash and the sweep goes on."""
+    import pickle
+    import select
+    import signal
+    import time
+
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: one case, its result pickled down the pipe
+        os.close(read_end)
+        code = 0
+        try:
+            result = run_case(case, workdir)
+            payload = pickle.dumps((result.status, result.detail))
+        except BaseException as exc:  # noqa: BLE001 - reported as a crash by the parent
+            payload = pickle.dumps(("crash", f"{type(exc).__name__}: {exc}"[:300]))
+        with os.fdopen(write_end, "wb") as out:
+            out.write(payload)
+        os._exit(code)
+    os.close(write_end)
+    chunks, deadline = [], time.monotonic() + timeout
+    with os.fdopen(read_end, "rb") as pipe:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([pipe], [], [], left)[0]:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return Result(case, "crash", f"no result within {timeout:g} s")
+            chunk = os.read(pipe.fileno(), 1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    _, status = os.waitpid(pid, 0)
+    if not chunks:
+        how = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}"
+        return Result(case, "crash", f"the process running it ended with {how}")
+    status_name, detail = pickle.loads(b"".join(chunks))
+    return Result(case, status_name, detail)
+
+
+def run_all(cases=None, progress=None) -> list:
+    import crosscompile  # noqa: F401 - imported once, before the children fork
+    import minirt  # noqa: F401
+
     cases = discover() if cases is None else cases
+    results = []
     with tempfile.TemporaryDirectory(prefix="tether-node-") as tmp:
-        return [run_case(c, tmp) for c in cases]
+        for number, case in enumerate(cases, 1):
+            results.append(run_isolated(case, tmp))
+            if progress:
+                progress(number, len(cases), results[-1])
+    return results
 
 
 def per_op(results) -> dict:
@@ -192,21 +295,79 @@ def per_op(results) -> dict:
     return table
 
 
-def main() -> int:
-    results = run_all()
-    table = per_op(results)
-    print(f"{'op':22} {'pass':>5} {'reject':>7} {'mismatch':>9} {'crash':>6}")
-    for op in sorted(table):
-        row = table[op]
-        print(f"{op:22} {row['pass']:5} {row['rejected']:7} {row['mismatch']:9} {row['crash']:6}")
+def report(results, out=sys.stdout, per_op_table=False) -> dict:
+    """Print the counts out of the total, the refusals grouped by reason
+    (most common first) and every mismatch and crash; return the counts."""
     counts = defaultdict(int)
     for r in results:
         counts[r.status] += 1
-    print(f"total: {len(results)} cases, " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    if per_op_table:
+        table = per_op(results)
+        print(f"{'op':22} {'pass':>5} {'refused':>7} {'mismatch':>9} {'crash':>6}", file=out)
+        for op in sorted(table):
+            row = table[op]
+            print(f"{op:22} {row['pass']:5} {row['refused']:7} {row['mismatch']:9} {row['crash']:6}", file=out)
+    reasons = defaultdict(int)
     for r in results:
-        if r.status != "pass":
-            print(f"  {r.status:8} {r.case.suite}/{r.case.name}: {r.detail}")
-    return 0 if not counts["mismatch"] and not counts["crash"] else 1
+        if r.status == "refused":
+            reasons[r.reason] += 1
+    print("refusals by reason:", file=out)
+    for reason, n in sorted(reasons.items(), key=lambda item: (-item[1], item[0])):
+        print(f"  {n:5}  {reason}", file=out)
+    missing = defaultdict(int)
+    for r in results:
+        for op in r.unsupported_ops:
+            missing[op] += 1
+    print("unsupported ops by the number of cases refused for them:", file=out)
+    for op, n in sorted(missing.items(), key=lambda item: (-item[1], item[0])):
+        print(f"  {n:5}  {op}", file=out)
+    for r in results:
+        if r.status in ("mismatch", "crash"):
+            print(f"  {r.status:8} {r.case.suite}/{r.case.name}: {r.detail}", file=out)
+    print(f"total: {len(results)} cases: pass {counts['pass']}, refused {counts['refused']}, "
+          f"mismatch {counts['mismatch']}, crash {counts['crash']}", file=out)
+    return dict(counts)
+
+
+def main(argv=None) -> int:
+    import argparse
+    parser = argparse.ArgumentParser(prog="python -m tests.onnx_node_suite", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--in-scope", action="store_true",
+                        help="only the cases whose ops crosscompile supports (what the test runs)")
+    parser.add_argument("--op", action="append", default=[], metavar="OP_TYPE",
+                        help="only the cases using this op (repeatable)")
+    parser.add_argument("--per-op", action="store_true", help="also print the counts per op")
+    parser.add_argument("--json", metavar="FILE", help="also write every case's result to FILE")
+    parser.add_argument("--log", metavar="FILE",
+                        help="append each case's result to FILE as one JSON line as soon as it is known")
+    parser.add_argument("--shard", metavar="I/N", default="1/1",
+                        help="run only every N-th case starting at the I-th (to split a sweep between processes)")
+    args = parser.parse_args(argv)
+    cases = discover(everything=not args.in_scope, op_type=args.op[0] if len(args.op) == 1 else None)
+    if args.op:
+        cases = [c for c in cases if set(args.op) & set(c.ops)]
+    index, count = (int(part) for part in args.shard.split("/"))
+    cases = cases[index - 1::count]
+    tty = sys.stderr.isatty()
+
+    def progress(number, total, result):
+        if args.log:
+            import json
+            with open(args.log, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"suite": result.case.suite, "name": result.case.name, "ops": result.case.ops,
+                                    "status": result.status, "detail": result.detail}) + "\n")
+        if tty:
+            print(f"\r{number}/{total} {result.case.name[:60]:60}", end="", file=sys.stderr, flush=True)
+    results = run_all(cases, progress)
+    if tty:
+        print(file=sys.stderr)
+    counts = report(results, per_op_table=args.per_op)
+    if args.json:
+        import json
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump([{"suite": r.case.suite, "name": r.case.name, "ops": r.case.ops, "status": r.status,
+                        "detail": r.detail} for r in results], f, indent=1)
+    return 0 if not counts.get("mismatch") and not counts.get("crash") else 1
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@
 # user those tests skip with a message naming what to install.
 # The whole emulated model zoo is left out unless --full-zoo is given:
 #   bash tests/run.sh --full-zoo tests/test_zoo_emulated.py
+# and so are all 2,001 onnx node cases unless --node-suite is given (the default
+# run takes a few per op):
+#   bash tests/run.sh --node-suite tests/test_onnx_node_suite.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -1,7 +1,9 @@
 """crosscompile: real compiles, checked against onnxruntime."""
 import json
+import os
 import shutil
 import subprocess
+import sys
 
 import numpy as np
 import onnx
@@ -18,6 +20,9 @@ from crosscompile.target import normalize_triple
 from tests.cross_targets import ALLOWED_UNDEFINED, CROSS_TARGETS, DRIVER_C, EMULATED, emulated_tools
 from tests.onnx_models import (ATOL, RTOL, make_model, matmul_mlp, mlp, rand, reference, run_host,
                                sample_input, single_op)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # -- ops ----------------------------------------------------------------------
@@ -186,16 +191,69 @@ def test_missing_file_is_a_build_error(tmp_path):
         crosscompile.build(str(tmp_path / "nope.onnx"))
 
 
-@pytest.mark.parametrize("op_type,inits", [("Sin", {}), ("DeformConv", {"w": rand(1, 2, 3, 3)})])
-def test_unsupported_op_names_op_node_and_supported_ops(op_type, inits):
+@pytest.mark.parametrize("op_type,inits", [("DFT", {}), ("DeformConv", {"w": rand(1, 2, 3, 3)})])
+def test_unsupported_op_names_op_and_node(op_type, inits):
     model = single_op(op_type, {"x": (1, 1, 5, 5)}, inits)
     with pytest.raises(UnsupportedOpError) as info:
         crosscompile.build(model)
     message = str(info.value)
-    assert op_type in message and f"the_{op_type.lower()}" in message
-    for supported in ("Gemm", "MatMul", "Softmax", "Reshape", "Conv", "MaxPool", "BatchNormalization"):
-        assert supported in message
+    assert f"unsupported op {op_type!r} (1 node: 'the_{op_type.lower()}')" in message
+    assert "`tether ops`" in message and "Softmax" not in message
     assert info.value.op_type == op_type and isinstance(info.value, BuildError)
+    assert info.value.unsupported == {op_type: [f"the_{op_type.lower()}"]}
+
+
+def test_every_unsupported_op_and_refused_node_in_one_error():
+    # Two RoiAligns (the second fed by a node after the first), four
+    # NonZeros, an op of another domain and a Reshape refusing its shape.
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("RoiAlign", ["r"], ["s1"], name="roi_1"),
+             helper.make_node("Relu", ["s1"], ["s2"], name="after_roi"),
+             helper.make_node("RoiAlign", ["s2"], ["s3"], name="roi_2"),
+             helper.make_node("Custom", ["x"], ["c"], name="custom", domain="com.example"),
+             helper.make_node("Reshape", ["r", "bad_shape"], ["bad"], name="bad_reshape")]
+    nodes += [helper.make_node("NonZero", ["r"], [f"nz{i}"], name=f"nonzero_{i}") for i in range(4)]
+    nodes.append(helper.make_node("Sum", ["s3", "c", "bad", "nz0", "nz1", "nz2", "nz3"], ["y"], name="sum"))
+    model = make_model(nodes, {"x": (2, 3)}, {"y": None}, {"bad_shape": np.array([4, 4], np.int64)},
+                       opset=17)
+    model.opset_import.append(helper.make_opsetid("com.example", 1))
+    with pytest.raises(UnsupportedOpError) as info:
+        crosscompile.build(model)
+    assert info.value.unsupported == {"RoiAlign": ["roi_1", "roi_2"], "com.example.Custom": ["custom"],
+                                      "NonZero": [f"nonzero_{i}" for i in range(4)]}
+    message = str(info.value)
+    assert ("unsupported ops 'RoiAlign' (2 nodes: 'roi_1', 'roi_2'); 'com.example.Custom' (1 node: "
+            "'custom'); 'NonZero' (4 nodes: 'nonzero_0', 'nonzero_1', 'nonzero_2' and 1 more)") in message
+    assert "also node 'bad_reshape' (Reshape): cannot reshape (2, 3)" in message
+    assert "\n" not in message
+
+
+def test_refusals_of_supported_nodes_are_all_named():
+    nodes = [helper.make_node("Reshape", ["x", "shape"], ["a"], name="first"),
+             helper.make_node("Transpose", ["x"], ["b"], perm=[0, 0], name="second"),
+             helper.make_node("Relu", ["x"], ["y"], name="fine")]
+    model = make_model(nodes, {"x": (2, 3)}, {"y": None}, {"shape": np.array([5], np.int64)})
+    with pytest.raises(crosscompile.ShapeError) as info:
+        crosscompile.build(model)
+    assert "node 'first' (Reshape)" in str(info.value) and "node 'second' (Transpose)" in str(info.value)
+
+
+def test_supported_ops_are_listed_by_tether_ops_and_in_the_docs():
+    from crosscompile.operator_table import markdown_table, operator_rows, updated_document
+    done = subprocess.run([sys.executable, "-m", "remote.cli", "ops"], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    listed = [line.split()[0] for line in done.stdout.splitlines()[:-1]]
+    assert listed == crosscompile.supported_ops()
+    assert {"Conv", "Gemm", "Softmax", "QLinearConv", "Shape"} <= set(listed)
+    assert "FusedAttention" not in listed  # the compiler's own op, not ONNX's
+    assert "Conv " in done.stdout and "crosscompile/conv.py" in done.stdout
+    doc_path = os.path.join(ROOT, "docs", "operators.md")
+    with open(doc_path, encoding="utf-8") as f:
+        doc = f.read()
+    assert updated_document(doc, operator_rows()) == doc, \
+        "docs/operators.md is out of date: run `tether ops --update-doc docs/operators.md`"
+    assert markdown_table(operator_rows()) in doc
 
 
 def test_symbolic_dim_needs_input_shapes(tmp_path):

@@ -1,6 +1,13 @@
-"""The onnx package's backend node tests that fall in the supported set
-(see tests/onnx_node_suite.py; `python -m tests.onnx_node_suite` prints the
-pass count per op)."""
+"""The onnx package's backend node tests (see tests/onnx_node_suite.py;
+`python -m tests.onnx_node_suite` counts every case onnx ships).
+
+The default run takes a sample: the first few in-scope cases of every op,
+so that each supported op passes onnx's own cases while the suite stays
+within its time budget. The full sweep of all 2,001 cases runs with
+--node-suite (tests marked node_suite):
+
+    python -m pytest --node-suite tests/test_onnx_node_suite.py
+"""
 import pytest
 
 from tests.onnx_node_suite import discover, per_op, run_all
@@ -16,18 +23,41 @@ CLAIMED = {"Conv", "Gemm", "MatMul", "BatchNormalization", "Relu", "LeakyRelu", 
            "Log", "Abs", "Neg", "Erf", "Gelu", "LayerNormalization", "InstanceNormalization",
            "GroupNormalization", "LogSoftmax", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual",
            "Not", "And", "Or", "Xor", "Where", "Gather", "Resize", "Upsample", "ConvTranspose", "TopK",
-           "ArgMax", "ArgMin", "CumSum", "GatherElements", "LSTM", "GRU", "RNN"}
+           "ArgMax", "ArgMin", "CumSum", "GatherElements", "LSTM", "GRU", "RNN",
+           "Softplus", "Mish", "Elu", "Selu", "Celu", "Softsign", "ThresholdedRelu", "Shrink", "Round",
+           "Floor", "Ceil", "Sign", "IsNaN", "IsInf", "Sin", "Cos", "Tan", "Asin", "Acos", "Atan", "Sinh",
+           "Cosh", "Asinh", "Acosh", "Atanh", "DepthToSpace", "SpaceToDepth", "Tile", "Trilu", "CastLike",
+           "LpNormalization", "Mod", "Max", "Min", "GatherND", "ScatterND", "ScatterElements", "OneHot",
+           "RMSNormalization", "Hardmax", "CumProd", "Swish", "NegativeLogLikelihoodLoss",
+           "SoftmaxCrossEntropyLoss"}
+# In-scope cases run per op by default (a case counts for every op it uses).
+CASES_PER_OP = 3
+
+
+def sample(cases, per_op=CASES_PER_OP):
+    """The cases, in order, that bring some op below per_op cases taken."""
+    taken, chosen = {}, []
+    for case in cases:
+        if any(taken.get(op, 0) < per_op for op in case.ops):
+            chosen.append(case)
+            for op in case.ops:
+                taken[op] = taken.get(op, 0) + 1
+    return chosen
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_all(discover())
+    return run_all(sample(discover()))
 
 
-def test_no_case_in_scope_computes_a_wrong_result_or_crashes(results):
+def _assert_no_wrong_result_or_crash(results):
     bad = [f"{r.status} {r.case.suite}/{r.case.name}: {r.detail}" for r in results
            if r.status in ("mismatch", "crash")]
     assert not bad, "\n".join(bad)
+
+
+def test_no_case_in_scope_computes_a_wrong_result_or_crashes(results):
+    _assert_no_wrong_result_or_crash(results)
 
 
 def test_every_claimed_op_passes_onnx_cases(results):
@@ -35,12 +65,22 @@ def test_every_claimed_op_passes_onnx_cases(results):
     missing = sorted(op for op in CLAIMED if not table.get(op, {}).get("pass"))
     assert not missing, f"no passing onnx node case for {missing}"
     passed = sum(r.status == "pass" for r in results)
-    print(f"{passed} of {len(results)} in-scope onnx node cases pass")
+    print(f"{passed} of {len(results)} sampled in-scope onnx node cases pass")
 
 
-def test_rejections_are_clear_build_errors(results):
-    # What is left out (3-D windows, runtime Gather/Expand, batched MatMul)
-    # must be refused with a message naming the node, never computed wrongly.
+def test_refusals_are_clear_build_errors(results):
+    # What is left out must be refused with a message naming the node,
+    # never computed wrongly.
     for r in results:
-        if r.status == "rejected" and "plain tensor" not in r.detail:
-            assert "node '" in r.detail or "graph output" in r.detail, r.detail
+        if r.status == "refused" and "plain tensor" not in r.detail:
+            assert "node '" in r.detail or "graph output" in r.detail or r.detail.startswith("input"), r.detail
+
+
+@pytest.mark.node_suite
+def test_every_case_onnx_ships_passes_or_is_refused_with_a_reason():
+    from tests.onnx_node_suite import report
+    results = run_all(discover(everything=True))
+    counts = report(results)
+    _assert_no_wrong_result_or_crash(results)
+    assert all(r.reason for r in results if r.status == "refused")
+    assert sum(counts.values()) == len(results) > 0

@@ -99,6 +99,20 @@ def cmd_quantize(args):
     return 0
 
 
+def cmd_ops(args):
+    from crosscompile.operator_table import markdown_table, operator_rows, text_table, updated_document
+    rows = operator_rows()
+    if args.update_doc:
+        with open(args.update_doc, encoding="utf-8") as f:
+            text = f.read()
+        with open(args.update_doc, "w", encoding="utf-8") as f:
+            f.write(updated_document(text, rows))
+        print(f"wrote the table of {len(rows)} ops into {args.update_doc}")
+        return 0
+    print(markdown_table(rows) if args.markdown else text_table(rows), end="")
+    return 0
+
+
 def cmd_bench(args):
     from remote.cli.bench import run_bench
     return run_bench(args, _tracker_address(args.tracker))
@@ -219,6 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, help="the int8 ONNX model to write")
     p.add_argument("--per-tensor", action="store_true", help="one weight scale per tensor, not per channel")
     p.set_defaults(func=cmd_quantize)
+
+    p = sub.add_parser("ops", help="list the ONNX ops the compiler supports",
+                       epilog="example: tether ops --markdown")
+    p.add_argument("--markdown", action="store_true", help="as a Markdown table")
+    p.add_argument("--update-doc", metavar="FILE",
+                   help="rewrite the generated table in FILE (docs/operators.md)")
+    p.set_defaults(func=cmd_ops)
 
     from remote.cli import bench, run, tune
     p = sub.add_parser(
