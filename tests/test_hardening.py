@@ -325,3 +325,64 @@ def test_user_tokens_name_the_holder_and_are_required_when_the_tracker_says_so(t
         token("remove", "bob")
         with pytest.raises(errors.AuthenticationError):
             TrackerClient(*farm.tracker, token=bob).summary()
+
+
+def thread_count(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    raise AssertionError("no Threads")
+
+
+def _relay_call(port: int, frame) -> pb.DataFrame:
+    fs = FrameSocket(socket.create_connection(("127.0.0.1", port), timeout=HANG_S))
+    try:
+        frame.version = PROTOCOL_VERSION
+        fs.send(frame)
+        return fs.recv_header()
+    finally:
+        fs.close()
+
+
+def test_the_relay_carries_status_and_close_only_for_the_lease_holder():
+    from remote.tracker.boards import MAX_OPENING_PER_SOURCE
+    with local_farm(keys=[]) as farm:
+        farm.add_server("r", extra=["--relay"])
+        tracker = farm.client()
+        (device,) = tracker.summary()["devices"]
+        port, pid = farm.tracker[1], farm.tracker_proc.proc.pid
+        before = thread_count(pid)
+        # Knowing a device id (Summary shows it) is not enough, nor is a made-up token.
+        for token in [""] * 150 + ["guess"] * 50:
+            reply = _relay_call(port, pb.DataFrame(op="status", name="x", token=token,
+                                                   device_id=device["device_id"]))
+            assert reply.error == "AuthenticationError" and "token of the lease" in reply.text
+        assert thread_count(pid) <= before + 4, "the refused relays left threads behind"
+        with tracker.request("r", timeout=HANG_S) as sess:
+            sess.ping()
+            token = sess._lease_token
+            state = _relay_call(port, pb.DataFrame(op="status", name=sess.session_id,
+                                                   token=token, device_id=device["device_id"]))
+            assert state.open
+        # Connections that never say who they are: at most so many from one address.
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = MAX_OPENING_PER_SOURCE + 200
+        if hard != resource.RLIM_INFINITY and hard < want:
+            pytest.skip(f"opening {want} connections needs RLIMIT_NOFILE >= {want}; it is {hard}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, want), hard))
+        idle = []
+        try:
+            for _ in range(want):
+                idle.append(socket.create_connection(("127.0.0.1", port)))
+            # Those past the cap are dropped at once.
+            idle[-1].settimeout(HANG_S)
+            assert idle[-1].recv(1) == b""
+            assert thread_count(pid) <= before + 4
+        finally:
+            for s in idle:
+                s.close()
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        with tracker.request("r", timeout=HANG_S) as sess:
+            sess.ping()

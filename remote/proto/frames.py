@@ -166,11 +166,11 @@ def version_error(version: int, who: str) -> str:
             f"{named}; run the same Tether version on both ends")
 
 
-def splice(a: socket.socket, b: socket.socket, name: str) -> None:
+def splice(a: socket.socket, b: socket.socket, name: str, on_done=None) -> None:
     """Carry bytes both ways between two connected sockets, in two threads.
 
     When one side ends, the other's sending half is shut, and both are
-    closed once both directions are done.
+    closed once both directions are done (then ``on_done()`` runs, if given).
     """
     import threading
 
@@ -198,6 +198,8 @@ def splice(a: socket.socket, b: socket.socket, name: str) -> None:
         if last:
             a.close()
             b.close()
+            if on_done is not None:
+                on_done()
 
     for src, dst in ((a, b), (b, a)):
         threading.Thread(target=pump, args=(src, dst), name=f"{name}-pump", daemon=True).start()

@@ -51,6 +51,20 @@ FIRST_FRAME_S = 10.0
 RELAY_CONNECT_S = 10.0
 REACH_TIMEOUT_S = 2.0
 WRITE_HIGH_WATER = 4 << 20
+# Connections that have not yet said who they are (before their first frame,
+# or while a registration is checked), at most: from one address and in all.
+# One address may be a farm's NAT, and a farm's boards come up together
+# (benchmarks/board_sim.py registers 500 at once), so the first is large.
+MAX_OPENING_PER_SOURCE = 1024
+MAX_OPENING = 8192
+# Bytes of unfinished first frames held, at most, over all such connections;
+# a connection whose frame would go past it is dropped.
+MAX_OPENING_BYTES = 32 << 20
+# Relayed sessions: waiting for their board to dial back (in all, per board),
+# and carried at once (each holds two threads on a plain-TCP port).
+MAX_RELAYS_WAITING = 256
+MAX_RELAYS_WAITING_PER_DEVICE = 8
+MAX_RELAYS = 512
 # Links read per turn of the loop before it serves its other sockets again.
 LINK_BATCH = 256
 LINK_READ_BYTES = 64 * 1024
@@ -82,6 +96,8 @@ class Conn(asyncio.Protocol):
         self._first_timer = None
         self.answered = -PONG_EVERY_S  # when a ping was last answered
         self.fd = -1               # set while the link is read from the door's link poll set
+        self.source = ""           # the peer's address while it counts as opening
+        self.held = 0              # bytes of its unfinished first frame counted by the door
 
     # ----------------------------------------------------------- transport --
     def connection_made(self, transport):
@@ -89,6 +105,10 @@ class Conn(asyncio.Protocol):
         transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
         peer = transport.get_extra_info("peername")
         self.peer_name = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        if not self.door.opening(self, peer[0] if isinstance(peer, tuple) else self.peer_name):
+            self.role = "refused"
+            transport.abort()
+            return
         self._first_timer = self.door.loop.call_later(FIRST_FRAME_S, self._first_too_slow)
 
     def _stop_first_timer(self):
@@ -104,6 +124,7 @@ class Conn(asyncio.Protocol):
 
     def connection_lost(self, exc):
         self._stop_first_timer()
+        self.door.opened(self)
         if self.fd >= 0:
             self.door.unwatch(self)
         if self.role == "link":
@@ -133,9 +154,17 @@ class Conn(asyncio.Protocol):
         if self.role == "spliced":
             self.peer.transport.write(data)
             return
+        if self.role == "refused":
+            return
         self.buffer += data
+        if self.source and not self.door.hold(self, len(self.buffer)):
+            self.role = "refused"
+            self.buffer = bytearray()
+            self.transport.abort()
+            return
         if self.role == "new" and len(self.buffer) >= 4 and self.buffer.startswith(b"PRI "):
             self._stop_first_timer()
+            self.door.opened(self)
             self.role = "waiting"
             self.door.loop.create_task(self.door.splice_grpc(self))
             return
@@ -193,12 +222,16 @@ class Conn(asyncio.Protocol):
             if frame.version != PROTOCOL_VERSION:
                 raise errors.ConnectionFailed(version_error(frame.version, "caller"))
             if frame.op == "register":
+                # Before anything is done for it (reaching its address, say).
+                self.door.service.check_secret(frame.farm_secret)
                 self.role = "waiting"
                 self.transport.pause_reading()
                 self.door.loop.create_task(self.door.register(self, frame))
             elif frame.op in ("open", "status", "close"):
+                self.door.opened(self)
                 self.door.relay_client(self, frame, raw)
             elif frame.op == "relay":
+                self.door.opened(self)
                 self.door.relay_board(self, frame)
             else:
                 raise errors.InvalidArgument(f"a connection to the tracker's port begins with "
@@ -267,6 +300,11 @@ class FrontDoor:
         self.loop = asyncio.new_event_loop()
         self.links: Dict[str, Conn] = {}           # device_id -> its link
         self._pending: Dict[str, Conn] = {}        # relay id -> client waiting for its board
+        self._opening: Dict[str, int] = {}         # source address -> connections opening
+        self._opening_total = 0
+        self._opening_bytes = 0
+        self._relays = 0                           # relayed sessions being carried
+        self._relays_lock = threading.Lock()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -361,6 +399,44 @@ class FrontDoor:
         """Run ``fn(*args)`` on the loop from another thread."""
         self.loop.call_soon_threadsafe(fn, *args)
 
+    # -------------------------------------------------- opening connections --
+    def opening(self, conn: Conn, source: str) -> bool:
+        """Count a new connection against the caps on connections that have not
+        said who they are; False: it is over a cap and is dropped."""
+        mine = self._opening.get(source, 0)
+        if mine >= MAX_OPENING_PER_SOURCE or self._opening_total >= MAX_OPENING:
+            log.warning("refused a connection from %s: %d connections from it and %d in all "
+                        "are still opening", source, mine, self._opening_total)
+            return False
+        self._opening[source] = mine + 1
+        self._opening_total += 1
+        conn.source = source
+        return True
+
+    def hold(self, conn: Conn, size: int) -> bool:
+        """Count ``size`` bytes buffered by an opening connection; False past the budget."""
+        grown = size - conn.held
+        if grown > 0 and self._opening_bytes + grown > MAX_OPENING_BYTES:
+            log.warning("dropped %s: unfinished first frames already hold %d bytes",
+                        conn.peer_name, self._opening_bytes)
+            return False
+        self._opening_bytes += grown
+        conn.held = size
+        return True
+
+    def opened(self, conn: Conn) -> None:
+        """The connection said who it is (or ended): it no longer counts as opening."""
+        if not conn.source:
+            return
+        left = self._opening[conn.source] - 1
+        if left:
+            self._opening[conn.source] = left
+        else:
+            del self._opening[conn.source]
+        self._opening_total -= 1
+        self._opening_bytes -= conn.held
+        conn.source, conn.held = "", 0
+
     # ----------------------------------------------------------------- gRPC --
     async def splice_grpc(self, client: Conn):
         try:
@@ -377,6 +453,7 @@ class FrontDoor:
         reachable = not frame.relay and bool(frame.address) and await self._reachable(frame.address)
         if conn.transport.is_closing():
             return
+        self.opened(conn)
         try:
             device_id, credential, interval = self.service.board_register(
                 frame, relayed=not reachable)
@@ -447,12 +524,23 @@ class FrontDoor:
             device_id = self.service.relay_target(frame.token)
         else:
             device_id = frame.device_id
+            self.service.check_session_token(device_id, frame.token)
         link = self.links.get(device_id)
         if link is None:
             raise errors.ConnectionFailed(
                 f"device {device_id or '(unknown)'} has no link to this tracker now; "
                 "request a device again")
+        waiting_here = sum(1 for c in self._pending.values() if c.device_id == device_id)
+        with self._relays_lock:
+            carried = self._relays
+        if (len(self._pending) >= MAX_RELAYS_WAITING or carried >= MAX_RELAYS
+                or waiting_here >= MAX_RELAYS_WAITING_PER_DEVICE):
+            raise errors.DeviceBusy(
+                f"the tracker already carries {carried} relayed sessions and {len(self._pending)} "
+                f"wait for their board ({waiting_here} for device {device_id}), its limit; "
+                "try again later")
         relay_id = secrets.token_urlsafe(18)
+        conn.device_id = device_id
         conn.role = "waiting"
         conn.transport.pause_reading()
         conn.relay_first = raw
@@ -488,7 +576,13 @@ class FrontDoor:
             board_sock.close()
             client_sock.close()
             return
-        splice(client_sock, board_sock, "relay")
+        with self._relays_lock:
+            self._relays += 1
+        splice(client_sock, board_sock, "relay", on_done=self._relay_done)
+
+    def _relay_done(self) -> None:
+        with self._relays_lock:
+            self._relays -= 1
 
     def forget_pending(self, conn: Conn) -> None:
         relay_id = getattr(conn, "relay_id", None)

@@ -17,6 +17,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections import OrderedDict
 from concurrent import futures
 from typing import Dict, Optional, Set
 
@@ -43,6 +44,8 @@ LOOP_TICK_S = 0.1
 # Requests waiting for a device, at most, in all and per client name.
 MAX_WAITING = 512
 MAX_WAITING_PER_CLIENT = 64
+# Lease tokens remembered after their lease ended, for a session's status and close.
+RECENT_LEASES = 4096
 # Each waiting RequestDevice call holds one worker thread, so the pool is large;
 # threads are only started as calls arrive.
 MAX_WORKERS = 1024
@@ -86,6 +89,10 @@ class TrackerService:
         self._farm_secret = farm_secret
         self._relayed: Set[str] = set()           # devices reached through the relay
         self._credentials: Dict[str, str] = {}    # device_id -> the board's credential
+        # Tokens of recent leases -> their device: a client asks a relayed board
+        # about its session (status, close) with its lease's token, also after
+        # the lease ended; the oldest are forgotten first.
+        self._granted: "OrderedDict[str, str]" = OrderedDict()
         self.door: Optional[FrontDoor] = None
         self.eviction_window_s = eviction_window_s
         self._stop = threading.Event()
@@ -264,6 +271,18 @@ class TrackerService:
             raise AuthenticationError("unknown or expired lease token; request a device again")
         return lease.device_id
 
+    def check_session_token(self, device_id: str, token: str) -> None:
+        """A client's status or close for a session on a relayed board names the
+        token of the lease the session was opened with (live or recent): the
+        relay carries nothing for whoever only knows a device id."""
+        with self._lock:
+            lease = self._scheduler.leases.get(token)
+            granted = lease.device_id if lease is not None else self._granted.get(token)
+        if not token or granted != device_id:
+            raise AuthenticationError(
+                f"asking device {device_id or '(none)'} about a session through the tracker "
+                "needs the token of the lease it was opened with")
+
     # -------------------------------------------------------------- RPCs --
     def _v1_board(self, context):
         context.abort(grpc.StatusCode.PERMISSION_DENIED,
@@ -340,6 +359,9 @@ class TrackerService:
                         f"device {lease.device_id} disappeared while being leased; request again"))
                 return pb.Lease()
             relayed = lease.device_id in self._relayed
+            self._granted[lease.token] = lease.device_id
+            while len(self._granted) > RECENT_LEASES:
+                self._granted.popitem(last=False)
             reply = pb.Lease(token=lease.token, device_id=lease.device_id, key=device.key,
                              address="" if relayed else device.address, relayed=relayed)
             if lease.device_id in self._infos:
