@@ -386,3 +386,25 @@ def test_the_relay_carries_status_and_close_only_for_the_lease_holder():
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         with tracker.request("r", timeout=HANG_S) as sess:
             sess.ping()
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie has ended: only its parent's wait is left)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_processes_a_module_starts_end_with_its_session(server, tmp_path):
+    forker = session_modules.build(str(tmp_path), "forker")
+    with connect_when_free(server) as sess:
+        sess.upload(forker, target="forker.so")
+        y = sess.load_module("forker.so").run({"x": np.zeros((1, 4), np.float32)})[0]
+        pids = [int(p) for p in y[0, :2]]
+        assert all(p > 0 for p in pids) and all(alive(p) for p in pids), pids
+    wait_until(lambda: not any(alive(p) for p in pids),
+               f"the end of processes {pids} a closed session's module left")
+    with connect_when_free(server) as sess:
+        sess.ping()

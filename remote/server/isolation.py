@@ -103,7 +103,9 @@ class SessionProcess:
                 self._stop_reason = (error_class, reason)
         if self.started.wait(10.0) and not self._gone.is_set():
             try:
-                os.kill(self.pid, signal.SIGKILL)
+                # Its group: what the module started goes too (the zygote also
+                # ends what is left once the process has gone).
+                os.killpg(self.pid, signal.SIGKILL)
             except OSError:
                 pass
 

@@ -608,6 +608,7 @@ def zygote(control: socket.socket, args) -> int:
     wake_w.setblocking(False)
     signal.set_wakeup_fd(wake_w.fileno())
     signal.signal(signal.SIGCHLD, lambda *_: None)
+    _become_subreaper()
     gc.freeze()  # the collector then leaves the imported objects' pages alone in children
     own = (control, wake_r, wake_w)
     children = {}
@@ -617,7 +618,12 @@ def zygote(control: socket.socket, args) -> int:
     while True:
         ready, _, _ = select.select([control, wake_r], [], [], 1.0)
         if os.getppid() != server:
-            return 0  # the server is gone (its end of the control socket may linger in flight)
+            # The server is gone (its end of the control socket may linger in
+            # flight): so are its sessions, and everything they started.
+            for pid in children:
+                end_process_group(pid)
+            end_strays(set())
+            return 0
         if wake_r in ready:
             try:
                 while wake_r.recv(512):
@@ -635,7 +641,14 @@ def zygote(control: socket.socket, args) -> int:
                 spare[1].close()
                 spare = None  # it died waiting; another is forked when needed
                 continue
-            session_id = children.pop(pid, "?")
+            session_id = children.pop(pid, None)
+            if session_id is None:
+                continue  # a process a session left behind, already ended (see end_strays)
+            # What the session started ends with it: its process group, and
+            # those that left it (a new session, a double fork) and so came to
+            # this subreaper once their parents ended.
+            end_process_group(pid)
+            end_strays(set(children) | ({spare[0]} if spare is not None else set()))
             control.send(f"exit {session_id} {os.waitstatus_to_exitcode(status)}".encode())
         if control not in ready:
             continue
@@ -660,12 +673,50 @@ def zygote(control: socket.socket, args) -> int:
         spare = _fork_spare(own, args)
 
 
+def _become_subreaper() -> None:
+    """Processes whose parents end come to this process, not to init (Linux
+    prctl PR_SET_CHILD_SUBREAPER), so none of a session's escapes it."""
+    import ctypes
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def end_process_group(pid: int) -> None:
+    """Kill what is left of the process group a session's process led."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def end_strays(keep) -> None:
+    """Kill and reap this process's children other than ``keep``: processes of
+    sessions that have ended, which came here when their parents ended."""
+    me = os.getpid()
+    try:
+        with open(f"/proc/{me}/task/{me}/children") as f:
+            pids = [int(word) for word in f.read().split()]
+    except OSError:
+        return
+    for pid in pids:
+        if pid in keep:
+            continue
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except OSError:
+            pass
+
+
 def _fork_spare(own, args):
     """Fork a child that waits for its session; returns (pid, the socket to send it on)."""
     door, inside = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     pid = os.fork()
     if pid == 0:
         try:
+            os.setpgid(0, 0)  # the session's processes are one group, ended together
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             for s in own + (door,):

@@ -11,6 +11,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -49,6 +50,9 @@ constexpr int kHelloDeadlineMs = 10000;
 constexpr int kRegisterWaitMs = 5000;
 // What a session's process printed, kept for its end reason.
 constexpr size_t kOutputTailBytes = 16 * 1024;
+// How often a session's watcher looks whether its process has ended, while
+// processes the module started keep the process's control socket open.
+constexpr int kExitCheckMs = 250;
 // Ended sessions whose reason a client may still ask for.
 constexpr size_t kEndedKept = 256;
 
@@ -377,6 +381,7 @@ class DeviceService {
     settings.idle_timeout_s = options_.idle_timeout_s;
     settings.poll_us = options_.poll_us;
     settings.cc = options_.cc;
+    std::unique_lock<std::mutex> forking(processes_mutex_);
     pid_t pid = ::fork();
     if (pid < 0) {
       *error = std::string("fork failed: ") + std::strerror(errno);
@@ -384,6 +389,7 @@ class DeviceService {
       return false;
     }
     if (pid == 0) {
+      ::setpgid(0, 0);  // the session's processes are one group, ended together
       // The child keeps only its connection, its control socket and its
       // output: a copy of another session's connection held here would keep
       // that connection open after its own process ended.
@@ -396,6 +402,8 @@ class DeviceService {
       ::signal(SIGINT, SIG_IGN);  // Ctrl-C on the server's terminal is the server's
       serve_session(settings);
     }
+    session_pids_.insert(pid);
+    forking.unlock();
     ::close(control[1]);
     ::close(output[1]);
     {
@@ -407,6 +415,45 @@ class DeviceService {
       watch(session, control_fd, output_fd);
     }).detach();
     return true;
+  }
+
+  // What a session started ends with it: its process group, and those that
+  // left it (a new session, a double fork) and so came to this server, a
+  // subreaper, once their parents ended.
+  void end_processes_of(pid_t leader) {
+    ::kill(-leader, SIGKILL);
+    std::lock_guard<std::mutex> lock(processes_mutex_);
+    session_pids_.erase(leader);
+    for (pid_t pid : own_children()) {
+      if (session_pids_.count(pid)) continue;
+      ::kill(pid, SIGKILL);
+      while (::waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
+      }
+    }
+  }
+
+  static bool has_exited(pid_t pid) {
+    siginfo_t info;
+    info.si_pid = 0;
+    return ::waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOHANG | WNOWAIT) == 0 &&
+           info.si_pid == pid;
+  }
+
+  static std::vector<pid_t> own_children() {
+    std::vector<pid_t> pids;
+    DIR* dir = ::opendir("/proc/self/task");
+    if (dir == nullptr) return pids;
+    while (dirent* entry = ::readdir(dir)) {
+      if (entry->d_name[0] < '0' || entry->d_name[0] > '9') continue;
+      std::string path = std::string("/proc/self/task/") + entry->d_name + "/children";
+      FILE* f = std::fopen(path.c_str(), "r");
+      if (f == nullptr) continue;
+      long pid;
+      while (std::fscanf(f, "%ld", &pid) == 1) pids.push_back(static_cast<pid_t>(pid));
+      std::fclose(f);
+    }
+    ::closedir(dir);
+    return pids;
   }
 
   static void close_other_fds(std::initializer_list<int> keep) {
@@ -434,10 +481,11 @@ class DeviceService {
     while (control_open || output_open) {
       pollfd fds[2] = {{control_open ? control_fd : -1, POLLIN, 0}, {output_open ? output_fd : -1, POLLIN, 0}};
       // Once the process has closed its control socket, its output gets a
-      // moment to drain (a grandchild could hold the pipe).
-      int ready = ::poll(fds, 2, control_open ? -1 : 2000);
+      // moment to drain (a grandchild could hold the pipe). Processes a module
+      // started hold copies of both: the process's own end is looked for too.
+      int ready = ::poll(fds, 2, control_open ? kExitCheckMs : 2000);
       if (ready < 0 && errno == EINTR) continue;
-      if (ready == 0) break;
+      if (ready == 0 && (!control_open || has_exited(session->pid))) break;
       char data[65536];
       if (fds[0].revents) {
         ssize_t n = ::recv(control_fd, data, sizeof data, 0);
@@ -467,6 +515,7 @@ class DeviceService {
     int status = 0;
     while (::waitpid(session->pid, &status, 0) < 0 && errno == EINTR) {
     }
+    end_processes_of(session->pid);
     std::string error_class, reason;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -565,6 +614,7 @@ class DeviceService {
           session->stop_class = error_class;
           session->stop_reason = why;
         }
+        ::kill(-session->pid, SIGKILL);
         ::kill(session->pid, SIGKILL);
         changed_.wait_for(lock, std::chrono::seconds(10), [&] { return session->gone; });
       }
@@ -616,6 +666,10 @@ class DeviceService {
   DeviceInfo info_;
   TrackerLink* link_ = nullptr;
   std::mutex mutex_;
+  // Held while a session's process is forked and while strays are ended, so
+  // that a process just forked is never taken for a stray.
+  std::mutex processes_mutex_;
+  std::set<pid_t> session_pids_;
   std::condition_variable slot_free_, changed_;
   std::map<std::string, std::shared_ptr<Session>> sessions_;
   std::map<std::string, std::pair<std::string, std::string>> ended_;
@@ -685,6 +739,9 @@ int main(int argc, char** argv) {
   using namespace tether;
   Options options = parse_options(argc, argv);
   ::signal(SIGPIPE, SIG_IGN);
+  // Processes whose parents end come to this server, not to init, so that
+  // none of a session's outlives it (DeviceService::end_processes_of).
+  ::prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
   // Every thread inherits this mask, so SIGINT/SIGTERM reach sigwait below.
   sigset_t stop_signals;
   sigemptyset(&stop_signals);
