@@ -408,3 +408,69 @@ def test_processes_a_module_starts_end_with_its_session(server, tmp_path):
                f"the end of processes {pids} a closed session's module left")
     with connect_when_free(server) as sess:
         sess.ping()
+
+
+def test_grpc_callers_that_never_call_are_cut_off_at_the_first_frame_deadline(kind):
+    if kind != board_servers.KINDS[0]:
+        pytest.skip("the tracker alone is attacked: once is enough")
+    from remote.tracker.boards import FIRST_FRAME_S
+    import time
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+    settings = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"   # an empty SETTINGS frame
+    with local_farm(keys=["k"]) as farm:
+        tracker = farm.client()
+        tracker.summary()   # a real gRPC channel, made before: it must live on
+        stalled = []
+        for _ in range(32):
+            s = socket.create_connection(("127.0.0.1", farm.tracker[1]))
+            s.sendall(preface + settings)
+            stalled.append(s)
+        started = time.monotonic()
+        try:
+            for s in stalled:
+                assert closed_by_peer(s)
+            took = time.monotonic() - started
+            assert took < FIRST_FRAME_S + 5, f"preface-only connections lived {took:.1f} s"
+        finally:
+            for s in stalled:
+                s.close()
+        with tracker.request("k", timeout=HANG_S) as sess:
+            sess.ping()
+        assert tracker.summary()["devices"]
+
+
+def test_a_crowd_of_idle_connections_does_not_keep_sessions_out(server):
+    # 64 connections that never send a frame, re-opened as the board drops
+    # them, from the same address as the sessions: every session gets through.
+    stop = threading.Event()
+    crowd = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(64)]
+
+    def reopen():
+        while not stop.is_set():
+            for i, s in enumerate(crowd):
+                s.setblocking(False)
+                try:
+                    gone = s.recv(1, socket.MSG_PEEK) == b""
+                except BlockingIOError:
+                    gone = False
+                except OSError:
+                    gone = True
+                if gone and not stop.is_set():
+                    s.close()
+                    try:
+                        crowd[i] = socket.create_connection(("127.0.0.1", server.port))
+                    except OSError:
+                        pass
+            stop.wait(0.05)
+
+    keeper = threading.Thread(target=reopen, daemon=True)
+    keeper.start()
+    try:
+        for _ in range(25):
+            with connect_when_free(server) as sess:
+                sess.ping()
+    finally:
+        stop.set()
+        keeper.join()
+        for s in crowd:
+            s.close()

@@ -5,16 +5,19 @@ import argparse
 import itertools
 import logging
 import os
+import selectors
 import socket
 import ssl
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Optional
 
 from remote.address import split_address
 from remote.defaults import (FARM_SECRET_ENV, SERVER_PORT, TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV,
                              TRACKER_ENV, TRACKER_PORT)
+from remote.proto.frames import PREFIX
 from remote.lifecycle import start_logging, wait_for_stop_signal
 from remote.server.registration import TrackerLink, local_address_towards
 from remote.server.service import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_UPLOAD_BYTES, DeviceService
@@ -22,16 +25,26 @@ from remote.tls import server_context
 
 log = logging.getLogger("tether.server")
 
-# Connections that have not yet sent their first frame, at most; more are
-# refused at once. Each must finish its TLS handshake and first frame within
-# HELLO_DEADLINE_S, however slowly its bytes arrive.
+# Connections that have not yet sent their whole first frame wait in one
+# poll set, costing a descriptor and no thread: at most MAX_WAITING of them,
+# MAX_WAITING_PER_SOURCE from one address (past it, that address's oldest is
+# dropped: a client that means it sends its first frame at once, so an idle
+# crowd cannot keep it out). Each must finish its TLS handshake and first frame
+# within HELLO_DEADLINE_S, however slowly its bytes arrive. Only a connection
+# whose first frame has arrived whole gets one of MAX_PENDING threads.
 MAX_PENDING = 64
+MAX_WAITING = 1024
+MAX_WAITING_PER_SOURCE = 256
 HELLO_DEADLINE_S = 10.0
+FIRST_FRAME_BYTES = 64 * 1024
+# A connection with part of its first frame is looked at again this often
+# (its bytes keep it readable: polling it at once would spin).
+PARTIAL_RECHECK_S = 0.05
 
 
 class Listener:
-    """Accepts connections on the server's port and gives each one's first
-    frame to the service, in its own thread, under a deadline."""
+    """Accepts connections on the server's port, waits for each one's first
+    frame in one poll set, and gives it to the service in a thread of a pool."""
 
     def __init__(self, host: str, port: int, service: DeviceService,
                  tls: Optional[ssl.SSLContext]):
@@ -47,39 +60,99 @@ class Listener:
         self.port = self.sock.getsockname()[1]
         self.service = service
         self.tls = tls
-        self._pending = threading.BoundedSemaphore(MAX_PENDING)
         # Threads are kept between connections: starting one per connection
         # cost a good part of opening a session.
         self._threads = ThreadPoolExecutor(MAX_PENDING, thread_name_prefix="first-frame")
         self._deadlines = Deadlines()
+        self._waiting: "OrderedDict[socket.socket, tuple]" = OrderedDict()  # oldest first
+        self._per_source: Dict[str, int] = {}
         self._closed = False
-        threading.Thread(target=self._accept_loop, name="accept", daemon=True).start()
+        threading.Thread(target=self._loop, name="accept", daemon=True).start()
 
-    def _accept_loop(self):
+    def _loop(self):
+        poller = selectors.DefaultSelector()
+        poller.register(self.sock, selectors.EVENT_READ)
+        later = []  # (when, conn): partial first frames, looked at again then
         while not self._closed:
+            now = time.monotonic()
+            timeout = max(0.0, min([when for when, _ in later] + [now + 0.5]) - now)
             try:
-                conn, peer = self.sock.accept()
-            except OSError:
-                if self._closed:
-                    return
-                continue
-            if not self._pending.acquire(blocking=False):
-                log.warning("refused a connection from %s: %d connections are still opening",
-                            peer[0], MAX_PENDING)
-                conn.close()
-                continue
-            self._threads.submit(self._first_frame, conn, peer)
+                events = poller.select(timeout)
+            except (OSError, ValueError):
+                return
+            for key, _ in events:
+                if key.fileobj is self.sock:
+                    self._accept(poller)
+                else:
+                    self._readable(poller, key.fileobj, later)
+            now = time.monotonic()
+            due = [conn for when, conn in later if when <= now]
+            later[:] = [(when, conn) for when, conn in later if when > now]
+            for conn in due:
+                if conn in self._waiting:
+                    poller.register(conn, selectors.EVENT_READ)
+            for conn, (deadline, _, _) in list(self._waiting.items()):
+                if deadline > now:
+                    break  # in order of arrival, so of deadline too
+                self._drop(poller, conn)
 
-    def _first_frame(self, conn: socket.socket, peer):
+    def _accept(self, poller):
+        try:
+            conn, peer = self.sock.accept()
+        except OSError:
+            return
+        source = peer[0]
+        if self._per_source.get(source, 0) >= MAX_WAITING_PER_SOURCE:
+            oldest = next(c for c, (_, _, s) in self._waiting.items() if s == source)
+            log.warning("dropped the oldest of %d connections from %s still opening",
+                        MAX_WAITING_PER_SOURCE, source)
+            self._drop(poller, oldest)
+        elif len(self._waiting) >= MAX_WAITING:
+            log.warning("dropped the oldest of %d connections still opening", MAX_WAITING)
+            self._drop(poller, next(iter(self._waiting)))
+        self._waiting[conn] = (time.monotonic() + HELLO_DEADLINE_S, peer, source)
+        self._per_source[source] = self._per_source.get(source, 0) + 1
+        conn.setblocking(False)
+        poller.register(conn, selectors.EVENT_READ)
+
+    def _readable(self, poller, conn: socket.socket, later) -> None:
+        if self.tls is None and not _first_frame_arrived(conn):
+            poller.unregister(conn)
+            later.append((time.monotonic() + PARTIAL_RECHECK_S, conn))
+            return
+        # A whole first frame (or, with TLS, the handshake's first bytes, read
+        # under the deadline in the thread).
+        deadline, peer = self._forget(poller, conn)[:2]
+        conn.setblocking(True)
+        self._threads.submit(self._first_frame, conn, peer, deadline - time.monotonic())
+
+    def _forget(self, poller, conn: socket.socket):
+        entry = self._waiting.pop(conn)
+        left = self._per_source[entry[2]] - 1
+        if left:
+            self._per_source[entry[2]] = left
+        else:
+            del self._per_source[entry[2]]
+        try:
+            poller.unregister(conn)
+        except (KeyError, ValueError):
+            pass  # waiting for its recheck
+        return entry
+
+    def _drop(self, poller, conn: socket.socket) -> None:
+        self._forget(poller, conn)
+        conn.close()
+
+    def _first_frame(self, conn: socket.socket, peer, left_s: float):
         where = f"{peer[0]}:{peer[1]}"
         # One deadline for the whole hello, not per recv: a peer that trickles
         # a byte at a time is cut off all the same.
-        key = self._deadlines.add(conn, HELLO_DEADLINE_S)
+        key = self._deadlines.add(conn, max(left_s, 0.0))
         try:
             if self.tls is not None:
                 # The handshake reads with a timeout of its own (wrapping takes
                 # the socket the deadline was set on).
-                conn.settimeout(HELLO_DEADLINE_S)
+                conn.settimeout(max(left_s, 0.001))
                 try:
                     conn = self.tls.wrap_socket(conn, server_side=True)
                 except (ssl.SSLError, OSError) as exc:
@@ -93,12 +166,28 @@ class Listener:
             log.exception("connection from %s", where)
         finally:
             self._deadlines.remove(key)
-            self._pending.release()
 
     def close(self):
         self._closed = True
         self.sock.close()
         self._threads.shutdown(wait=False)
+
+
+def _first_frame_arrived(conn: socket.socket) -> bool:
+    """Whether a whole first frame waits in ``conn`` (looked at, not read): true
+    too for what is not a frame at all, or has ended, which the service answers."""
+    try:
+        head = conn.recv(PREFIX.size + FIRST_FRAME_BYTES, socket.MSG_PEEK)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    if len(head) < PREFIX.size:
+        return not head  # closed: let the service see it end
+    head_len, body_len = PREFIX.unpack_from(head)
+    if head_len > FIRST_FRAME_BYTES or body_len:
+        return True   # not a first frame this server takes: it says so at once
+    return len(head) >= PREFIX.size + head_len
 
 
 class Deadlines:

@@ -65,6 +65,11 @@ MAX_OPENING_BYTES = 32 << 20
 MAX_RELAYS_WAITING = 256
 MAX_RELAYS_WAITING_PER_DEVICE = 8
 MAX_RELAYS = 512
+# gRPC connections past their first call, at most, from one address and in all.
+MAX_GRPC_PER_SOURCE = 512
+MAX_GRPC = 4096
+_H2_PREFACE_BYTES = 24
+_H2_HEADERS = 1
 # Links read per turn of the loop before it serves its other sockets again.
 LINK_BATCH = 256
 LINK_READ_BYTES = 64 * 1024
@@ -98,6 +103,9 @@ class Conn(asyncio.Protocol):
         self.fd = -1               # set while the link is read from the door's link poll set
         self.source = ""           # the peer's address while it counts as opening
         self.held = 0              # bytes of its unfinished first frame counted by the door
+        self.grpc_source = ""      # the peer's address while it counts as a gRPC connection
+        self._h2 = None            # a gRPC caller's bytes until its first call (HEADERS)
+        self._h2_skip = 0
 
     # ----------------------------------------------------------- transport --
     def connection_made(self, transport):
@@ -119,12 +127,37 @@ class Conn(asyncio.Protocol):
             self._first_timer = None
 
     def _first_too_slow(self):
-        if self.role == "new":
+        if self.role == "new" or self._h2 is not None:
+            self.transport.abort()
+
+    def _grpc_bytes(self, data) -> None:
+        """Follow a gRPC caller's HTTP/2 frames until its first call (a HEADERS
+        frame): until then it is an opening connection, under the same deadline
+        and caps as any other; one that sends the preface and stops is cut off."""
+        buf = self._h2
+        buf += data
+        while True:
+            if self._h2_skip:
+                n = min(self._h2_skip, len(buf))
+                del buf[:n]
+                self._h2_skip -= n
+                if self._h2_skip:
+                    return
+            if len(buf) < 9:
+                return
+            if buf[3] == _H2_HEADERS:
+                break
+            self._h2_skip = 9 + int.from_bytes(buf[:3], "big")
+        self._h2 = None
+        self._stop_first_timer()
+        self.door.opened(self)
+        if not self.door.calling(self):
             self.transport.abort()
 
     def connection_lost(self, exc):
         self._stop_first_timer()
         self.door.opened(self)
+        self.door.hung_up(self)
         if self.fd >= 0:
             self.door.unwatch(self)
         if self.role == "link":
@@ -152,6 +185,8 @@ class Conn(asyncio.Protocol):
             self.answer_ping()
             return
         if self.role == "spliced":
+            if self._h2 is not None:
+                self._grpc_bytes(data)
             self.peer.transport.write(data)
             return
         if self.role == "refused":
@@ -163,12 +198,15 @@ class Conn(asyncio.Protocol):
             self.transport.abort()
             return
         if self.role == "new" and len(self.buffer) >= 4 and self.buffer.startswith(b"PRI "):
-            self._stop_first_timer()
-            self.door.opened(self)
             self.role = "waiting"
-            self.door.loop.create_task(self.door.splice_grpc(self))
+            self._h2, self._h2_skip = bytearray(), _H2_PREFACE_BYTES
+            self._grpc_bytes(self.buffer)
+            if not self.transport.is_closing():
+                self.door.loop.create_task(self.door.splice_grpc(self))
             return
         if self.role == "waiting":
+            if self._h2 is not None:
+                self._grpc_bytes(data)
             return
         while len(self.buffer) >= PREFIX.size:
             head_len, body_len = PREFIX.unpack_from(self.buffer)
@@ -289,6 +327,35 @@ class _GrpcSide(asyncio.Protocol):
         self.conn.resume_writing()
 
 
+class CountBySource:
+    """Connections of one kind counted per source address and in all, under caps."""
+
+    def __init__(self, per_source: int, in_all: int):
+        self.per_source, self.in_all = per_source, in_all
+        self._counts: Dict[str, int] = {}
+        self.total = 0
+
+    def of(self, source: str) -> int:
+        return self._counts.get(source, 0)
+
+    def add(self, source: str) -> bool:
+        """Count one more from ``source``; False (and nothing counted) past a cap."""
+        mine = self._counts.get(source, 0)
+        if mine >= self.per_source or self.total >= self.in_all:
+            return False
+        self._counts[source] = mine + 1
+        self.total += 1
+        return True
+
+    def remove(self, source: str) -> None:
+        left = self._counts[source] - 1
+        if left:
+            self._counts[source] = left
+        else:
+            del self._counts[source]
+        self.total -= 1
+
+
 class FrontDoor:
     """The tracker's listening port and its asyncio loop (in a thread)."""
 
@@ -300,9 +367,9 @@ class FrontDoor:
         self.loop = asyncio.new_event_loop()
         self.links: Dict[str, Conn] = {}           # device_id -> its link
         self._pending: Dict[str, Conn] = {}        # relay id -> client waiting for its board
-        self._opening: Dict[str, int] = {}         # source address -> connections opening
-        self._opening_total = 0
+        self._opening = CountBySource(MAX_OPENING_PER_SOURCE, MAX_OPENING)
         self._opening_bytes = 0
+        self._grpc = CountBySource(MAX_GRPC_PER_SOURCE, MAX_GRPC)
         self._relays = 0                           # relayed sessions being carried
         self._relays_lock = threading.Lock()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -403,13 +470,10 @@ class FrontDoor:
     def opening(self, conn: Conn, source: str) -> bool:
         """Count a new connection against the caps on connections that have not
         said who they are; False: it is over a cap and is dropped."""
-        mine = self._opening.get(source, 0)
-        if mine >= MAX_OPENING_PER_SOURCE or self._opening_total >= MAX_OPENING:
+        if not self._opening.add(source):
             log.warning("refused a connection from %s: %d connections from it and %d in all "
-                        "are still opening", source, mine, self._opening_total)
+                        "are still opening", source, self._opening.of(source), self._opening.total)
             return False
-        self._opening[source] = mine + 1
-        self._opening_total += 1
         conn.source = source
         return True
 
@@ -424,16 +488,27 @@ class FrontDoor:
         conn.held = size
         return True
 
+    def calling(self, conn: Conn) -> bool:
+        """Count a gRPC connection that made its first call; False: over a cap."""
+        source = conn.peer_name.rsplit(":", 1)[0]
+        if not self._grpc.add(source):
+            log.warning("refused a gRPC connection from %s: %d from it and %d in all are open",
+                        source, self._grpc.of(source), self._grpc.total)
+            return False
+        conn.grpc_source = source
+        return True
+
+    def hung_up(self, conn: Conn) -> None:
+        if not conn.grpc_source:
+            return
+        self._grpc.remove(conn.grpc_source)
+        conn.grpc_source = ""
+
     def opened(self, conn: Conn) -> None:
         """The connection said who it is (or ended): it no longer counts as opening."""
         if not conn.source:
             return
-        left = self._opening[conn.source] - 1
-        if left:
-            self._opening[conn.source] = left
-        else:
-            del self._opening[conn.source]
-        self._opening_total -= 1
+        self._opening.remove(conn.source)
         self._opening_bytes -= conn.held
         conn.source, conn.held = "", 0
 
@@ -445,6 +520,9 @@ class FrontDoor:
         except OSError as exc:
             log.error("the tracker's gRPC server is unreachable: %s", exc)
             client.transport.close()
+            return
+        if client.transport.is_closing():
+            side.conn.transport.close()
             return
         client.splice_to(side.conn)
 

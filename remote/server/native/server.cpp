@@ -16,6 +16,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -43,10 +44,19 @@ namespace tether {
 namespace {
 
 constexpr int kServerPort = 9090;
-// Connections that have not yet sent their first frame, at most; more are
-// refused at once. Each must send it within kHelloDeadlineMs.
+// Connections whose first frame is being served, at most (each in a thread).
+// Every connection must send its first frame within kHelloDeadlineMs.
 constexpr int kMaxPending = 64;
 constexpr int kHelloDeadlineMs = 10000;
+// Connections that have not yet sent their whole first frame, at most, in all
+// and from one address; past either, the oldest is dropped: a client that
+// means it sends its first frame at once, so an idle crowd cannot keep it out.
+constexpr int kMaxWaiting = 1024;
+constexpr int kMaxWaitingPerSource = 256;
+constexpr size_t kFirstFrameBytes = 64 * 1024;
+constexpr size_t kFrameHeaderBytes = 12;
+// A connection with part of its first frame is looked at again this often.
+constexpr int64_t kPartialRecheckMs = 50;
 constexpr int kRegisterWaitMs = 5000;
 // What a session's process printed, kept for its end reason.
 constexpr size_t kOutputTailBytes = 16 * 1024;
@@ -732,6 +742,116 @@ std::string local_address_towards(const std::string& tracker) {
   return result;
 }
 
+// Whether a whole first frame waits in ``fd`` (looked at, not read); true too
+// for what is not a first frame at all, or a connection that ended: the
+// service answers those at once.
+bool first_frame_arrived(int fd) {
+  static std::vector<unsigned char> head(kFrameHeaderBytes + kFirstFrameBytes);
+  ssize_t n = ::recv(fd, head.data(), head.size(), MSG_PEEK | MSG_DONTWAIT);
+  if (n < 0) return errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR;
+  if (n < static_cast<ssize_t>(kFrameHeaderBytes)) return n == 0;
+  uint64_t head_len = 0, body_len = 0;
+  for (int i = 3; i >= 0; --i) head_len = head_len << 8 | head[i];
+  for (int i = 11; i >= 4; --i) body_len = body_len << 8 | head[i];
+  if (head_len > kFirstFrameBytes || body_len != 0) return true;
+  return static_cast<uint64_t>(n) >= kFrameHeaderBytes + head_len;
+}
+
+struct Opening {
+  int fd;
+  std::string where, source;
+  int64_t deadline_ms, recheck_ms;
+};
+
+// Accepts connections and waits for each one's first frame in one poll set,
+// costing a descriptor and no thread; only a connection whose first frame has
+// arrived whole gets a thread of its own (kMaxPending at once). See
+// kMaxWaiting for the caps and why the oldest is dropped.
+void accept_loop(int listener, DeviceService* service, std::atomic<int>* pending) {
+  std::deque<Opening> waiting;  // in order of arrival, so of deadline too
+  std::map<std::string, int> per_source;
+  std::vector<pollfd> fds;
+  auto forget = [&](std::deque<Opening>::iterator it, bool close_it) {
+    if (--per_source[it->source] == 0) per_source.erase(it->source);
+    if (close_it) ::close(it->fd);
+    return waiting.erase(it);
+  };
+  for (;;) {
+    int64_t now = monotonic_ms();
+    while (!waiting.empty() && waiting.front().deadline_ms <= now) forget(waiting.begin(), true);
+    int64_t timeout = 500;
+    if (!waiting.empty()) timeout = std::min(timeout, waiting.front().deadline_ms - now);
+    fds.assign(1, pollfd{listener, POLLIN, 0});
+    for (const Opening& o : waiting) {
+      bool later = o.recheck_ms > now;
+      if (later) timeout = std::min(timeout, o.recheck_ms - now);
+      fds.push_back(pollfd{later ? -1 : o.fd, POLLIN, 0});
+    }
+    int ready = ::poll(fds.data(), fds.size(), static_cast<int>(std::max<int64_t>(timeout, 0)));
+    if (ready < 0 && errno != EINTR) return;
+    if (fds[0].revents & (POLLNVAL | POLLERR)) return;  // the listener was closed: the server stops
+    size_t i = 1;
+    for (auto it = waiting.begin(); it != waiting.end(); ++i) {
+      if (fds[i].fd < 0 || !fds[i].revents) {
+        ++it;
+        continue;
+      }
+      if (!first_frame_arrived(it->fd) || pending->load() >= kMaxPending) {
+        // Part of a frame keeps it readable: polling it again at once would spin.
+        it->recheck_ms = monotonic_ms() + kPartialRecheckMs;
+        ++it;
+        continue;
+      }
+      int fd = it->fd;
+      std::string where = it->where;
+      int64_t deadline = it->deadline_ms;
+      it = forget(it, false);
+      ++*pending;
+      std::thread([service, pending, fd, where, deadline] {
+        service->handle(fd, where, deadline);
+        --*pending;
+      }).detach();
+    }
+    if (!(fds[0].revents & POLLIN)) continue;
+    sockaddr_storage peer = {};
+    socklen_t len = sizeof peer;
+    int fd = ::accept4(listener, reinterpret_cast<sockaddr*>(&peer), &len, SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EBADF || errno == EINVAL) return;
+      continue;
+    }
+    char text[INET6_ADDRSTRLEN] = "?";
+    int peer_port = 0;
+    if (peer.ss_family == AF_INET6) {
+      auto* a = reinterpret_cast<sockaddr_in6*>(&peer);
+      ::inet_ntop(AF_INET6, &a->sin6_addr, text, sizeof text);
+      peer_port = ntohs(a->sin6_port);
+    } else {
+      auto* a = reinterpret_cast<sockaddr_in*>(&peer);
+      ::inet_ntop(AF_INET, &a->sin_addr, text, sizeof text);
+      peer_port = ntohs(a->sin_port);
+    }
+    std::string source = text;
+    if (per_source[source] >= kMaxWaitingPerSource) {
+      log_line("dropped the oldest of %d connections from %s still opening", kMaxWaitingPerSource, text);
+      for (auto it = waiting.begin(); it != waiting.end(); ++it) {
+        if (it->source == source) {
+          forget(it, true);
+          break;
+        }
+      }
+    } else if (static_cast<int>(waiting.size()) >= kMaxWaiting) {
+      log_line("dropped the oldest of %d connections still opening", kMaxWaiting);
+      forget(waiting.begin(), true);
+    }
+    int one = 1;
+    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    ++per_source[source];
+    waiting.push_back(Opening{fd, source + ":" + std::to_string(peer_port), source,
+                              monotonic_ms() + kHelloDeadlineMs, 0});
+  }
+}
+
 }  // namespace
 }  // namespace tether
 
@@ -781,41 +901,7 @@ int main(int argc, char** argv) {
   }
 
   std::atomic<int> pending(0);
-  std::thread([&] {
-    for (;;) {
-      sockaddr_storage peer = {};
-      socklen_t len = sizeof peer;
-      int fd = ::accept4(listener, reinterpret_cast<sockaddr*>(&peer), &len, SOCK_CLOEXEC);
-      if (fd < 0) {
-        if (errno == EBADF || errno == EINVAL) return;
-        continue;
-      }
-      char text[INET6_ADDRSTRLEN] = "?";
-      int peer_port = 0;
-      if (peer.ss_family == AF_INET6) {
-        auto* a = reinterpret_cast<sockaddr_in6*>(&peer);
-        ::inet_ntop(AF_INET6, &a->sin6_addr, text, sizeof text);
-        peer_port = ntohs(a->sin6_port);
-      } else {
-        auto* a = reinterpret_cast<sockaddr_in*>(&peer);
-        ::inet_ntop(AF_INET, &a->sin_addr, text, sizeof text);
-        peer_port = ntohs(a->sin_port);
-      }
-      std::string where = std::string(text) + ":" + std::to_string(peer_port);
-      if (pending.load() >= kMaxPending) {
-        log_line("refused a connection from %s: %d connections are still opening", text, kMaxPending);
-        ::close(fd);
-        continue;
-      }
-      int one = 1;
-      ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-      ++pending;
-      std::thread([&service, &pending, fd, where] {
-        service.handle(fd, where, monotonic_ms() + kHelloDeadlineMs);
-        --pending;
-      }).detach();
-    }
-  }).detach();
+  std::thread([&] { accept_loop(listener, &service, &pending); }).detach();
 
   std::string where = "standalone";
   if (link) {
