@@ -335,7 +335,7 @@ def thread_count(pid: int) -> int:
     raise AssertionError("no Threads")
 
 
-def _relay_call(port: int, frame) -> pb.DataFrame:
+def _tracker_port_call(port: int, frame) -> pb.DataFrame:
     fs = FrameSocket(socket.create_connection(("127.0.0.1", port), timeout=HANG_S))
     try:
         frame.version = PROTOCOL_VERSION
@@ -355,14 +355,14 @@ def test_the_relay_carries_status_and_close_only_for_the_lease_holder():
         before = thread_count(pid)
         # Knowing a device id (Summary shows it) is not enough, nor is a made-up token.
         for token in [""] * 150 + ["guess"] * 50:
-            reply = _relay_call(port, pb.DataFrame(op="status", name="x", token=token,
+            reply = _tracker_port_call(port, pb.DataFrame(op="status", name="x", token=token,
                                                    device_id=device["device_id"]))
             assert reply.error == "AuthenticationError" and "token of the lease" in reply.text
         assert thread_count(pid) <= before + 4, "the refused relays left threads behind"
         with tracker.request("r", timeout=HANG_S) as sess:
             sess.ping()
             token = sess._lease_token
-            state = _relay_call(port, pb.DataFrame(op="status", name=sess.session_id,
+            state = _tracker_port_call(port, pb.DataFrame(op="status", name=sess.session_id,
                                                    token=token, device_id=device["device_id"]))
             assert state.open
         # Connections that never say who they are: at most so many from one address.
@@ -410,9 +410,14 @@ def test_processes_a_module_starts_end_with_its_session(server, tmp_path):
         sess.ping()
 
 
-def test_grpc_callers_that_never_call_are_cut_off_at_the_first_frame_deadline(kind):
+def tracker_only(kind):
+    """Skip all but the first board server: the attack is on the tracker alone."""
     if kind != board_servers.KINDS[0]:
         pytest.skip("the tracker alone is attacked: once is enough")
+
+
+def test_grpc_callers_that_never_call_are_cut_off_at_the_first_frame_deadline(kind):
+    tracker_only(kind)
     from remote.tracker.boards import FIRST_FRAME_S
     import time
     preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -474,3 +479,91 @@ def test_a_crowd_of_idle_connections_does_not_keep_sessions_out(server):
         keeper.join()
         for s in crowd:
             s.close()
+
+
+def test_after_a_tracker_restart_a_board_id_stays_with_its_board():
+    with local_farm(keys=["k"], TETHER_FARM_SECRET="s3cret") as farm:
+        tracker = farm.client()
+        (device,) = tracker.summary()["devices"]
+        farm.restart_tracker()
+        # The restarted tracker knows no credential: whoever registers first
+        # under the id, before or after the board, is refused all the same.
+        impostor = _tracker_port_call(farm.tracker[1], pb.DataFrame(
+            op="register", key="k", address="127.0.0.1:1", device_id=device["device_id"],
+            token="a credential of my own", farm_secret="s3cret"))
+        assert impostor.error == "AuthenticationError" and "belongs to another board" in impostor.text
+        wait_until(lambda: [d["device_id"] for d in farm.client().summary()["devices"]]
+                   == [device["device_id"]], "the board registered again under its own id")
+        (back,) = farm.client().summary()["devices"]
+        assert back["address"] == device["address"]
+        with farm.client().request("k", timeout=HANG_S) as sess:
+            assert sess.address == device["address"]
+
+
+def test_board_keys_and_attributes_cannot_write_to_the_terminal_of_who_reads_the_status(kind):
+    tracker_only(kind)
+    with local_farm(keys=[]) as farm:
+        farm.add_server("k\x1b[2J", extra=["--attr", "room=\x1b]0;owned\x07"])
+        text = farm.client().text_summary()
+        assert "\x1b" not in text and "\x07" not in text
+        assert "k\\x1b[2J" in text and "room=\\x1b]0;owned\\x07" in text
+
+
+def test_a_board_link_cannot_release_another_boards_lease(kind):
+    tracker_only(kind)
+    with local_farm(keys=["k"], TETHER_FARM_SECRET="s3cret") as farm:
+        tracker = farm.client()
+        lease = tracker.lease("k", timeout=HANG_S, client="holder")
+        fs = FrameSocket(socket.create_connection(("127.0.0.1", farm.tracker[1]), timeout=HANG_S))
+        try:
+            fs.send(pb.DataFrame(op="register", version=PROTOCOL_VERSION, key="other",
+                                 address="", relay=True, farm_secret="s3cret"))
+            assert fs.recv_header().op == "ok"
+            fs.send(pb.DataFrame(op="release", id=5, token=lease.token))
+            reply = fs.recv_header()
+            while reply.id != 5:
+                reply = fs.recv_header()
+            assert reply.error == "AuthenticationError", reply
+            assert key_status(tracker, "k")["free"] == 0
+        finally:
+            fs.close()
+            tracker.release(lease)
+        wait_until(lambda: key_status(tracker, "k")["free"] == 1, "the holder's release")
+
+
+def test_a_register_with_a_wrong_secret_makes_the_tracker_dial_nothing(kind):
+    tracker_only(kind)
+    bait = socket.socket()
+    bait.bind(("127.0.0.1", 0))
+    bait.listen(1)
+    bait.settimeout(1.0)
+    with local_farm(keys=[], TETHER_FARM_SECRET="s3cret") as farm:
+        reply = _tracker_port_call(farm.tracker[1], pb.DataFrame(
+            op="register", key="k", address=f"127.0.0.1:{bait.getsockname()[1]}",
+            farm_secret="wrong"))
+        assert reply.error == "AuthenticationError"
+        with pytest.raises(socket.timeout):
+            bait.accept()
+    bait.close()
+
+
+def test_a_huge_tensor_shape_is_a_clear_refusal_and_the_session_goes_on(server, modules):
+    with connect_when_free(server) as sess:
+        fs = sess._data
+        for op in ("put_tensor", "run"):
+            shape = [1 << 40, 1 << 40]
+            if op == "put_tensor":
+                fs.send_prefix(pb.DataFrame(op=op, name="huge", tensors=[
+                    pb.Tensor(name="huge", dtype="float32", shape=shape)]), 16)
+                fs.send_raw(b"\0" * 16)
+                fs.send(pb.DataFrame(op="end", checksum="x"))
+            else:
+                sess.upload(modules["ok"], target="addone.so")
+                mod = sess.load_module("addone.so")
+                fs.send(pb.DataFrame(op="run", name=mod.module_id, timeout_s=30, tensors=[
+                    pb.Tensor(name="x", dtype="float32", shape=shape)]), [b"\0" * 16])
+            reply = fs.recv_header()
+            assert reply.error in ("InvalidArgument", "InputError"), reply
+            assert "Traceback" not in reply.text and "/" not in reply.text.replace("/s", ""), reply.text
+            fs.skip(fs.body_left)
+        np.testing.assert_array_equal(mod.run({"x": np.ones((1, 4), np.float32)})[0], 2.0)

@@ -120,6 +120,11 @@ class TrackerLink:
                 self.last_error = str(exc)
                 log.error("tracker %s refused this board: %s", self.tracker, exc)
                 backoff = MAX_BACKOFF_S
+                if self.device_id:
+                    # Its id is not (or no longer) this board's to take: join as
+                    # a new board rather than be refused for good.
+                    self.device_id = self._credential = ""
+                    backoff = 0.2
             except (OSError, errors.TetherError) as exc:
                 self.last_error = _describe(exc, self.tracker)
                 log.warning("tracker %s: %s; trying again in %.1f s", self.tracker,

@@ -40,7 +40,7 @@ from remote import errors
 from remote.proto import pb
 from remote.proto.frames import (CHUNK_BYTES, Checksum, FrameSocket, PeerClosed, aligned_empty,
                                  error_frame, frame_bytes, little_endian, page_buffer,
-                                 recv_array_chunks, recv_tensors, send_array_chunks,
+                                 recv_array_chunks, recv_tensors, send_array_chunks, tensor_bytes,
                                  send_file_chunks, tensor_dtype, tensor_header)
 from remote.server.workspace import Workspace
 
@@ -423,13 +423,15 @@ class Worker:
             raise errors.InvalidArgument("put_tensor carries exactly one tensor")
         desc = header.tensors[0]
         try:
-            array = aligned_empty(tuple(desc.shape), tensor_dtype(header.name, desc.dtype))
+            dtype = tensor_dtype(header.name, desc.dtype)
+            nbytes = tensor_bytes(header.name, desc.shape, dtype)
         except ValueError as exc:
             raise errors.InvalidArgument(str(exc)) from None
-        if array.nbytes != fs.body_left:
+        if nbytes != fs.body_left:
             raise errors.InvalidArgument(f"tensor {header.name!r} of shape {tuple(desc.shape)} "
-                                         f"{desc.dtype} needs {array.nbytes} bytes, "
+                                         f"{desc.dtype} needs {nbytes} bytes, "
                                          f"{fs.body_left} were sent")
+        array = aligned_empty(tuple(desc.shape), dtype)
         return array, recv_array_chunks(fs, array)
 
     def op_get_tensor(self, fs, header):

@@ -577,7 +577,7 @@ class FrontDoor:
         if frame.op == "redeem":
             service.board_redeem(conn.device_id, frame.token)
         elif frame.op == "release":
-            service.board_release(frame.token)
+            service.board_release(conn.device_id, frame.token)
         elif frame.op in ("ok", "error"):
             return
         else:

@@ -8,6 +8,7 @@ or the client goes away (then the request leaves the queue). Boards reach the
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 import itertools
 import logging
@@ -38,7 +39,9 @@ log = logging.getLogger("tether.tracker")
 
 # A board pings every second; one silent for the window is dropped.
 EVICTION_WINDOW_S = 2.5
-UNUSED_LEASE_S = 30.0
+# A granted board the client has not opened a session on within this is given
+# back: a client opens its session at once, and an unused grant holds a board.
+UNUSED_LEASE_S = 10.0
 # How often the tracker's port loop marks itself as caught up (FrontDoor.last_tick).
 LOOP_TICK_S = 0.1
 # Requests waiting for a device, at most, in all and per client name.
@@ -56,6 +59,11 @@ def printable(name: str, limit: int = 200) -> str:
     (a terminal's escape sequences among them) escaped, and not too long."""
     text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in name)
     return text[:limit]
+
+
+def _digest(credential: str) -> str:
+    """The end of a board's device id: 64 bits of its credential's SHA-256."""
+    return hashlib.sha256(credential.encode()).hexdigest()[:16]
 
 
 def heartbeat_interval(eviction_window_s: float) -> float:
@@ -197,8 +205,9 @@ class TrackerService:
         A new board gets an id and a credential of its own; registering again
         under that id (after a broken link, a tracker restart) needs the
         credential, so knowing a board's id (Summary shows it) is not enough to
-        take its place. A tracker that restarted learns each credential from
-        the first board to come back with it.
+        take its place. The id ends with a digest of the credential, so a
+        tracker that restarted, and knows no credential, still tells the board
+        the id was made for from anyone else who registers first under it.
         """
         self.check_secret(frame.farm_secret)
         if not frame.key:
@@ -207,16 +216,20 @@ class TrackerService:
             device_id = frame.device_id
             if device_id:
                 known = self._credentials.get(device_id)
-                if known is not None and not hmac.compare_digest(known.encode(),
-                                                                 frame.token.encode()):
+                if known is not None:
+                    owner = hmac.compare_digest(known.encode(), frame.token.encode())
+                else:
+                    owner = bool(frame.token) and hmac.compare_digest(
+                        device_id.rsplit("-", 1)[-1].encode(), _digest(frame.token).encode())
+                if not owner:
                     raise AuthenticationError(
                         f"device id {device_id} belongs to another board: a board registers "
                         "again only with the credential the tracker gave it; register "
                         "without a device id to join as a new board")
-                credential = frame.token or secrets.token_urlsafe(24)
+                credential = frame.token
             else:
-                device_id = f"{frame.key}-{next(self._ids)}-{secrets.token_hex(3)}"
                 credential = secrets.token_urlsafe(24)
+                device_id = f"{frame.key}-{next(self._ids)}-{_digest(credential)}"
             self._credentials[device_id] = credential
             self._scheduler.register(device_id, frame.key, frame.address,
                                      dict(frame.info.attributes), self._clock(),
@@ -249,8 +262,12 @@ class TrackerService:
             except LeaseRefused as exc:
                 raise AuthenticationError(str(exc)) from None
 
-    def board_release(self, token: str) -> None:
+    def board_release(self, device_id: str, token: str) -> None:
+        """A board ended a session: only its own leases are its to end."""
         with self._lock:
+            lease = self._scheduler.leases.get(token)
+            if lease is not None and lease.device_id != device_id:
+                raise AuthenticationError(f"that lease is not for device {device_id}")
             self._release_locked(token, "session ended on the board")
 
     def board_gone(self, device_id: str, why: str) -> None:
@@ -369,8 +386,13 @@ class TrackerService:
         return reply
 
     def ReleaseLease(self, request, context):
-        self._user(context, request)
+        user = self._user(context, request)
         with self._lock:
+            lease = self._scheduler.leases.get(request.token)
+            if user is not None and lease is not None and lease.client != user:
+                abort(context, AuthenticationError(
+                    f"that lease is held by {lease.client}, not by {user}: only its holder "
+                    "(or its board) gives it back"))
             self._release_locked(request.token, "given back by the client")
         return pb.Empty()
 
