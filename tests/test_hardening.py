@@ -17,6 +17,7 @@ from remote.proto.frames import PROTOCOL_VERSION, FrameSocket
 from tests import board_servers, session_modules, test_sessions
 from remote.cli.localfarm import Child, python_argv
 from tests.test_sessions import ENV, _FOLDERS, connect, connect_when_free, start_server
+from tests.cli_processes import command_line
 from tests.test_tracker import HANG_S, key_status, local_farm, wait_until
 
 pytestmark = pytest.mark.skipif(session_modules.C_COMPILER is None,
@@ -567,3 +568,46 @@ def test_a_huge_tensor_shape_is_a_clear_refusal_and_the_session_goes_on(server, 
             assert "Traceback" not in reply.text and "/" not in reply.text.replace("/s", ""), reply.text
             fs.skip(fs.body_left)
         np.testing.assert_array_equal(mod.run({"x": np.ones((1, 4), np.float32)})[0], 2.0)
+
+
+def _memory_holds(pid: int, needle: bytes) -> bool:
+    """Whether ``needle`` is anywhere in the readable memory of process ``pid``."""
+    with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", 0) as mem:
+        for line in maps:
+            span, perms = line.split()[:2]
+            if not perms.startswith("r") or line.rstrip().endswith(("[vvar]", "[vsyscall]")):
+                continue
+            start, end = (int(x, 16) for x in span.split("-"))
+            try:
+                mem.seek(start)
+                if needle in mem.read(end - start):
+                    return True
+            except OSError:
+                continue
+    return False
+
+
+def test_the_farm_secret_is_not_where_a_module_can_read_it(kind, tmp_path):
+    import secrets as random_secrets
+    from remote import rpc
+    from tests.test_sessions import serving_pid
+    secret = "farm-" + random_secrets.token_hex(12)
+    path = tmp_path / "farm-secret"
+    path.write_text(secret + "\n")
+    with local_farm(keys=[], tracker_args=["--farm-secret", secret]) as farm:
+        board = farm.add_server("k", extra=["--farm-secret-file", str(path)])
+        assert secret not in command_line(board.proc.pid)
+        with rpc.connect_tracker(*farm.tracker, farm_secret=secret).request(
+                "k", timeout=HANG_S) as sess:
+            pid = serving_pid(sess)
+            assert pid != board.proc.pid
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                assert secret.encode() not in f.read()
+            assert secret not in command_line(pid)
+            # The scan finds what the process does hold (a name it was sent)...
+            marker = "marker-" + random_secrets.token_hex(8)
+            sess.upload(b"x", target=marker)
+            assert _memory_holds(pid, marker.encode())
+            # ...and not the secret.
+            assert not _memory_holds(pid, secret.encode()), \
+                "the session's process holds the farm secret in its memory"

@@ -19,6 +19,7 @@ from remote.defaults import (FARM_SECRET_ENV, SERVER_PORT, TLS_CA_ENV, TLS_CERT_
                              TRACKER_ENV, TRACKER_PORT)
 from remote.proto.frames import PREFIX
 from remote.lifecycle import start_logging, wait_for_stop_signal
+from remote.server.isolation import hide_from_modules, read_secret_file
 from remote.server.registration import TrackerLink, local_address_towards
 from remote.server.service import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_UPLOAD_BYTES, DeviceService
 from remote.tls import server_context
@@ -319,7 +320,11 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
                         help="take sessions only through the tracker, for a board that cannot "
                              "accept connections (behind NAT, outbound-only networks)")
     parser.add_argument("--farm-secret", default=os.environ.get(FARM_SECRET_ENV, ""),
-                        help=f"secret the tracker requires (default ${FARM_SECRET_ENV})")
+                        help=f"secret the tracker requires (default ${FARM_SECRET_ENV}); "
+                             "prefer --farm-secret-file: any process of this user can read a "
+                             "command line or environment")
+    parser.add_argument("--farm-secret-file", metavar="PATH",
+                        help="file whose first line is the secret the tracker requires")
     parser.add_argument("--attr", action="append", type=_attribute, default=[],
                         metavar="NAME=VALUE", help="free-form attribute, e.g. board=rpi4")
     parser.add_argument("--max-sessions", type=int, default=1)
@@ -350,6 +355,9 @@ REGISTER_WAIT_S = 5.0
 def run(args) -> int:
     """Serve until SIGINT/SIGTERM with the options parsed by ``build_parser``."""
     start_logging()
+    hide_from_modules()
+    if args.farm_secret_file:
+        args.farm_secret = read_secret_file(args.farm_secret_file)
     if args.key and not args.tracker:
         raise SystemExit(f"--key needs --tracker HOST:PORT (or set {TRACKER_ENV})")
     tracker = args.tracker if args.key else None

@@ -17,6 +17,7 @@ import threading
 from typing import Callable, Dict, Optional, Tuple
 
 import remote
+from remote.defaults import FARM_SECRET_ENV
 
 log = logging.getLogger("tether.server")
 
@@ -26,6 +27,29 @@ _CODE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(remote.__file__)))
 # What a session's process printed, kept for its end reason; older output is dropped.
 OUTPUT_TAIL_BYTES = 16 * 1024
 ZYGOTE_START_S = 120.0
+
+
+def read_secret_file(path: str, what: str = "--farm-secret-file") -> str:
+    """A secret from the file at ``path`` (its first line): a secret given on
+    the command line or in the environment is there for every process of the
+    server's user to read, modules included."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.readline().rstrip("\r\n")
+    except OSError as exc:
+        raise SystemExit(f"{what} {path}: cannot read it: {exc.strerror}") from None
+
+
+def hide_from_modules() -> None:
+    """Make the server's memory and /proc files (environment, open files)
+    readable by root only, not by other processes of its user such as the
+    modules its sessions run (Linux prctl PR_SET_DUMPABLE 0). The zygote is
+    a program of its own (the setting ends at exec) and holds no secret."""
+    import ctypes
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 class SessionProcess:
@@ -173,7 +197,8 @@ class Zygote:
 
     def _start(self):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = dict(os.environ)
+        # The farm secret stays with the server: modules run in the zygote's children.
+        env = {k: v for k, v in os.environ.items() if k != FARM_SECRET_ENV}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_CODE_ROOT, env.get("PYTHONPATH", "")) if p)
         try:
             self.proc = subprocess.Popen(

@@ -81,7 +81,7 @@ struct Options {
 
 const char kUsage[] =
     "usage: tether-server [--host HOST] [--port PORT] [--tracker HOST:PORT] [--key KEY]\n"
-    "                     [--advertise HOST[:PORT]] [--relay] [--farm-secret SECRET]\n"
+    "                     [--advertise HOST[:PORT]] [--relay] [--farm-secret-file PATH]\n"
     "                     [--attr NAME=VALUE]... [--max-sessions N] [--idle-timeout SECONDS]\n"
     "                     [--max-upload-bytes N] [--session-queue SECONDS]\n"
     "                     [--workspace-dir DIR] [--cc CC] [--version]\n"
@@ -103,7 +103,13 @@ bool parse_number(const std::string& text, double* out) {
 Options parse_options(int argc, char** argv) {
   Options o;
   if (const char* t = ::getenv("TETHER_TRACKER")) o.tracker = t;
-  if (const char* s = ::getenv("TETHER_FARM_SECRET")) o.farm_secret = s;
+  if (char* s = ::getenv("TETHER_FARM_SECRET")) {
+    o.farm_secret = s;
+    // Blanked where it lies (the process's first environment, which forked
+    // sessions' processes share and /proc/PID/environ shows), then dropped.
+    std::memset(s, 'x', std::strlen(s));
+    ::unsetenv("TETHER_FARM_SECRET");
+  }
   if (const char* cc = ::getenv("CC")) o.cc = cc;
   if (const char* poll = ::getenv("TETHER_POLL_US")) {
     double us;
@@ -146,7 +152,21 @@ Options parse_options(int argc, char** argv) {
     else if (arg == "--key") o.key = next();
     else if (arg == "--advertise") { o.advertise = next(); o.advertise_given = true; }
     else if (arg == "--relay") o.relay = true;
-    else if (arg == "--farm-secret") o.farm_secret = next();
+    else if (arg == "--farm-secret") {
+      o.farm_secret = next();
+      // Blank it where other processes of this user read the command line.
+      if (!inline_value) std::memset(argv[i], 'x', std::strlen(argv[i]));
+    } else if (arg == "--farm-secret-file") {
+      std::string path = next();
+      FILE* f = std::fopen(path.c_str(), "r");
+      if (f == nullptr) usage_error("--farm-secret-file " + path + ": cannot read it: " + std::strerror(errno));
+      char line[4096] = "";
+      if (std::fgets(line, sizeof line, f) == nullptr) line[0] = '\0';
+      std::fclose(f);
+      o.farm_secret = line;
+      while (!o.farm_secret.empty() && (o.farm_secret.back() == '\n' || o.farm_secret.back() == '\r'))
+        o.farm_secret.pop_back();
+    }
     else if (arg == "--attr") {
       std::string text = next();
       size_t sep = text.find('=');
@@ -400,6 +420,13 @@ class DeviceService {
     }
     if (pid == 0) {
       ::setpgid(0, 0);  // the session's processes are one group, ended together
+      // The server's memory is hidden from its user's other processes (see
+      // main); the session's process holds none of it that matters, once
+      // its copy of the options is gone.
+      ::prctl(PR_SET_DUMPABLE, 1, 0, 0, 0);
+      std::string& secret = const_cast<std::string&>(options_.farm_secret);
+      std::fill(secret.begin(), secret.end(), '\0');
+      if (link_ != nullptr) link_->forget_secrets();
       // The child keeps only its connection, its control socket and its
       // output: a copy of another session's connection held here would keep
       // that connection open after its own process ended.
@@ -862,6 +889,9 @@ int main(int argc, char** argv) {
   // Processes whose parents end come to this server, not to init, so that
   // none of a session's outlives it (DeviceService::end_processes_of).
   ::prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
+  // Its memory and /proc files (environment, open files) readable by root
+  // only, not by the modules its sessions run as the same user.
+  ::prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
   // Every thread inherits this mask, so SIGINT/SIGTERM reach sigwait below.
   sigset_t stop_signals;
   sigemptyset(&stop_signals);

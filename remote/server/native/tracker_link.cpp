@@ -387,4 +387,11 @@ void TrackerLink::relay(std::string relay_id) {
   on_relay_(fd);
 }
 
+void TrackerLink::forget_secrets() {
+  for (std::string* secret : {&farm_secret_, &credential_}) {
+    std::fill(secret->begin(), secret->end(), '\0');
+    secret->clear();
+  }
+}
+
 }  // namespace tether
