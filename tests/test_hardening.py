@@ -595,8 +595,12 @@ def test_the_farm_secret_is_not_where_a_module_can_read_it(kind, tmp_path):
     path = tmp_path / "farm-secret"
     path.write_text(secret + "\n")
     with local_farm(keys=[], tracker_args=["--farm-secret", secret]) as farm:
-        board = farm.add_server("k", extra=["--farm-secret-file", str(path)])
+        board = farm.add_server("k", extra=["--farm-secret-file", str(path),
+                                            "--attr", "isolation=made up"])
         assert secret not in command_line(board.proc.pid)
+        # The board says how far its sessions are isolated, whatever its operator wrote.
+        (device,) = rpc.connect_tracker(*farm.tracker, farm_secret=secret).summary()["devices"]
+        assert device["attributes"]["isolation"] == "processes"
         with rpc.connect_tracker(*farm.tracker, farm_secret=secret).request(
                 "k", timeout=HANG_S) as sess:
             pid = serving_pid(sess)

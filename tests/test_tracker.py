@@ -403,7 +403,8 @@ def test_tether_status_shows_devices_holders_and_queue():
         assert served == [alice.address], "bob is served once alice gives the board back"
         (device,) = data["devices"]
         assert device["state"] == "in_use" and device["holder"] == "alice@lab"
-        assert device["held_since"] <= time.time() and device["attributes"] == {"board": "rpi4"}
+        assert device["held_since"] <= time.time() and device["attributes"] == {"board": "rpi4",
+                                                                   "isolation": "processes"}
         assert device["triple"] and device["cores"] >= 1
         assert data["keys"] == [{"key": "k", "total": 1, "free": 0, "pending": 1}]
         (waiting,) = data["waiting"]

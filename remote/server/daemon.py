@@ -19,7 +19,7 @@ from remote.defaults import (FARM_SECRET_ENV, SERVER_PORT, TLS_CA_ENV, TLS_CERT_
                              TRACKER_ENV, TRACKER_PORT)
 from remote.proto.frames import PREFIX
 from remote.lifecycle import start_logging, wait_for_stop_signal
-from remote.server.isolation import hide_from_modules, read_secret_file
+from remote.server.isolation import ISOLATION_NOTE, hide_from_modules, read_secret_file
 from remote.server.registration import TrackerLink, local_address_towards
 from remote.server.service import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_UPLOAD_BYTES, DeviceService
 from remote.tls import server_context
@@ -356,6 +356,7 @@ def run(args) -> int:
     """Serve until SIGINT/SIGTERM with the options parsed by ``build_parser``."""
     start_logging()
     hide_from_modules()
+    log.warning("sandbox: %s", ISOLATION_NOTE)
     if args.farm_secret_file:
         args.farm_secret = read_secret_file(args.farm_secret_file)
     if args.key and not args.tracker:

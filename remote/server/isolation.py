@@ -29,6 +29,16 @@ OUTPUT_TAIL_BYTES = 16 * 1024
 ZYGOTE_START_S = 120.0
 
 
+# What a session is kept from, as the tracker shows it among a board's
+# capabilities (attribute "isolation"; docs/security.md, "The session
+# sandbox"): "processes" is that all of a session's processes end with it;
+# the module runs as the server's user, with its files and network.
+ISOLATION_LEVEL = "processes"
+ISOLATION_NOTE = ("sessions run as this server's user, with its files and network: only "
+                  "their processes are contained (no per-session user, namespaces or "
+                  "resource limits on this server yet)")
+
+
 def read_secret_file(path: str, what: str = "--farm-secret-file") -> str:
     """A secret from the file at ``path`` (its first line): a secret given on
     the command line or in the environment is there for every process of the

@@ -892,6 +892,9 @@ int main(int argc, char** argv) {
   // Its memory and /proc files (environment, open files) readable by root
   // only, not by the modules its sessions run as the same user.
   ::prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+  log_line("sandbox: sessions run as this server's user, with its files and network: only their "
+           "processes are contained (no per-session user, namespaces or resource limits on this "
+           "server yet)");
   // Every thread inherits this mask, so SIGINT/SIGTERM reach sigwait below.
   sigset_t stop_signals;
   sigemptyset(&stop_signals);
