@@ -615,3 +615,22 @@ def test_the_farm_secret_is_not_where_a_module_can_read_it(kind, tmp_path):
             # ...and not the secret.
             assert not _memory_holds(pid, secret.encode()), \
                 "the session's process holds the farm secret in its memory"
+
+
+def test_the_operators_session_limits_hold_a_modules_processes(tmp_path):
+    import time
+    hang = session_modules.build(str(tmp_path), "hang")
+    child = start_server("--session-limit", "cpu=1")
+    try:
+        with connect_when_free(child, timeout=HANG_S) as sess:
+            sess.upload(hang, target="hang.so")
+            mod = sess.load_module("hang.so")
+            started = time.monotonic()
+            # The run's own timeout is far off: the CPU limit ends it first.
+            with pytest.raises(errors.ModuleCrashed, match="SIGXCPU|SIGKILL"):
+                mod.run({"x": np.zeros((1, 4), np.float32)}, timeout=HANG_S)
+            assert time.monotonic() - started < HANG_S / 2
+        with connect_when_free(child) as sess:
+            sess.ping()
+    finally:
+        child.stop()

@@ -19,7 +19,8 @@ from remote.defaults import (FARM_SECRET_ENV, SERVER_PORT, TLS_CA_ENV, TLS_CERT_
                              TRACKER_ENV, TRACKER_PORT)
 from remote.proto.frames import PREFIX
 from remote.lifecycle import start_logging, wait_for_stop_signal
-from remote.server.isolation import ISOLATION_NOTE, hide_from_modules, read_secret_file
+from remote.server.isolation import (ISOLATION_NOTE, hide_from_modules, parse_session_limit,
+                                     read_secret_file)
 from remote.server.registration import TrackerLink, local_address_towards
 from remote.server.service import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_UPLOAD_BYTES, DeviceService
 from remote.tls import server_context
@@ -256,7 +257,8 @@ def serve(host: str = "0.0.0.0", port: int = SERVER_PORT, tracker: Optional[str]
           max_sessions: int = 1, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
           max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES, session_queue_s: float = 0.0,
           cc: str = "cc", workspace_dir: Optional[str] = None, tls_cert: str = "",
-          tls_key: str = "", tls_ca: str = "", relay: bool = False) -> RunningServer:
+          tls_key: str = "", tls_ca: str = "", relay: bool = False,
+          session_limits=()) -> RunningServer:
     """Start serving; with ``tracker`` and ``key`` the server registers and needs leases.
 
     ``tls_cert``/``tls_key`` serve clients over TLS; ``tls_ca`` is the certificate
@@ -273,7 +275,7 @@ def serve(host: str = "0.0.0.0", port: int = SERVER_PORT, tracker: Optional[str]
     service = DeviceService(max_sessions=max_sessions, idle_timeout_s=idle_timeout_s,
                             max_upload_bytes=max_upload_bytes, attributes=attributes,
                             session_queue_s=session_queue_s, cc=cc,
-                            workspace_parent=workspace_dir)
+                            workspace_parent=workspace_dir, session_limits=session_limits)
     try:
         listener = Listener(host, port, service, context)
     except BaseException:
@@ -295,6 +297,13 @@ def serve(host: str = "0.0.0.0", port: int = SERVER_PORT, tracker: Optional[str]
         service.attach_tracker(link.redeem, link.release)
         link.start()
     return RunningServer(listener, service, link)
+
+
+def _session_limit(text: str):
+    try:
+        return parse_session_limit(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _attribute(text: str):
@@ -344,6 +353,11 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     parser.add_argument("--workspace-dir", default=None,
                         help="folder in which session workspaces are made (default: the "
                              "system temp folder)")
+    parser.add_argument("--session-limit", type=_session_limit, action="append", default=[],
+                        metavar="NAME=NUMBER",
+                        help="a limit on every session's processes: as (bytes of address "
+                             "space), nproc (processes of this user), fsize (bytes a file may "
+                             "grow to), cpu (seconds of CPU time); repeat for several")
     parser.add_argument("--cc", default=os.environ.get("CC", "cc"),
                         help="C compiler that links uploaded .tar modules (default $CC or cc)")
     return parser
@@ -357,6 +371,9 @@ def run(args) -> int:
     start_logging()
     hide_from_modules()
     log.warning("sandbox: %s", ISOLATION_NOTE)
+    log.warning("sandbox: %s", ", ".join(f"{n}={v}" for n, v in args.session_limit)
+                if args.session_limit else "no --session-limit: a session may use all of the "
+                "board's memory, disk and CPU until its timeouts end it")
     if args.farm_secret_file:
         args.farm_secret = read_secret_file(args.farm_secret_file)
     if args.key and not args.tracker:
@@ -369,7 +386,7 @@ def run(args) -> int:
                    session_queue_s=args.session_queue, cc=args.cc,
                    workspace_dir=args.workspace_dir,
                    tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
-                   relay=args.relay)
+                   relay=args.relay, session_limits=args.session_limit)
     if server.link is None:
         where = "standalone"
     elif server.link.registered.wait(REGISTER_WAIT_S):

@@ -35,8 +35,39 @@ ZYGOTE_START_S = 120.0
 # the module runs as the server's user, with its files and network.
 ISOLATION_LEVEL = "processes"
 ISOLATION_NOTE = ("sessions run as this server's user, with its files and network: only "
-                  "their processes are contained (no per-session user, namespaces or "
-                  "resource limits on this server yet)")
+                  "their processes are contained (no per-session user or namespaces on this "
+                  "server yet)")
+
+
+# Resource limits an operator may set on every session's processes
+# (--session-limit NAME=VALUE): name -> (resource module's name, what it limits).
+SESSION_LIMITS = {
+    "as": ("RLIMIT_AS", "bytes of address space"),
+    "nproc": ("RLIMIT_NPROC", "processes of the server's user"),
+    "fsize": ("RLIMIT_FSIZE", "bytes a file may grow to"),
+    "cpu": ("RLIMIT_CPU", "seconds of CPU time"),
+}
+
+
+def parse_session_limit(text: str):
+    """``NAME=VALUE`` of --session-limit, checked: (name, value).
+
+    >>> parse_session_limit("cpu=60")
+    ('cpu', 60)
+    """
+    name, _, value = text.partition("=")
+    if name not in SESSION_LIMITS or not value.isdigit():
+        raise ValueError(f"session limit {text!r} must be NAME=NUMBER with NAME one of "
+                         + ", ".join(f"{n} ({what})" for n, (_, what) in SESSION_LIMITS.items()))
+    return name, int(value)
+
+
+def apply_session_limits(limits) -> None:
+    """In a session's process, before any of the session runs: the operator's limits."""
+    import resource
+    for name, value in limits:
+        kind = getattr(resource, SESSION_LIMITS[name][0])
+        resource.setrlimit(kind, (value, value))
 
 
 def read_secret_file(path: str, what: str = "--farm-secret-file") -> str:
@@ -196,10 +227,12 @@ class SessionProcess:
 class Zygote:
     """The process that forks one child per session (remote/server/worker.py)."""
 
-    def __init__(self, max_bytes: int, cc: str, idle_timeout_s: float):
+    def __init__(self, max_bytes: int, cc: str, idle_timeout_s: float, limits=()):
         self._argv = [sys.executable, "-m", "remote.server.worker",
                       "--max-bytes", str(max_bytes), "--cc", cc,
                       "--idle-timeout", str(idle_timeout_s)]
+        for name, value in limits:
+            self._argv += ["--session-limit", f"{name}={value}"]
         self._lock = threading.Lock()
         self._sessions: Dict[str, SessionProcess] = {}
         self._closed = False

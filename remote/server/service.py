@@ -58,7 +58,7 @@ class DeviceService:
                  idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
                  max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
                  workspace_parent: Optional[str] = None, attributes=None,
-                 session_queue_s: float = 0.0, cc: str = "cc"):
+                 session_queue_s: float = 0.0, cc: str = "cc", session_limits=()):
         self._redeem: Optional[Callable[[str], None]] = None
         self._release: Optional[Callable[[str], None]] = None
         self.max_sessions = max_sessions
@@ -72,7 +72,7 @@ class DeviceService:
         self._ending: Dict[str, threading.Event] = {}
         self._lock = threading.Lock()
         self._slot_free = threading.Condition(self._lock)
-        self._zygote = Zygote(max_upload_bytes, cc, idle_timeout_s)
+        self._zygote = Zygote(max_upload_bytes, cc, idle_timeout_s, session_limits)
         self._stop = threading.Event()
         threading.Thread(target=self._expire_loop, name="session-expiry", daemon=True).start()
 

@@ -42,6 +42,7 @@ from remote.proto.frames import (CHUNK_BYTES, Checksum, FrameSocket, PeerClosed,
                                  error_frame, frame_bytes, little_endian, page_buffer,
                                  recv_array_chunks, recv_tensors, send_array_chunks, tensor_bytes,
                                  send_file_chunks, tensor_dtype, tensor_header)
+from remote.server.isolation import apply_session_limits, parse_session_limit
 from remote.server.workspace import Workspace
 
 EXIT_RUN_TIMEOUT = 3
@@ -582,6 +583,7 @@ def run_session(fds, workspace_root: str, args) -> None:
     os.dup2(output_fd, 1)
     os.dup2(output_fd, 2)
     os.close(output_fd)
+    apply_session_limits(args.session_limit)
     _CONTROL = socket.socket(fileno=control_fd)
     conn = socket.socket(fileno=conn_fd)
     worker = Worker(Workspace(root=workspace_root), args.max_bytes, args.cc, args.idle_timeout)
@@ -739,6 +741,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-bytes", type=int, required=True)
     parser.add_argument("--cc", default="cc")
     parser.add_argument("--idle-timeout", type=float, default=0.0)
+    parser.add_argument("--session-limit", type=parse_session_limit, action="append", default=[])
     args = parser.parse_args(argv)
     return zygote(socket.socket(fileno=args.control_fd), args)
 

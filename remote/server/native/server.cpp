@@ -12,6 +12,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -75,6 +76,9 @@ struct Options {
   int max_sessions = 1;
   double idle_timeout_s = 300.0;
   int64_t max_upload_bytes = int64_t(1) << 30;
+  // --session-limit NAME=NUMBER: resource limits on every session's processes.
+  std::vector<std::pair<int, rlim_t>> session_limits;
+  std::string session_limits_text;
   double session_queue_s = 0;
   int poll_us = 100;  // TETHER_POLL_US, as the Python side reads it
 };
@@ -84,7 +88,8 @@ const char kUsage[] =
     "                     [--advertise HOST[:PORT]] [--relay] [--farm-secret-file PATH]\n"
     "                     [--attr NAME=VALUE]... [--max-sessions N] [--idle-timeout SECONDS]\n"
     "                     [--max-upload-bytes N] [--session-queue SECONDS]\n"
-    "                     [--workspace-dir DIR] [--cc CC] [--version]\n"
+    "                     [--workspace-dir DIR] [--cc CC] [--session-limit NAME=NUMBER]...\n"
+    "                     [--version]\n"
     "\n"
     "Run a Tether device server on this board (the native build: no Python needed).\n"
     "Environment: TETHER_TRACKER, TETHER_FARM_SECRET as defaults of --tracker, --farm-secret.\n";
@@ -178,6 +183,23 @@ Options parse_options(int argc, char** argv) {
     else if (arg == "--session-queue") o.session_queue_s = number(0);
     else if (arg == "--workspace-dir") o.workspace_dir = next();
     else if (arg == "--cc") o.cc = next();
+    else if (arg == "--session-limit") {
+      std::string text = next();
+      static const std::pair<const char*, int> kinds[] = {
+          {"as", RLIMIT_AS}, {"nproc", RLIMIT_NPROC}, {"fsize", RLIMIT_FSIZE}, {"cpu", RLIMIT_CPU}};
+      size_t eq = text.find('=');
+      std::string name = text.substr(0, eq), value = eq == std::string::npos ? "" : text.substr(eq + 1);
+      int kind = -1;
+      for (const auto& k : kinds) if (name == k.first) kind = k.second;
+      bool digits = !value.empty() && value.find_first_not_of("0123456789") == std::string::npos;
+      if (kind < 0 || !digits) {
+        usage_error("session limit '" + text + "' must be NAME=NUMBER with NAME one of as (bytes of address "
+                    "space), nproc (processes of the server's user), fsize (bytes a file may grow to), "
+                    "cpu (seconds of CPU time)");
+      }
+      o.session_limits.emplace_back(kind, static_cast<rlim_t>(std::strtoull(value.c_str(), nullptr, 10)));
+      o.session_limits_text += (o.session_limits_text.empty() ? "" : ", ") + text;
+    }
     else if (arg == "--tls-cert" || arg == "--tls-key" || arg == "--tls-ca") {
       usage_error(arg + ": this native server has no TLS library; use the Python server "
                         "(python -m remote.server) where sessions or the tracker link need TLS");
@@ -424,6 +446,10 @@ class DeviceService {
       // main); the session's process holds none of it that matters, once
       // its copy of the options is gone.
       ::prctl(PR_SET_DUMPABLE, 1, 0, 0, 0);
+      for (const auto& limit : options_.session_limits) {
+        rlimit value = {limit.second, limit.second};
+        ::setrlimit(limit.first, &value);
+      }
       std::string& secret = const_cast<std::string&>(options_.farm_secret);
       std::fill(secret.begin(), secret.end(), '\0');
       if (link_ != nullptr) link_->forget_secrets();
@@ -893,8 +919,11 @@ int main(int argc, char** argv) {
   // only, not by the modules its sessions run as the same user.
   ::prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
   log_line("sandbox: sessions run as this server's user, with its files and network: only their "
-           "processes are contained (no per-session user, namespaces or resource limits on this "
-           "server yet)");
+           "processes are contained (no per-session user or namespaces on this server yet)");
+  log_line("sandbox: %s", options.session_limits.empty()
+                              ? "no --session-limit: a session may use all of the board's memory, disk and CPU "
+                                "until its timeouts end it"
+                              : options.session_limits_text.c_str());
   // Every thread inherits this mask, so SIGINT/SIGTERM reach sigwait below.
   sigset_t stop_signals;
   sigemptyset(&stop_signals);
