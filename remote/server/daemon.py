@@ -19,8 +19,8 @@ from remote.defaults import (FARM_SECRET_ENV, SERVER_PORT, TLS_CA_ENV, TLS_CERT_
                              TRACKER_ENV, TRACKER_PORT)
 from remote.proto.frames import PREFIX
 from remote.lifecycle import start_logging, wait_for_stop_signal
-from remote.server.isolation import (ISOLATION_NOTE, hide_from_modules, parse_session_limit,
-                                     read_secret_file)
+from remote.server.isolation import (ISOLATION_NOTE, hide_from_modules, network_isolation,
+                                     parse_session_limit, read_secret_file)
 from remote.server.registration import TrackerLink, local_address_towards
 from remote.server.service import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_UPLOAD_BYTES, DeviceService
 from remote.tls import server_context
@@ -258,7 +258,7 @@ def serve(host: str = "0.0.0.0", port: int = SERVER_PORT, tracker: Optional[str]
           max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES, session_queue_s: float = 0.0,
           cc: str = "cc", workspace_dir: Optional[str] = None, tls_cert: str = "",
           tls_key: str = "", tls_ca: str = "", relay: bool = False,
-          session_limits=()) -> RunningServer:
+          session_limits=(), allow_network: bool = False) -> RunningServer:
     """Start serving; with ``tracker`` and ``key`` the server registers and needs leases.
 
     ``tls_cert``/``tls_key`` serve clients over TLS; ``tls_ca`` is the certificate
@@ -272,10 +272,14 @@ def serve(host: str = "0.0.0.0", port: int = SERVER_PORT, tracker: Optional[str]
     if relay and tracker is None:
         raise ValueError("--relay needs a tracker to relay through (--tracker, --key)")
     context = server_context(tls_cert, tls_key)
+    network_note = network_isolation(allow_network)
+    if network_note:
+        log.warning("sandbox: %s", network_note)
     service = DeviceService(max_sessions=max_sessions, idle_timeout_s=idle_timeout_s,
                             max_upload_bytes=max_upload_bytes, attributes=attributes,
                             session_queue_s=session_queue_s, cc=cc,
-                            workspace_parent=workspace_dir, session_limits=session_limits)
+                            workspace_parent=workspace_dir, session_limits=session_limits,
+                            no_network=not network_note)
     try:
         listener = Listener(host, port, service, context)
     except BaseException:
@@ -353,6 +357,9 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     parser.add_argument("--workspace-dir", default=None,
                         help="folder in which session workspaces are made (default: the "
                              "system temp folder)")
+    parser.add_argument("--allow-network", action="store_true",
+                        help="let sessions' modules use the network (by default each session "
+                             "runs in a network namespace of its own, with no interface up)")
     parser.add_argument("--session-limit", type=_session_limit, action="append", default=[],
                         metavar="NAME=NUMBER",
                         help="a limit on every session's processes: as (bytes of address "
@@ -386,7 +393,8 @@ def run(args) -> int:
                    session_queue_s=args.session_queue, cc=args.cc,
                    workspace_dir=args.workspace_dir,
                    tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
-                   relay=args.relay, session_limits=args.session_limit)
+                   relay=args.relay, session_limits=args.session_limit,
+                   allow_network=args.allow_network)
     if server.link is None:
         where = "standalone"
     elif server.link.registered.wait(REGISTER_WAIT_S):

@@ -31,12 +31,60 @@ ZYGOTE_START_S = 120.0
 
 # What a session is kept from, as the tracker shows it among a board's
 # capabilities (attribute "isolation"; docs/security.md, "The session
-# sandbox"): "processes" is that all of a session's processes end with it;
-# the module runs as the server's user, with its files and network.
-ISOLATION_LEVEL = "processes"
-ISOLATION_NOTE = ("sessions run as this server's user, with its files and network: only "
-                  "their processes are contained (no per-session user or namespaces on this "
-                  "server yet)")
+# sandbox"): "processes" is that all of a session's processes end with it,
+# "no-network" that they run in a network namespace of their own, with no
+# interface up. The module runs as the server's user, with its files.
+ISOLATION_NOTE = ("sessions run as this server's user, with its files (no per-session user "
+                  "or mount namespace on this server yet)")
+_CLONE_NEWUSER = 0x10000000
+_CLONE_NEWNET = 0x40000000
+
+
+def leave_network() -> str:
+    """Move this process (single-threaded) into a network namespace of its own,
+    where no interface is up: connections anywhere, loopback included, fail.
+    Root does it directly; another user through a user namespace of its own,
+    mapping its user and group to themselves so that its files stay its own.
+    Returns "" once done, else why it cannot be done here."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    if os.geteuid() == 0:
+        flags = _CLONE_NEWNET
+    else:
+        flags = _CLONE_NEWUSER | _CLONE_NEWNET
+    uid, gid = os.geteuid(), os.getegid()
+    if libc.unshare(flags) != 0:
+        return f"this kernel refuses a network namespace here ({os.strerror(ctypes.get_errno())})"
+    if flags & _CLONE_NEWUSER:
+        try:
+            for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
+                               ("gid_map", f"{gid} {gid} 1")):
+                with open(f"/proc/self/{name}", "w") as f:
+                    f.write(text)
+        except OSError as exc:
+            return f"cannot map this user in a user namespace ({exc.strerror})"
+    return ""
+
+
+def network_isolation(allow_network: bool) -> str:
+    """Whether sessions can be kept off the network here (tried in a child
+    process): "" when they will be, else what the server says at start."""
+    if allow_network:
+        return "sessions may use the network (--allow-network)"
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        os.write(write, leave_network().encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        why = f.read().decode()
+    os.waitpid(pid, 0)
+    return why
+
+
+
 
 
 # Resource limits an operator may set on every session's processes
@@ -227,12 +275,15 @@ class SessionProcess:
 class Zygote:
     """The process that forks one child per session (remote/server/worker.py)."""
 
-    def __init__(self, max_bytes: int, cc: str, idle_timeout_s: float, limits=()):
+    def __init__(self, max_bytes: int, cc: str, idle_timeout_s: float, limits=(),
+                 no_network: bool = False):
         self._argv = [sys.executable, "-m", "remote.server.worker",
                       "--max-bytes", str(max_bytes), "--cc", cc,
                       "--idle-timeout", str(idle_timeout_s)]
         for name, value in limits:
             self._argv += ["--session-limit", f"{name}={value}"]
+        if no_network:
+            self._argv.append("--no-network")
         self._lock = threading.Lock()
         self._sessions: Dict[str, SessionProcess] = {}
         self._closed = False

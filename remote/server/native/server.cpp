@@ -11,6 +11,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sched.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -71,7 +72,7 @@ struct Options {
   std::string host = "0.0.0.0";
   int port = kServerPort;
   std::string tracker, key, advertise, farm_secret, workspace_dir, cc = "cc";
-  bool relay = false, advertise_given = false;
+  bool relay = false, advertise_given = false, allow_network = false;
   StringPairs attributes;
   int max_sessions = 1;
   double idle_timeout_s = 300.0;
@@ -89,7 +90,7 @@ const char kUsage[] =
     "                     [--attr NAME=VALUE]... [--max-sessions N] [--idle-timeout SECONDS]\n"
     "                     [--max-upload-bytes N] [--session-queue SECONDS]\n"
     "                     [--workspace-dir DIR] [--cc CC] [--session-limit NAME=NUMBER]...\n"
-    "                     [--version]\n"
+    "                     [--allow-network] [--version]\n"
     "\n"
     "Run a Tether device server on this board (the native build: no Python needed).\n"
     "Environment: TETHER_TRACKER, TETHER_FARM_SECRET as defaults of --tracker, --farm-secret.\n";
@@ -157,6 +158,7 @@ Options parse_options(int argc, char** argv) {
     else if (arg == "--key") o.key = next();
     else if (arg == "--advertise") { o.advertise = next(); o.advertise_given = true; }
     else if (arg == "--relay") o.relay = true;
+    else if (arg == "--allow-network") o.allow_network = true;
     else if (arg == "--farm-secret") {
       o.farm_secret = next();
       // Blank it where other processes of this user read the command line.
@@ -254,11 +256,15 @@ struct Session {
   bool gone = false, reported = false;
 };
 
+std::string leave_network();
+
 class DeviceService {
  public:
   DeviceService(const Options& options, DeviceInfo info) : options_(options), info_(std::move(info)) {}
 
   void attach(TrackerLink* link) { link_ = link; }
+  // Each session's process leaves the network (leave_network) before it serves.
+  void keep_sessions_off_the_network() { no_network_ = true; }
   const DeviceInfo* info() const { return &info_; }
 
   std::vector<std::string> live_tokens() {
@@ -446,6 +452,13 @@ class DeviceService {
       // main); the session's process holds none of it that matters, once
       // its copy of the options is gone.
       ::prctl(PR_SET_DUMPABLE, 1, 0, 0, 0);
+      if (no_network_) {
+        std::string why = leave_network();
+        if (!why.empty()) {
+          std::fprintf(stderr, "a session process could not leave the network: %s\n", why.c_str());
+          _exit(1);
+        }
+      }
       for (const auto& limit : options_.session_limits) {
         rlimit value = {limit.second, limit.second};
         ::setrlimit(limit.first, &value);
@@ -731,6 +744,7 @@ class DeviceService {
   std::mutex mutex_;
   // Held while a session's process is forked and while strays are ended, so
   // that a process just forked is never taken for a stray.
+  bool no_network_ = false;
   std::mutex processes_mutex_;
   std::set<pid_t> session_pids_;
   std::condition_variable slot_free_, changed_;
@@ -793,6 +807,55 @@ std::string local_address_towards(const std::string& tracker) {
     ::freeaddrinfo(found);
   }
   return result;
+}
+
+// Moves this process (single-threaded) into a network namespace of its own,
+// where no interface is up (remote/server/isolation.py, leave_network).
+// Returns "" once done, else why it cannot be done here.
+std::string leave_network() {
+  uid_t uid = ::geteuid();
+  gid_t gid = ::getegid();
+  int flags = CLONE_NEWNET | (uid == 0 ? 0 : CLONE_NEWUSER);
+  if (::unshare(flags) != 0) {
+    return std::string("this kernel refuses a network namespace here (") + std::strerror(errno) + ")";
+  }
+  if (uid != 0) {
+    const std::pair<const char*, std::string> maps[] = {
+        {"/proc/self/setgroups", "deny"},
+        {"/proc/self/uid_map", std::to_string(uid) + " " + std::to_string(uid) + " 1"},
+        {"/proc/self/gid_map", std::to_string(gid) + " " + std::to_string(gid) + " 1"}};
+    for (const auto& m : maps) {
+      int fd = ::open(m.first, O_WRONLY | O_CLOEXEC);
+      bool ok = fd >= 0 && ::write(fd, m.second.data(), m.second.size()) == static_cast<ssize_t>(m.second.size());
+      if (fd >= 0) ::close(fd);
+      if (!ok) return std::string("cannot map this user in a user namespace (") + std::strerror(errno) + ")";
+    }
+  }
+  return "";
+}
+
+// Whether sessions can be kept off the network here, tried in a child
+// process: "" when they will be, else what the server says at start.
+std::string network_isolation(bool allow_network) {
+  if (allow_network) return "sessions may use the network (--allow-network)";
+  int out[2];
+  if (::pipe2(out, O_CLOEXEC) != 0) return std::string("cannot try a network namespace: ") + std::strerror(errno);
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    std::string why = leave_network();
+    ssize_t ignored = ::write(out[1], why.data(), why.size());
+    (void)ignored;
+    _exit(0);
+  }
+  ::close(out[1]);
+  std::string why;
+  char data[512];
+  for (ssize_t n; (n = ::read(out[0], data, sizeof data)) > 0;) why.append(data, static_cast<size_t>(n));
+  ::close(out[0]);
+  while (pid > 0 && ::waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
+  }
+  if (pid < 0) return std::string("cannot try a network namespace: fork failed: ") + std::strerror(errno);
+  return why;
 }
 
 // Whether a whole first frame waits in ``fd`` (looked at, not read); true too
@@ -918,8 +981,8 @@ int main(int argc, char** argv) {
   // Its memory and /proc files (environment, open files) readable by root
   // only, not by the modules its sessions run as the same user.
   ::prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
-  log_line("sandbox: sessions run as this server's user, with its files and network: only their "
-           "processes are contained (no per-session user or namespaces on this server yet)");
+  log_line("sandbox: sessions run as this server's user, with its files (no per-session user or "
+           "mount namespace on this server yet)");
   log_line("sandbox: %s", options.session_limits.empty()
                               ? "no --session-limit: a session may use all of the board's memory, disk and CPU "
                                 "until its timeouts end it"
@@ -938,7 +1001,16 @@ int main(int argc, char** argv) {
                  std::strerror(errno));
     return 1;
   }
-  DeviceService service(options, collect_device_info(options.attributes));
+  // Before any thread starts: the probe forks.
+  std::string network_note = network_isolation(options.allow_network);
+  if (!network_note.empty()) log_line("sandbox: %s", network_note.c_str());
+  DeviceInfo info = collect_device_info(options.attributes);
+  // How far sessions are isolated: the server's to say, not the operator's.
+  for (auto& kv : info.attributes) {
+    if (kv.first == "isolation") kv.second = network_note.empty() ? "processes,no-network" : "processes";
+  }
+  DeviceService service(options, std::move(info));
+  if (network_note.empty()) service.keep_sessions_off_the_network();
   service.start_expiry();
   std::unique_ptr<TrackerLink> link;
   if (!options.tracker.empty()) {
