@@ -623,7 +623,10 @@ def zygote(control: socket.socket, args) -> int:
         ready, _, _ = select.select([control, wake_r], [], [], 1.0)
         if os.getppid() != server:
             # The server is gone (its end of the control socket may linger in
-            # flight): so are its sessions, and everything they started.
+            # flight): its sessions' processes clean up their workspaces and
+            # end (they see their control sockets close); then everything
+            # they started goes too.
+            _outlive(children, SESSION_CLEANUP_S)
             for pid in children:
                 end_process_group(pid)
             end_strays(set())
@@ -675,6 +678,25 @@ def zygote(control: socket.socket, args) -> int:
         children[pid] = session_id
         control.send(f"started {session_id} {pid}".encode())
         spare = _fork_spare(own, args)
+
+
+# How long a server-less zygote waits for its sessions' processes to clean up.
+SESSION_CLEANUP_S = 10.0
+
+
+def _outlive(children, seconds: float) -> None:
+    """Reap ``children`` as they end, for ``seconds`` at most."""
+    deadline = time.monotonic() + seconds
+    left = set(children)
+    while left and time.monotonic() < deadline:
+        for pid in list(left):
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done = pid
+            if done:
+                left.discard(pid)
+        time.sleep(0.02)
 
 
 def _become_subreaper() -> None:
