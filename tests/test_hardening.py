@@ -550,17 +550,18 @@ def test_a_register_with_a_wrong_secret_makes_the_tracker_dial_nothing(kind):
 
 def test_a_huge_tensor_shape_is_a_clear_refusal_and_the_session_goes_on(server, modules):
     with connect_when_free(server) as sess:
+        sess.upload(modules["ok"], target="addone.so")
+        mod = sess.load_module("addone.so")
         fs = sess._data
-        for op in ("put_tensor", "run"):
-            shape = [1 << 40, 1 << 40]
+        # 256 GiB, which numpy would try to allocate, and more than it can count.
+        for op, shape in (("put_tensor", [1 << 36]), ("put_tensor", [1 << 40, 1 << 40]),
+                          ("run", [1 << 36]), ("run", [1 << 40, 1 << 40])):
             if op == "put_tensor":
                 fs.send_prefix(pb.DataFrame(op=op, name="huge", tensors=[
                     pb.Tensor(name="huge", dtype="float32", shape=shape)]), 16)
                 fs.send_raw(b"\0" * 16)
                 fs.send(pb.DataFrame(op="end", checksum="x"))
             else:
-                sess.upload(modules["ok"], target="addone.so")
-                mod = sess.load_module("addone.so")
                 fs.send(pb.DataFrame(op="run", name=mod.module_id, timeout_s=30, tensors=[
                     pb.Tensor(name="x", dtype="float32", shape=shape)]), [b"\0" * 16])
             reply = fs.recv_header()
