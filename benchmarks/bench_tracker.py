@@ -78,6 +78,26 @@ def ours_request_to_session(sessions: int, server_command, db_args=("--db", "non
         return samples
 
 
+def sandbox_cost(sessions: int, server_command):
+    """request -> session -> close on two boards of one farm, taken in turn: one
+    whose sessions run in the default sandbox (a network namespace each, when
+    the kernel allows it) and one started with ``--allow-network``."""
+    with LocalFarm(keys=[], env=env(), server_command=server_command) as farm:
+        farm.add_server(KEY)
+        farm.add_server(KEY + "-open", extra=["--allow-network"])
+        tracker = rpc.connect_tracker(*farm.tracker)
+        (sandboxed,) = [d for d in tracker.summary()["devices"] if d["key"] == KEY]
+        samples = {KEY: [], KEY + "-open": []}
+        for i in range(sessions + 5):
+            for key, kept in samples.items():
+                start = time.perf_counter()
+                with tracker.request(key, timeout=30):
+                    pass
+                if i >= 5:
+                    kept.append(time.perf_counter() - start)
+        return sandboxed["attributes"].get("isolation", "?"), samples[KEY], samples[KEY + "-open"]
+
+
 class TvmFarm:
     """TVM's tracker and one TVM RPC server, as ``python -m tvm.exec...`` processes."""
 
@@ -331,6 +351,14 @@ def main(argv=None):
         figures[f"{kind}_request_to_session_ms"] = median
     native = ours["native"][0]
     print(f"  native/python = {native / ours['python'][0]:.2f} (median; below 1 is native faster)")
+    print("session sandbox set-up: the same, on a board with the default sandbox and on one "
+          "started with --allow-network, in turn")
+    for kind, command in commands.items():
+        level, kept, open_ = sandbox_cost(args.sessions, command)
+        (kept_ms, _), (open_ms, _) = describe(kept), describe(open_)
+        print(f"  tether {kind:<7} isolation={level}: median {kept_ms:7.2f} ms, with "
+              f"--allow-network {open_ms:7.2f} ms, sandbox costs {kept_ms - open_ms:+.2f} ms")
+        figures[f"{kind}_sandbox_ms"] = kept_ms - open_ms
     if have_tvm:
         theirs = describe(tvm_request_to_session(args.sessions))
         print(f"  tvm            median {theirs[0]:7.2f} ms   p90 {theirs[1]:7.2f} ms")

@@ -535,8 +535,12 @@ class EmulatedBoard:
 
     def start(self, tracker: Optional[str] = None, key: Optional[str] = None,
               host: str = "127.0.0.1", port: int = 0, extra: Sequence[str] = (),
-              log_path: Optional[str] = None, timeout: float = STARTUP_TIMEOUT_S) -> int:
+              log_path: Optional[str] = None, timeout: float = STARTUP_TIMEOUT_S,
+              end_with_caller: bool = False) -> int:
         """Start the server; returns its port once it listens.
+
+        ``end_with_caller``: the kernel ends the server when the calling thread
+        ends, even by SIGKILL (``tether emulate`` asks for it).
 
         Without ``log_path`` the log goes to a temporary folder that ``stop()``
         removes, unless the server failed: then the error names the log, kept.
@@ -553,7 +557,9 @@ class EmulatedBoard:
             self._log = open(self.log_path, "wb")
             self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self._log,
                                          env=self.environment(), cwd=self.code_dir,
-                                         start_new_session=True)
+                                         start_new_session=True,
+                                         preexec_fn=ends_with_parent(os.getpid())
+                                         if end_with_caller else None)
             if self.progress is not None:
                 self.progress(f"starting the device server under {ARCHES[self.arch].qemu} "
                               f"-cpu {ARCHES[self.arch].cpu}")
@@ -644,6 +650,22 @@ class EmulatedBoard:
         self.stop()
 
 
+def ends_with_parent(parent: int):
+    """A ``preexec_fn`` that has the kernel kill the child when the thread that
+    started it ends, however it ends (SIGKILL included): an emulated board must
+    not stay registered after its ``tether emulate`` is gone. Linux only; the
+    setting survives the launcher's exec of qemu."""
+    def arrange():
+        import ctypes
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent:  # it ended before the setting took
+            os._exit(1)
+    return arrange
+
+
 def run_emulated_board(args) -> int:
     """``tether emulate``: build if needed, then serve until Ctrl-C (or SIGTERM, which
     the command line turns into KeyboardInterrupt too)."""
@@ -661,7 +683,8 @@ def run_emulated_board(args) -> int:
     board = EmulatedBoard(args.release, args.arch, progress=say)
     key = args.key or f"qemu-{args.arch}"
     try:
-        port = board.start(args.tracker or default_tracker(), key, host=args.host, port=args.port)
+        port = board.start(args.tracker or default_tracker(), key, host=args.host, port=args.port,
+                           end_with_caller=True)
     finally:
         steps.close()
     exited = False

@@ -25,7 +25,7 @@ SOURCE = r"""
 /* No libc (docs/module-abi.md): memset is one of the three symbols a module
    may leave to the loader, and the rest are system calls made here. */
 void *memset(void *s, int c, unsigned long n);
-#if defined(CHATTY) || defined(SLOW)
+#if defined(CHATTY) || defined(SLOW) || defined(FORKER) || defined(NETPROBE)
 static long sys3(long n, long a, long b, long c) {
 #if defined(__x86_64__)
     long ret;
@@ -50,11 +50,27 @@ static long sys3(long n, long a, long b, long c) {
 #endif
 }
 #if defined(__x86_64__)
-enum { SYS_WRITE = 1, SYS_NANOSLEEP = 35 };
+enum { SYS_WRITE = 1, SYS_NANOSLEEP = 35, SYS_SETSID = 112, SYS_SOCKET = 41, SYS_CONNECT = 42 };
+static long fork_now(void) { return sys3(57, 0, 0, 0); }
 #elif defined(__aarch64__)
-enum { SYS_WRITE = 64, SYS_NANOSLEEP = 101 };
+enum { SYS_WRITE = 64, SYS_NANOSLEEP = 101, SYS_SETSID = 157, SYS_SOCKET = 198, SYS_CONNECT = 203 };
+static long fork_now(void) { return sys3(220, 17 /* SIGCHLD */, 0, 0); }   /* clone */
 #else
-enum { SYS_WRITE = 4, SYS_NANOSLEEP = 162 };
+enum { SYS_WRITE = 4, SYS_NANOSLEEP = 162, SYS_SETSID = 66, SYS_SOCKET = 281, SYS_CONNECT = 283 };
+static long fork_now(void) { return sys3(2, 0, 0, 0); }
+#endif
+#if defined(FORKER)
+/* A process that outlives its run: it sleeps for good, in C, never returning
+   to whatever forked it. */
+static long stay(int own_session) {
+    long pid = fork_now();
+    if (pid == 0) {
+        if (own_session) sys3(SYS_SETSID, 0, 0, 0);
+        long pause[2] = {1, 0};
+        for (;;) sys3(SYS_NANOSLEEP, (long)pause, 0, 0);
+    }
+    return pid;
+}
 #endif
 #endif
 
@@ -73,6 +89,22 @@ int32_t tether_run(void *const *inputs, void *const *outputs, void *workspace) {
 #elif defined(SLOW)
     long pause[2] = {0, 300000000};   /* a board that needs 0.3 s per run */
     sys3(SYS_NANOSLEEP, (long)pause, 0, 0);
+#elif defined(FORKER)
+    /* Two processes left behind: one in the session's process group, one that
+       leaves it for a session of its own. Their pids are the output. */
+    y[0] = (float)stay(0);
+    y[1] = (float)stay(1);
+    y[2] = y[3] = 0.0f;
+    return 0;
+#elif defined(NETPROBE)
+    /* A TCP connection to 127.0.0.1, port x[0]: y[0] is connect's result
+       (0, or minus the error number). */
+    long fd = sys3(SYS_SOCKET, 2 /* AF_INET */, 1 /* SOCK_STREAM */, 0);
+    unsigned port = (unsigned)x[0];
+    unsigned char addr[16] = {2, 0, (unsigned char)(port >> 8), (unsigned char)port, 127, 0, 0, 1};
+    y[0] = fd < 0 ? (float)fd : (float)sys3(SYS_CONNECT, fd, (long)addr, sizeof addr);
+    y[1] = y[2] = y[3] = 0.0f;
+    return 0;
 #elif defined(CHATTY)
     static char line[1 << 16];
     memset(line, 'x', sizeof line);
@@ -100,11 +132,13 @@ def _write_source(folder: str) -> str:
 
 def build(folder: str, kind: str = "ok", compiler: str = None) -> str:
     """A shared object: kind 'ok' (y = x + 1), 'crash' (segfaults), 'hang' (spins) or
-    'chatty' (prints 64 MiB to stdout, then y = x + 1) or 'slow' (0.3 s a run)."""
+    'chatty' (prints 64 MiB to stdout, then y = x + 1) or 'slow' (0.3 s a run) or
+    'forker' (leaves two processes that sleep for good, one in a session of its own;
+    y holds their pids) or 'netprobe' (y[0]: connect's result for 127.0.0.1, port x[0])."""
     source = _write_source(folder)
     out = os.path.join(folder, f"{kind}.so")
     flags = {"ok": [], "crash": ["-DCRASH"], "hang": ["-DHANG"], "chatty": ["-DCHATTY"],
-             "slow": ["-DSLOW"]}[kind]
+             "slow": ["-DSLOW"], "forker": ["-DFORKER"], "netprobe": ["-DNETPROBE"]}[kind]
     subprocess.run([compiler or C_COMPILER, "-shared", "-fPIC", "-O1", *NO_LIBC, *flags, "-o", out,
                     source], check=True)
     return out

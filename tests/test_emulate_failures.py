@@ -122,3 +122,56 @@ def test_a_long_download_reports_its_progress(tmp_path, monkeypatch):
     out = emulate._run(["sh", "-c", "sleep 0.5; echo done"], "a wait",
                        every=lambda: ticks.append(1))
     assert out.strip() == "done" and len(ticks) >= 2
+
+
+@pytest.mark.emulated
+@pytest.mark.bookworm_arm64
+def test_a_killed_tether_emulate_takes_its_board_server_with_it():
+    import signal
+    import sys
+    from tests.cli_processes import ROOT, descendants, running, start_emulate
+    from tests.test_tracker import HANG_S, key_status, local_farm, wait_until
+    skip_without_emulation_tools("arm64", "bookworm")
+    with local_farm(keys=[]) as farm:
+        env = {**os.environ, "PYTHONPATH": ROOT}
+        proc, _ = start_emulate([sys.executable, "-m", "remote.cli"], farm, "emu-killed", env)
+        below = descendants(proc.pid)
+        assert below, "tether emulate started no board server"
+        proc.send_signal(signal.SIGKILL)   # no cleanup of its own can run
+        proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+        wait_until(lambda: not any(running(p) for p in below),
+                   f"the end of the board server processes {below} of a killed tether emulate")
+        tracker = farm.client()
+        wait_until(lambda: key_status(tracker, "emu-killed")["total"] == 0,
+                   "the killed board leaving the tracker", timeout=HANG_S)
+
+
+def test_what_an_emulated_board_is_started_with_ends_when_its_starter_is_killed():
+    # The mechanism behind the test above, without a root filesystem: a child
+    # started the way EmulatedBoard.start(end_with_caller=True) starts its server.
+    import signal
+    import subprocess
+    import sys
+    from tests.cli_processes import ROOT, running
+    from tests.test_tracker import wait_until
+    starter = subprocess.Popen([sys.executable, "-c", (
+        "import os, subprocess, sys, time\n"
+        "from deploy_recipes.emulate import ends_with_parent\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'],\n"
+        "                         preexec_fn=ends_with_parent(os.getpid()))\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(600)\n")], stdout=subprocess.PIPE, universal_newlines=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT})
+    try:
+        child = int(starter.stdout.readline())
+        assert running(child)
+        starter.send_signal(signal.SIGKILL)
+        starter.wait()
+        wait_until(lambda: not running(child), f"the end of process {child} whose starter was killed")
+    finally:
+        if starter.poll() is None:
+            starter.kill()
+        starter.wait()
+        starter.stdout.close()

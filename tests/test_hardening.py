@@ -17,6 +17,7 @@ from remote.proto.frames import PROTOCOL_VERSION, FrameSocket
 from tests import board_servers, session_modules, test_sessions
 from remote.cli.localfarm import Child, python_argv
 from tests.test_sessions import ENV, _FOLDERS, connect, connect_when_free, start_server
+from tests.cli_processes import command_line
 from tests.test_tracker import HANG_S, key_status, local_farm, wait_until
 
 pytestmark = pytest.mark.skipif(session_modules.C_COMPILER is None,
@@ -325,3 +326,347 @@ def test_user_tokens_name_the_holder_and_are_required_when_the_tracker_says_so(t
         token("remove", "bob")
         with pytest.raises(errors.AuthenticationError):
             TrackerClient(*farm.tracker, token=bob).summary()
+
+
+def thread_count(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    raise AssertionError("no Threads")
+
+
+def _tracker_port_call(port: int, frame) -> pb.DataFrame:
+    fs = FrameSocket(socket.create_connection(("127.0.0.1", port), timeout=HANG_S))
+    try:
+        frame.version = PROTOCOL_VERSION
+        fs.send(frame)
+        return fs.recv_header()
+    finally:
+        fs.close()
+
+
+def test_the_relay_carries_status_and_close_only_for_the_lease_holder():
+    from remote.tracker.boards import MAX_OPENING_PER_SOURCE
+    with local_farm(keys=[]) as farm:
+        farm.add_server("r", extra=["--relay"])
+        tracker = farm.client()
+        (device,) = tracker.summary()["devices"]
+        port, pid = farm.tracker[1], farm.tracker_proc.proc.pid
+        before = thread_count(pid)
+        # Knowing a device id (Summary shows it) is not enough, nor is a made-up token.
+        for token in [""] * 150 + ["guess"] * 50:
+            reply = _tracker_port_call(port, pb.DataFrame(op="status", name="x", token=token,
+                                                   device_id=device["device_id"]))
+            assert reply.error == "AuthenticationError" and "token of the lease" in reply.text
+        assert thread_count(pid) <= before + 4, "the refused relays left threads behind"
+        with tracker.request("r", timeout=HANG_S) as sess:
+            sess.ping()
+            token = sess._lease_token
+            state = _tracker_port_call(port, pb.DataFrame(op="status", name=sess.session_id,
+                                                   token=token, device_id=device["device_id"]))
+            assert state.open
+        # Connections that never say who they are: at most so many from one address.
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = MAX_OPENING_PER_SOURCE + 200
+        if hard != resource.RLIM_INFINITY and hard < want:
+            pytest.skip(f"opening {want} connections needs RLIMIT_NOFILE >= {want}; it is {hard}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, want), hard))
+        idle = []
+        try:
+            for _ in range(want):
+                idle.append(socket.create_connection(("127.0.0.1", port)))
+            # Those past the cap are dropped at once.
+            idle[-1].settimeout(HANG_S)
+            assert idle[-1].recv(1) == b""
+            assert thread_count(pid) <= before + 4
+        finally:
+            for s in idle:
+                s.close()
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        with tracker.request("r", timeout=HANG_S) as sess:
+            sess.ping()
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie has ended: only its parent's wait is left)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_processes_a_module_starts_end_with_its_session(server, tmp_path):
+    forker = session_modules.build(str(tmp_path), "forker")
+    with connect_when_free(server) as sess:
+        sess.upload(forker, target="forker.so")
+        y = sess.load_module("forker.so").run({"x": np.zeros((1, 4), np.float32)})[0]
+        pids = [int(p) for p in y[0, :2]]
+        assert all(p > 0 for p in pids) and all(alive(p) for p in pids), pids
+    wait_until(lambda: not any(alive(p) for p in pids),
+               f"the end of processes {pids} a closed session's module left")
+    with connect_when_free(server) as sess:
+        sess.ping()
+
+
+def tracker_only(kind):
+    """Skip all but the first board server: the attack is on the tracker alone."""
+    if kind != board_servers.KINDS[0]:
+        pytest.skip("the tracker alone is attacked: once is enough")
+
+
+def test_grpc_callers_that_never_call_are_cut_off_at_the_first_frame_deadline(kind):
+    tracker_only(kind)
+    from remote.tracker.boards import FIRST_FRAME_S
+    import time
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+    settings = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"   # an empty SETTINGS frame
+    with local_farm(keys=["k"]) as farm:
+        tracker = farm.client()
+        tracker.summary()   # a real gRPC channel, made before: it must live on
+        stalled = []
+        for _ in range(32):
+            s = socket.create_connection(("127.0.0.1", farm.tracker[1]))
+            s.sendall(preface + settings)
+            stalled.append(s)
+        started = time.monotonic()
+        try:
+            for s in stalled:
+                assert closed_by_peer(s)
+            took = time.monotonic() - started
+            assert took < FIRST_FRAME_S + 5, f"preface-only connections lived {took:.1f} s"
+        finally:
+            for s in stalled:
+                s.close()
+        with tracker.request("k", timeout=HANG_S) as sess:
+            sess.ping()
+        assert tracker.summary()["devices"]
+
+
+def test_a_crowd_of_idle_connections_does_not_keep_sessions_out(server):
+    # 64 connections that never send a frame, re-opened as the board drops
+    # them, from the same address as the sessions: every session gets through.
+    stop = threading.Event()
+    crowd = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(64)]
+
+    def reopen():
+        while not stop.is_set():
+            for i, s in enumerate(crowd):
+                s.setblocking(False)
+                try:
+                    gone = s.recv(1, socket.MSG_PEEK) == b""
+                except BlockingIOError:
+                    gone = False
+                except OSError:
+                    gone = True
+                if gone and not stop.is_set():
+                    s.close()
+                    try:
+                        crowd[i] = socket.create_connection(("127.0.0.1", server.port))
+                    except OSError:
+                        pass
+            stop.wait(0.05)
+
+    keeper = threading.Thread(target=reopen, daemon=True)
+    keeper.start()
+    try:
+        for _ in range(25):
+            with connect_when_free(server) as sess:
+                sess.ping()
+    finally:
+        stop.set()
+        keeper.join()
+        for s in crowd:
+            s.close()
+
+
+def test_after_a_tracker_restart_a_board_id_stays_with_its_board():
+    with local_farm(keys=["k"], TETHER_FARM_SECRET="s3cret") as farm:
+        tracker = farm.client()
+        (device,) = tracker.summary()["devices"]
+        farm.restart_tracker()
+        # The restarted tracker knows no credential: whoever registers first
+        # under the id, before or after the board, is refused all the same.
+        impostor = _tracker_port_call(farm.tracker[1], pb.DataFrame(
+            op="register", key="k", address="127.0.0.1:1", device_id=device["device_id"],
+            token="a credential of my own", farm_secret="s3cret"))
+        assert impostor.error == "AuthenticationError" and "belongs to another board" in impostor.text
+        wait_until(lambda: [d["device_id"] for d in farm.client().summary()["devices"]]
+                   == [device["device_id"]], "the board registered again under its own id")
+        (back,) = farm.client().summary()["devices"]
+        assert back["address"] == device["address"]
+        with farm.client().request("k", timeout=HANG_S) as sess:
+            assert sess.address == device["address"]
+
+
+def test_board_keys_and_attributes_cannot_write_to_the_terminal_of_who_reads_the_status(kind):
+    tracker_only(kind)
+    with local_farm(keys=[]) as farm:
+        farm.add_server("k\x1b[2J", extra=["--attr", "room=\x1b]0;owned\x07"])
+        text = farm.client().text_summary()
+        assert "\x1b" not in text and "\x07" not in text
+        assert "k\\x1b[2J" in text and "room=\\x1b]0;owned\\x07" in text
+
+
+def test_a_board_link_cannot_release_another_boards_lease(kind):
+    tracker_only(kind)
+    with local_farm(keys=["k"], TETHER_FARM_SECRET="s3cret") as farm:
+        tracker = farm.client()
+        lease = tracker.lease("k", timeout=HANG_S, client="holder")
+        fs = FrameSocket(socket.create_connection(("127.0.0.1", farm.tracker[1]), timeout=HANG_S))
+        try:
+            fs.send(pb.DataFrame(op="register", version=PROTOCOL_VERSION, key="other",
+                                 address="", relay=True, farm_secret="s3cret"))
+            assert fs.recv_header().op == "ok"
+            fs.send(pb.DataFrame(op="release", id=5, token=lease.token))
+            reply = fs.recv_header()
+            while reply.id != 5:
+                reply = fs.recv_header()
+            assert reply.error == "AuthenticationError", reply
+            assert key_status(tracker, "k")["free"] == 0
+        finally:
+            fs.close()
+            tracker.release(lease)
+        wait_until(lambda: key_status(tracker, "k")["free"] == 1, "the holder's release")
+
+
+def test_a_register_with_a_wrong_secret_makes_the_tracker_dial_nothing(kind):
+    tracker_only(kind)
+    bait = socket.socket()
+    bait.bind(("127.0.0.1", 0))
+    bait.listen(1)
+    bait.settimeout(1.0)
+    with local_farm(keys=[], TETHER_FARM_SECRET="s3cret") as farm:
+        reply = _tracker_port_call(farm.tracker[1], pb.DataFrame(
+            op="register", key="k", address=f"127.0.0.1:{bait.getsockname()[1]}",
+            farm_secret="wrong"))
+        assert reply.error == "AuthenticationError"
+        with pytest.raises(socket.timeout):
+            bait.accept()
+    bait.close()
+
+
+def test_a_huge_tensor_shape_is_a_clear_refusal_and_the_session_goes_on(server, modules):
+    with connect_when_free(server) as sess:
+        sess.upload(modules["ok"], target="addone.so")
+        mod = sess.load_module("addone.so")
+        fs = sess._data
+        # 256 GiB, which numpy would try to allocate, and more than it can count.
+        for op, shape in (("put_tensor", [1 << 36]), ("put_tensor", [1 << 40, 1 << 40]),
+                          ("run", [1 << 36]), ("run", [1 << 40, 1 << 40])):
+            if op == "put_tensor":
+                fs.send_prefix(pb.DataFrame(op=op, name="huge", tensors=[
+                    pb.Tensor(name="huge", dtype="float32", shape=shape)]), 16)
+                fs.send_raw(b"\0" * 16)
+                fs.send(pb.DataFrame(op="end", checksum="x"))
+            else:
+                fs.send(pb.DataFrame(op="run", name=mod.module_id, timeout_s=30, tensors=[
+                    pb.Tensor(name="x", dtype="float32", shape=shape)]), [b"\0" * 16])
+            reply = fs.recv_header()
+            assert reply.error in ("InvalidArgument", "InputError"), reply
+            assert "Traceback" not in reply.text and "/" not in reply.text.replace("/s", ""), reply.text
+            fs.skip(fs.body_left)
+        np.testing.assert_array_equal(mod.run({"x": np.ones((1, 4), np.float32)})[0], 2.0)
+
+
+def _memory_holds(pid: int, needle: bytes) -> bool:
+    """Whether ``needle`` is anywhere in the readable memory of process ``pid``."""
+    with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", 0) as mem:
+        for line in maps:
+            span, perms = line.split()[:2]
+            if not perms.startswith("r") or line.rstrip().endswith(("[vvar]", "[vsyscall]")):
+                continue
+            start, end = (int(x, 16) for x in span.split("-"))
+            try:
+                mem.seek(start)
+                if needle in mem.read(end - start):
+                    return True
+            except OSError:
+                continue
+    return False
+
+
+def _serving_pid_or_none(sess, serving_pid, server_pid):
+    try:
+        pid = serving_pid(sess)
+    except AssertionError:
+        return None
+    return pid if pid != server_pid else None
+
+
+def test_the_farm_secret_is_not_where_a_module_can_read_it(kind, tmp_path):
+    import secrets as random_secrets
+    from remote import rpc
+    from tests.test_sessions import serving_pid
+    secret = "farm-" + random_secrets.token_hex(12)
+    path = tmp_path / "farm-secret"
+    path.write_text(secret + "\n")
+    with local_farm(keys=[], tracker_args=["--farm-secret", secret]) as farm:
+        board = farm.add_server("k", extra=["--farm-secret-file", str(path),
+                                            "--attr", "isolation=made up"])
+        assert secret not in command_line(board.proc.pid)
+        # The board says how far its sessions are isolated, whatever its operator wrote.
+        (device,) = rpc.connect_tracker(*farm.tracker, farm_secret=secret).summary()["devices"]
+        assert device["attributes"]["isolation"] in ("processes", "processes,no-network")
+        with rpc.connect_tracker(*farm.tracker, farm_secret=secret).request(
+                "k", timeout=HANG_S) as sess:
+            # The connection may still be on its way to the session's process
+            # (held by the server, then passed over a Unix socket).
+            pid = wait_until(lambda: _serving_pid_or_none(sess, serving_pid, board.proc.pid),
+                             "the session's process holding its connection")
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                assert secret.encode() not in f.read()
+            assert secret not in command_line(pid)
+            # The scan finds what the process does hold (a name it was sent)...
+            marker = "marker-" + random_secrets.token_hex(8)
+            sess.upload(b"x", target=marker)
+            assert _memory_holds(pid, marker.encode())
+            # ...and not the secret.
+            assert not _memory_holds(pid, secret.encode()), \
+                "the session's process holds the farm secret in its memory"
+
+
+def test_the_operators_session_limits_hold_a_modules_processes(tmp_path):
+    import time
+    hang = session_modules.build(str(tmp_path), "hang")
+    child = start_server("--session-limit", "cpu=1")
+    try:
+        with connect_when_free(child, timeout=HANG_S) as sess:
+            sess.upload(hang, target="hang.so")
+            mod = sess.load_module("hang.so")
+            started = time.monotonic()
+            # The run's own timeout is far off: the CPU limit ends it first.
+            with pytest.raises(errors.ModuleCrashed, match="SIGXCPU|SIGKILL"):
+                mod.run({"x": np.zeros((1, 4), np.float32)}, timeout=HANG_S)
+            assert time.monotonic() - started < HANG_S / 2
+        with connect_when_free(child) as sess:
+            sess.ping()
+    finally:
+        child.stop()
+
+
+def _connect_from_a_module(server, probe, port: int) -> int:
+    with connect_when_free(server) as sess:
+        sess.upload(probe, target="probe.so")
+        x = np.array([[port, 0, 0, 0]], np.float32)
+        return int(sess.load_module("probe.so").run({"x": x})[0][0, 0])
+
+
+def test_a_module_has_no_network_unless_the_operator_allows_it(server, tmp_path):
+    import errno
+    probe = session_modules.build(str(tmp_path), "netprobe")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    port = listener.getsockname()[1]
+    try:
+        assert _connect_from_a_module(server, probe, port) == -errno.ENETUNREACH
+        allowed = start_server("--allow-network")
+        try:
+            assert _connect_from_a_module(allowed, probe, port) == 0
+        finally:
+            allowed.stop()
+    finally:
+        listener.close()

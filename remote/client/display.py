@@ -53,11 +53,18 @@ def size(n_bytes: int) -> str:
 # ------------------------------------------------------------ renderers --
 def text_table(headers: Sequence[str], rows: Rows) -> str:
     """Columns padded to their widest cell, two spaces apart; no header line when
-    every header is empty (name/value lists)."""
+    every header is empty (name/value lists). Control characters in a cell are
+    shown escaped: cells hold what boards and clients sent (keys, attributes),
+    and a terminal would obey an escape sequence among them."""
     lines = [tuple(headers), *rows] if any(headers) else list(rows)
+    lines = [tuple(_terminal_safe(str(x)) for x in row) for row in lines]
     widths = [max(len(str(x)) for x in col) for col in zip(*lines)]
     return "\n".join("  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip()
                      for row in lines)
+
+
+def _terminal_safe(text: str) -> str:
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def html_table(headers: Sequence[str], rows: Rows, caption: str = "") -> str:

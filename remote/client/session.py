@@ -114,6 +114,8 @@ class Session:
         self._device_id = device_id
         # The tracker's id of the board (empty for a server reached directly).
         self.device_id = device_id
+        # A relayed board's tracker carries status and close only for the lease's holder.
+        self._lease_token = lease_token
         self._on_close = on_close
         self._tls_ca = tls.default_ca(tls_ca)  # TLS when tls_ca or $TETHER_TLS_CA
         self._closed = False
@@ -206,7 +208,8 @@ class Session:
         """The session's connection broke: ask the board, on a new connection, why."""
         try:
             fs, state = board_call(self.address, pb.DataFrame(
-                op="status", name=self.session_id, device_id=self._device_id),
+                op="status", name=self.session_id, device_id=self._device_id,
+                token=self._lease_token),
                 self._tls_ca, 10.0, "device server")
             fs.close()
         except errors.TetherError as exc:
@@ -432,7 +435,8 @@ class Session:
         the board has ended it and given the board back."""
         try:
             fs, _ = board_call(self.address, pb.DataFrame(
-                op="close", name=self.session_id, device_id=self._device_id),
+                op="close", name=self.session_id, device_id=self._device_id,
+                token=self._lease_token),
                 self._tls_ca, timeout, "device server")
             fs.close()
             return True

@@ -166,11 +166,11 @@ def version_error(version: int, who: str) -> str:
             f"{named}; run the same Tether version on both ends")
 
 
-def splice(a: socket.socket, b: socket.socket, name: str) -> None:
+def splice(a: socket.socket, b: socket.socket, name: str, on_done=None) -> None:
     """Carry bytes both ways between two connected sockets, in two threads.
 
     When one side ends, the other's sending half is shut, and both are
-    closed once both directions are done.
+    closed once both directions are done (then ``on_done()`` runs, if given).
     """
     import threading
 
@@ -198,6 +198,8 @@ def splice(a: socket.socket, b: socket.socket, name: str) -> None:
         if last:
             a.close()
             b.close()
+            if on_done is not None:
+                on_done()
 
     for src, dst in ((a, b), (b, a)):
         threading.Thread(target=pump, args=(src, dst), name=f"{name}-pump", daemon=True).start()
@@ -459,18 +461,28 @@ def recv_tensors(fs: FrameSocket, descs) -> list:
     arrays = []
     for desc in descs:
         dtype = tensor_dtype(desc.name, desc.dtype)
-        if any(d < 0 for d in desc.shape):
-            raise ValueError(f"tensor {desc.name!r} has a negative dimension {list(desc.shape)}")
-        array = aligned_empty(tuple(desc.shape), dtype)
-        if array.nbytes > fs.body_left:
+        nbytes = tensor_bytes(desc.name, desc.shape, dtype)
+        if nbytes > fs.body_left:
             raise ValueError(f"tensor {desc.name!r} of shape {tuple(desc.shape)} {dtype.name} "
-                             f"needs {array.nbytes} bytes, the frame has {fs.body_left} left")
+                             f"needs {nbytes} bytes, the frame has {fs.body_left} left")
+        array = aligned_empty(tuple(desc.shape), dtype)
         fs.recv_body_into(array)
         arrays.append(array.astype(dtype.newbyteorder("="), copy=False))
     if fs.body_left:
         raise ValueError(f"{fs.body_left} bytes of tensor data left over after "
                          f"{len(arrays)} tensor(s)")
     return arrays
+
+
+def tensor_bytes(name: str, shape, dtype) -> int:
+    """The bytes a tensor of ``shape`` takes, counted before anything is
+    allocated for it (a shape from the wire may be absurd)."""
+    count = 1
+    for d in shape:
+        if d < 0:
+            raise ValueError(f"tensor {name!r} has a negative dimension {list(shape)}")
+        count *= d
+    return count * dtype.itemsize
 
 
 def page_buffer(size: int) -> memoryview:

@@ -99,6 +99,7 @@ def collect(attributes=None) -> "pb.DeviceInfo":
     attributes = dict(attributes or {})
     if part and machine.startswith(("arm", "aarch")):
         attributes.setdefault("cpu_part", part)
+
     return pb.DeviceInfo(
         triple=_triple(machine), machine=machine, cpu_model=model, cpu_features=features,
         cores=os.cpu_count() or 1, memory_bytes=_memory_bytes(), os=_os_name(),

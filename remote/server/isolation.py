@@ -17,6 +17,7 @@ import threading
 from typing import Callable, Dict, Optional, Tuple
 
 import remote
+from remote.defaults import FARM_SECRET_ENV
 
 log = logging.getLogger("tether.server")
 
@@ -26,6 +27,118 @@ _CODE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(remote.__file__)))
 # What a session's process printed, kept for its end reason; older output is dropped.
 OUTPUT_TAIL_BYTES = 16 * 1024
 ZYGOTE_START_S = 120.0
+
+
+# What a session is kept from, as the tracker shows it among a board's
+# capabilities (attribute "isolation"; docs/security.md, "The session
+# sandbox"): "processes" is that all of a session's processes end with it,
+# "no-network" that they run in a network namespace of their own, with no
+# interface up. The module runs as the server's user, with its files.
+ISOLATION_NOTE = ("sessions run as this server's user, with its files (no per-session user "
+                  "or mount namespace on this server yet)")
+_CLONE_NEWUSER = 0x10000000
+_CLONE_NEWNET = 0x40000000
+
+
+def leave_network() -> str:
+    """Move this process (single-threaded) into a network namespace of its own,
+    where no interface is up: connections anywhere, loopback included, fail.
+    Root does it directly; another user through a user namespace of its own,
+    mapping its user and group to themselves so that its files stay its own.
+    Returns "" once done, else why it cannot be done here."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    if os.geteuid() == 0:
+        flags = _CLONE_NEWNET
+    else:
+        flags = _CLONE_NEWUSER | _CLONE_NEWNET
+    uid, gid = os.geteuid(), os.getegid()
+    if libc.unshare(flags) != 0:
+        return f"this kernel refuses a network namespace here ({os.strerror(ctypes.get_errno())})"
+    if flags & _CLONE_NEWUSER:
+        try:
+            for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
+                               ("gid_map", f"{gid} {gid} 1")):
+                with open(f"/proc/self/{name}", "w") as f:
+                    f.write(text)
+        except OSError as exc:
+            return f"cannot map this user in a user namespace ({exc.strerror})"
+    return ""
+
+
+def network_isolation(allow_network: bool) -> str:
+    """Whether sessions can be kept off the network here (tried in a child
+    process): "" when they will be, else what the server says at start."""
+    if allow_network:
+        return "sessions may use the network (--allow-network)"
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        os.write(write, leave_network().encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        why = f.read().decode()
+    os.waitpid(pid, 0)
+    return why
+
+
+
+
+
+# Resource limits an operator may set on every session's processes
+# (--session-limit NAME=VALUE): name -> (resource module's name, what it limits).
+SESSION_LIMITS = {
+    "as": ("RLIMIT_AS", "bytes of address space"),
+    "nproc": ("RLIMIT_NPROC", "processes of the server's user"),
+    "fsize": ("RLIMIT_FSIZE", "bytes a file may grow to"),
+    "cpu": ("RLIMIT_CPU", "seconds of CPU time"),
+}
+
+
+def parse_session_limit(text: str):
+    """``NAME=VALUE`` of --session-limit, checked: (name, value).
+
+    >>> parse_session_limit("cpu=60")
+    ('cpu', 60)
+    """
+    name, _, value = text.partition("=")
+    if name not in SESSION_LIMITS or not value.isdigit():
+        raise ValueError(f"session limit {text!r} must be NAME=NUMBER with NAME one of "
+                         + ", ".join(f"{n} ({what})" for n, (_, what) in SESSION_LIMITS.items()))
+    return name, int(value)
+
+
+def apply_session_limits(limits) -> None:
+    """In a session's process, before any of the session runs: the operator's limits."""
+    import resource
+    for name, value in limits:
+        kind = getattr(resource, SESSION_LIMITS[name][0])
+        resource.setrlimit(kind, (value, value))
+
+
+def read_secret_file(path: str, what: str = "--farm-secret-file") -> str:
+    """A secret from the file at ``path`` (its first line): a secret given on
+    the command line or in the environment is there for every process of the
+    server's user to read, modules included."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.readline().rstrip("\r\n")
+    except OSError as exc:
+        raise SystemExit(f"{what} {path}: cannot read it: {exc.strerror}") from None
+
+
+def hide_from_modules() -> None:
+    """Make the server's memory and /proc files (environment, open files)
+    readable by root only, not by other processes of its user such as the
+    modules its sessions run (Linux prctl PR_SET_DUMPABLE 0). The zygote is
+    a program of its own (the setting ends at exec) and holds no secret."""
+    import ctypes
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 class SessionProcess:
@@ -103,7 +216,9 @@ class SessionProcess:
                 self._stop_reason = (error_class, reason)
         if self.started.wait(10.0) and not self._gone.is_set():
             try:
-                os.kill(self.pid, signal.SIGKILL)
+                # Its group: what the module started goes too (the zygote also
+                # ends what is left once the process has gone).
+                os.killpg(self.pid, signal.SIGKILL)
             except OSError:
                 pass
 
@@ -160,10 +275,15 @@ class SessionProcess:
 class Zygote:
     """The process that forks one child per session (remote/server/worker.py)."""
 
-    def __init__(self, max_bytes: int, cc: str, idle_timeout_s: float):
+    def __init__(self, max_bytes: int, cc: str, idle_timeout_s: float, limits=(),
+                 no_network: bool = False):
         self._argv = [sys.executable, "-m", "remote.server.worker",
                       "--max-bytes", str(max_bytes), "--cc", cc,
                       "--idle-timeout", str(idle_timeout_s)]
+        for name, value in limits:
+            self._argv += ["--session-limit", f"{name}={value}"]
+        if no_network:
+            self._argv.append("--no-network")
         self._lock = threading.Lock()
         self._sessions: Dict[str, SessionProcess] = {}
         self._closed = False
@@ -171,7 +291,8 @@ class Zygote:
 
     def _start(self):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = dict(os.environ)
+        # The farm secret stays with the server: modules run in the zygote's children.
+        env = {k: v for k, v in os.environ.items() if k != FARM_SECRET_ENV}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_CODE_ROOT, env.get("PYTHONPATH", "")) if p)
         try:
             self.proc = subprocess.Popen(

@@ -120,6 +120,11 @@ class TrackerLink:
                 self.last_error = str(exc)
                 log.error("tracker %s refused this board: %s", self.tracker, exc)
                 backoff = MAX_BACKOFF_S
+                if self.device_id:
+                    # Its id is not (or no longer) this board's to take: join as
+                    # a new board rather than be refused for good.
+                    self.device_id = self._credential = ""
+                    backoff = 0.2
             except (OSError, errors.TetherError) as exc:
                 if self._stop.is_set():
                     return  # close() shut the link's socket under the read: a stop, not a fault

@@ -58,7 +58,8 @@ class DeviceService:
                  idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
                  max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
                  workspace_parent: Optional[str] = None, attributes=None,
-                 session_queue_s: float = 0.0, cc: str = "cc"):
+                 session_queue_s: float = 0.0, cc: str = "cc", session_limits=(),
+                 no_network: bool = False):
         self._redeem: Optional[Callable[[str], None]] = None
         self._release: Optional[Callable[[str], None]] = None
         self.max_sessions = max_sessions
@@ -66,13 +67,15 @@ class DeviceService:
         self.max_upload_bytes = max_upload_bytes
         self.workspace_parent = workspace_parent
         self.info = devinfo.collect(attributes)
+        # How far sessions are isolated: the server's to say, not the operator's.
+        self.info.attributes["isolation"] = "processes,no-network" if no_network else "processes"
         self.session_queue_s = session_queue_s
         self._sessions: Dict[str, Session] = {}
         self._ended: Dict[str, tuple] = {}
         self._ending: Dict[str, threading.Event] = {}
         self._lock = threading.Lock()
         self._slot_free = threading.Condition(self._lock)
-        self._zygote = Zygote(max_upload_bytes, cc, idle_timeout_s)
+        self._zygote = Zygote(max_upload_bytes, cc, idle_timeout_s, session_limits, no_network)
         self._stop = threading.Event()
         threading.Thread(target=self._expire_loop, name="session-expiry", daemon=True).start()
 

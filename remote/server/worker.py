@@ -40,8 +40,9 @@ from remote import errors
 from remote.proto import pb
 from remote.proto.frames import (CHUNK_BYTES, Checksum, FrameSocket, PeerClosed, aligned_empty,
                                  error_frame, frame_bytes, little_endian, page_buffer,
-                                 recv_array_chunks, recv_tensors, send_array_chunks,
+                                 recv_array_chunks, recv_tensors, send_array_chunks, tensor_bytes,
                                  send_file_chunks, tensor_dtype, tensor_header)
+from remote.server.isolation import apply_session_limits, leave_network, parse_session_limit
 from remote.server.workspace import Workspace
 
 EXIT_RUN_TIMEOUT = 3
@@ -423,13 +424,15 @@ class Worker:
             raise errors.InvalidArgument("put_tensor carries exactly one tensor")
         desc = header.tensors[0]
         try:
-            array = aligned_empty(tuple(desc.shape), tensor_dtype(header.name, desc.dtype))
+            dtype = tensor_dtype(header.name, desc.dtype)
+            nbytes = tensor_bytes(header.name, desc.shape, dtype)
         except ValueError as exc:
             raise errors.InvalidArgument(str(exc)) from None
-        if array.nbytes != fs.body_left:
+        if nbytes != fs.body_left:
             raise errors.InvalidArgument(f"tensor {header.name!r} of shape {tuple(desc.shape)} "
-                                         f"{desc.dtype} needs {array.nbytes} bytes, "
+                                         f"{desc.dtype} needs {nbytes} bytes, "
                                          f"{fs.body_left} were sent")
+        array = aligned_empty(tuple(desc.shape), dtype)
         return array, recv_array_chunks(fs, array)
 
     def op_get_tensor(self, fs, header):
@@ -580,6 +583,7 @@ def run_session(fds, workspace_root: str, args) -> None:
     os.dup2(output_fd, 1)
     os.dup2(output_fd, 2)
     os.close(output_fd)
+    apply_session_limits(args.session_limit)
     _CONTROL = socket.socket(fileno=control_fd)
     conn = socket.socket(fileno=conn_fd)
     worker = Worker(Workspace(root=workspace_root), args.max_bytes, args.cc, args.idle_timeout)
@@ -608,6 +612,7 @@ def zygote(control: socket.socket, args) -> int:
     wake_w.setblocking(False)
     signal.set_wakeup_fd(wake_w.fileno())
     signal.signal(signal.SIGCHLD, lambda *_: None)
+    _become_subreaper()
     gc.freeze()  # the collector then leaves the imported objects' pages alone in children
     own = (control, wake_r, wake_w)
     children = {}
@@ -618,7 +623,15 @@ def zygote(control: socket.socket, args) -> int:
         while True:
             ready, _, _ = select.select([control, wake_r], [], [], 1.0)
             if os.getppid() != server:
-                return 0  # the server is gone (its end of the control socket may linger in flight)
+                # The server is gone (its end of the control socket may linger in
+                # flight): its sessions' processes clean up their workspaces and
+                # end (they see their control sockets close); then everything
+                # they started goes too.
+                _outlive(children, SESSION_CLEANUP_S)
+                for pid in children:
+                    end_process_group(pid)
+                end_strays(set())
+                return 0
             if wake_r in ready:
                 try:
                     while wake_r.recv(512):
@@ -636,7 +649,14 @@ def zygote(control: socket.socket, args) -> int:
                     spare[1].close()
                     spare = None  # it died waiting; another is forked when needed
                     continue
-                session_id = children.pop(pid, "?")
+                session_id = children.pop(pid, None)
+                if session_id is None:
+                    continue  # a process a session left behind, already ended (see end_strays)
+                # What the session started ends with it: its process group, and
+                # those that left it (a new session, a double fork) and so came to
+                # this subreaper once their parents ended.
+                end_process_group(pid)
+                end_strays(set(children) | ({spare[0]} if spare is not None else set()))
                 control.send(f"exit {session_id} {os.waitstatus_to_exitcode(status)}".encode())
             if control not in ready:
                 continue
@@ -665,12 +685,75 @@ def zygote(control: socket.socket, args) -> int:
         # exits) would otherwise be reported as a write to a bad descriptor.
         signal.set_wakeup_fd(-1)
 
+# How long a server-less zygote waits for its sessions' processes to clean up.
+SESSION_CLEANUP_S = 10.0
+
+
+def _outlive(children, seconds: float) -> None:
+    """Reap ``children`` as they end, for ``seconds`` at most."""
+    deadline = time.monotonic() + seconds
+    left = set(children)
+    while left and time.monotonic() < deadline:
+        for pid in list(left):
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done = pid
+            if done:
+                left.discard(pid)
+        time.sleep(0.02)
+
+
+def _become_subreaper() -> None:
+    """Processes whose parents end come to this process, not to init (Linux
+    prctl PR_SET_CHILD_SUBREAPER), so none of a session's escapes it."""
+    import ctypes
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def end_process_group(pid: int) -> None:
+    """Kill what is left of the process group a session's process led."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def end_strays(keep) -> None:
+    """Kill and reap this process's children other than ``keep``: processes of
+    sessions that have ended, which came here when their parents ended."""
+    me = os.getpid()
+    try:
+        with open(f"/proc/{me}/task/{me}/children") as f:
+            pids = [int(word) for word in f.read().split()]
+    except OSError:
+        return
+    for pid in pids:
+        if pid in keep:
+            continue
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except OSError:
+            pass
+
+
 def _fork_spare(own, args):
     """Fork a child that waits for its session; returns (pid, the socket to send it on)."""
     door, inside = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     pid = os.fork()
     if pid == 0:
         try:
+            os.setpgid(0, 0)  # the session's processes are one group, ended together
+            # Still single-threaded, as a namespace change needs, and ahead of
+            # its session: the namespace costs milliseconds no client waits for.
+            why = leave_network() if args.no_network else ""
+            if why:
+                sys.stderr.write(f"a session process could not leave the network: {why}\n")
+                os._exit(1)
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             for s in own + (door,):
@@ -691,6 +774,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-bytes", type=int, required=True)
     parser.add_argument("--cc", default="cc")
     parser.add_argument("--idle-timeout", type=float, default=0.0)
+    parser.add_argument("--session-limit", type=parse_session_limit, action="append", default=[])
+    parser.add_argument("--no-network", action="store_true")
     args = parser.parse_args(argv)
     return zygote(socket.socket(fileno=args.control_fd), args)
 

@@ -51,6 +51,25 @@ FIRST_FRAME_S = 10.0
 RELAY_CONNECT_S = 10.0
 REACH_TIMEOUT_S = 2.0
 WRITE_HIGH_WATER = 4 << 20
+# Connections that have not yet said who they are (before their first frame,
+# or while a registration is checked), at most: from one address and in all.
+# One address may be a farm's NAT, and a farm's boards come up together
+# (benchmarks/board_sim.py registers 500 at once), so the first is large.
+MAX_OPENING_PER_SOURCE = 1024
+MAX_OPENING = 8192
+# Bytes of unfinished first frames held, at most, over all such connections;
+# a connection whose frame would go past it is dropped.
+MAX_OPENING_BYTES = 32 << 20
+# Relayed sessions: waiting for their board to dial back (in all, per board),
+# and carried at once (each holds two threads on a plain-TCP port).
+MAX_RELAYS_WAITING = 256
+MAX_RELAYS_WAITING_PER_DEVICE = 8
+MAX_RELAYS = 512
+# gRPC connections past their first call, at most, from one address and in all.
+MAX_GRPC_PER_SOURCE = 512
+MAX_GRPC = 4096
+_H2_PREFACE_BYTES = 24
+_H2_HEADERS = 1
 # Links read per turn of the loop before it serves its other sockets again.
 LINK_BATCH = 256
 LINK_READ_BYTES = 64 * 1024
@@ -82,6 +101,11 @@ class Conn(asyncio.Protocol):
         self._first_timer = None
         self.answered = -PONG_EVERY_S  # when a ping was last answered
         self.fd = -1               # set while the link is read from the door's link poll set
+        self.source = ""           # the peer's address while it counts as opening
+        self.held = 0              # bytes of its unfinished first frame counted by the door
+        self.grpc_source = ""      # the peer's address while it counts as a gRPC connection
+        self._h2 = None            # a gRPC caller's bytes until its first call (HEADERS)
+        self._h2_skip = 0
 
     # ----------------------------------------------------------- transport --
     def connection_made(self, transport):
@@ -89,6 +113,10 @@ class Conn(asyncio.Protocol):
         transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
         peer = transport.get_extra_info("peername")
         self.peer_name = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        if not self.door.opening(self, peer[0] if isinstance(peer, tuple) else self.peer_name):
+            self.role = "refused"
+            transport.abort()
+            return
         self._first_timer = self.door.loop.call_later(FIRST_FRAME_S, self._first_too_slow)
 
     def _stop_first_timer(self):
@@ -99,11 +127,37 @@ class Conn(asyncio.Protocol):
             self._first_timer = None
 
     def _first_too_slow(self):
-        if self.role == "new":
+        if self.role == "new" or self._h2 is not None:
+            self.transport.abort()
+
+    def _grpc_bytes(self, data) -> None:
+        """Follow a gRPC caller's HTTP/2 frames until its first call (a HEADERS
+        frame): until then it is an opening connection, under the same deadline
+        and caps as any other; one that sends the preface and stops is cut off."""
+        buf = self._h2
+        buf += data
+        while True:
+            if self._h2_skip:
+                n = min(self._h2_skip, len(buf))
+                del buf[:n]
+                self._h2_skip -= n
+                if self._h2_skip:
+                    return
+            if len(buf) < 9:
+                return
+            if buf[3] == _H2_HEADERS:
+                break
+            self._h2_skip = 9 + int.from_bytes(buf[:3], "big")
+        self._h2 = None
+        self._stop_first_timer()
+        self.door.opened(self)
+        if not self.door.calling(self):
             self.transport.abort()
 
     def connection_lost(self, exc):
         self._stop_first_timer()
+        self.door.opened(self)
+        self.door.hung_up(self)
         if self.fd >= 0:
             self.door.unwatch(self)
         if self.role == "link":
@@ -131,15 +185,28 @@ class Conn(asyncio.Protocol):
             self.answer_ping()
             return
         if self.role == "spliced":
+            if self._h2 is not None:
+                self._grpc_bytes(data)
             self.peer.transport.write(data)
             return
+        if self.role == "refused":
+            return
         self.buffer += data
+        if self.source and not self.door.hold(self, len(self.buffer)):
+            self.role = "refused"
+            self.buffer = bytearray()
+            self.transport.abort()
+            return
         if self.role == "new" and len(self.buffer) >= 4 and self.buffer.startswith(b"PRI "):
-            self._stop_first_timer()
             self.role = "waiting"
-            self.door.loop.create_task(self.door.splice_grpc(self))
+            self._h2, self._h2_skip = bytearray(), _H2_PREFACE_BYTES
+            self._grpc_bytes(self.buffer)
+            if not self.transport.is_closing():
+                self.door.loop.create_task(self.door.splice_grpc(self))
             return
         if self.role == "waiting":
+            if self._h2 is not None:
+                self._grpc_bytes(data)
             return
         while len(self.buffer) >= PREFIX.size:
             head_len, body_len = PREFIX.unpack_from(self.buffer)
@@ -193,12 +260,16 @@ class Conn(asyncio.Protocol):
             if frame.version != PROTOCOL_VERSION:
                 raise errors.ConnectionFailed(version_error(frame.version, "caller"))
             if frame.op == "register":
+                # Before anything is done for it (reaching its address, say).
+                self.door.service.check_secret(frame.farm_secret)
                 self.role = "waiting"
                 self.transport.pause_reading()
                 self.door.loop.create_task(self.door.register(self, frame))
             elif frame.op in ("open", "status", "close"):
+                self.door.opened(self)
                 self.door.relay_client(self, frame, raw)
             elif frame.op == "relay":
+                self.door.opened(self)
                 self.door.relay_board(self, frame)
             else:
                 raise errors.InvalidArgument(f"a connection to the tracker's port begins with "
@@ -256,6 +327,35 @@ class _GrpcSide(asyncio.Protocol):
         self.conn.resume_writing()
 
 
+class CountBySource:
+    """Connections of one kind counted per source address and in all, under caps."""
+
+    def __init__(self, per_source: int, in_all: int):
+        self.per_source, self.in_all = per_source, in_all
+        self._counts: Dict[str, int] = {}
+        self.total = 0
+
+    def of(self, source: str) -> int:
+        return self._counts.get(source, 0)
+
+    def add(self, source: str) -> bool:
+        """Count one more from ``source``; False (and nothing counted) past a cap."""
+        mine = self._counts.get(source, 0)
+        if mine >= self.per_source or self.total >= self.in_all:
+            return False
+        self._counts[source] = mine + 1
+        self.total += 1
+        return True
+
+    def remove(self, source: str) -> None:
+        left = self._counts[source] - 1
+        if left:
+            self._counts[source] = left
+        else:
+            del self._counts[source]
+        self.total -= 1
+
+
 class FrontDoor:
     """The tracker's listening port and its asyncio loop (in a thread)."""
 
@@ -267,6 +367,11 @@ class FrontDoor:
         self.loop = asyncio.new_event_loop()
         self.links: Dict[str, Conn] = {}           # device_id -> its link
         self._pending: Dict[str, Conn] = {}        # relay id -> client waiting for its board
+        self._opening = CountBySource(MAX_OPENING_PER_SOURCE, MAX_OPENING)
+        self._opening_bytes = 0
+        self._grpc = CountBySource(MAX_GRPC_PER_SOURCE, MAX_GRPC)
+        self._relays = 0                           # relayed sessions being carried
+        self._relays_lock = threading.Lock()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -361,6 +466,52 @@ class FrontDoor:
         """Run ``fn(*args)`` on the loop from another thread."""
         self.loop.call_soon_threadsafe(fn, *args)
 
+    # -------------------------------------------------- opening connections --
+    def opening(self, conn: Conn, source: str) -> bool:
+        """Count a new connection against the caps on connections that have not
+        said who they are; False: it is over a cap and is dropped."""
+        if not self._opening.add(source):
+            log.warning("refused a connection from %s: %d connections from it and %d in all "
+                        "are still opening", source, self._opening.of(source), self._opening.total)
+            return False
+        conn.source = source
+        return True
+
+    def hold(self, conn: Conn, size: int) -> bool:
+        """Count ``size`` bytes buffered by an opening connection; False past the budget."""
+        grown = size - conn.held
+        if grown > 0 and self._opening_bytes + grown > MAX_OPENING_BYTES:
+            log.warning("dropped %s: unfinished first frames already hold %d bytes",
+                        conn.peer_name, self._opening_bytes)
+            return False
+        self._opening_bytes += grown
+        conn.held = size
+        return True
+
+    def calling(self, conn: Conn) -> bool:
+        """Count a gRPC connection that made its first call; False: over a cap."""
+        source = conn.peer_name.rsplit(":", 1)[0]
+        if not self._grpc.add(source):
+            log.warning("refused a gRPC connection from %s: %d from it and %d in all are open",
+                        source, self._grpc.of(source), self._grpc.total)
+            return False
+        conn.grpc_source = source
+        return True
+
+    def hung_up(self, conn: Conn) -> None:
+        if not conn.grpc_source:
+            return
+        self._grpc.remove(conn.grpc_source)
+        conn.grpc_source = ""
+
+    def opened(self, conn: Conn) -> None:
+        """The connection said who it is (or ended): it no longer counts as opening."""
+        if not conn.source:
+            return
+        self._opening.remove(conn.source)
+        self._opening_bytes -= conn.held
+        conn.source, conn.held = "", 0
+
     # ----------------------------------------------------------------- gRPC --
     async def splice_grpc(self, client: Conn):
         try:
@@ -370,6 +521,9 @@ class FrontDoor:
             log.error("the tracker's gRPC server is unreachable: %s", exc)
             client.transport.close()
             return
+        if client.transport.is_closing():
+            side.conn.transport.close()
+            return
         client.splice_to(side.conn)
 
     # --------------------------------------------------------------- links --
@@ -377,6 +531,7 @@ class FrontDoor:
         reachable = not frame.relay and bool(frame.address) and await self._reachable(frame.address)
         if conn.transport.is_closing():
             return
+        self.opened(conn)
         try:
             device_id, credential, interval = self.service.board_register(
                 frame, relayed=not reachable)
@@ -422,7 +577,7 @@ class FrontDoor:
         if frame.op == "redeem":
             service.board_redeem(conn.device_id, frame.token)
         elif frame.op == "release":
-            service.board_release(frame.token)
+            service.board_release(conn.device_id, frame.token)
         elif frame.op in ("ok", "error"):
             return
         else:
@@ -447,12 +602,23 @@ class FrontDoor:
             device_id = self.service.relay_target(frame.token)
         else:
             device_id = frame.device_id
+            self.service.check_session_token(device_id, frame.token)
         link = self.links.get(device_id)
         if link is None:
             raise errors.ConnectionFailed(
                 f"device {device_id or '(unknown)'} has no link to this tracker now; "
                 "request a device again")
+        waiting_here = sum(1 for c in self._pending.values() if c.device_id == device_id)
+        with self._relays_lock:
+            carried = self._relays
+        if (len(self._pending) >= MAX_RELAYS_WAITING or carried >= MAX_RELAYS
+                or waiting_here >= MAX_RELAYS_WAITING_PER_DEVICE):
+            raise errors.DeviceBusy(
+                f"the tracker already carries {carried} relayed sessions and {len(self._pending)} "
+                f"wait for their board ({waiting_here} for device {device_id}), its limit; "
+                "try again later")
         relay_id = secrets.token_urlsafe(18)
+        conn.device_id = device_id
         conn.role = "waiting"
         conn.transport.pause_reading()
         conn.relay_first = raw
@@ -488,7 +654,13 @@ class FrontDoor:
             board_sock.close()
             client_sock.close()
             return
-        splice(client_sock, board_sock, "relay")
+        with self._relays_lock:
+            self._relays += 1
+        splice(client_sock, board_sock, "relay", on_done=self._relay_done)
+
+    def _relay_done(self) -> None:
+        with self._relays_lock:
+            self._relays -= 1
 
     def forget_pending(self, conn: Conn) -> None:
         relay_id = getattr(conn, "relay_id", None)

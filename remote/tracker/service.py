@@ -8,6 +8,7 @@ or the client goes away (then the request leaves the queue). Boards reach the
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 import itertools
 import json
@@ -18,6 +19,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections import OrderedDict
 from concurrent import futures
 from typing import TYPE_CHECKING, Dict, Optional, Set
 
@@ -41,12 +43,16 @@ log = logging.getLogger("tether.tracker")
 
 # A board pings every second; one silent for the window is dropped.
 EVICTION_WINDOW_S = 2.5
-UNUSED_LEASE_S = 30.0
+# A granted board the client has not opened a session on within this is given
+# back: a client opens its session at once, and an unused grant holds a board.
+UNUSED_LEASE_S = 10.0
 # How often the tracker's port loop marks itself as caught up (FrontDoor.last_tick).
 LOOP_TICK_S = 0.1
 # Requests waiting for a device, at most, in all and per client name.
 MAX_WAITING = 512
 MAX_WAITING_PER_CLIENT = 64
+# Lease tokens remembered after their lease ended, for a session's status and close.
+RECENT_LEASES = 4096
 # Each waiting RequestDevice call holds one worker thread, so the pool is large;
 # threads are only started as calls arrive.
 MAX_WORKERS = 1024
@@ -57,6 +63,11 @@ def printable(name: str, limit: int = 200) -> str:
     (a terminal's escape sequences among them) escaped, and not too long."""
     text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in name)
     return text[:limit]
+
+
+def _digest(credential: str) -> str:
+    """The end of a board's device id: 64 bits of its credential's SHA-256."""
+    return hashlib.sha256(credential.encode()).hexdigest()[:16]
 
 
 def heartbeat_interval(eviction_window_s: float) -> float:
@@ -91,6 +102,10 @@ class TrackerService:
         self._farm_secret = farm_secret
         self._relayed: Set[str] = set()           # devices reached through the relay
         self._credentials: Dict[str, str] = {}    # device_id -> the board's credential
+        # Tokens of recent leases -> their device: a client asks a relayed board
+        # about its session (status, close) with its lease's token, also after
+        # the lease ended; the oldest are forgotten first.
+        self._granted: "OrderedDict[str, str]" = OrderedDict()
         self.door: Optional[FrontDoor] = None
         self.eviction_window_s = eviction_window_s
         self._stop = threading.Event()
@@ -199,8 +214,9 @@ class TrackerService:
         A new board gets an id and a credential of its own; registering again
         under that id (after a broken link, a tracker restart) needs the
         credential, so knowing a board's id (Summary shows it) is not enough to
-        take its place. A tracker that restarted learns each credential from
-        the first board to come back with it.
+        take its place. The id ends with a digest of the credential, so a
+        tracker that restarted, and knows no credential, still tells the board
+        the id was made for from anyone else who registers first under it.
         """
         self.check_secret(frame.farm_secret)
         if not frame.key:
@@ -209,16 +225,20 @@ class TrackerService:
             device_id = frame.device_id
             if device_id:
                 known = self._credentials.get(device_id)
-                if known is not None and not hmac.compare_digest(known.encode(),
-                                                                 frame.token.encode()):
+                if known is not None:
+                    owner = hmac.compare_digest(known.encode(), frame.token.encode())
+                else:
+                    owner = bool(frame.token) and hmac.compare_digest(
+                        device_id.rsplit("-", 1)[-1].encode(), _digest(frame.token).encode())
+                if not owner:
                     raise AuthenticationError(
                         f"device id {device_id} belongs to another board: a board registers "
                         "again only with the credential the tracker gave it; register "
                         "without a device id to join as a new board")
-                credential = frame.token or secrets.token_urlsafe(24)
+                credential = frame.token
             else:
-                device_id = f"{frame.key}-{next(self._ids)}-{secrets.token_hex(3)}"
                 credential = secrets.token_urlsafe(24)
+                device_id = f"{frame.key}-{next(self._ids)}-{_digest(credential)}"
             self._credentials[device_id] = credential
             self._scheduler.register(device_id, frame.key, frame.address,
                                      dict(frame.info.attributes), self._clock(),
@@ -251,8 +271,12 @@ class TrackerService:
             except LeaseRefused as exc:
                 raise AuthenticationError(str(exc)) from None
 
-    def board_release(self, token: str) -> None:
+    def board_release(self, device_id: str, token: str) -> None:
+        """A board ended a session: only its own leases are its to end."""
         with self._lock:
+            lease = self._scheduler.leases.get(token)
+            if lease is not None and lease.device_id != device_id:
+                raise AuthenticationError(f"that lease is not for device {device_id}")
             self._release_locked(token, "session ended on the board")
 
     def board_gone(self, device_id: str, why: str) -> None:
@@ -272,6 +296,18 @@ class TrackerService:
         if lease is None:
             raise AuthenticationError("unknown or expired lease token; request a device again")
         return lease.device_id
+
+    def check_session_token(self, device_id: str, token: str) -> None:
+        """A client's status or close for a session on a relayed board names the
+        token of the lease the session was opened with (live or recent): the
+        relay carries nothing for whoever only knows a device id."""
+        with self._lock:
+            lease = self._scheduler.leases.get(token)
+            granted = lease.device_id if lease is not None else self._granted.get(token)
+        if not token or granted != device_id:
+            raise AuthenticationError(
+                f"asking device {device_id or '(none)'} about a session through the tracker "
+                "needs the token of the lease it was opened with")
 
     # -------------------------------------------------------------- RPCs --
     def _v1_board(self, context):
@@ -349,6 +385,9 @@ class TrackerService:
                         f"device {lease.device_id} disappeared while being leased; request again"))
                 return pb.Lease()
             relayed = lease.device_id in self._relayed
+            self._granted[lease.token] = lease.device_id
+            while len(self._granted) > RECENT_LEASES:
+                self._granted.popitem(last=False)
             reply = pb.Lease(token=lease.token, device_id=lease.device_id, key=device.key,
                              address="" if relayed else device.address, relayed=relayed)
             if lease.device_id in self._infos:
@@ -356,8 +395,13 @@ class TrackerService:
         return reply
 
     def ReleaseLease(self, request, context):
-        self._user(context, request)
+        user = self._user(context, request)
         with self._lock:
+            lease = self._scheduler.leases.get(request.token)
+            if user is not None and lease is not None and lease.client != user:
+                abort(context, AuthenticationError(
+                    f"that lease is held by {lease.client}, not by {user}: only its holder "
+                    "(or its board) gives it back"))
             self._release_locked(request.token, "given back by the client")
         return pb.Empty()
 

@@ -136,6 +136,12 @@ DeviceInfo collect_device_info(const StringPairs& attributes) {
       !has("cpu_part")) {
     info.attributes.emplace_back("cpu_part", part);
   }
+  // What a session is kept from (remote/server/isolation.py, ISOLATION_LEVEL):
+  // the server's to say, not the operator's.
+  for (auto it = info.attributes.begin(); it != info.attributes.end();) {
+    it = it->first == "isolation" ? info.attributes.erase(it) : it + 1;
+  }
+  info.attributes.emplace_back("isolation", "processes");
   return info;
 }
 

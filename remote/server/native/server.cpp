@@ -11,10 +11,14 @@
 #include <poll.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sched.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -42,13 +46,25 @@ namespace tether {
 namespace {
 
 constexpr int kServerPort = 9090;
-// Connections that have not yet sent their first frame, at most; more are
-// refused at once. Each must send it within kHelloDeadlineMs.
+// Connections whose first frame is being served, at most (each in a thread).
+// Every connection must send its first frame within kHelloDeadlineMs.
 constexpr int kMaxPending = 64;
 constexpr int kHelloDeadlineMs = 10000;
+// Connections that have not yet sent their whole first frame, at most, in all
+// and from one address; past either, the oldest is dropped: a client that
+// means it sends its first frame at once, so an idle crowd cannot keep it out.
+constexpr int kMaxWaiting = 1024;
+constexpr int kMaxWaitingPerSource = 256;
+constexpr size_t kFirstFrameBytes = 64 * 1024;
+constexpr size_t kFrameHeaderBytes = 12;
+// A connection with part of its first frame is looked at again this often.
+constexpr int64_t kPartialRecheckMs = 50;
 constexpr int kRegisterWaitMs = 5000;
 // What a session's process printed, kept for its end reason.
 constexpr size_t kOutputTailBytes = 16 * 1024;
+// How often a session's watcher looks whether its process has ended, while
+// processes the module started keep the process's control socket open.
+constexpr int kExitCheckMs = 250;
 // Ended sessions whose reason a client may still ask for.
 constexpr size_t kEndedKept = 256;
 
@@ -56,21 +72,25 @@ struct Options {
   std::string host = "0.0.0.0";
   int port = kServerPort;
   std::string tracker, key, advertise, farm_secret, workspace_dir, cc = "cc";
-  bool relay = false, advertise_given = false;
+  bool relay = false, advertise_given = false, allow_network = false;
   StringPairs attributes;
   int max_sessions = 1;
   double idle_timeout_s = 300.0;
   int64_t max_upload_bytes = int64_t(1) << 30;
+  // --session-limit NAME=NUMBER: resource limits on every session's processes.
+  std::vector<std::pair<int, rlim_t>> session_limits;
+  std::string session_limits_text;
   double session_queue_s = 0;
   int poll_us = 100;  // TETHER_POLL_US, as the Python side reads it
 };
 
 const char kUsage[] =
     "usage: tether-server [--host HOST] [--port PORT] [--tracker HOST:PORT] [--key KEY]\n"
-    "                     [--advertise HOST[:PORT]] [--relay] [--farm-secret SECRET]\n"
+    "                     [--advertise HOST[:PORT]] [--relay] [--farm-secret-file PATH]\n"
     "                     [--attr NAME=VALUE]... [--max-sessions N] [--idle-timeout SECONDS]\n"
     "                     [--max-upload-bytes N] [--session-queue SECONDS]\n"
-    "                     [--workspace-dir DIR] [--cc CC] [--version]\n"
+    "                     [--workspace-dir DIR] [--cc CC] [--session-limit NAME=NUMBER]...\n"
+    "                     [--allow-network] [--version]\n"
     "\n"
     "Run a Tether device server on this board (the native build: no Python needed).\n"
     "Environment: TETHER_TRACKER, TETHER_FARM_SECRET as defaults of --tracker, --farm-secret.\n";
@@ -89,7 +109,13 @@ bool parse_number(const std::string& text, double* out) {
 Options parse_options(int argc, char** argv) {
   Options o;
   if (const char* t = ::getenv("TETHER_TRACKER")) o.tracker = t;
-  if (const char* s = ::getenv("TETHER_FARM_SECRET")) o.farm_secret = s;
+  if (char* s = ::getenv("TETHER_FARM_SECRET")) {
+    o.farm_secret = s;
+    // Blanked where it lies (the process's first environment, which forked
+    // sessions' processes share and /proc/PID/environ shows), then dropped.
+    std::memset(s, 'x', std::strlen(s));
+    ::unsetenv("TETHER_FARM_SECRET");
+  }
   if (const char* cc = ::getenv("CC")) o.cc = cc;
   if (const char* poll = ::getenv("TETHER_POLL_US")) {
     double us;
@@ -132,7 +158,22 @@ Options parse_options(int argc, char** argv) {
     else if (arg == "--key") o.key = next();
     else if (arg == "--advertise") { o.advertise = next(); o.advertise_given = true; }
     else if (arg == "--relay") o.relay = true;
-    else if (arg == "--farm-secret") o.farm_secret = next();
+    else if (arg == "--allow-network") o.allow_network = true;
+    else if (arg == "--farm-secret") {
+      o.farm_secret = next();
+      // Blank it where other processes of this user read the command line.
+      if (!inline_value) std::memset(argv[i], 'x', std::strlen(argv[i]));
+    } else if (arg == "--farm-secret-file") {
+      std::string path = next();
+      FILE* f = std::fopen(path.c_str(), "r");
+      if (f == nullptr) usage_error("--farm-secret-file " + path + ": cannot read it: " + std::strerror(errno));
+      char line[4096] = "";
+      if (std::fgets(line, sizeof line, f) == nullptr) line[0] = '\0';
+      std::fclose(f);
+      o.farm_secret = line;
+      while (!o.farm_secret.empty() && (o.farm_secret.back() == '\n' || o.farm_secret.back() == '\r'))
+        o.farm_secret.pop_back();
+    }
     else if (arg == "--attr") {
       std::string text = next();
       size_t sep = text.find('=');
@@ -144,6 +185,23 @@ Options parse_options(int argc, char** argv) {
     else if (arg == "--session-queue") o.session_queue_s = number(0);
     else if (arg == "--workspace-dir") o.workspace_dir = next();
     else if (arg == "--cc") o.cc = next();
+    else if (arg == "--session-limit") {
+      std::string text = next();
+      static const std::pair<const char*, int> kinds[] = {
+          {"as", RLIMIT_AS}, {"nproc", RLIMIT_NPROC}, {"fsize", RLIMIT_FSIZE}, {"cpu", RLIMIT_CPU}};
+      size_t eq = text.find('=');
+      std::string name = text.substr(0, eq), value = eq == std::string::npos ? "" : text.substr(eq + 1);
+      int kind = -1;
+      for (const auto& k : kinds) if (name == k.first) kind = k.second;
+      bool digits = !value.empty() && value.find_first_not_of("0123456789") == std::string::npos;
+      if (kind < 0 || !digits) {
+        usage_error("session limit '" + text + "' must be NAME=NUMBER with NAME one of as (bytes of address "
+                    "space), nproc (processes of the server's user), fsize (bytes a file may grow to), "
+                    "cpu (seconds of CPU time)");
+      }
+      o.session_limits.emplace_back(kind, static_cast<rlim_t>(std::strtoull(value.c_str(), nullptr, 10)));
+      o.session_limits_text += (o.session_limits_text.empty() ? "" : ", ") + text;
+    }
     else if (arg == "--tls-cert" || arg == "--tls-key" || arg == "--tls-ca") {
       usage_error(arg + ": this native server has no TLS library; use the Python server "
                         "(python -m remote.server) where sessions or the tracker link need TLS");
@@ -198,11 +256,15 @@ struct Session {
   bool gone = false, reported = false;
 };
 
+std::string leave_network();
+
 class DeviceService {
  public:
   DeviceService(const Options& options, DeviceInfo info) : options_(options), info_(std::move(info)) {}
 
   void attach(TrackerLink* link) { link_ = link; }
+  // Each session's process leaves the network (leave_network) before it serves.
+  void keep_sessions_off_the_network() { no_network_ = true; }
   const DeviceInfo* info() const { return &info_; }
 
   std::vector<std::string> live_tokens() {
@@ -377,6 +439,7 @@ class DeviceService {
     settings.idle_timeout_s = options_.idle_timeout_s;
     settings.poll_us = options_.poll_us;
     settings.cc = options_.cc;
+    std::unique_lock<std::mutex> forking(processes_mutex_);
     pid_t pid = ::fork();
     if (pid < 0) {
       *error = std::string("fork failed: ") + std::strerror(errno);
@@ -384,6 +447,25 @@ class DeviceService {
       return false;
     }
     if (pid == 0) {
+      ::setpgid(0, 0);  // the session's processes are one group, ended together
+      // The server's memory is hidden from its user's other processes (see
+      // main); the session's process holds none of it that matters, once
+      // its copy of the options is gone.
+      ::prctl(PR_SET_DUMPABLE, 1, 0, 0, 0);
+      if (no_network_) {
+        std::string why = leave_network();
+        if (!why.empty()) {
+          std::fprintf(stderr, "a session process could not leave the network: %s\n", why.c_str());
+          _exit(1);
+        }
+      }
+      for (const auto& limit : options_.session_limits) {
+        rlimit value = {limit.second, limit.second};
+        ::setrlimit(limit.first, &value);
+      }
+      std::string& secret = const_cast<std::string&>(options_.farm_secret);
+      std::fill(secret.begin(), secret.end(), '\0');
+      if (link_ != nullptr) link_->forget_secrets();
       // The child keeps only its connection, its control socket and its
       // output: a copy of another session's connection held here would keep
       // that connection open after its own process ended.
@@ -396,6 +478,8 @@ class DeviceService {
       ::signal(SIGINT, SIG_IGN);  // Ctrl-C on the server's terminal is the server's
       serve_session(settings);
     }
+    session_pids_.insert(pid);
+    forking.unlock();
     ::close(control[1]);
     ::close(output[1]);
     {
@@ -407,6 +491,45 @@ class DeviceService {
       watch(session, control_fd, output_fd);
     }).detach();
     return true;
+  }
+
+  // What a session started ends with it: its process group, and those that
+  // left it (a new session, a double fork) and so came to this server, a
+  // subreaper, once their parents ended.
+  void end_processes_of(pid_t leader) {
+    ::kill(-leader, SIGKILL);
+    std::lock_guard<std::mutex> lock(processes_mutex_);
+    session_pids_.erase(leader);
+    for (pid_t pid : own_children()) {
+      if (session_pids_.count(pid)) continue;
+      ::kill(pid, SIGKILL);
+      while (::waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
+      }
+    }
+  }
+
+  static bool has_exited(pid_t pid) {
+    siginfo_t info;
+    info.si_pid = 0;
+    return ::waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOHANG | WNOWAIT) == 0 &&
+           info.si_pid == pid;
+  }
+
+  static std::vector<pid_t> own_children() {
+    std::vector<pid_t> pids;
+    DIR* dir = ::opendir("/proc/self/task");
+    if (dir == nullptr) return pids;
+    while (dirent* entry = ::readdir(dir)) {
+      if (entry->d_name[0] < '0' || entry->d_name[0] > '9') continue;
+      std::string path = std::string("/proc/self/task/") + entry->d_name + "/children";
+      FILE* f = std::fopen(path.c_str(), "r");
+      if (f == nullptr) continue;
+      long pid;
+      while (std::fscanf(f, "%ld", &pid) == 1) pids.push_back(static_cast<pid_t>(pid));
+      std::fclose(f);
+    }
+    ::closedir(dir);
+    return pids;
   }
 
   static void close_other_fds(std::initializer_list<int> keep) {
@@ -434,10 +557,11 @@ class DeviceService {
     while (control_open || output_open) {
       pollfd fds[2] = {{control_open ? control_fd : -1, POLLIN, 0}, {output_open ? output_fd : -1, POLLIN, 0}};
       // Once the process has closed its control socket, its output gets a
-      // moment to drain (a grandchild could hold the pipe).
-      int ready = ::poll(fds, 2, control_open ? -1 : 2000);
+      // moment to drain (a grandchild could hold the pipe). Processes a module
+      // started hold copies of both: the process's own end is looked for too.
+      int ready = ::poll(fds, 2, control_open ? kExitCheckMs : 2000);
       if (ready < 0 && errno == EINTR) continue;
-      if (ready == 0) break;
+      if (ready == 0 && (!control_open || has_exited(session->pid))) break;
       char data[65536];
       if (fds[0].revents) {
         ssize_t n = ::recv(control_fd, data, sizeof data, 0);
@@ -467,6 +591,7 @@ class DeviceService {
     int status = 0;
     while (::waitpid(session->pid, &status, 0) < 0 && errno == EINTR) {
     }
+    end_processes_of(session->pid);
     std::string error_class, reason;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -565,6 +690,7 @@ class DeviceService {
           session->stop_class = error_class;
           session->stop_reason = why;
         }
+        ::kill(-session->pid, SIGKILL);
         ::kill(session->pid, SIGKILL);
         changed_.wait_for(lock, std::chrono::seconds(10), [&] { return session->gone; });
       }
@@ -616,6 +742,11 @@ class DeviceService {
   DeviceInfo info_;
   TrackerLink* link_ = nullptr;
   std::mutex mutex_;
+  // Held while a session's process is forked and while strays are ended, so
+  // that a process just forked is never taken for a stray.
+  bool no_network_ = false;
+  std::mutex processes_mutex_;
+  std::set<pid_t> session_pids_;
   std::condition_variable slot_free_, changed_;
   std::map<std::string, std::shared_ptr<Session>> sessions_;
   std::map<std::string, std::pair<std::string, std::string>> ended_;
@@ -678,6 +809,165 @@ std::string local_address_towards(const std::string& tracker) {
   return result;
 }
 
+// Moves this process (single-threaded) into a network namespace of its own,
+// where no interface is up (remote/server/isolation.py, leave_network).
+// Returns "" once done, else why it cannot be done here.
+std::string leave_network() {
+  uid_t uid = ::geteuid();
+  gid_t gid = ::getegid();
+  int flags = CLONE_NEWNET | (uid == 0 ? 0 : CLONE_NEWUSER);
+  if (::unshare(flags) != 0) {
+    return std::string("this kernel refuses a network namespace here (") + std::strerror(errno) + ")";
+  }
+  if (uid != 0) {
+    const std::pair<const char*, std::string> maps[] = {
+        {"/proc/self/setgroups", "deny"},
+        {"/proc/self/uid_map", std::to_string(uid) + " " + std::to_string(uid) + " 1"},
+        {"/proc/self/gid_map", std::to_string(gid) + " " + std::to_string(gid) + " 1"}};
+    for (const auto& m : maps) {
+      int fd = ::open(m.first, O_WRONLY | O_CLOEXEC);
+      bool ok = fd >= 0 && ::write(fd, m.second.data(), m.second.size()) == static_cast<ssize_t>(m.second.size());
+      if (fd >= 0) ::close(fd);
+      if (!ok) return std::string("cannot map this user in a user namespace (") + std::strerror(errno) + ")";
+    }
+  }
+  return "";
+}
+
+// Whether sessions can be kept off the network here, tried in a child
+// process: "" when they will be, else what the server says at start.
+std::string network_isolation(bool allow_network) {
+  if (allow_network) return "sessions may use the network (--allow-network)";
+  int out[2];
+  if (::pipe2(out, O_CLOEXEC) != 0) return std::string("cannot try a network namespace: ") + std::strerror(errno);
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    std::string why = leave_network();
+    ssize_t ignored = ::write(out[1], why.data(), why.size());
+    (void)ignored;
+    _exit(0);
+  }
+  ::close(out[1]);
+  std::string why;
+  char data[512];
+  for (ssize_t n; (n = ::read(out[0], data, sizeof data)) > 0;) why.append(data, static_cast<size_t>(n));
+  ::close(out[0]);
+  while (pid > 0 && ::waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
+  }
+  if (pid < 0) return std::string("cannot try a network namespace: fork failed: ") + std::strerror(errno);
+  return why;
+}
+
+// Whether a whole first frame waits in ``fd`` (looked at, not read); true too
+// for what is not a first frame at all, or a connection that ended: the
+// service answers those at once.
+bool first_frame_arrived(int fd) {
+  static std::vector<unsigned char> head(kFrameHeaderBytes + kFirstFrameBytes);
+  ssize_t n = ::recv(fd, head.data(), head.size(), MSG_PEEK | MSG_DONTWAIT);
+  if (n < 0) return errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR;
+  if (n < static_cast<ssize_t>(kFrameHeaderBytes)) return n == 0;
+  uint64_t head_len = 0, body_len = 0;
+  for (int i = 3; i >= 0; --i) head_len = head_len << 8 | head[i];
+  for (int i = 11; i >= 4; --i) body_len = body_len << 8 | head[i];
+  if (head_len > kFirstFrameBytes || body_len != 0) return true;
+  return static_cast<uint64_t>(n) >= kFrameHeaderBytes + head_len;
+}
+
+struct Opening {
+  int fd;
+  std::string where, source;
+  int64_t deadline_ms, recheck_ms;
+};
+
+// Accepts connections and waits for each one's first frame in one poll set,
+// costing a descriptor and no thread; only a connection whose first frame has
+// arrived whole gets a thread of its own (kMaxPending at once). See
+// kMaxWaiting for the caps and why the oldest is dropped.
+void accept_loop(int listener, DeviceService* service, std::atomic<int>* pending) {
+  std::deque<Opening> waiting;  // in order of arrival, so of deadline too
+  std::map<std::string, int> per_source;
+  std::vector<pollfd> fds;
+  auto forget = [&](std::deque<Opening>::iterator it, bool close_it) {
+    if (--per_source[it->source] == 0) per_source.erase(it->source);
+    if (close_it) ::close(it->fd);
+    return waiting.erase(it);
+  };
+  for (;;) {
+    int64_t now = monotonic_ms();
+    while (!waiting.empty() && waiting.front().deadline_ms <= now) forget(waiting.begin(), true);
+    int64_t timeout = 500;
+    if (!waiting.empty()) timeout = std::min(timeout, waiting.front().deadline_ms - now);
+    fds.assign(1, pollfd{listener, POLLIN, 0});
+    for (const Opening& o : waiting) {
+      bool later = o.recheck_ms > now;
+      if (later) timeout = std::min(timeout, o.recheck_ms - now);
+      fds.push_back(pollfd{later ? -1 : o.fd, POLLIN, 0});
+    }
+    int ready = ::poll(fds.data(), fds.size(), static_cast<int>(std::max<int64_t>(timeout, 0)));
+    if (ready < 0 && errno != EINTR) return;
+    if (fds[0].revents & (POLLNVAL | POLLERR)) return;  // the listener was closed: the server stops
+    size_t i = 1;
+    for (auto it = waiting.begin(); it != waiting.end(); ++i) {
+      if (fds[i].fd < 0 || !fds[i].revents) {
+        ++it;
+        continue;
+      }
+      if (!first_frame_arrived(it->fd) || pending->load() >= kMaxPending) {
+        // Part of a frame keeps it readable: polling it again at once would spin.
+        it->recheck_ms = monotonic_ms() + kPartialRecheckMs;
+        ++it;
+        continue;
+      }
+      int fd = it->fd;
+      std::string where = it->where;
+      int64_t deadline = it->deadline_ms;
+      it = forget(it, false);
+      ++*pending;
+      std::thread([service, pending, fd, where, deadline] {
+        service->handle(fd, where, deadline);
+        --*pending;
+      }).detach();
+    }
+    if (!(fds[0].revents & POLLIN)) continue;
+    sockaddr_storage peer = {};
+    socklen_t len = sizeof peer;
+    int fd = ::accept4(listener, reinterpret_cast<sockaddr*>(&peer), &len, SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EBADF || errno == EINVAL) return;
+      continue;
+    }
+    char text[INET6_ADDRSTRLEN] = "?";
+    int peer_port = 0;
+    if (peer.ss_family == AF_INET6) {
+      auto* a = reinterpret_cast<sockaddr_in6*>(&peer);
+      ::inet_ntop(AF_INET6, &a->sin6_addr, text, sizeof text);
+      peer_port = ntohs(a->sin6_port);
+    } else {
+      auto* a = reinterpret_cast<sockaddr_in*>(&peer);
+      ::inet_ntop(AF_INET, &a->sin_addr, text, sizeof text);
+      peer_port = ntohs(a->sin_port);
+    }
+    std::string source = text;
+    if (per_source[source] >= kMaxWaitingPerSource) {
+      log_line("dropped the oldest of %d connections from %s still opening", kMaxWaitingPerSource, text);
+      for (auto it = waiting.begin(); it != waiting.end(); ++it) {
+        if (it->source == source) {
+          forget(it, true);
+          break;
+        }
+      }
+    } else if (static_cast<int>(waiting.size()) >= kMaxWaiting) {
+      log_line("dropped the oldest of %d connections still opening", kMaxWaiting);
+      forget(waiting.begin(), true);
+    }
+    int one = 1;
+    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    ++per_source[source];
+    waiting.push_back(Opening{fd, source + ":" + std::to_string(peer_port), source,
+                              monotonic_ms() + kHelloDeadlineMs, 0});
+  }
+}
+
 }  // namespace
 }  // namespace tether
 
@@ -685,6 +975,18 @@ int main(int argc, char** argv) {
   using namespace tether;
   Options options = parse_options(argc, argv);
   ::signal(SIGPIPE, SIG_IGN);
+  // Processes whose parents end come to this server, not to init, so that
+  // none of a session's outlives it (DeviceService::end_processes_of).
+  ::prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
+  // Its memory and /proc files (environment, open files) readable by root
+  // only, not by the modules its sessions run as the same user.
+  ::prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+  log_line("sandbox: sessions run as this server's user, with its files (no per-session user or "
+           "mount namespace on this server yet)");
+  log_line("sandbox: %s", options.session_limits.empty()
+                              ? "no --session-limit: a session may use all of the board's memory, disk and CPU "
+                                "until its timeouts end it"
+                              : options.session_limits_text.c_str());
   // Every thread inherits this mask, so SIGINT/SIGTERM reach sigwait below.
   sigset_t stop_signals;
   sigemptyset(&stop_signals);
@@ -699,7 +1001,16 @@ int main(int argc, char** argv) {
                  std::strerror(errno));
     return 1;
   }
-  DeviceService service(options, collect_device_info(options.attributes));
+  // Before any thread starts: the probe forks.
+  std::string network_note = network_isolation(options.allow_network);
+  if (!network_note.empty()) log_line("sandbox: %s", network_note.c_str());
+  DeviceInfo info = collect_device_info(options.attributes);
+  // How far sessions are isolated: the server's to say, not the operator's.
+  for (auto& kv : info.attributes) {
+    if (kv.first == "isolation") kv.second = network_note.empty() ? "processes,no-network" : "processes";
+  }
+  DeviceService service(options, std::move(info));
+  if (network_note.empty()) service.keep_sessions_off_the_network();
   service.start_expiry();
   std::unique_ptr<TrackerLink> link;
   if (!options.tracker.empty()) {
@@ -724,41 +1035,7 @@ int main(int argc, char** argv) {
   }
 
   std::atomic<int> pending(0);
-  std::thread([&] {
-    for (;;) {
-      sockaddr_storage peer = {};
-      socklen_t len = sizeof peer;
-      int fd = ::accept4(listener, reinterpret_cast<sockaddr*>(&peer), &len, SOCK_CLOEXEC);
-      if (fd < 0) {
-        if (errno == EBADF || errno == EINVAL) return;
-        continue;
-      }
-      char text[INET6_ADDRSTRLEN] = "?";
-      int peer_port = 0;
-      if (peer.ss_family == AF_INET6) {
-        auto* a = reinterpret_cast<sockaddr_in6*>(&peer);
-        ::inet_ntop(AF_INET6, &a->sin6_addr, text, sizeof text);
-        peer_port = ntohs(a->sin6_port);
-      } else {
-        auto* a = reinterpret_cast<sockaddr_in*>(&peer);
-        ::inet_ntop(AF_INET, &a->sin_addr, text, sizeof text);
-        peer_port = ntohs(a->sin_port);
-      }
-      std::string where = std::string(text) + ":" + std::to_string(peer_port);
-      if (pending.load() >= kMaxPending) {
-        log_line("refused a connection from %s: %d connections are still opening", text, kMaxPending);
-        ::close(fd);
-        continue;
-      }
-      int one = 1;
-      ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-      ++pending;
-      std::thread([&service, &pending, fd, where] {
-        service.handle(fd, where, monotonic_ms() + kHelloDeadlineMs);
-        --pending;
-      }).detach();
-    }
-  }).detach();
+  std::thread([&] { accept_loop(listener, &service, &pending); }).detach();
 
   std::string where = "standalone";
   if (link) {

@@ -208,6 +208,13 @@ double TrackerLink::connect_and_register() {
     last_error_ = reply.text;
     if (reply.error == "AuthenticationError") {
       log_line("tracker %s refused this board: %s", tracker_.c_str(), reply.text.c_str());
+      if (!device_id_.empty()) {
+        // Its id is not (or no longer) this board's to take: join as a new
+        // board rather than be refused for good.
+        device_id_.clear();
+        credential_.clear();
+        return 0;
+      }
       return -2;
     }
     return 0;
@@ -378,6 +385,13 @@ void TrackerLink::relay(std::string relay_id) {
     return;
   }
   on_relay_(fd);
+}
+
+void TrackerLink::forget_secrets() {
+  for (std::string* secret : {&farm_secret_, &credential_}) {
+    std::fill(secret->begin(), secret->end(), '\0');
+    secret->clear();
+  }
 }
 
 }  // namespace tether

@@ -32,6 +32,9 @@ class TrackerLink {
   // Whether the tracker accepts `token` as a live lease on this board.
   bool redeem(const std::string& token, LinkError* error);
   bool release(const std::string& token, LinkError* error);
+  // In a session's forked process, where a module runs: overwrite the farm
+  // secret and the board's credential in this copy of the server's memory.
+  void forget_secrets();
 
  private:
   void run();
