@@ -115,7 +115,8 @@ def test_bench_prints_a_table_and_writes_reproducible_json(first_run, onnx_path)
     assert report["model"]["kind"] == "onnx" and report["model"]["module_bytes"] > 0
     assert report["target"]["name"] == "host" and report["target"]["triple"]
     assert report["options"] == {"key": "host", "devices": "1", "number": 3, "repeat": 4,
-                                 "min_repeat_ms": 0.0, "cooldown_ms": 0.0, "target": "host"}
+                                 "min_repeat_ms": 0.0, "cooldown_ms": 0.0, "target": "host",
+                                 "precision": "fp32"}
     assert [t["name"] for t in report["module"]["inputs"]] == ["input"]
     assert report["failures"] == []
     (result,) = report["results"]
