@@ -13,7 +13,6 @@ speed; real data gives the accuracy).
 """
 from __future__ import annotations
 
-import glob
 import os
 from dataclasses import dataclass
 
@@ -22,6 +21,7 @@ import onnx
 import onnx.version_converter
 
 from .errors import BuildError
+from .input_sets import read_input_sets
 from .frontend import load_model
 
 
@@ -46,7 +46,8 @@ def _onnxruntime():
         import onnxruntime
         from onnxruntime import quantization
     except ImportError:
-        raise BuildError("quantizing needs onnxruntime on the host: pip install 'tether[quantize]'") from None
+        raise BuildError("quantizing needs onnxruntime on the host: `bash deploy_recipes/venv.sh "
+                         "quantize` in a checkout, or `pip install onnxruntime`") from None
     return onnxruntime, quantization
 
 
@@ -68,26 +69,14 @@ def calibration_samples(model: onnx.ModelProto, folder: "str | None" = None, ran
         rng = np.random.default_rng(seed)
         return [{name: rng.standard_normal(shape).astype(np.float32) for name, shape in inputs.items()}
                 for _ in range(random)]
-    files = sorted(glob.glob(os.path.join(folder, "*.npy")) + glob.glob(os.path.join(folder, "*.npz")))
-    if not files:
-        raise BuildError(f"calibration folder {folder!r} holds no .npy or .npz samples")
-    samples = []
-    for path in files:
-        if path.endswith(".npz"):
-            with np.load(path) as data:
-                sample = {name: data[name] for name in data.files}
-        elif len(inputs) == 1:
-            sample = {next(iter(inputs)): np.load(path)}
-        else:
-            raise BuildError(f"{path}: a model of {len(inputs)} inputs takes .npz samples with arrays "
-                             f"named {sorted(inputs)}")
-        samples.append(_fit(sample, inputs, path))
-    return samples
+    try:
+        found = read_input_sets(folder, list(inputs))
+    except ValueError as exc:
+        raise BuildError(f"calibration folder {exc}") from None
+    return [_fit(sample, inputs, path) for path, sample in found]
 
 
 def _fit(sample: dict, inputs: dict, path: str) -> dict:
-    if set(sample) != set(inputs):
-        raise BuildError(f"{path}: holds {sorted(sample)}, the model's inputs are {sorted(inputs)}")
     fitted = {}
     for name, value in sample.items():
         value = np.asarray(value, np.float32)

@@ -170,3 +170,22 @@ def test_without_onnxruntime_the_reference_is_the_model_built_for_this_host(mode
         np.testing.assert_allclose(got, expected[0], rtol=1e-4, atol=1e-5)
     finally:
         cleanup()
+
+
+def test_input_sets_are_read_from_a_folder_and_its_faults_named(tmp_path):
+    from crosscompile.input_sets import read_input_sets
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    np.save(tmp_path / "b.npy", x)
+    np.savez(tmp_path / "a.npz", input=x + 1)
+    [(first, a), (second, b)] = read_input_sets(str(tmp_path), ["input"])
+    assert (os.path.basename(first), os.path.basename(second)) == ("a.npz", "b.npy")
+    np.testing.assert_array_equal(a["input"], x + 1)
+    np.testing.assert_array_equal(b["input"], x)
+    with pytest.raises(ValueError, match=r"a\.npz: holds \['input'\], the model's inputs are "
+                                         r"\['input', 'mask'\]"):
+        read_input_sets(str(tmp_path), ["input", "mask"])
+    os.unlink(tmp_path / "a.npz")
+    with pytest.raises(ValueError, match=r"b\.npy: an \.npy is one input, and the model has"):
+        read_input_sets(str(tmp_path), ["input", "mask"])
+    with pytest.raises(ValueError, match=r"holds no \.npy or \.npz samples"):
+        read_input_sets(str(tmp_path / "nothing"), ["input"])

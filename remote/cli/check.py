@@ -10,7 +10,6 @@ report is recorded in the farm database like a benchmark.
 from __future__ import annotations
 
 import datetime
-import glob
 import hashlib
 import json
 import os
@@ -39,26 +38,13 @@ EXIT_BEYOND_TOLERANCE = 3
 def folder_inputs(folder: str, spec: List[dict]) -> List[Dict[str, np.ndarray]]:
     """One input set per file of ``folder``, in name order: an .npz keyed by
     input name, or an .npy for a model with one input."""
-    names = [t["name"] for t in spec]
-    files = sorted(glob.glob(os.path.join(folder, "*.npz")) +
-                   glob.glob(os.path.join(folder, "*.npy")))
-    if not os.path.isdir(folder) or not files:
-        raise ValueError(f"--inputs {folder!r}: no .npy or .npz files there; give a folder of "
-                         "input sets (an .npz per set keyed by input name, or an .npy per set "
-                         "for a model with one input), or --random N")
+    from crosscompile.input_sets import read_input_sets
+    try:
+        found = read_input_sets(folder, [t["name"] for t in spec])
+    except ValueError as exc:
+        raise ValueError(f"--inputs {exc}; or give --random N") from None
     sets = []
-    for path in files:
-        if path.endswith(".npz"):
-            with np.load(path) as archive:
-                one = {k: archive[k] for k in archive.files}
-        elif len(names) == 1:
-            one = {names[0]: np.load(path, allow_pickle=False)}
-        else:
-            raise ValueError(f"{path}: an .npy is one input, and the model has {names}; "
-                             "give an .npz per set keyed by input name")
-        missing = [n for n in names if n not in one]
-        if missing:
-            raise ValueError(f"{path}: no value for input(s) {missing} (it has {sorted(one)})")
+    for path, one in found:
         for t in spec:
             if list(one[t["name"]].shape) != list(t["shape"]):
                 raise ValueError(f"{path}: input {t['name']} has shape "
