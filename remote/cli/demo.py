@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from remote.cli.progress import ByteBar
 from remote.client import display
 
 DEMO_LAYERS = (784, 256, 128, 10)
@@ -48,15 +49,6 @@ def demo_model(layers=DEMO_LAYERS, seed: int = 7):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
     onnx.checker.check_model(model)
     return model
-
-
-def _progress_bar(label):
-    def show(done, total):
-        width = 30
-        filled = width * done // max(total, 1)
-        print(f"\r  {label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} bytes",
-              end="\n" if done >= total else "", flush=True)
-    return show
 
 
 def run_demo(key: str = "local", runs: int = 20) -> int:
@@ -109,7 +101,8 @@ def _run_on_the_board(farm, key, model_path, so_path, runs):
         info = sess.device_info()
         print(f"4. leased a {info['machine']} board ({display.board_cpu(info)}, {info['cores']} "
               f"cores, {info['os']})")
-        sess.upload(so_path, progress=_progress_bar("upload mlp.so"))
+        # Redrawn in place on a terminal; piped, a line at the start and one at the end.
+        sess.upload(so_path, progress=ByteBar("   upload mlp.so", stream=sys.stdout))
         mod = sess.load_module("mlp.so")
         print(f"   loaded on the device in {display.ms(mod.load_s)}")
         (probs,) = mod.run({"input": x})
