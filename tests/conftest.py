@@ -1,7 +1,17 @@
 import os
+import signal
 import sys
 
 import pytest
+
+
+def pytest_configure(config):
+    # A run started in the background by a non-interactive shell (`bash tests/run.sh &`,
+    # as some CI runners do) inherits SIGINT ignored, and so would every command the
+    # tests start: the tests that press Ctrl-C on a command, or on this process as
+    # Jupyter does, then wait in vain. Take Ctrl-C back, as at a terminal.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
