@@ -101,8 +101,10 @@ def test_the_baseline_gate_fails_a_slower_module_and_passes_a_faster_one(farm, m
     assert "has no benchmark of net.so on key 'host' labelled commit=never" in missing.stderr
     # The history marks the slow run against the fast one before it on the same board.
     records = json.loads(history(farm, "net.so", "--key", "host", "--json").stdout)
-    marked = [r for r in records if r["regression"]]
-    assert [r["labels"].get("commit") for r in marked] == ["after"]
+    # (Earlier runs of the same module, before this test's, may be marked too when
+    # the machine was busier for one of them: only this test's pair is known.)
+    marked = {r["labels"].get("commit") for r in records if r["regression"]}
+    assert "after" in marked
     assert "REGRESSION" in history(farm, "net.so", "--key", "host").stdout
 
 
