@@ -11,6 +11,15 @@ a shared CI machine), 20 samples a side catch a 10 % slowdown against a 5 %
 threshold 89 % of the time and 30 samples 96 %, and no identical pair of
 500 alarmed (tests/test_regression.py keeps the rule honest).
 
+Samples taken at another time share neither the machine's load nor its
+clock: a shared machine swings by more than 10 % between runs, and no test on
+two runs' samples can tell that from a slower module. ``compare_rounds`` is
+for a baseline measured in the same session, interleaved with the new module
+in rounds (one sample of each per round, in alternating order): each round's
+ratio new / baseline cancels what the machine was doing in that round, and
+the verdict comes from those ratios alone (their median with a bootstrap
+interval over the rounds, and the one-sided Wilcoxon signed-rank test).
+
     >>> c = compare([1.10, 1.11, 1.09] * 10, [1.0, 1.01, 0.99] * 10, max_regression=0.05)
     >>> c.regression, round(c.ratio, 2)
     (True, 1.1)
@@ -45,6 +54,9 @@ class Comparison:
     # runs' medians), and how many runs it came from; else None and 1.
     run_limit: Optional[float] = None
     baseline_runs: int = 1
+    # "samples": two sets of samples compared (compare); "interleaved": per-round
+    # ratios of samples taken in turns in one session (compare_rounds).
+    method: str = "samples"
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -52,6 +64,10 @@ class Comparison:
     def text(self) -> str:
         verdict = (f"SLOWER by more than {self.max_regression:.0%}" if self.regression
                    else f"within {self.max_regression:.0%}")
+        if self.method == "interleaved":
+            return (f"median per-round ratio {self.ratio:.3f} [{self.ci_low:.3f}, "
+                    f"{self.ci_high:.3f}] ({self.confidence:.0%} CI), Wilcoxon signed-rank "
+                    f"p={self.p_value:.2g} ({self.new_samples} interleaved rounds): {verdict}")
         runs = (f", above the {self.baseline_runs} baseline runs' limit "
                 f"{self.run_limit * 1e3:.4g} ms" if self.run_limit is not None and
                 self.regression else
@@ -130,6 +146,44 @@ def compare(new: Sequence[float], baseline: Sequence[float], max_regression: flo
                       p_value=p_value, max_regression=max_regression, regression=bool(slower),
                       new_samples=int(new_a.size), baseline_samples=int(base_a.size),
                       run_limit=limit, baseline_runs=len(baseline_runs or []) or 1)
+
+
+def compare_rounds(new: Sequence[float], baseline: Sequence[float], max_regression: float = 0.05,
+                   alpha: float = ALPHA, confidence: float = CONFIDENCE,
+                   resamples: int = RESAMPLES, seed: int = 0) -> Comparison:
+    """New and baseline samples taken in turns, ``new[i]`` and ``baseline[i]``
+    in round i: a regression when the one-sided Wilcoxon signed-rank test on
+    the rounds' log ratios is significant (p below ``alpha``), their median
+    ratio is past the threshold and the bootstrap interval's lower end past
+    half of it (the rule of ``compare``, on ratios the machine's drift
+    cancels from).
+
+    >>> c = compare_rounds([1.1, 2.2, 1.21, 3.3] * 5, [1.0, 2.0, 1.1, 3.0] * 5)
+    >>> c.regression, round(c.ratio, 2)
+    (True, 1.1)
+    """
+    from scipy.stats import wilcoxon
+
+    new_a, base_a = _clean(new, "new module"), _clean(baseline, "baseline module")
+    if new_a.size != base_a.size:
+        raise ValueError(f"interleaved rounds need one sample of each module per round, got "
+                         f"{new_a.size} new and {base_a.size} baseline samples")
+    logs = np.log(new_a / base_a)
+    ratio = float(np.exp(np.median(logs)))
+    rng = np.random.default_rng(seed)
+    medians = np.median(logs[rng.integers(0, logs.size, (resamples, logs.size))], axis=1)
+    tail = (1 - confidence) / 2 * 100
+    low, high = np.exp(np.percentile(medians, [tail, 100 - tail]))
+    # Rounds timed alike to the clock's resolution say nothing either way; with
+    # every round so, there is nothing to test.
+    p_value = (float(wilcoxon(logs, alternative="greater").pvalue) if np.any(logs != 0)
+               else 1.0)
+    slower = (p_value < alpha and ratio > 1 + max_regression
+              and low > 1 + max_regression / 2)
+    return Comparison(ratio=ratio, ci_low=float(low), ci_high=float(high),
+                      confidence=confidence, p_value=p_value, max_regression=max_regression,
+                      regression=bool(slower), new_samples=int(new_a.size),
+                      baseline_samples=int(base_a.size), method="interleaved")
 
 
 def mark_regressions(records: List[dict], max_regression: float = 0.05) -> Dict[int, dict]:

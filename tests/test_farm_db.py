@@ -104,9 +104,10 @@ def test_an_old_database_is_brought_up_to_date_and_keeps_its_records(new_databas
         tracker = farm.client()
         (old,) = tracker.results("bench", model="old.onnx")
         assert old["samples_s"] == [0.01, 0.02, 0.03] and old["labels"] == {}
+        assert old["comparison"] is None
         tracker.record("check", check_report(passed=False), {"commit": "x"})
         assert [c["passed"] for c in tracker.results("check")] == [False]
-    assert farmdb.schema_revision(engine) == "0002"
+    assert farmdb.schema_revision(engine) == "0003"
     engine.dispose()
 
 

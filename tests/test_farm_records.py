@@ -122,3 +122,39 @@ def test_a_report_goes_one_board_per_call_and_leaves_out_a_profile_too_big_for_o
         {"key": "host", "device_id": "host-1", "samples_s": [0.0012345678] * 10000}]}
     with pytest.raises(ValueError, match="the result of board host-1 is .* bytes, more than"):
         _per_board(huge)
+
+
+def test_the_interleaved_gate_passes_a_module_against_itself_and_catches_a_slower_one(
+        farm, modules, tmp_path):
+    """--baseline-module: both modules on one board in one session, in turns. The
+    same module against itself stays within a 50 % threshold (the median of the
+    rounds' ratios would have to pass 1.5); the wide network, many times the
+    work, is caught at 5 %. Both are recorded with their comparison."""
+    same = bench(farm, modules["fast"], "--baseline-module", modules["fast"],
+                 "--max-regression", "50%", "--label", "gate=self", "--json",
+                 str(tmp_path / "self.json"))
+    assert same.returncode == 0, same.stderr
+    assert "against net.so interleaved: median per-round ratio" in same.stderr
+    assert "(12 interleaved rounds): within 50%" in same.stderr
+    assert "BASELINE" in same.stdout and "RATIO" in same.stdout
+    with open(tmp_path / "self.json") as f:
+        report = json.load(f)
+    (result,) = report["results"]
+    gate = result["baseline"]
+    assert len(result["samples_s"]) == len(gate["samples_s"]) == 12
+    assert gate["method"] == "interleaved" and not gate["regression"]
+    assert gate["module"]["module_sha256"] == report["model"]["module_sha256"]
+    assert gate["ci_low"] <= gate["ratio"] <= gate["ci_high"]
+
+    slower = bench(farm, modules["slow"], "--baseline-module", modules["fast"],
+                   "--label", "gate=slow")
+    assert slower.returncode == EXIT_REGRESSION, slower.stderr
+    assert "(12 interleaved rounds): SLOWER by more than 5%" in slower.stderr
+    (recorded,) = json.loads(history(farm, "net.so", "--key", "host", "--label", "gate=slow",
+                                     "--json").stdout)
+    assert recorded["comparison"]["regression"] and recorded["comparison"]["ratio"] > 1.5
+    assert len(recorded["comparison"]["samples_s"]) == 12
+
+    both = bench(farm, modules["fast"], "--baseline-module", modules["fast"], "--baseline",
+                 "gate=self")
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr, both.stderr

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from remote.regression import compare, mark_regressions, parse_threshold
+from remote.regression import compare, compare_rounds, mark_regressions, parse_threshold
 
 pytest.importorskip("scipy")
 
@@ -76,3 +76,35 @@ def test_a_machine_busier_between_runs_is_told_from_a_slower_module_by_the_basel
     slower = compare(shared_machine(rng, 30, 2.2, 0.02), [s for r in runs for s in r],
                      baseline_runs=runs)
     assert slower.regression and 1.5 < slower.run_limit < 2.0
+
+
+def drifting_rounds(rng, rounds, slowdown):
+    """Samples of a baseline and a new module taken in turns on a machine whose
+    speed swings from round to round (0.7x to 1.6x), with the noise and the
+    slowed runs of shared_machine on top of each sample."""
+    machine = rng.uniform(0.7, 1.6, rounds)
+    return (machine * shared_machine(rng, rounds, slowdown),
+            machine * shared_machine(rng, rounds, 1.0))
+
+
+def test_interleaved_rounds_cancel_the_machine_s_drift():
+    """Two sets of such samples cannot tell a 10 % slowdown (the swings hide it);
+    their per-round ratios can, and identical modules never alarm."""
+    rng = np.random.default_rng(20261127)
+    caught = [compare_rounds(*drifting_rounds(rng, 30, 1.10)).regression for _ in range(40)]
+    alarms = [compare_rounds(*drifting_rounds(rng, 30, 1.0)).regression for _ in range(40)]
+    # (30 rounds catch 85 % of such slowdowns over 200 draws, 40 rounds 91 %.)
+    assert sum(caught) >= 32, sum(caught)
+    assert sum(alarms) == 0, sum(alarms)
+    assert sum(compare(*drifting_rounds(rng, 30, 1.10)).regression for _ in range(40)) < 20
+    found = compare_rounds(*drifting_rounds(rng, 30, 1.2))
+    assert found.regression and found.ci_low <= found.ratio <= found.ci_high
+    assert found.method == "interleaved" and 1.12 < found.ratio < 1.28
+    assert "30 interleaved rounds): SLOWER by more than 5%" in found.text()
+
+
+def test_interleaved_rounds_must_pair_up():
+    with pytest.raises(ValueError, match="one sample of each module per round, got 3 new and 2"):
+        compare_rounds([1.0, 1.0, 1.0], [1.0, 1.0])
+    same = compare_rounds([1.0, 2.0, 3.0], [1.0, 2.0, 3.0])
+    assert not same.regression and same.p_value == 1.0 and same.ratio == 1.0

@@ -19,6 +19,7 @@ import sys
 import threading
 from typing import List, Optional
 
+from minirt.timing import summarize
 from remote import errors
 from remote import regression
 from remote.cli import modelfile, recording
@@ -94,11 +95,13 @@ class Farm:
 class BoardRun(threading.Thread):
     """Everything done on one board, in its own thread."""
 
-    def __init__(self, index: int, farm: Farm, modules: modelfile.ModuleChoice, args):
+    def __init__(self, index: int, farm: Farm, modules: modelfile.ModuleChoice, args,
+                 baselines: Optional[modelfile.ModuleChoice] = None):
         super().__init__(name=f"board-{index}", daemon=True)
         self.index = index
         self.farm = farm
         self.modules = modules
+        self.baselines = baselines  # --baseline-module: timed in turns with the module
         self.module: Optional[modelfile.ModuleFile] = None
         self.args = args
         self.lease: Optional[Lease] = None
@@ -137,14 +140,7 @@ class BoardRun(threading.Thread):
             cold = modelfile.load_for_board(sess, name, info)
             warm = sess.load_module(name)  # the library is on the board and mapped now
             self.metadata = cold.metadata
-            with Ticker(f"{label} benchmarking: {args.repeat} samples"
-                        + (f" of at least {args.min_repeat_ms:g} ms" if args.min_repeat_ms
-                           else "") + " on the board"):
-                res = cold.benchmark(number=args.number, repeat=args.repeat,
-                                     min_repeat_ms=args.min_repeat_ms,
-                                     cooldown_ms=args.cooldown_ms,
-                                     timeout=_benchmark_timeout(args))
-            extra = {}
+            samples, number, res, extra = self._time(sess, cold, name, info, label)
             if args.profile:
                 say(f"{label} profiling each layer: {res.number} runs")
                 try:
@@ -155,11 +151,81 @@ class BoardRun(threading.Thread):
                     extra["profile_error"] = str(exc)
         return {
             "device_id": lease.device_id, "key": lease.key, "address": lease.address,
-            "device": info, "samples_s": res.samples, "number": res.number,
-            "repeat": res.repeat, "stats_s": {name: getattr(res, name) for name in display.STATS},
+            "device": info, "samples_s": samples, "number": number,
+            "repeat": len(samples), "stats_s": summarize(samples),
             "cold_load_s": cold.load_s, "warm_load_s": warm.load_s,
             "peak_rss_bytes": res.peak_rss_bytes, "threads": res.threads, **extra,
         }
+
+    def _time(self, sess: Session, cold, name: str, info: dict, label: str) -> tuple:
+        """The module's samples on the board (with --baseline-module, in turns
+        with the baseline's, which go under "baseline" in the extra fields):
+        (samples, number, the last BenchmarkResult, extra fields)."""
+        args = self.args
+        extra = {}
+        if self.baselines is None:
+            with Ticker(f"{label} benchmarking: {args.repeat} samples"
+                        + (f" of at least {args.min_repeat_ms:g} ms" if args.min_repeat_ms
+                           else "") + " on the board"):
+                res = cold.benchmark(number=args.number, repeat=args.repeat,
+                                     min_repeat_ms=args.min_repeat_ms,
+                                     cooldown_ms=args.cooldown_ms,
+                                     timeout=_benchmark_timeout(args))
+            samples, number = res.samples, res.number
+        else:
+            baseline = self.baselines.for_board(info)
+            base = _load_baseline(sess, baseline, name, info, label, self.index)
+            with Ticker(f"{label} benchmarking against {os.path.basename(baseline.source)} "
+                        f"interleaved: {args.repeat} rounds on the board"):
+                (samples, number, res), (base_samples, base_number, _) = \
+                    interleave(cold, base["loaded"], args)
+            extra["baseline"] = {
+                "module": baseline.describe(), "samples_s": base_samples,
+                "number": base_number, "stats_s": summarize(base_samples),
+                "cold_load_s": base["cold"], "warm_load_s": base["warm"]}
+        return samples, number, res, extra
+
+
+def _load_baseline(sess: Session, baseline: modelfile.ModuleFile, taken: str, info: dict,
+                   label: str, position: int) -> dict:
+    """Upload and load the --baseline-module next to the module (named apart
+    from it: both are often net.so); its loaded module and load times."""
+    target = "baseline-" + os.path.basename(baseline.path)
+    if target == taken:
+        target = "baseline-" + target
+    bar = ByteBar(f"{label} upload {os.path.basename(baseline.source)} (baseline)",
+                  position=position)
+    try:
+        name = sess.upload(baseline.path, target=target, progress=bar)
+    finally:
+        bar.close()
+    cold = modelfile.load_for_board(sess, name, info)
+    warm = sess.load_module(name)
+    return {"loaded": cold, "cold": cold.load_s, "warm": warm.load_s}
+
+
+def interleave(new, base, args) -> tuple:
+    """``args.repeat`` rounds on one board, one sample of each module per
+    round, in turns: new first in even rounds, the baseline first in odd ones,
+    so that neither always runs just after the other. Each module is timed
+    once before the rounds (not kept): that warms it up and fixes its
+    ``number`` of runs per sample, so that every round times the same work.
+    Per module: (samples, number, the last BenchmarkResult)."""
+    timed = []
+    for mod in (new, base):
+        first = mod.benchmark(number=args.number, repeat=1, min_repeat_ms=args.min_repeat_ms,
+                              timeout=_benchmark_timeout(args))
+        sample_s = first.samples[0] * first.number
+        timeout = args.timeout or max(DEFAULT_CALL_TIMEOUT_S, 3 * sample_s + 10.0)
+        timed.append({"mod": mod, "number": first.number, "timeout": timeout, "samples": [],
+                      "last": first})
+    for round_ in range(args.repeat):
+        for side in (timed if round_ % 2 == 0 else timed[::-1]):
+            res = side["mod"].benchmark(number=side["number"], repeat=1,
+                                        cooldown_ms=args.cooldown_ms, timeout=side["timeout"])
+            side["samples"].append(res.samples[0])
+            side["last"] = res
+    return tuple((side["samples"], side["number"], side["last"]) for side in timed)
 
 
 def post_report(url: str, report: dict) -> None:
@@ -306,7 +372,7 @@ def _headline(record: dict) -> str:
             f"{display.size(d['memory_bytes'])}, {d['os'] or '?'}")
 
 
-def board_table(record: dict, old: Optional[dict] = None) -> str:
+def board_table(record: dict, old: Optional[dict] = None, before: str = "BEFORE") -> str:
     rows = []
     comparison = ratios(record, old) if old else {}
     for name in COMPARED:
@@ -320,7 +386,7 @@ def board_table(record: dict, old: Optional[dict] = None) -> str:
                 + (("", "") if old else ()))
     rows.append(("runs", f"{record['repeat']} x {record['number']}") + (("", "") if old else ()))
     rows.append(("threads", display.threads(record.get("threads", 0))) + (("", "") if old else ()))
-    headers = ("STATISTIC", "VALUE") + (("BEFORE", "RATIO") if old else ())
+    headers = ("STATISTIC", "VALUE") + ((before, "RATIO") if old else ())
     return _headline(record) + "\n" + "\n".join(
         "  " + line for line in display.text_table(headers, rows).splitlines())
 
@@ -403,9 +469,15 @@ def write_plot(path: str, report: dict, old: Optional[dict]) -> None:
 def run_bench(args, tracker_address) -> int:
     _check_options(args)
     old = load_report(args.vs) if args.vs else None
-    modules = modelfile.ModuleChoice(args.model, args.target,
-                                     modelfile.parse_input_shapes(args.input_shape),
-                                     tuned=not args.no_tuning, say=say, precision=args.precision)
+    options = dict(input_shapes=modelfile.parse_input_shapes(args.input_shape),
+                   tuned=not args.no_tuning, say=say, precision=args.precision)
+    modules = modelfile.ModuleChoice(args.model, args.target, **options)
+    try:
+        baselines = (modelfile.ModuleChoice(args.baseline_module, args.target, **options)
+                     if args.baseline_module else None)
+    except BaseException:
+        modules.cleanup()
+        raise
     host, port = tracker_address
     tracker = TrackerClient(host, port, tls_ca=args.tls_ca)
     waiter = TrackerClient(host, port, tls_ca=args.tls_ca)
@@ -415,7 +487,7 @@ def run_bench(args, tracker_address) -> int:
                     if args.baseline else None)
         count = _device_count(tracker, args.key, args.devices)
         say(f"benchmarking on {count} board(s) of key {args.key!r}")
-        runs = [BoardRun(i, farm, modules, args) for i in range(count)]
+        runs = [BoardRun(i, farm, modules, args, baselines) for i in range(count)]
         try:
             for run in runs:
                 run.start()
@@ -429,7 +501,8 @@ def run_bench(args, tracker_address) -> int:
             say(f"interrupted: closed the sessions and returned {held} board(s)")
             raise
         report = build_report(args, modules, runs, tracker.address)
-        regressed = compare_with_baseline(report, baseline, args.max_regression_fraction)
+        regressed = (compare_interleaved(report, args.max_regression_fraction) if baselines
+                     else compare_with_baseline(report, baseline, args.max_regression_fraction))
         # --post hands the report to a farm page, whose tracker records it.
         if not args.no_record and not args.post and report["results"]:
             recording.record_report(tracker, "bench", report, report["labels"], say)
@@ -437,10 +510,16 @@ def run_bench(args, tracker_address) -> int:
         waiter.close()
         tracker.close()
         modules.cleanup()
+        if baselines:
+            baselines.cleanup()
 
     old_results = old["results"] if old else None
     for i, record in enumerate(report["results"]):
-        print(board_table(record, _match(record, old_results, i) if old_results else None))
+        if old_results:
+            print(board_table(record, _match(record, old_results, i)))
+        else:  # with --baseline-module, the baseline timed in the same rounds
+            print(board_table(record, record.get("baseline") if baselines else None,
+                              "BASELINE"))
         if "profile" in record or "profile_error" in record:
             print(profile_table(record))
         print()
@@ -479,6 +558,22 @@ def compare_with_baseline(report: dict, baseline, max_regression: float) -> bool
         found = regression.compare(record["samples_s"], [s for run in runs for s in run],
                                    max_regression, baseline_runs=runs)
         record["baseline"] = {"baseline": named, **found.as_dict()}
+        regressed |= found.regression
+        say(f"{record['device_id']} against {named}: {found.text()}")
+    return regressed
+
+
+def compare_interleaved(report: dict, max_regression: float) -> bool:
+    """Each board's samples against those of the --baseline-module timed in
+    the same rounds (the comparison joins them under ``"baseline"``); whether
+    any board is slower beyond the threshold."""
+    regressed = False
+    for record in report["results"]:
+        measured = record["baseline"]
+        found = regression.compare_rounds(record["samples_s"], measured["samples_s"],
+                                          max_regression)
+        named = f"{os.path.basename(measured['module']['path'])} interleaved"
+        measured.update({"baseline": named, **found.as_dict()})
         regressed |= found.regression
         say(f"{record['device_id']} against {named}: {found.text()}")
     return regressed
@@ -530,12 +625,19 @@ def add_arguments(p) -> None:
     recording.add_arguments(p)
     p.add_argument("--csv", metavar="FILE", help="write one summary row per board here")
     p.add_argument("--vs", metavar="OLD.json", help="print ratios against an earlier --json")
-    p.add_argument("--baseline", metavar="NAME=VALUE|FILE.json",
-                   help="compare the raw samples with a baseline's (runs recorded with that "
-                        "label, or an earlier --json) and exit 3 when slower beyond "
-                        "--max-regression with confidence")
+    gate = p.add_mutually_exclusive_group()
+    gate.add_argument("--baseline", metavar="NAME=VALUE|FILE.json",
+                      help="compare the raw samples with a baseline's (runs recorded with that "
+                           "label, or an earlier --json) and exit 3 when slower beyond "
+                           "--max-regression with confidence")
+    gate.add_argument("--baseline-module", metavar="OLD.so|OLD.onnx",
+                      help="time this module (or model) too, in turns with MODEL on the same "
+                           "board in the same session (--repeat rounds, one sample of each per "
+                           "round), and exit 3 when MODEL is slower beyond --max-regression "
+                           "with confidence: the gate for a machine whose speed drifts")
     p.add_argument("--max-regression", default="5%", metavar="PERCENT",
-                   help="how much slower than --baseline is tolerated (default 5%%)")
+                   help="how much slower than --baseline or --baseline-module is tolerated "
+                        "(default 5%%)")
     p.add_argument("--plot", metavar="FILE.png",
                    help="write a latency plot of every board (needs matplotlib)")
     p.add_argument("--profile", action="store_true",

@@ -53,7 +53,9 @@ benchmarks = sa.Table(
     "benchmarks", metadata, sa.Column("id", sa.Integer, primary_key=True),
     *(sa.Column(name, kind) for name, kind in _RUN_COLUMNS),
     sa.Column("conditions", sa.Text), sa.Column("samples_s", sa.Text),
-    sa.Column("median_s", sa.Float), sa.Column("holder", sa.String(255)))
+    sa.Column("median_s", sa.Float), sa.Column("holder", sa.String(255)),
+    # What the regression gate found (--baseline / --baseline-module), or NULL.
+    sa.Column("comparison", sa.Text))
 
 checks = sa.Table(
     "checks", metadata, sa.Column("id", sa.Integer, primary_key=True),
@@ -74,7 +76,8 @@ labels = sa.Table(
 
 TABLES = {"bench": benchmarks, "check": checks}
 # Columns kept as JSON text.
-JSON_COLUMNS = {"target", "device", "conditions", "samples_s", "inputs", "tolerances", "outputs"}
+JSON_COLUMNS = {"target", "device", "conditions", "samples_s", "inputs", "tolerances", "outputs",
+                "comparison"}
 
 
 def shown_url(url: str) -> str:
@@ -191,8 +194,14 @@ def bench_rows(report: dict, holder: str, now: float) -> List[dict]:
             "number", "repeat", "threads", "cold_load_s", "warm_load_s", "peak_rss_bytes")}
         conditions.update({name: options.get(name) for name in ("min_repeat_ms", "cooldown_ms")})
         conditions["command"] = report.get("command")
+        comparison = result.get("baseline")
+        if comparison is not None and not isinstance(comparison, dict):
+            raise InvalidArgument(f"result {n} ({result.get('device_id', '?')}): its baseline "
+                                  "is not a comparison; post a report written by `tether bench "
+                                  "--json`")
         rows.append({**_common(report, result, holder, now), "conditions": json.dumps(conditions),
-                     "samples_s": json.dumps(samples), "median_s": statistics.median(samples)})
+                     "samples_s": json.dumps(samples), "median_s": statistics.median(samples),
+                     "comparison": json.dumps(comparison) if comparison else None})
     return rows
 
 
