@@ -178,7 +178,7 @@ class BoardRun(threading.Thread):
             with Ticker(f"{label} benchmarking against {os.path.basename(baseline.source)} "
                         f"interleaved: {args.repeat} rounds on the board"):
                 (samples, number, res), (base_samples, base_number, _) = \
-                    interleave(cold, base["loaded"], args)
+                    interleave((cold, name), (base["loaded"], base["name"]), args)
             extra["baseline"] = {
                 "module": baseline.describe(), "samples_s": base_samples,
                 "number": base_number, "stats_s": summarize(base_samples),
@@ -201,31 +201,42 @@ def _load_baseline(sess: Session, baseline: modelfile.ModuleFile, taken: str, in
         bar.close()
     cold = modelfile.load_for_board(sess, name, info)
     warm = sess.load_module(name)
-    return {"loaded": cold, "cold": cold.load_s, "warm": warm.load_s}
+    return {"loaded": cold, "name": name, "cold": cold.load_s, "warm": warm.load_s}
 
 
-def interleave(new, base, args) -> tuple:
+def interleave(new: tuple, base: tuple, args) -> tuple:
     """``args.repeat`` rounds on one board, one sample of each module per
     round, in turns: new first in even rounds, the baseline first in odd ones,
     so that neither always runs just after the other. Each module is timed
-    once before the rounds (not kept): that warms it up and fixes its
-    ``number`` of runs per sample, so that every round times the same work.
+    once before the rounds (not kept), which warms it up and tells how many
+    runs fill --min-repeat-ms; both then take the larger ``number`` of runs
+    per sample, so that their samples last alike.
+
+    Every FRESH_EVERY rounds both modules are loaded again. A loaded module
+    keeps its own worker threads, and on a busy machine one module's threads
+    can stay badly placed for seconds: on a 2-core machine with a load of 8,
+    one of two identical modules ran 2 to 8 times slower than the other for
+    the last half of 100 rounds. Fresh threads every few rounds give each
+    module many draws of that luck instead of one.
+    ``new`` and ``base`` are (loaded module, its file's name on the board).
     Per module: (samples, number, the last BenchmarkResult)."""
-    timed = []
-    for mod in (new, base):
-        first = mod.benchmark(number=args.number, repeat=1, min_repeat_ms=args.min_repeat_ms,
-                              timeout=_benchmark_timeout(args))
-        sample_s = first.samples[0] * first.number
-        timeout = args.timeout or max(DEFAULT_CALL_TIMEOUT_S, 3 * sample_s + 10.0)
-        timed.append({"mod": mod, "number": first.number, "timeout": timeout, "samples": [],
-                      "last": first})
+    first = [mod.benchmark(number=args.number, repeat=1, min_repeat_ms=args.min_repeat_ms,
+                           timeout=_benchmark_timeout(args)) for mod, _ in (new, base)]
+    number = max(res.number for res in first)
+    sample_s = max(res.samples[0] for res in first) * number
+    timeout = args.timeout or max(DEFAULT_CALL_TIMEOUT_S, 3 * sample_s + 10.0)
+    timed = [{"mod": mod, "name": name, "samples": [], "last": res}
+             for (mod, name), res in zip((new, base), first)]
     for round_ in range(args.repeat):
+        if round_ and round_ % FRESH_EVERY == 0:
+            for side in timed:
+                side["mod"] = side["mod"].session.load_module(side["name"])
         for side in (timed if round_ % 2 == 0 else timed[::-1]):
-            res = side["mod"].benchmark(number=side["number"], repeat=1,
-                                        cooldown_ms=args.cooldown_ms, timeout=side["timeout"])
+            res = side["mod"].benchmark(number=number, repeat=1, cooldown_ms=args.cooldown_ms,
+                                        timeout=timeout)
             side["samples"].append(res.samples[0])
             side["last"] = res
-    return tuple((side["samples"], side["number"], side["last"]) for side in timed)
+    return tuple((side["samples"], number, side["last"]) for side in timed)
 
 
 def post_report(url: str, report: dict) -> None:
@@ -578,6 +589,9 @@ def compare_interleaved(report: dict, max_regression: float) -> bool:
         say(f"{record['device_id']} against {named}: {found.text()}")
     return regressed
 
+
+# --baseline-module loads both modules afresh every this many rounds (interleave).
+FRESH_EVERY = 5
 
 # The exit status of a run that is slower than its --baseline beyond --max-regression.
 EXIT_REGRESSION = 3
