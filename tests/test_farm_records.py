@@ -130,11 +130,12 @@ def test_the_interleaved_gate_passes_a_module_against_itself_and_catches_a_slowe
     same module against itself stays within a 50 % threshold (the median of the
     rounds' ratios would have to pass 1.5); the wide network, many times the
     work, is caught at 5 %. Both are recorded with their comparison."""
-    same = bench(farm, modules["fast"], "--baseline-module", modules["fast"],
+    model = os.path.join(os.path.dirname(modules["fast"]), "net.onnx")  # compiled on the spot
+    same = bench(farm, modules["fast"], "--baseline-module", model,
                  "--max-regression", "50%", "--label", "gate=self", "--json",
                  str(tmp_path / "self.json"))
     assert same.returncode == 0, same.stderr
-    assert "against net.so interleaved: median per-round ratio" in same.stderr
+    assert "against net.onnx interleaved: median per-round ratio" in same.stderr
     assert "(12 interleaved rounds): within 50%" in same.stderr
     assert "BASELINE" in same.stdout and "RATIO" in same.stdout
     with open(tmp_path / "self.json") as f:
@@ -143,7 +144,7 @@ def test_the_interleaved_gate_passes_a_module_against_itself_and_catches_a_slowe
     gate = result["baseline"]
     assert len(result["samples_s"]) == len(gate["samples_s"]) == 12
     assert gate["method"] == "interleaved" and not gate["regression"]
-    assert gate["module"]["module_sha256"] == report["model"]["module_sha256"]
+    assert gate["module"]["kind"] == "onnx" and gate["module"]["path"] == model
     assert gate["ci_low"] <= gate["ratio"] <= gate["ci_high"]
 
     slower = bench(farm, modules["slow"], "--baseline-module", modules["fast"],
@@ -158,3 +159,7 @@ def test_the_interleaved_gate_passes_a_module_against_itself_and_catches_a_slowe
     both = bench(farm, modules["fast"], "--baseline-module", modules["fast"], "--baseline",
                  "gate=self")
     assert both.returncode == 2 and "not allowed with argument" in both.stderr, both.stderr
+    missing = bench(farm, modules["fast"], "--baseline-module", str(tmp_path / "main.so"))
+    assert missing.returncode == 1, missing.stderr
+    assert "--baseline-module: " in missing.stderr, missing.stderr
+    assert "main.so': no such file" in missing.stderr, missing.stderr

@@ -486,6 +486,9 @@ def run_bench(args, tracker_address) -> int:
     try:
         baselines = (modelfile.ModuleChoice(args.baseline_module, args.target, **options)
                      if args.baseline_module else None)
+    except (FileNotFoundError, ValueError) as exc:
+        modules.cleanup()
+        raise type(exc)(f"--baseline-module: {exc}") from None
     except BaseException:
         modules.cleanup()
         raise
