@@ -212,12 +212,12 @@ def interleave(new: tuple, base: tuple, args) -> tuple:
     runs fill --min-repeat-ms; both then take the larger ``number`` of runs
     per sample, so that their samples last alike.
 
-    Every FRESH_EVERY rounds both modules are loaded again. A loaded module
-    keeps its own worker threads, and on a busy machine one module's threads
-    can stay badly placed for seconds: on a 2-core machine with a load of 8,
-    one of two identical modules ran 2 to 8 times slower than the other for
-    the last half of 100 rounds. Fresh threads every few rounds give each
-    module many draws of that luck instead of one.
+    Every few rounds (fresh_every) both modules are loaded again. A loaded
+    module keeps its own worker threads, and on a busy machine one module's
+    threads can stay badly placed for seconds: on a 2-core machine with a
+    load of 8, one of two identical modules ran 2 to 8 times slower than the
+    other for the last half of 100 rounds. Fresh threads every few rounds
+    give each module many draws of that luck instead of one.
     ``new`` and ``base`` are (loaded module, its file's name on the board).
     Per module: (samples, number, the last BenchmarkResult)."""
     first = [mod.benchmark(number=args.number, repeat=1, min_repeat_ms=args.min_repeat_ms,
@@ -227,8 +227,9 @@ def interleave(new: tuple, base: tuple, args) -> tuple:
     timeout = args.timeout or max(DEFAULT_CALL_TIMEOUT_S, 3 * sample_s + 10.0)
     timed = [{"mod": mod, "name": name, "samples": [], "last": res}
              for (mod, name), res in zip((new, base), first)]
+    every = fresh_every(args.repeat, [mod.metadata for mod, _ in (new, base)])
     for round_ in range(args.repeat):
-        if round_ and round_ % FRESH_EVERY == 0:
+        if round_ and round_ % every == 0:
             for side in timed:
                 side["mod"] = side["mod"].session.load_module(side["name"])
         for side in (timed if round_ % 2 == 0 else timed[::-1]):
@@ -237,6 +238,21 @@ def interleave(new: tuple, base: tuple, args) -> tuple:
             side["samples"].append(res.samples[0])
             side["last"] = res
     return tuple((side["samples"], number, side["last"]) for side in timed)
+
+
+def fresh_every(rounds: int, metadata: List[dict]) -> int:
+    """How many rounds go between fresh loads of the modules: FRESH_EVERY, or
+    more for modules with large workspaces. A session keeps every module it
+    loaded, each with its workspace, so the loads of one comparison hold at
+    most FRESH_LOADS_BYTES of workspaces.
+
+    >>> small, large = {"workspace_bytes": 1 << 20}, {"workspace_bytes": 16 << 20}
+    >>> fresh_every(100, [small, small]), fresh_every(100, [large, large])
+    (5, 13)
+    """
+    per_load = sum(int(m.get("workspace_bytes", 0)) for m in metadata)
+    loads = FRESH_LOADS_BYTES // per_load if per_load else rounds
+    return max(FRESH_EVERY, -(-rounds // max(loads, 1)))
 
 
 def post_report(url: str, report: dict) -> None:
@@ -593,8 +609,10 @@ def compare_interleaved(report: dict, max_regression: float) -> bool:
     return regressed
 
 
-# --baseline-module loads both modules afresh every this many rounds (interleave).
+# --baseline-module loads both modules afresh every this many rounds (interleave),
+# unless their workspaces would then hold more than this in one session.
 FRESH_EVERY = 5
+FRESH_LOADS_BYTES = 256 << 20
 
 # The exit status of a run that is slower than its --baseline beyond --max-regression.
 EXIT_REGRESSION = 3
