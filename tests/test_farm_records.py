@@ -127,16 +127,17 @@ def test_a_report_goes_one_board_per_call_and_leaves_out_a_profile_too_big_for_o
 def test_the_interleaved_gate_passes_a_module_against_itself_and_catches_a_slower_one(
         farm, modules, tmp_path):
     """--baseline-module: both modules on one board in one session, in turns. The
-    same module against itself stays within a 50 % threshold (the median of the
-    rounds' ratios would have to pass 1.5); the wide network, many times the
-    work, is caught at 5 %. Both are recorded with their comparison."""
+    same module against itself passes a 100 % threshold, which only a median
+    round ratio above 2 with the copy slower in 11 of the 12 rounds would fail;
+    the wide network, many times the work, is caught at 5 %. Both are recorded
+    with their comparison."""
     model = os.path.join(os.path.dirname(modules["fast"]), "net.onnx")  # compiled on the spot
     same = bench(farm, modules["fast"], "--baseline-module", model,
-                 "--max-regression", "50%", "--label", "gate=self", "--json",
+                 "--max-regression", "100%", "--label", "gate=self", "--json",
                  str(tmp_path / "self.json"))
     assert same.returncode == 0, same.stderr
     assert "against net.onnx interleaved: median per-round ratio" in same.stderr
-    assert "(12 interleaved rounds): within 50%" in same.stderr
+    assert "(12 interleaved rounds): within 100%" in same.stderr
     assert "BASELINE" in same.stdout and "RATIO" in same.stdout
     with open(tmp_path / "self.json") as f:
         report = json.load(f)
