@@ -27,7 +27,7 @@ import onnx
 from llvmlite import ir
 from onnx import helper, numpy_helper
 
-from . import int8_dot
+from . import int8_depthwise, int8_dot
 from .emit import F32, I32, Kernel
 from .int8_dot import ROUNDING_LIMIT, ROUNDING_MAGIC
 from .errors import BuildError, ShapeError
@@ -350,11 +350,16 @@ class IntegerConv(_IntegerOp):
 
     def scratch_bytes(self, inputs, outputs, attrs):
         plane = _prod(outputs[0].shape[2:])
+        if attrs["int8_kernel"] == "depthwise":
+            return int8_depthwise.scratch_bytes(inputs[0].shape, attrs)
         if attrs["int8_kernel"] != "widening":
             return _prod(inputs[1].shape[1:]) * -(-plane // 4) * 4
         return 4 * plane
 
     def lower(self, k, inputs, outputs, attrs):
+        if attrs["int8_kernel"] == "depthwise":
+            int8_depthwise.lower(k, inputs, outputs, attrs)
+            return
         if attrs["int8_kernel"] != "widening":
             int8_dot.lower_conv(k, inputs, outputs, attrs)
             return

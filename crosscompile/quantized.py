@@ -48,10 +48,15 @@ def int8_kernel(target: Target, weight: np.ndarray, group: int) -> str:
       convolution has one group;
     - "pairs": the same tiles with ARMv8.0's smull + sadalp, on the other
       AArch64 cores (Cortex-A53, A72), under the same conditions;
+    - "depthwise": a 2-D convolution of one filter per channel, on every
+      target (int8_depthwise.py: int16 products summed into int32 lanes,
+      8 outputs of a row at a time);
     - "widening": 8-bit values widened and multiplied into 32-bit sums
-      along output rows, on every target (x86, 32-bit ARM, and depthwise
-      convolutions everywhere).
+      along output rows, on every target (x86, 32-bit ARM, and the other
+      grouped convolutions everywhere).
     """
+    if group > 1 and weight.ndim == 4 and weight.shape[0] == group and weight.shape[1] == 1:
+        return "depthwise"
     fits = weight.size == 0 or (weight.min() >= -128 and weight.max() <= 127)
     if target.arch != "aarch64" or not fits or group != 1:
         return "widening"

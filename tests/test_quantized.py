@@ -48,15 +48,16 @@ def test_quantized_model_matches_onnxruntime_on_host(form, tmp_path):
 
 
 @pytest.mark.parametrize("form, target, kernels", [
-    ("qdq_per_channel_s8", "rasp5", {"dot", "widening"}),
-    ("qdq_per_channel_s8", "rasp4b64", {"pairs", "widening"}),
-    ("qdq_per_channel_s8", "rasp4b", {"widening"}),
-    ("qoperator_u8", "rasp5", {"widening"}),  # uint8 weights less their zero point do not fit int8
+    ("qdq_per_channel_s8", "rasp5", {"dot", "depthwise"}),
+    ("qdq_per_channel_s8", "rasp4b64", {"pairs", "depthwise"}),
+    ("qdq_per_channel_s8", "rasp4b", {"widening", "depthwise"}),
+    ("qoperator_u8", "rasp5", {"widening", "depthwise"}),  # uint8 weights less their zero point do not fit int8
 ])
 def test_quantized_convolutions_and_products_become_integer_kernels(form, target, kernels):
     """The pass writes its decisions into the graph: no float Conv, MatMul or
     Gemm is left of the quantized ones, and each integer node names the
-    kernel the target's capabilities chose (depthwise convolutions widening)."""
+    kernel the target's capabilities chose (the depthwise kernel for the
+    depthwise convolution on every target)."""
     from crosscompile.compiler import lowered_graph
     from crosscompile.schedule import tile_table
     from crosscompile.target import resolve_target
@@ -68,7 +69,7 @@ def test_quantized_convolutions_and_products_become_integer_kernels(form, target
     assert not {"Conv", "MatMul", "Gemm"} & set(kinds), kinds
     integer = [n for n in graph.nodes if n.op_type in ("IntegerConv", "IntegerMatMul")]
     assert {n.attrs["int8_kernel"] for n in integer} == kernels
-    assert all(n.attrs["int8_kernel"] == "widening" for n in integer if n.attrs.get("group", 1) > 1)
+    assert all(n.attrs["int8_kernel"] == "depthwise" for n in integer if n.attrs.get("group", 1) > 1)
 
 
 def _dequantized_matmul(dtype: int, values) -> onnx.ModelProto:
