@@ -182,6 +182,53 @@ def _as_int8(k: Kernel, value: ir.Value, dtype: str) -> ir.Value:
     return k.builder.xor(value, ir.Constant(I8, 0x80)) if dtype == "uint8" else value
 
 
+# Output pixels packed at a time: 16 bytes of each of 4 channels, written
+# interleaved (one st4 on AArch64).
+PACK_BLOCK = 16
+
+
+def _whole_blocks(cols: tuple, stride: int, offset: int, width: int) -> int:
+    """How many blocks of PACK_BLOCK output columns from cols[0] lie within
+    cols and read no byte past the input row (a block loads
+    PACK_BLOCK * stride bytes from column cols[0] * stride + offset)."""
+    count = 0
+    while (cols[0] + PACK_BLOCK * (count + 1) <= cols[1]
+           and (cols[0] + PACK_BLOCK * (count + 1)) * stride + offset <= width):
+        count += 1
+    return count
+
+
+def _pack_blocks(k: Kernel, x: ir.Value, lines: list, valid: list, packed: ir.Value, row: ir.Value, first: int,
+                 blocks: int, stride: int, pad: ir.Value, dtype: str) -> None:
+    """packed[row + 4 * ow + j] = x[lines[j] + ow * stride] (as int8, pad
+    for a channel past the last) for ow in blocks of PACK_BLOCK from first:
+    4 vector loads and one interleaved store per block."""
+    b = k.builder
+    wide = ir.VectorType(I8, PACK_BLOCK * stride)
+    pads = _splat(k, pad, V16I8)
+    flip = ir.Constant(V16I8, [0x80] * 16)
+
+    def lanes(*counts):
+        return ir.Constant(ir.VectorType(I32, len(counts)), list(counts))
+    with k.loop(blocks) as block:
+        ow = k.index((block, PACK_BLOCK), (first, 1))
+        parts = []
+        for j in range(4):
+            at = b.gep(x, [k.index((lines[j], 1), (ow, stride))])
+            value = b.load(b.bitcast(at, wide.as_pointer()), align=1)
+            if stride > 1:
+                value = b.shuffle_vector(value, ir.Constant(wide, ir.Undefined),
+                                         lanes(*range(0, PACK_BLOCK * stride, stride)))
+            if dtype == "uint8":
+                value = b.xor(value, flip)
+            parts.append(b.select(valid[j], value, pads))
+        low = b.shuffle_vector(parts[0], parts[1], lanes(*range(32)))
+        high = b.shuffle_vector(parts[2], parts[3], lanes(*range(32)))
+        interleaved = b.shuffle_vector(low, high, lanes(*[p + 16 * j for p in range(16) for j in range(4)]))
+        target = b.gep(packed, [k.index((row, 1), (ow, 4))])
+        b.store(interleaved, b.bitcast(target, ir.VectorType(I8, 64).as_pointer()), align=1)
+
+
 def _fill(k: Kernel, ptr: ir.Value, start: ir.Value, count: int, value: ir.Value) -> None:
     if count > 0:
         with k.loop(count) as i:
@@ -240,7 +287,11 @@ def lower_conv(k: Kernel, inputs, outputs, attrs) -> None:
                         row = k.index((group, 1), (oh, ow_count * 4))
                         _fill(k, packed, row, cols[0] * 4, pad)
                         _fill(k, packed, k.index((row, 1), (cols[1] * 4, 1)), (ow_count - cols[1]) * 4, pad)
-                        with k.loop(cols[1], start=cols[0]) as ow:
+                        blocks = _whole_blocks(cols, sw, kw * dw - pw, width)
+                        if blocks:
+                            _pack_blocks(k, x, [k.index((line, 1), (oh, sh * width)) for line in lines], valid,
+                                         packed, row, cols[0], blocks, sw, pad, dtype)
+                        with k.loop(cols[1], start=cols[0] + PACK_BLOCK * blocks) as ow:
                             for j in range(4):
                                 value = k.load(x, k.index((lines[j], 1), (oh, sh * width), (ow, sw)))
                                 value = b.select(valid[j], _as_int8(k, value, dtype), pad)
