@@ -1,6 +1,7 @@
 """The 8-bit dot-product micro-kernel (AArch64 sdot, ARMv8.2 +dotprod):
 a tile of int32 sums, 4 x 4 products a time per instruction; and its
-ARMv8.0 form (smull + sadalp, 8 products in two instructions).
+ARMv8.0 forms (smull + smlal + sadalp, 16 products in three instructions;
+smull + sadalp, 8 products in two).
 
 Both operands are int8 in groups of 4 along the reduction. One side is
 "vectors": 16 bytes holding 4 columns x 4 reduction values, packed as
@@ -68,6 +69,30 @@ def _pair_sums(k: Kernel, acc: ir.Value, a: ir.Value, b: ir.Value) -> ir.Value:
     return k.builder.add(acc, _intrinsic(k, "llvm.aarch64.neon.saddlp.v4i32.v8i16", V4I32, [product]))
 
 
+V4I16 = ir.VectorType(ir.IntType(16), 4)
+
+
+def _lanes16(k: Kernel, vector: ir.Value, odd: bool) -> ir.Value:
+    """The even (or odd) 16-bit lanes of 16 bytes, as 8 bytes: for a vector
+    of 4 columns x 4 reduction values, each column's values 0-1 (or 2-3)."""
+    b = k.builder
+    halves = b.bitcast(vector, V8I16)
+    picked = b.shuffle_vector(halves, ir.Constant(V8I16, ir.Undefined),
+                              ir.Constant(V4I32, [int(odd) + 2 * i for i in range(4)]))
+    return b.bitcast(picked, V8I8)
+
+
+def _quad_sums(k: Kernel, acc: ir.Value, low: ir.Value, high: ir.Value, pair_low: ir.Value,
+               pair_high: ir.Value) -> ir.Value:
+    """acc (4 x i32) + per column the 4 products of its reduction values:
+    smull of values 0-1, smlal of values 2-3 (16-bit sums of two products,
+    which cannot overflow while weights stay within +-127), then sadalp."""
+    b = k.builder
+    product = b.add(_intrinsic(k, "llvm.aarch64.neon.smull.v8i16", V8I16, [low, pair_low]),
+                    _intrinsic(k, "llvm.aarch64.neon.smull.v8i16", V8I16, [high, pair_high]))
+    return b.add(acc, _intrinsic(k, "llvm.aarch64.neon.saddlp.v4i32.v8i16", V4I32, [product]))
+
+
 def _splat(k: Kernel, value: ir.Value, vector: ir.VectorType) -> ir.Value:
     b = k.builder
     one = b.insert_element(ir.Constant(vector, ir.Undefined), value, ir.Constant(I32, 0))
@@ -96,28 +121,38 @@ def emit_tile(k: Kernel, tile: DotTile, row0: ir.Value, rows: int, column0: ir.V
     written but the last vector's lanes beyond last_lanes.
 
     With tile.kind "dot" each sum is one register, 16 products a sdot.
-    With "pairs" (AArch64 without dot products) each is two registers of
-    pair sums, columns 0-1 and 2-3, 8 products a smull + sadalp, added
-    pairwise (addp) at the end."""
+    With "quads" (AArch64 without dot products) each is one register too,
+    16 products a smull + smlal + sadalp on the loaded vector's even and
+    odd 16-bit lanes. With "pairs" each is two registers of pair sums,
+    columns 0-1 and 2-3, 8 products a smull + sadalp, added pairwise
+    (addp) at the end."""
     b = k.builder
     zero = ir.Constant(V4I32, [0] * 4)
-    parts = 1 if tile.kind == "dot" else 2
+    parts = 2 if tile.kind == "pairs" else 1
     accs = [[[k.variable(zero) for _ in range(parts)] for v in range(vectors)] for i in range(rows)]
     with k.loop(tile.depth4) as g:
         loaded = [b.load(b.bitcast(tile.vector(g, b.add(column0, k.i64(4 * v))), V16I8.as_pointer()), align=1)
                   for v in range(vectors)]
-        if parts == 2:
+        if tile.kind == "pairs":
             loaded = [(_half(k, a, False), _half(k, a, True)) for a in loaded]
+        elif tile.kind == "quads":
+            loaded = [(_lanes16(k, a, False), _lanes16(k, a, True)) for a in loaded]
         for i in range(rows):
             word = b.load(b.bitcast(tile.broadcast(b.add(row0, k.i64(i)), g), I32.as_pointer()), align=1)
             splat = b.bitcast(_splat(k, word, V4I32), V16I8)
-            if parts == 2:
+            if tile.kind == "pairs":
                 splat = _half(k, splat, False)
+            elif tile.kind == "quads":
+                pairs = b.bitcast(word, ir.VectorType(ir.IntType(16), 2))
+                splat = [b.bitcast(_splat(k, b.extract_element(pairs, ir.Constant(I32, h)), V4I16), V8I8)
+                         for h in (0, 1)]
             for v in range(vectors):
                 for part in range(parts):
                     acc = accs[i][v][part]
-                    if parts == 1:
+                    if tile.kind == "dot":
                         b.store(_sdot(k, b.load(acc), loaded[v], splat), acc)
+                    elif tile.kind == "quads":
+                        b.store(_quad_sums(k, b.load(acc), *loaded[v], *splat), acc)
                     else:
                         b.store(_pair_sums(k, b.load(acc), loaded[v][part], splat), acc)
     for i in range(rows):
@@ -182,53 +217,6 @@ def _as_int8(k: Kernel, value: ir.Value, dtype: str) -> ir.Value:
     return k.builder.xor(value, ir.Constant(I8, 0x80)) if dtype == "uint8" else value
 
 
-# Output pixels packed at a time: 16 bytes of each of 4 channels, written
-# interleaved (one st4 on AArch64).
-PACK_BLOCK = 16
-
-
-def _whole_blocks(cols: tuple, stride: int, offset: int, width: int) -> int:
-    """How many blocks of PACK_BLOCK output columns from cols[0] lie within
-    cols and read no byte past the input row (a block loads
-    PACK_BLOCK * stride bytes from column cols[0] * stride + offset)."""
-    count = 0
-    while (cols[0] + PACK_BLOCK * (count + 1) <= cols[1]
-           and (cols[0] + PACK_BLOCK * (count + 1)) * stride + offset <= width):
-        count += 1
-    return count
-
-
-def _pack_blocks(k: Kernel, x: ir.Value, lines: list, valid: list, packed: ir.Value, row: ir.Value, first: int,
-                 blocks: int, stride: int, pad: ir.Value, dtype: str) -> None:
-    """packed[row + 4 * ow + j] = x[lines[j] + ow * stride] (as int8, pad
-    for a channel past the last) for ow in blocks of PACK_BLOCK from first:
-    4 vector loads and one interleaved store per block."""
-    b = k.builder
-    wide = ir.VectorType(I8, PACK_BLOCK * stride)
-    pads = _splat(k, pad, V16I8)
-    flip = ir.Constant(V16I8, [0x80] * 16)
-
-    def lanes(*counts):
-        return ir.Constant(ir.VectorType(I32, len(counts)), list(counts))
-    with k.loop(blocks) as block:
-        ow = k.index((block, PACK_BLOCK), (first, 1))
-        parts = []
-        for j in range(4):
-            at = b.gep(x, [k.index((lines[j], 1), (ow, stride))])
-            value = b.load(b.bitcast(at, wide.as_pointer()), align=1)
-            if stride > 1:
-                value = b.shuffle_vector(value, ir.Constant(wide, ir.Undefined),
-                                         lanes(*range(0, PACK_BLOCK * stride, stride)))
-            if dtype == "uint8":
-                value = b.xor(value, flip)
-            parts.append(b.select(valid[j], value, pads))
-        low = b.shuffle_vector(parts[0], parts[1], lanes(*range(32)))
-        high = b.shuffle_vector(parts[2], parts[3], lanes(*range(32)))
-        interleaved = b.shuffle_vector(low, high, lanes(*[p + 16 * j for p in range(16) for j in range(4)]))
-        target = b.gep(packed, [k.index((row, 1), (ow, 4))])
-        b.store(interleaved, b.bitcast(target, ir.VectorType(I8, 64).as_pointer()), align=1)
-
-
 def _fill(k: Kernel, ptr: ir.Value, start: ir.Value, count: int, value: ir.Value) -> None:
     if count > 0:
         with k.loop(count) as i:
@@ -287,11 +275,7 @@ def lower_conv(k: Kernel, inputs, outputs, attrs) -> None:
                         row = k.index((group, 1), (oh, ow_count * 4))
                         _fill(k, packed, row, cols[0] * 4, pad)
                         _fill(k, packed, k.index((row, 1), (cols[1] * 4, 1)), (ow_count - cols[1]) * 4, pad)
-                        blocks = _whole_blocks(cols, sw, kw * dw - pw, width)
-                        if blocks:
-                            _pack_blocks(k, x, [k.index((line, 1), (oh, sh * width)) for line in lines], valid,
-                                         packed, row, cols[0], blocks, sw, pad, dtype)
-                        with k.loop(cols[1], start=cols[0] + PACK_BLOCK * blocks) as ow:
+                        with k.loop(cols[1], start=cols[0]) as ow:
                             for j in range(4):
                                 value = k.load(x, k.index((lines[j], 1), (oh, sh * width), (ow, sw)))
                                 value = b.select(valid[j], _as_int8(k, value, dtype), pad)

@@ -46,8 +46,12 @@ def int8_kernel(target: Target, weight: np.ndarray, group: int) -> str:
       sdot (Target.has_dot_product on AArch64), the weights less their zero point fit
       int8 (symmetric int8 weights, as quantize_static writes them) and the
       convolution has one group;
-    - "pairs": the same tiles with ARMv8.0's smull + sadalp, on the other
-      AArch64 cores (Cortex-A53, A72), under the same conditions;
+    - "quads": the same tiles with ARMv8.0's smull + smlal + sadalp (16
+      products in three instructions, their 16-bit pair sums safe while
+      the weights stay within +-127, as symmetric int8 weights do), on the
+      other AArch64 cores (Cortex-A53, A72), under the same conditions;
+    - "pairs": smull + sadalp (8 products in two instructions), there for
+      weights that reach -128;
     - "depthwise": a 2-D convolution of one filter per channel, on every
       target (int8_depthwise.py: int16 products summed into int32 lanes,
       8 outputs of a row at a time);
@@ -60,13 +64,15 @@ def int8_kernel(target: Target, weight: np.ndarray, group: int) -> str:
     fits = weight.size == 0 or (weight.min() >= -128 and weight.max() <= 127)
     if target.arch != "aarch64" or not fits or group != 1:
         return "widening"
-    return "dot" if target.has_dot_product else "pairs"
+    if target.has_dot_product:
+        return "dot"
+    return "quads" if weight.size == 0 or weight.min() >= -127 else "pairs"
 
 
 def int8_tile(kernel: str) -> tuple:
     """(rows, vectors of 4 columns) of a dot-product tile in AArch64's 32
     registers: 16 sum registers, the loaded vectors and a broadcast ("pairs"
-    keeps two registers per sum, so half the columns)."""
+    keeps two registers per sum, so half the columns; "quads" one, as "dot")."""
     return (4, 2) if kernel == "pairs" else (4, 4)
 
 
@@ -251,7 +257,7 @@ def _integer_node(graph: Graph, match: _Match, target: Target, constants: dict, 
     columns = weight.shape[1]
     kernel = int8_kernel(target, weight, group)
     x_dtype = graph.tensors[match.x].dtype
-    if kernel in ("dot", "pairs"):
+    if kernel in ("dot", "pairs", "quads"):
         offset = (128 if x_dtype == "uint8" else 0) - match.x_zero
         weight, bias, multipliers = _dot_constants(op.op_type if conv else "MatMul", weight, bias, multipliers, offset)
     names = [f"{op.name}/integer_weight", f"{op.name}/integer_bias", f"{op.name}/multipliers"]

@@ -50,7 +50,7 @@ def test_quantized_model_matches_onnxruntime_on_host(form, tmp_path):
 
 @pytest.mark.parametrize("form, target, kernels", [
     ("qdq_per_channel_s8", "rasp5", {"dot", "depthwise"}),
-    ("qdq_per_channel_s8", "rasp4b64", {"pairs", "depthwise"}),
+    ("qdq_per_channel_s8", "rasp4b64", {"quads", "depthwise"}),
     ("qdq_per_channel_s8", "rasp4b", {"widening", "depthwise"}),
     ("qoperator_u8", "rasp5", {"widening", "depthwise"}),  # uint8 weights less their zero point do not fit int8
 ])
