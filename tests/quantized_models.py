@@ -139,7 +139,7 @@ STATIC_FORMS = {
 FORMS = tuple(STATIC_FORMS) + ("dynamic",)
 # The forms the default test run covers (one of each kind); the others run
 # with `pytest -m quantized_forms`.
-DEFAULT_FORMS = ("qdq_per_tensor_u8", "qdq_per_channel_s8", "qoperator_u8", "dynamic", "wide_qdq_per_channel_u8s8")
+DEFAULT_FORMS = ("qdq_per_tensor_u8", "qdq_per_channel_s8", "qoperator_u8", "dynamic")
 
 
 def input_shape(form: str) -> tuple:
