@@ -176,6 +176,16 @@ def _requantize_vector(k: Kernel, acc: ir.Value, multiplier: ir.Value, attrs) ->
     quantize_ops._requantize does one)."""
     b = k.builder
     zero = attrs["output_zero"]
+    if k.target.arch == "aarch64":
+        # fcvtns rounds to nearest, ties to even, into int32 (saturating):
+        # then y_zero and the bounds in integers.
+        value = b.fmul(b.sitofp(acc, V4F32), multiplier)
+        value = _intrinsic(k, "llvm.aarch64.neon.fcvtns.v4i32.v4f32", V4I32, [value])
+        value = b.add(value, ir.Constant(V4I32, [zero] * 4))
+        for bound, keep in ((attrs["lowest"], ">"), (attrs["highest"], "<")):
+            limit = ir.Constant(V4I32, [bound] * 4)
+            value = b.select(b.icmp_signed(keep, value, limit), value, limit)
+        return b.trunc(value, V4I8)
     # Clamped to [lowest, highest] - y_zero before rounding (integer bounds,
     # so the same as after): the result is in the output type's range.
     with k.vector_constants(4):
