@@ -422,7 +422,8 @@ def _pool_counts(shape, attrs) -> np.ndarray:
     return np.outer(rows, cols).astype(np.int32).reshape(-1)
 
 
-CHAINS = {"Concat": _chain_concat, "Add": _chain_binary, "Mul": _chain_binary, "MaxPool": _chain_pool, "AveragePool": _chain_pool,
+CHAINS = {"Concat": _chain_concat, "Add": _chain_binary, "Mul": _chain_binary, "MaxPool": _chain_pool,
+          "AveragePool": _chain_pool,
           "GlobalAveragePool": _chain_pool, **{op: _chain_unary for op in UNARY_FUNCTIONS},
           **{op: _chain_alias for op in ("Flatten", "Reshape", "Squeeze", "Unsqueeze", "Dropout", "Identity")}}
 

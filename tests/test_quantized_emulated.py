@@ -44,4 +44,5 @@ def test_quantized_model_matches_onnxruntime_on_emulated_board(kind, target, tmp
                 session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
                 sess.upload(path, target=f"{form}.so", timeout=TIMEOUT_S)
                 ours = sess.load_module(f"{form}.so", timeout=TIMEOUT_S).run(feeds, timeout=TIMEOUT_S)[0]
-                assert_within_one_step(ours, session.run(None, feeds)[0], output_step(model), f"{form} on {kind} ({target})")
+                assert_within_one_step(ours, session.run(None, feeds)[0], output_step(model),
+                                       f"{form} on {kind} ({target})")
