@@ -25,7 +25,13 @@ our output against onnxruntime's (the same input).
 
 With --int8 each model is first quantized (crosscompile.quantizer: QDQ,
 uint8 activations, int8 weights per channel, 4 random calibration samples)
-and both count the same quantized model.
+and both count the same quantized model. The counted run's output is then
+held against onnxruntime's int8 output of the same model and input (its
+counted run on the same core; with --no-ort, onnxruntime on the host
+without graph optimizations): "steps" is the share of elements within one
+quantization step of the output (the scale of its DequantizeLinear), and a
+count whose output has fewer than 99.9 % of them there, or any element two
+steps off, is marked WRONG: it counts a wrong computation.
 
 The onnxruntime wheel for the root filesystem's Python is fetched once with
 pip (``pip download --platform manylinux_2_28_aarch64``) and unpacked under
@@ -54,6 +60,7 @@ from crosscompile.target import resolve_target  # noqa: E402
 from remote.defaults import cache_dir  # noqa: E402
 from tests.architectures import efficientnet_b0, mobilenet_v2, resnet  # noqa: E402
 from tests.onnx_models import zoo_model  # noqa: E402
+from tests.quantized_models import output_step  # noqa: E402
 from tests.transformer_models import vit_block  # noqa: E402
 
 RELEASE = "bookworm"
@@ -125,7 +132,7 @@ def main() -> int:
     site = None if args.no_ort else onnxruntime_site()
 
     print(f"{'model':15} {'target':9} {'core':11} {'prec':4} {'ours M':>9} {'ort M':>9} {'ours/ort':>8} "
-          f"{'cos':>8}")
+          f"{'cos':>8}" + (f" {'steps':>8}" if args.int8 else ""))
     with tempfile.TemporaryDirectory() as folder:
         for name in args.models:
             model = MODELS[name]()
@@ -137,6 +144,7 @@ def main() -> int:
                 model = onnx.load(onnx_path)
                 name = f"{name}-int8"
             peer = {}  # onnxruntime's count and output per core, measured once
+            host_reference = host_output(onnx_path, inputs) if args.int8 else None
             for target, precision in [(t, p) for t in targets for p in precisions]:
                 arch, cpu, has_ort = TARGETS[target]
                 if precision == "fp16" and not resolve_target(target).has_fp16_arithmetic:
@@ -155,12 +163,44 @@ def main() -> int:
                             onnx_path, inputs, site, RELEASE, arch, cpu, runs=args.runs,
                             save=reference).per_inference, np.load(reference))
                     theirs, want = peer[cpu]
+                else:
+                    want = host_reference
                 ratio = f"{ours / theirs:8.2f}" if theirs else f"{'-':>8}"
                 their_text = f"{theirs / 1e6:9.1f}" if theirs else f"{'-':>9}"
-                agreement = f"{cosine(np.load(saved), want):8.5f}" if theirs else f"{'-':>8}"
+                got = np.load(saved)
+                agreement = f"{cosine(got, want):8.5f}" if want is not None else f"{'-':>8}"
+                if args.int8:
+                    within, right = within_one_step(got, want, output_step(model))
+                    agreement += f" {within:8.2%}" + ("" if right else "  WRONG")
                 print(f"{name:15} {target:9} {cpu:11} {precision:4} {ours / 1e6:9.1f} {their_text} {ratio} "
                       f"{agreement}", flush=True)
     return 0
+
+
+def host_output(onnx_path: str, inputs: dict) -> np.ndarray:
+    """onnxruntime's first output on the host, without graph optimizations
+    (the QDQ arithmetic as ONNX defines it), for the input the counted runs
+    take (instruction_count's: one normal draw per input from seed 0, in order)."""
+    import onnxruntime
+
+    rng = np.random.default_rng(0)
+    feeds = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in inputs.items()}
+    options = onnxruntime.SessionOptions()
+    options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = onnxruntime.InferenceSession(onnx_path, options, providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)[0]
+
+
+def within_one_step(got: np.ndarray, want: np.ndarray, step: "float | None") -> "tuple[float, bool]":
+    """(share of elements within one quantization step of want, whether
+    that is right: at least 99.9 % of them, and none two steps off). A
+    float output after the last quantized op (no step) gets 1 % of want's
+    largest magnitude."""
+    if step is None:
+        step = 0.01 * float(np.abs(want).max())
+    diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
+    within = float(np.mean(diff <= step * 1.001))
+    return within, within >= 0.999 and float(diff.max()) <= 2.001 * step
 
 
 def cosine(got: np.ndarray, want: np.ndarray) -> float:

@@ -1,6 +1,7 @@
 """The 8-bit dot-product micro-kernel (AArch64 sdot, ARMv8.2 +dotprod):
 a tile of int32 sums, 4 x 4 products a time per instruction; and its
-ARMv8.0 form (smull + sadalp, 8 products in two instructions).
+ARMv8.0 forms (smull + smlal + sadalp, 16 products in three instructions;
+smull + sadalp, 8 products in two).
 
 Both operands are int8 in groups of 4 along the reduction. One side is
 "vectors": 16 bytes holding 4 columns x 4 reduction values, packed as
@@ -68,6 +69,30 @@ def _pair_sums(k: Kernel, acc: ir.Value, a: ir.Value, b: ir.Value) -> ir.Value:
     return k.builder.add(acc, _intrinsic(k, "llvm.aarch64.neon.saddlp.v4i32.v8i16", V4I32, [product]))
 
 
+V4I16 = ir.VectorType(ir.IntType(16), 4)
+
+
+def _lanes16(k: Kernel, vector: ir.Value, odd: bool) -> ir.Value:
+    """The even (or odd) 16-bit lanes of 16 bytes, as 8 bytes: for a vector
+    of 4 columns x 4 reduction values, each column's values 0-1 (or 2-3)."""
+    b = k.builder
+    halves = b.bitcast(vector, V8I16)
+    picked = b.shuffle_vector(halves, ir.Constant(V8I16, ir.Undefined),
+                              ir.Constant(V4I32, [int(odd) + 2 * i for i in range(4)]))
+    return b.bitcast(picked, V8I8)
+
+
+def _quad_sums(k: Kernel, acc: ir.Value, low: ir.Value, high: ir.Value, pair_low: ir.Value,
+               pair_high: ir.Value) -> ir.Value:
+    """acc (4 x i32) + per column the 4 products of its reduction values:
+    smull of values 0-1, smlal of values 2-3 (16-bit sums of two products,
+    which cannot overflow while weights stay within +-127), then sadalp."""
+    b = k.builder
+    product = b.add(_intrinsic(k, "llvm.aarch64.neon.smull.v8i16", V8I16, [low, pair_low]),
+                    _intrinsic(k, "llvm.aarch64.neon.smull.v8i16", V8I16, [high, pair_high]))
+    return b.add(acc, _intrinsic(k, "llvm.aarch64.neon.saddlp.v4i32.v8i16", V4I32, [product]))
+
+
 def _splat(k: Kernel, value: ir.Value, vector: ir.VectorType) -> ir.Value:
     b = k.builder
     one = b.insert_element(ir.Constant(vector, ir.Undefined), value, ir.Constant(I32, 0))
@@ -96,28 +121,38 @@ def emit_tile(k: Kernel, tile: DotTile, row0: ir.Value, rows: int, column0: ir.V
     written but the last vector's lanes beyond last_lanes.
 
     With tile.kind "dot" each sum is one register, 16 products a sdot.
-    With "pairs" (AArch64 without dot products) each is two registers of
-    pair sums, columns 0-1 and 2-3, 8 products a smull + sadalp, added
-    pairwise (addp) at the end."""
+    With "quads" (AArch64 without dot products) each is one register too,
+    16 products a smull + smlal + sadalp on the loaded vector's even and
+    odd 16-bit lanes. With "pairs" each is two registers of pair sums,
+    columns 0-1 and 2-3, 8 products a smull + sadalp, added pairwise
+    (addp) at the end."""
     b = k.builder
     zero = ir.Constant(V4I32, [0] * 4)
-    parts = 1 if tile.kind == "dot" else 2
+    parts = 2 if tile.kind == "pairs" else 1
     accs = [[[k.variable(zero) for _ in range(parts)] for v in range(vectors)] for i in range(rows)]
     with k.loop(tile.depth4) as g:
         loaded = [b.load(b.bitcast(tile.vector(g, b.add(column0, k.i64(4 * v))), V16I8.as_pointer()), align=1)
                   for v in range(vectors)]
-        if parts == 2:
+        if tile.kind == "pairs":
             loaded = [(_half(k, a, False), _half(k, a, True)) for a in loaded]
+        elif tile.kind == "quads":
+            loaded = [(_lanes16(k, a, False), _lanes16(k, a, True)) for a in loaded]
         for i in range(rows):
             word = b.load(b.bitcast(tile.broadcast(b.add(row0, k.i64(i)), g), I32.as_pointer()), align=1)
             splat = b.bitcast(_splat(k, word, V4I32), V16I8)
-            if parts == 2:
+            if tile.kind == "pairs":
                 splat = _half(k, splat, False)
+            elif tile.kind == "quads":
+                pairs = b.bitcast(word, ir.VectorType(ir.IntType(16), 2))
+                splat = [b.bitcast(_splat(k, b.extract_element(pairs, ir.Constant(I32, h)), V4I16), V8I8)
+                         for h in (0, 1)]
             for v in range(vectors):
                 for part in range(parts):
                     acc = accs[i][v][part]
-                    if parts == 1:
+                    if tile.kind == "dot":
                         b.store(_sdot(k, b.load(acc), loaded[v], splat), acc)
+                    elif tile.kind == "quads":
+                        b.store(_quad_sums(k, b.load(acc), *loaded[v], *splat), acc)
                     else:
                         b.store(_pair_sums(k, b.load(acc), loaded[v][part], splat), acc)
     for i in range(rows):
@@ -141,6 +176,16 @@ def _requantize_vector(k: Kernel, acc: ir.Value, multiplier: ir.Value, attrs) ->
     quantize_ops._requantize does one)."""
     b = k.builder
     zero = attrs["output_zero"]
+    if k.target.arch == "aarch64":
+        # fcvtns rounds to nearest, ties to even, into int32 (saturating):
+        # then y_zero and the bounds in integers.
+        value = b.fmul(b.sitofp(acc, V4F32), multiplier)
+        value = _intrinsic(k, "llvm.aarch64.neon.fcvtns.v4i32.v4f32", V4I32, [value])
+        value = b.add(value, ir.Constant(V4I32, [zero] * 4))
+        for bound, keep in ((attrs["lowest"], ">"), (attrs["highest"], "<")):
+            limit = ir.Constant(V4I32, [bound] * 4)
+            value = b.select(b.icmp_signed(keep, value, limit), value, limit)
+        return b.trunc(value, V4I8)
     # Clamped to [lowest, highest] - y_zero before rounding (integer bounds,
     # so the same as after): the result is in the output type's range.
     with k.vector_constants(4):

@@ -27,7 +27,7 @@ import onnx
 from llvmlite import ir
 from onnx import helper, numpy_helper
 
-from . import int8_dot
+from . import int8_depthwise, int8_dot
 from .emit import F32, I32, Kernel
 from .int8_dot import ROUNDING_LIMIT, ROUNDING_MAGIC
 from .errors import BuildError, ShapeError
@@ -297,6 +297,25 @@ def _requantize(k: Kernel, acc: ir.Value, count: int, multiplier, out: ir.Value,
         k.store(saturate(k, value, attrs["output_dtype"]), out, k.index((base, 1), (p, 1)))
 
 
+def window_taps(k: Kernel, source: ir.Value, geometry: tuple):
+    """Emit a window's taps one at a time along output rows, skipping
+    padding: for each tap (kernel row, column) with a valid output range,
+    loops over those outputs, inside which this yields (the tap's index
+    kh * kernel columns + kw, the input element's offset from source, the
+    output's offset in its plane). geometry is int8_dot.conv_geometry's."""
+    height, width, kh_count, kw_count, sh, sw, dh, dw, ph, pw, oh_count, ow_count = geometry
+    for kh in range(kh_count):
+        rows = _valid_range(kh * dh - ph, sh, height, oh_count)
+        for kw in range(kw_count):
+            cols = _valid_range(kw * dw - pw, sw, width, ow_count)
+            if rows[0] == rows[1] or cols[0] == cols[1]:
+                continue
+            with k.loop(rows[1], start=rows[0]) as oh:
+                line = k.index((source, 1), (oh, sh * width), (kh * dh - ph, width), (kw * dw - pw, 1))
+                with k.loop(cols[1], start=cols[0]) as ow:
+                    yield kh * kw_count + kw, k.index((line, 1), (ow, sw)), k.index((oh, ow_count), (ow, 1))
+
+
 class _IntegerOp(Op):
     """Written by lower_qdq only; a model naming it is refused."""
 
@@ -331,17 +350,22 @@ class IntegerConv(_IntegerOp):
 
     def scratch_bytes(self, inputs, outputs, attrs):
         plane = _prod(outputs[0].shape[2:])
+        if attrs["int8_kernel"] == "depthwise":
+            return int8_depthwise.scratch_bytes(inputs[0].shape, attrs)
         if attrs["int8_kernel"] != "widening":
             return _prod(inputs[1].shape[1:]) * -(-plane // 4) * 4
         return 4 * plane
 
     def lower(self, k, inputs, outputs, attrs):
+        if attrs["int8_kernel"] == "depthwise":
+            int8_depthwise.lower(k, inputs, outputs, attrs)
+            return
         if attrs["int8_kernel"] != "widening":
             int8_dot.lower_conv(k, inputs, outputs, attrs)
             return
         x_shape = inputs[0].shape
-        height, width, kh_count, kw_count, sh, sw, dh, dw, ph, pw, oh_count, ow_count = int8_dot.conv_geometry(
-            x_shape, attrs)
+        geometry = int8_dot.conv_geometry(x_shape, attrs)
+        height, width, kh_count, kw_count, *_, oh_count, ow_count = geometry
         batch, channels = x_shape[:2]
         filters, group = attrs["filters"], attrs["group"]
         per_group, per_filter = channels // group, filters // group
@@ -356,19 +380,10 @@ class IntegerConv(_IntegerOp):
             with k.loop(per_group) as c:
                 source = k.index((n, channels * height * width), (first, height * width), (c, height * width))
                 taps = k.index((m, per_group * kh_count * kw_count), (c, kh_count * kw_count))
-                for kh in range(kh_count):
-                    rows = _valid_range(kh * dh - ph, sh, height, oh_count)
-                    for kw in range(kw_count):
-                        cols = _valid_range(kw * dw - pw, sw, width, ow_count)
-                        if rows[0] == rows[1] or cols[0] == cols[1]:
-                            continue
-                        tap = b.sext(k.load(w, k.index((taps, 1), (kh * kw_count + kw, 1))), I32)
-                        with k.loop(rows[1], start=rows[0]) as oh:
-                            line = k.index((source, 1), (oh, sh * width), (kh * dh - ph, width), (kw * dw - pw, 1))
-                            with k.loop(cols[1], start=cols[0]) as ow:
-                                value = b.sub(_extend(k, k.load(x, k.index((line, 1), (ow, sw))), dtype), x_zero)
-                                at = k.index((oh, ow_count), (ow, 1))
-                                k.store(b.add(k.load(acc, at), b.mul(value, tap)), acc, at)
+                for tap, source_at, at in window_taps(k, source, geometry):
+                    weight = b.sext(k.load(w, k.index((taps, 1), (tap, 1))), I32)
+                    value = b.sub(_extend(k, k.load(x, source_at), dtype), x_zero)
+                    k.store(b.add(k.load(acc, at), b.mul(value, weight)), acc, at)
             multiplier = k.load(k.inputs[3], m)
             _requantize(k, acc, plane, lambda p: multiplier, y, k.index((n, filters * plane), (m, plane)), attrs)
 
@@ -590,3 +605,8 @@ def expand_operators(proto: onnx.ModelProto) -> onnx.ModelProto:
     expanded.graph.node.extend(rw.nodes)
     expanded.graph.initializer.extend(rw.new_initializers)
     return expanded
+
+
+# The 8-bit kernels between the convolutions (pools, Add, tables) register
+# with the ops of this module; they build on its helpers, so they come last.
+from . import integer_ops  # noqa: E402,F401

@@ -27,13 +27,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 
 from .ir import Graph, Node, Tensor
 from .op_base import _axis
 from .passes import eliminate_dead_code
-from .quantize_ops import QUANT_RANGES, dequantize_array
+from .quantize_ops import QUANT_RANGES, dequantize_array, quantize_array
+from .window import _resolve_window
 from .target import Target
 
 
@@ -44,22 +46,33 @@ def int8_kernel(target: Target, weight: np.ndarray, group: int) -> str:
       sdot (Target.has_dot_product on AArch64), the weights less their zero point fit
       int8 (symmetric int8 weights, as quantize_static writes them) and the
       convolution has one group;
-    - "pairs": the same tiles with ARMv8.0's smull + sadalp, on the other
-      AArch64 cores (Cortex-A53, A72), under the same conditions;
+    - "quads": the same tiles with ARMv8.0's smull + smlal + sadalp (16
+      products in three instructions, their 16-bit pair sums safe while
+      the weights stay within +-127, as symmetric int8 weights do), on the
+      other AArch64 cores (Cortex-A53, A72), under the same conditions;
+    - "pairs": smull + sadalp (8 products in two instructions), there for
+      weights that reach -128;
+    - "depthwise": a 2-D convolution of one filter per channel, on every
+      target (int8_depthwise.py: int16 products summed into int32 lanes,
+      8 outputs of a row at a time);
     - "widening": 8-bit values widened and multiplied into 32-bit sums
-      along output rows, on every target (x86, 32-bit ARM, and depthwise
-      convolutions everywhere).
+      along output rows, on every target (x86, 32-bit ARM, and the other
+      grouped convolutions everywhere).
     """
+    if group > 1 and weight.ndim == 4 and weight.shape[0] == group and weight.shape[1] == 1:
+        return "depthwise"
     fits = weight.size == 0 or (weight.min() >= -128 and weight.max() <= 127)
     if target.arch != "aarch64" or not fits or group != 1:
         return "widening"
-    return "dot" if target.has_dot_product else "pairs"
+    if target.has_dot_product:
+        return "dot"
+    return "quads" if weight.size == 0 or weight.min() >= -127 else "pairs"
 
 
 def int8_tile(kernel: str) -> tuple:
     """(rows, vectors of 4 columns) of a dot-product tile in AArch64's 32
     registers: 16 sum registers, the loaded vectors and a broadcast ("pairs"
-    keeps two registers per sum, so half the columns)."""
+    keeps two registers per sum, so half the columns; "quads" one, as "dot")."""
     return (4, 2) if kernel == "pairs" else (4, 4)
 
 
@@ -176,10 +189,37 @@ def _match(graph: Graph, op: Node, producer: dict, readers: dict) -> "_Match | N
     bias, constant_bias = _bias(graph, producer, op.inputs[2] if len(op.inputs) == 3 else None)
     if activation is None or weight is None or not constant_bias:
         return None
-    out, relu = op.outputs[0], False
+    output = _quantized_output(graph, op, readers)
+    if output is None:
+        return None
+    return _Match(op, *activation, *weight, bias, output.relu, output.node, output.scale, output.zero,
+                  output.dtype)
+
+
+class _Output(NamedTuple):
+    """The per-tensor QuantizeLinear an op's output goes to (through a Relu
+    when relu)."""
+
+    node: Node
+    scale: np.float32
+    zero: int
+    dtype: str
+    relu: bool
+
+    def attrs(self) -> dict:
+        """What the integer kernels read of it (Relu as the lower bound)."""
+        lo, hi = QUANT_RANGES[self.dtype]
+        return {"output_scale": float(self.scale), "output_zero": self.zero, "output_dtype": self.dtype,
+                "lowest": max(lo, self.zero) if self.relu else lo, "highest": hi}
+
+
+def _quantized_output(graph: Graph, op: Node, readers: dict, relu: bool = True) -> "_Output | None":
+    """The QuantizeLinear op's only output goes to, directly or (if relu) through
+    a Relu, else None."""
+    out, through_relu = op.outputs[0], False
     following = readers.get(out, [])
-    if len(following) == 1 and following[0].op_type == "Relu":
-        out, relu = following[0].outputs[0], True
+    if relu and len(following) == 1 and following[0].op_type == "Relu" and out not in graph.outputs:
+        out, through_relu = following[0].outputs[0], True
         following = readers.get(out, [])
     if len(following) != 1 or following[0].op_type != "QuantizeLinear" or out in graph.outputs:
         return None
@@ -188,8 +228,8 @@ def _match(graph: Graph, op: Node, producer: dict, readers: dict) -> "_Match | N
     y_zero = _scalar(graph, quantize.inputs[2]) if len(quantize.inputs) == 3 else 0
     if y_scale is None or y_zero is None:
         return None
-    return _Match(op, *activation, *weight, bias, relu, quantize, np.float32(y_scale), int(y_zero),
-                  graph.tensors[quantize.outputs[0]].dtype)
+    return _Output(quantize, np.float32(y_scale), int(y_zero), graph.tensors[quantize.outputs[0]].dtype,
+                   through_relu)
 
 
 def _integer_node(graph: Graph, match: _Match, target: Target, constants: dict, tensors: dict) -> Node:
@@ -217,17 +257,15 @@ def _integer_node(graph: Graph, match: _Match, target: Target, constants: dict, 
     columns = weight.shape[1]
     kernel = int8_kernel(target, weight, group)
     x_dtype = graph.tensors[match.x].dtype
-    if kernel in ("dot", "pairs"):
+    if kernel in ("dot", "pairs", "quads"):
         offset = (128 if x_dtype == "uint8" else 0) - match.x_zero
         weight, bias, multipliers = _dot_constants(op.op_type if conv else "MatMul", weight, bias, multipliers, offset)
     names = [f"{op.name}/integer_weight", f"{op.name}/integer_bias", f"{op.name}/multipliers"]
     for name, value in zip(names, (weight, bias, multipliers)):
         constants[name] = value
         tensors[name] = Tensor(name, value.shape, value.dtype.name)
-    lo, hi = QUANT_RANGES[match.y_dtype]
-    attrs = {"input_zero": match.x_zero, "output_zero": match.y_zero, "output_dtype": match.y_dtype,
-             "lowest": max(lo, match.y_zero) if match.relu else lo, "highest": hi,
-             "int8_kernel": kernel, "int8_tile": int8_tile(kernel)}
+    attrs = _Output(match.quantize, match.y_scale, match.y_zero, match.y_dtype, match.relu).attrs()
+    attrs.update({"input_zero": match.x_zero, "int8_kernel": kernel, "int8_tile": int8_tile(kernel)})
     if conv:
         attrs.update({key: op.attrs[key] for key in ("strides", "pads", "auto_pad", "dilations", "group")})
         attrs["kernel_shape"] = tuple(match.weight.shape[2:])
@@ -236,6 +274,174 @@ def _integer_node(graph: Graph, match: _Match, target: Target, constants: dict, 
         attrs["columns"] = int(columns)
     return Node("IntegerConv" if conv else "IntegerMatMul", op.name, [match.x] + names,
                 list(match.quantize.outputs), attrs)
+
+
+# -- what lies between the convolutions: pools, Add, Concat, activations, shapes --------
+
+class _Quantized(NamedTuple):
+    """A per-tensor quantized runtime tensor: name, dtype, scale, zero point."""
+
+    name: str
+    dtype: str
+    scale: np.float32
+    zero: int
+
+    def same(self, output: _Output) -> bool:
+        return (self.dtype, float(self.scale), self.zero) == (output.dtype, float(output.scale), output.zero)
+
+
+def _table(x: _Quantized, output: _Output, function=None) -> np.ndarray:
+    """The 256 values of QuantizeLinear(function(DequantizeLinear(x))), in
+    float32 as ONNX computes them, indexed by x's bits read as unsigned."""
+    codes = np.arange(256, dtype=np.uint8).view(x.dtype)
+    values = dequantize_array(codes, x.scale, np.array(x.zero, x.dtype))
+    if function is not None:
+        values = np.asarray(function(values), np.float32)
+    return quantize_array(values, output.scale, np.array(output.zero, output.dtype))
+
+
+# float32 functions of the element-wise ops a table replaces, with their attributes.
+UNARY_FUNCTIONS = {
+    "Relu": lambda v, a: np.maximum(v, np.float32(0)),
+    "Clip": lambda v, a: np.clip(v, np.float32(-np.inf if a["min"] is None else a["min"]),
+                                 np.float32(np.inf if a["max"] is None else a["max"])),
+    "LeakyRelu": lambda v, a: np.where(v >= 0, v, v * np.float32(a["alpha"])),
+    "Sigmoid": lambda v, a: np.float32(1) / (np.float32(1) + np.exp(-v)),
+    "HardSigmoid": lambda v, a: np.clip(v * np.float32(a["alpha"]) + np.float32(a["beta"]), 0, 1),
+    "HardSwish": lambda v, a: v * np.clip(v / np.float32(6) + np.float32(0.5), 0, 1),
+    "Tanh": lambda v, a: np.tanh(v),
+}
+
+
+class _Chain:
+    """Builds the 8-bit nodes replacing one DequantizeLinear -> op ->
+    QuantizeLinear, adding their constants and intermediate tensors."""
+
+    def __init__(self, graph: Graph, op: Node, output: _Output, constants: dict, tensors: dict):
+        self.graph, self.op, self.output = graph, op, output
+        self.constants, self.tensors, self.nodes = constants, tensors, []
+
+    def constant(self, suffix: str, value: np.ndarray) -> str:
+        name = f"{self.op.name}/{suffix}"
+        self.constants[name] = value
+        self.tensors[name] = Tensor(name, value.shape, value.dtype.name)
+        return name
+
+    def node(self, op_type: str, suffix: str, inputs: list, out: "str | None", attrs: dict, like: str) -> str:
+        """Add a node; out None names a new tensor shaped as `like` in the
+        output's dtype."""
+        if out is None:
+            out = f"{self.op.name}/{suffix}"
+            self.tensors[out] = Tensor(out, self.tensors[like].shape, self.output.dtype)
+        self.nodes.append(Node(op_type, f"{self.op.name}/{suffix}" if suffix else self.op.name, inputs, [out],
+                               attrs))
+        return out
+
+    def table(self, x: _Quantized, suffix: str, out: "str | None", function=None) -> str:
+        attrs = {"output_dtype": self.output.dtype}
+        return self.node("IntegerTable", suffix, [x.name, self.constant(f"{suffix}_table", _table(
+            x, self.output, function))], out, attrs, like=x.name)
+
+    def requantized(self, x: _Quantized, suffix: str) -> str:
+        """x in the output's quantization: x itself, or a table's output."""
+        return x.name if x.same(self.output) else self.table(x, suffix, None)
+
+
+def _chain_unary(chain: _Chain, inputs: list) -> bool:
+    function = UNARY_FUNCTIONS[chain.op.op_type]
+    chain.table(inputs[0], "", chain.output.node.outputs[0], lambda v: function(v, chain.op.attrs))
+    return True
+
+
+def _chain_alias(chain: _Chain, inputs: list) -> bool:
+    """A shape op (Flatten, Reshape, ...) on the 8-bit values, then a table
+    when the output's quantization differs."""
+    (x,), out = inputs, chain.output.node.outputs[0]
+    if x.same(chain.output):
+        chain.node(chain.op.op_type, "", [x.name], out, dict(chain.op.attrs), like=x.name)
+        return True
+    moved = f"{chain.op.name}/moved"
+    chain.tensors[moved] = Tensor(moved, chain.tensors[out].shape, x.dtype)
+    chain.node(chain.op.op_type, "moved", [x.name], moved, dict(chain.op.attrs), like=x.name)
+    chain.table(x._replace(name=moved), "requantize", out)
+    return True
+
+
+def _chain_concat(chain: _Chain, inputs: list) -> bool:
+    parts = [chain.requantized(x, f"requantize_{i}") for i, x in enumerate(inputs)]
+    chain.node("Concat", "", parts, chain.output.node.outputs[0], dict(chain.op.attrs), like=parts[0])
+    return True
+
+
+def _chain_binary(chain: _Chain, inputs: list) -> bool:
+    """Add or Mul of two tensors of the output's shape (a residual, a gate)."""
+    shape = chain.tensors[chain.op.outputs[0]].shape
+    if len(inputs) != 2 or any(chain.tensors[x.name].shape != shape for x in inputs):
+        return False
+    a, b = inputs
+    attrs = dict(chain.output.attrs(), operation=chain.op.op_type, a_scale=float(a.scale), a_zero=a.zero,
+                 b_scale=float(b.scale), b_zero=b.zero)
+    chain.node("IntegerBinary", "", [a.name, b.name], chain.output.node.outputs[0], attrs, like=a.name)
+    return True
+
+
+def _chain_pool(chain: _Chain, inputs: list) -> bool:
+    (x,), op = inputs, chain.op
+    shape = chain.tensors[x.name].shape
+    if len(shape) not in (3, 4):
+        return False
+    if op.op_type == "GlobalAveragePool":
+        window = {"kernel_shape": tuple(shape[2:]), "strides": None, "pads": None, "auto_pad": "NOTSET",
+                  "dilations": None, "ceil_mode": 0, "count_include_pad": 0}
+    else:
+        window = {key: op.attrs.get(key) for key in ("kernel_shape", "strides", "pads", "auto_pad", "dilations",
+                                                      "ceil_mode", "count_include_pad")}
+    attrs = dict(chain.output.attrs(), **window, mode="max" if op.op_type == "MaxPool" else "average",
+                 input_scale=float(x.scale), input_zero=x.zero)
+    extra = []
+    if attrs["mode"] == "average":
+        extra = [chain.constant("counts", _pool_counts(shape, attrs))]
+    elif not x.same(chain.output):
+        extra = [chain.constant("table", _table(x, chain.output))]
+    chain.node("IntegerPool", "", [x.name] + extra, chain.output.node.outputs[0], attrs, like=x.name)
+    return True
+
+
+def _pool_counts(shape, attrs) -> np.ndarray:
+    """How many values each output of an average pool divides by: the
+    window's positions inside the input, or inside the padded input with
+    count_include_pad."""
+    from .integer_ops import pool_geometry
+
+    height, width, kh, kw, sh, sw, dh, dw, ph, pw, oh, ow = pool_geometry(shape, attrs)
+    _, _, _, _, _, end, _ = _resolve_window(shape, attrs["kernel_shape"], attrs, bool(attrs["ceil_mode"]))
+    lower, upper = ((-ph, -pw), (height + end[1], width + end[2])) if attrs["count_include_pad"] else \
+        ((0, 0), (height, width))
+    rows = [sum(lower[0] <= o * sh + i * dh - ph < upper[0] for i in range(kh)) for o in range(oh)]
+    cols = [sum(lower[1] <= o * sw + j * dw - pw < upper[1] for j in range(kw)) for o in range(ow)]
+    return np.outer(rows, cols).astype(np.int32).reshape(-1)
+
+
+CHAINS = {"Concat": _chain_concat, "Add": _chain_binary, "Mul": _chain_binary, "MaxPool": _chain_pool,
+          "AveragePool": _chain_pool,
+          "GlobalAveragePool": _chain_pool, **{op: _chain_unary for op in UNARY_FUNCTIONS},
+          **{op: _chain_alias for op in ("Flatten", "Reshape", "Squeeze", "Unsqueeze", "Dropout", "Identity")}}
+
+
+def _lower_chain(graph: Graph, op: Node, producer: dict, readers: dict, constants: dict, tensors: dict):
+    """The 8-bit nodes replacing DequantizeLinear(s) -> op -> [Relu] ->
+    QuantizeLinear, and the QuantizeLinear (and Relu) they replace; None
+    when op does not fit."""
+    inputs = [_dequantized_input(graph, producer.get(name)) for name in op.inputs]
+    if not inputs or None in inputs:
+        return None
+    output = _quantized_output(graph, op, readers, relu=op.op_type in ("Add", "Mul"))
+    if output is None:
+        return None
+    quantized = [_Quantized(x, graph.tensors[x].dtype, scale, zero) for x, scale, zero in inputs]
+    chain = _Chain(graph, op, output, constants, tensors)
+    return (chain.nodes, [n.name for n in readers[op.outputs[0]]] + [output.node.name]) \
+        if CHAINS[op.op_type](chain, quantized) else None
 
 
 def lower_qdq(graph: Graph, target: Target) -> Graph:
@@ -253,15 +459,21 @@ def lower_qdq(graph: Graph, target: Target) -> Graph:
     constants, tensors = dict(graph.constants), dict(graph.tensors)
     replaced, dropped = {}, set()
     for node in graph.nodes:
+        if node.op_type in CHAINS:
+            lowered = _lower_chain(graph, node, producer, readers, constants, tensors)
+            if lowered is not None:
+                replaced[node.name], gone = lowered
+                dropped.update(gone)
+            continue
         if node.op_type not in ("Conv", "MatMul", "Gemm"):
             continue
         match = _match(graph, node, producer, readers)
         if match is None:
             continue
-        replaced[node.name] = _integer_node(graph, match, target, constants, tensors)
+        replaced[node.name] = [_integer_node(graph, match, target, constants, tensors)]
         dropped.update(n.name for n in readers[node.outputs[0]])  # Relu or QuantizeLinear
         dropped.add(match.quantize.name)
-    nodes = [replaced.get(n.name, n) for n in graph.nodes if n.name not in dropped]
+    nodes = [new for n in graph.nodes if n.name not in dropped for new in replaced.get(n.name, [n])]
     return fold_constant_dequantize(eliminate_dead_code(replace(graph, nodes=nodes, constants=constants,
                                                                 tensors=tensors)))
 

@@ -81,9 +81,44 @@ def dense_net(seed: int = 0) -> onnx.ModelProto:
     return make_model(nodes, {"x": INPUT_SHAPE}, {"y": (1, 10)}, inits)
 
 
-def calibration(count: int = 8, seed: int = 1) -> list:
+WIDE_SHAPE = (1, 3, 8, 40)
+
+
+def wide_net(seed: int = 0) -> onnx.ModelProto:
+    """Rows wide enough for the kernels' vector blocks and their remainders
+    (40, 20 and 10 columns): convolutions of stride 1 and 2, depthwise
+    convolutions of stride 1 and 2, a MaxPool with ceil_mode, a Concat of
+    inputs quantized apart, a residual Add, GlobalAveragePool and a dense
+    layer. Input "x" WIDE_SHAPE, output "y" (1, 10)."""
     rng = np.random.default_rng(seed)
-    return [{"x": rng.standard_normal(INPUT_SHAPE).astype(np.float32)} for _ in range(count)]
+    inits = {}
+    inits.update(_conv(rng, "c1", 3, 8, 3))
+    inits.update(_conv(rng, "c2", 8, 8, 3))
+    inits.update(_conv(rng, "dw1", 8, 8, 3, group=8))
+    inits.update(_conv(rng, "dw2", 8, 8, 3, group=8))
+    inits.update(_conv(rng, "pw", 16, 16, 1))
+    inits["fc_w"] = (rng.standard_normal((16, 10)) / 4).astype(np.float32)
+    nodes = [
+        helper.make_node("Conv", ["x", "c1_w", "c1_b"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("Conv", ["r1", "c2_w", "c2_b"], ["c2"], pads=[1, 1, 1, 1], strides=[2, 2]),
+        helper.make_node("Relu", ["c2"], ["r2"]),
+        helper.make_node("Conv", ["r2", "dw1_w", "dw1_b"], ["dw1"], pads=[1, 1, 1, 1], group=8),
+        helper.make_node("Conv", ["r2", "dw2_w", "dw2_b"], ["dw2"], pads=[1, 1, 1, 1], group=8, strides=[2, 2]),
+        helper.make_node("MaxPool", ["dw1"], ["mp"], kernel_shape=[3, 3], strides=[2, 2], ceil_mode=1),
+        helper.make_node("Concat", ["mp", "dw2"], ["cat"], axis=1),
+        helper.make_node("Conv", ["cat", "pw_w", "pw_b"], ["pw"]),
+        helper.make_node("Add", ["pw", "cat"], ["res"]),
+        helper.make_node("GlobalAveragePool", ["res"], ["gap"]),
+        helper.make_node("Flatten", ["gap"], ["flat"]),
+        helper.make_node("MatMul", ["flat", "fc_w"], ["y"]),
+    ]
+    return make_model(nodes, {"x": WIDE_SHAPE}, {"y": (1, 10)}, inits)
+
+
+def calibration(count: int = 8, seed: int = 1, shape: tuple = INPUT_SHAPE) -> list:
+    rng = np.random.default_rng(seed)
+    return [{"x": rng.standard_normal(shape).astype(np.float32)} for _ in range(count)]
 
 
 # name -> (format, per_channel, activation type, weight type, reduce_range).
@@ -98,11 +133,18 @@ STATIC_FORMS = {
     "qoperator_u8": ("QOperator", False, "QUInt8", "QUInt8", False),
     "qdq_per_channel_u8s8": ("QDQ", True, "QUInt8", "QInt8", True),
     "qoperator_per_channel_s8": ("QOperator", True, "QUInt8", "QInt8", True),
+    # wide_net rather than conv_net (see input_shape).
+    "wide_qdq_per_channel_u8s8": ("QDQ", True, "QUInt8", "QInt8", True),
 }
 FORMS = tuple(STATIC_FORMS) + ("dynamic",)
 # The forms the default test run covers (one of each kind); the others run
 # with `pytest -m quantized_forms`.
 DEFAULT_FORMS = ("qdq_per_tensor_u8", "qdq_per_channel_s8", "qoperator_u8", "dynamic")
+
+
+def input_shape(form: str) -> tuple:
+    """The input shape of a form's model: wide_net's for the wide forms."""
+    return WIDE_SHAPE if form.startswith("wide") else INPUT_SHAPE
 
 
 def quantized_model(form: str) -> onnx.ModelProto:
@@ -124,7 +166,7 @@ def _quantize(form: str, folder: pathlib.Path) -> onnx.ModelProto:
                                           quantize_static)
 
     source, target = folder / "fp32.onnx", folder / f"{form}.onnx"
-    onnx.save(dense_net() if form == "dynamic" else conv_net(), source)
+    onnx.save(dense_net() if form == "dynamic" else wide_net() if form.startswith("wide") else conv_net(), source)
     if form == "dynamic":
         quantize_dynamic(str(source), str(target))
         return onnx.load(target)
@@ -132,7 +174,7 @@ def _quantize(form: str, folder: pathlib.Path) -> onnx.ModelProto:
 
     class Reader(CalibrationDataReader):
         def __init__(self):
-            self.feeds = iter(calibration())
+            self.feeds = iter(calibration(shape=input_shape(form)))
 
         def get_next(self):
             return next(self.feeds, None)

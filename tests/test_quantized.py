@@ -19,7 +19,8 @@ from onnx import TensorProto, helper
 import crosscompile
 import minirt
 from tests.onnx_models import make_model
-from tests.quantized_models import DEFAULT_FORMS, FORMS, calibration, dense_net, output_step, quantized_model
+from tests.quantized_models import (DEFAULT_FORMS, FORMS, calibration, dense_net, input_shape, output_step,
+                                    quantized_model)
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -41,22 +42,23 @@ def test_quantized_model_matches_onnxruntime_on_host(form, tmp_path):
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     # The dynamic form's output is float: its step is that of the int32
     # products' scale, a small fraction of the output range.
-    for feeds in calibration(3, seed=11):
+    for feeds in calibration(3, seed=11, shape=input_shape(form)):
         theirs = session.run(None, feeds)[0]
         step = output_step(model) or 1e-3 * float(np.abs(theirs).max())
         assert_within_one_step(module.run(feeds)[0], theirs, step, form)
 
 
 @pytest.mark.parametrize("form, target, kernels", [
-    ("qdq_per_channel_s8", "rasp5", {"dot", "widening"}),
-    ("qdq_per_channel_s8", "rasp4b64", {"pairs", "widening"}),
-    ("qdq_per_channel_s8", "rasp4b", {"widening"}),
-    ("qoperator_u8", "rasp5", {"widening"}),  # uint8 weights less their zero point do not fit int8
+    ("qdq_per_channel_s8", "rasp5", {"dot", "depthwise"}),
+    ("qdq_per_channel_s8", "rasp4b64", {"quads", "depthwise"}),
+    ("qdq_per_channel_s8", "rasp4b", {"widening", "depthwise"}),
+    ("qoperator_u8", "rasp5", {"widening", "depthwise"}),  # uint8 weights less their zero point do not fit int8
 ])
 def test_quantized_convolutions_and_products_become_integer_kernels(form, target, kernels):
     """The pass writes its decisions into the graph: no float Conv, MatMul or
     Gemm is left of the quantized ones, and each integer node names the
-    kernel the target's capabilities chose (depthwise convolutions widening)."""
+    kernel the target's capabilities chose (the depthwise kernel for the
+    depthwise convolution on every target)."""
     from crosscompile.compiler import lowered_graph
     from crosscompile.schedule import tile_table
     from crosscompile.target import resolve_target
@@ -66,9 +68,28 @@ def test_quantized_convolutions_and_products_become_integer_kernels(form, target
     kinds = [node.op_type for node in graph.nodes]
     assert kinds.count("IntegerConv") == 4 and kinds.count("IntegerMatMul") == 2, kinds
     assert not {"Conv", "MatMul", "Gemm"} & set(kinds), kinds
-    integer = [n for n in graph.nodes if n.op_type.startswith("Integer")]
+    integer = [n for n in graph.nodes if n.op_type in ("IntegerConv", "IntegerMatMul")]
     assert {n.attrs["int8_kernel"] for n in integer} == kernels
-    assert all(n.attrs["int8_kernel"] == "widening" for n in integer if n.attrs.get("group", 1) > 1)
+    assert all(n.attrs["int8_kernel"] == "depthwise" for n in integer if n.attrs.get("group", 1) > 1)
+
+
+@pytest.mark.parametrize("form", ["qdq_per_tensor_u8", "qoperator_u8", "wide_qdq_per_channel_u8s8"])
+def test_quantized_model_computes_in_8_bits_from_its_first_quantize_to_its_last_dequantize(form):
+    """Pools, Concat, Add, Mul and the activations between quantized
+    convolutions run on the 8-bit values: the lowered graph quantizes its
+    input once and dequantizes its output once, and every tensor in
+    between is 8-bit."""
+    from crosscompile.compiler import lowered_graph
+    from crosscompile.schedule import tile_table
+    from crosscompile.target import resolve_target
+
+    target = resolve_target("rasp5")
+    _, _, graph = lowered_graph(quantized_model(form), target, None, tile_table(target, None))
+    kinds = [node.op_type for node in graph.nodes]
+    assert kinds[0] == "QuantizeLinear" and kinds[-1] == "DequantizeLinear", kinds
+    assert kinds.count("QuantizeLinear") == 1 and kinds.count("DequantizeLinear") == 1, kinds
+    wide = {graph.tensors[out].dtype for node in graph.nodes[:-1] for out in node.outputs}
+    assert wide <= {"uint8", "int8"}, (wide, kinds)
 
 
 def _dequantized_matmul(dtype: int, values) -> onnx.ModelProto:

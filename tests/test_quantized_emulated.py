@@ -14,7 +14,7 @@ import crosscompile
 from remote import rpc
 from tests import board_servers
 from tests.emulated_boards import local_farm
-from tests.quantized_models import calibration, output_step, quantized_model
+from tests.quantized_models import calibration, input_shape, output_step, quantized_model
 from tests.test_quantized import assert_within_one_step
 
 ort = pytest.importorskip("onnxruntime")
@@ -30,14 +30,19 @@ BOARDS = [("native-aarch64", "rasp5"), ("native-aarch64", "rasp4b64"),
 @pytest.mark.emulated
 @pytest.mark.parametrize("kind, target", BOARDS)
 def test_quantized_model_matches_onnxruntime_on_emulated_board(kind, target, tmp_path):
+    """conv_net and wide_net (rows wide enough for the vector blocks of the
+    kernels and their remainders), each in 8 bits from its first
+    QuantizeLinear to its last DequantizeLinear."""
     command = board_servers.command(kind)
-    model = quantized_model("qdq_per_channel_s8")
-    path = crosscompile.build(model, target=target).export_library(os.path.join(tmp_path, "q.so"))
-    feeds = calibration(1, seed=21)[0]
-    theirs = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
     key = f"quantized-{kind}"
     with local_farm(keys=[key], server_command=command) as farm:
         with rpc.connect_tracker(*farm.tracker).request(key, timeout=120) as sess:
-            sess.upload(path, target="q.so", timeout=TIMEOUT_S)
-            ours = sess.load_module("q.so", timeout=TIMEOUT_S).run(feeds, timeout=TIMEOUT_S)[0]
-    assert_within_one_step(ours, theirs, output_step(model), f"{kind} ({target})")
+            for form in ("qdq_per_channel_s8", "wide_qdq_per_channel_u8s8"):
+                model = quantized_model(form)
+                path = crosscompile.build(model, target=target).export_library(os.path.join(tmp_path, f"{form}.so"))
+                feeds = calibration(1, seed=21, shape=input_shape(form))[0]
+                session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+                sess.upload(path, target=f"{form}.so", timeout=TIMEOUT_S)
+                ours = sess.load_module(f"{form}.so", timeout=TIMEOUT_S).run(feeds, timeout=TIMEOUT_S)[0]
+                assert_within_one_step(ours, session.run(None, feeds)[0], output_step(model),
+                                       f"{form} on {kind} ({target})")
