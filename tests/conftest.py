@@ -79,7 +79,7 @@ def pytest_addoption(parser):
 
 
 # Markers of tests left out of the default run, unless a -m expression names them.
-OPT_IN_MARKERS = ("quantized_forms", "quantized_zoo")
+OPT_IN_MARKERS = ("quantized_forms", "quantized_zoo", "more_systems")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -89,7 +89,8 @@ def pytest_collection_modifyitems(config, items):
 
     They are reported as deselected, not skipped: the default run keeps one
     representative model per emulated architecture and a sample of the
-    node cases.
+    node cases. A system of more_systems also runs when `-m` names its own
+    mark (e.g. `-m bullseye_arm64`).
     """
     wanted = config.getoption("-m") or ""
     left_out = [m for m in OPT_IN_MARKERS if m not in wanted]
@@ -98,7 +99,11 @@ def pytest_collection_modifyitems(config, items):
                  if not config.getoption(option)]
     kept, left = [], []
     for item in items:
-        (left if any(item.get_closest_marker(m) for m in left_out) else kept).append(item)
+        named = item.get_closest_marker("more_systems") is not None and any(
+            mark.name in wanted for mark in item.iter_markers()
+            if mark.name.endswith(("_arm64", "_armhf")))
+        out = any(item.get_closest_marker(m) for m in left_out)
+        (left if out and not named else kept).append(item)
     if left:
         config.hook.pytest_deselected(items=left)
         items[:] = kept

@@ -2,6 +2,10 @@
 
 Each system (arm64/armhf x bullseye/bookworm/trixie) carries a mark so it can
 be picked alone:  pytest -m bookworm_arm64 tests/test_emulate.py
+The default run covers each release and each architecture: bookworm on both,
+bullseye on armhf (the oldest Python and numpy on a 32-bit board) and trixie
+on arm64 (the newest). The other two systems carry the more_systems mark too:
+    pytest -m more_systems tests/test_emulate.py
 Root filesystems are cached in $TETHER_CACHE (default ~/.cache/tether).
 """
 import os
@@ -28,6 +32,9 @@ RELEASE_STACKS = {
     "trixie": ("3.13", "2.2"),
 }
 SYSTEMS = [(release, arch) for release in emulate.RELEASES for arch in emulate.ARCHES]
+# Left out of the default run: their release and their architecture are each
+# covered by another system there.
+MORE_SYSTEMS = {("bullseye", "arm64"), ("trixie", "armhf")}
 # Everything on an emulated board runs many times slower than on the host, and
 # slower again when the host is busy: waits and calls get this long, which only
 # a hung board outlasts. Speed is never judged here.
@@ -36,6 +43,8 @@ HANG_S = 600.0
 
 def _system_param(release, arch):
     marks = [pytest.mark.emulated, getattr(pytest.mark, f"{release}_{arch}")]
+    if (release, arch) in MORE_SYSTEMS:
+        marks.append(pytest.mark.more_systems)
     return pytest.param((release, arch), id=f"{release}-{arch}", marks=marks)
 
 
