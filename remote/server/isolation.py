@@ -54,7 +54,7 @@ _CLONE_NEWNET = 0x40000000
 _NAMESPACES = {"pids": _CLONE_NEWPID, "files": _CLONE_NEWNS, "no-network": _CLONE_NEWNET}
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
 _MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 16384, 1 << 18
-_PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS = 1, 38
+_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_NO_NEW_PRIVS = 1, 4, 38
 
 
 def _libc():
@@ -124,6 +124,9 @@ def confine_session(layers, workspace: str, uid: int, hidden) -> str:
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
+        # A change of user makes the process undumpable: its /proc files
+        # would be root's, not its own user's.
+        libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
     else:
         _drop_capabilities(libc)
     # No set-user-id program gives a module back what it has left.
