@@ -2,6 +2,7 @@
 
     python benchmarks/bench_tracker.py [--sessions 100] [--devices 100] [--seconds 5]
     python benchmarks/bench_tracker.py --database [--rounds 3]   # what the farm database costs
+    python benchmarks/bench_tracker.py --sandbox [--sessions 100]  # what the session sandbox costs
 
 1. request -> session -> close: from ``request(key)`` to a connected session
    on a free device and until that session is closed again, with a real
@@ -80,11 +81,12 @@ def ours_request_to_session(sessions: int, server_command, db_args=("--db", "non
 
 def sandbox_cost(sessions: int, server_command):
     """request -> session -> close on two boards of one farm, taken in turn: one
-    whose sessions run in the default sandbox (a network namespace each, when
-    the kernel allows it) and one started with ``--allow-network``."""
+    whose sessions run in the default sandbox (the PID, mount and network
+    namespaces and, as root, a user of their own, as far as the kernel allows)
+    and one started with ``--no-sandbox``."""
     with LocalFarm(keys=[], env=env(), server_command=server_command) as farm:
         farm.add_server(KEY)
-        farm.add_server(KEY + "-open", extra=["--allow-network"])
+        farm.add_server(KEY + "-open", extra=["--no-sandbox"])
         tracker = rpc.connect_tracker(*farm.tracker)
         (sandboxed,) = [d for d in tracker.summary()["devices"] if d["key"] == KEY]
         samples = {KEY: [], KEY + "-open": []}
@@ -315,6 +317,23 @@ def database_cost(args) -> dict:
 
 # ------------------------------------------------------------------ main --
 
+def server_commands():
+    return {"native": [build_native(platform.machine())], "python": python_argv("remote.server")}
+
+
+def sandbox_figures(sessions: int, commands) -> dict:
+    print("session sandbox set-up: request -> session -> close on a board with the default "
+          "sandbox and on one started with --no-sandbox, in turn")
+    figures = {}
+    for kind, command in commands.items():
+        level, kept, open_ = sandbox_cost(sessions, command)
+        (kept_ms, _), (open_ms, _) = describe(kept), describe(open_)
+        print(f"  tether {kind:<7} isolation={level}: median {kept_ms:7.2f} ms, with "
+              f"--no-sandbox {open_ms:7.2f} ms, sandbox costs {kept_ms - open_ms:+.2f} ms")
+        figures[f"{kind}_sandbox_ms"] = kept_ms - open_ms
+    return figures
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=100, help="timed request-to-session runs")
@@ -326,9 +345,12 @@ def main(argv=None):
                         help="measure only what the farm database costs the tracker: "
                              "--db none against SQLite, in turns")
     parser.add_argument("--rounds", type=int, default=3, help="turns of --database")
+    parser.add_argument("--sandbox", action="store_true",
+                        help="measure only what the session sandbox adds to opening a session")
     args = parser.parse_args(argv)
-    if args.database:
-        figures = database_cost(args)
+    if args.database or args.sandbox:
+        figures = (database_cost(args) if args.database
+                   else sandbox_figures(args.sessions, server_commands()))
         if args.json:
             print(json.dumps(figures))
         return 0
@@ -342,8 +364,7 @@ def main(argv=None):
 
     print(f"request -> session -> close, {args.sessions} sessions, loopback, "
           "real tracker and device server processes")
-    commands = {"native": [build_native(platform.machine())],
-                "python": python_argv("remote.server")}
+    commands = server_commands()
     ours = {kind: describe(ours_request_to_session(args.sessions, command))
             for kind, command in commands.items()}
     for kind, (median, p90) in ours.items():
@@ -351,14 +372,7 @@ def main(argv=None):
         figures[f"{kind}_request_to_session_ms"] = median
     native = ours["native"][0]
     print(f"  native/python = {native / ours['python'][0]:.2f} (median; below 1 is native faster)")
-    print("session sandbox set-up: the same, on a board with the default sandbox and on one "
-          "started with --allow-network, in turn")
-    for kind, command in commands.items():
-        level, kept, open_ = sandbox_cost(args.sessions, command)
-        (kept_ms, _), (open_ms, _) = describe(kept), describe(open_)
-        print(f"  tether {kind:<7} isolation={level}: median {kept_ms:7.2f} ms, with "
-              f"--allow-network {open_ms:7.2f} ms, sandbox costs {kept_ms - open_ms:+.2f} ms")
-        figures[f"{kind}_sandbox_ms"] = kept_ms - open_ms
+    figures.update(sandbox_figures(args.sessions, commands))
     if have_tvm:
         theirs = describe(tvm_request_to_session(args.sessions))
         print(f"  tvm            median {theirs[0]:7.2f} ms   p90 {theirs[1]:7.2f} ms")

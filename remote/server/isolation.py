@@ -96,12 +96,36 @@ def enter_namespaces(layers) -> str:
     return ""
 
 
-def confine_session(layers, workspace: str, uid: int, hidden) -> str:
+_OWN_PID_NAMESPACE = []
+
+
+def fork_into_pid_namespace() -> Optional[int]:
+    """Fork, the child as pid 1 of a PID namespace of its own, in one fork:
+    this process's next child goes into a new namespace (unshare), then its
+    own namespace again (setns). Root only: elsewhere (or refused) None, and
+    nothing forked."""
+    libc = _libc()
+    if os.geteuid() != 0:
+        return None
+    if not _OWN_PID_NAMESPACE:
+        _OWN_PID_NAMESPACE.append(os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC))
+    if libc.unshare(_CLONE_NEWPID) != 0:
+        return None
+    pid = os.fork()
+    if pid == 0:
+        os.close(_OWN_PID_NAMESPACE.pop())
+    elif libc.setns(_OWN_PID_NAMESPACE[0], _CLONE_NEWPID) != 0:
+        raise OSError(_failed("cannot go back to this process's PID namespace"))
+    return pid
+
+
+def confine_session(layers, workspace: str, uid: int, hidden, parent_waits: bool = True) -> str:
     """In a session's process, once it knows its workspace, before it serves:
     its workspace becomes its /tmp, the folder holding the other workspaces
     and the files in ``hidden`` are covered, and (layer "user") it takes the
-    user ``uid`` with no supplementary group, for good. Returns the
-    workspace's path as the session sees it."""
+    user ``uid`` with no supplementary group, for good. ``parent_waits``: its
+    parent is a process outside its PID namespace that only waits for it.
+    Returns the workspace's path as the session sees it."""
     libc = _libc()
     if "files" in layers:
         for path in hidden:
@@ -131,7 +155,7 @@ def confine_session(layers, workspace: str, uid: int, hidden) -> str:
         _drop_capabilities(libc)
     # No set-user-id program gives a module back what it has left.
     libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    if "pids" in layers:
+    if "pids" in layers and parent_waits:
         # The process outside the namespace that waits for this one: if it is
         # killed, this one goes too, and with it the namespace (set after the
         # change of user, which clears it).

@@ -44,7 +44,8 @@ from remote.proto.frames import (CHUNK_BYTES, Checksum, FrameSocket, PeerClosed,
                                  recv_array_chunks, recv_tensors, send_array_chunks, tensor_bytes,
                                  send_file_chunks, tensor_dtype, tensor_header)
 from remote.server.isolation import (apply_session_limits, confine_session, enter_namespaces,
-                                     parse_session_limit, parse_uid_range)
+                                     fork_into_pid_namespace, parse_session_limit,
+                                     parse_uid_range)
 from remote.server.workspace import Workspace
 
 EXIT_RUN_TIMEOUT = 3
@@ -587,7 +588,8 @@ def run_session(fds, message: str, args) -> None:
     os.close(output_fd)
     uid, workspace_root = message.split(" ", 1)
     try:
-        workspace_root = confine_session(args.sandbox, workspace_root, int(uid), args.hide)
+        workspace_root = confine_session(args.sandbox, workspace_root, int(uid), args.hide,
+                                         args.parent_waits)
         os.chdir(workspace_root)
     except OSError as exc:
         sys.stderr.write(f"the session's sandbox could not be set up: {exc}\n")
@@ -625,6 +627,7 @@ def zygote(control: socket.socket, args) -> int:
     gc.freeze()  # the collector then leaves the imported objects' pages alone in children
     own = (control, wake_r, wake_w)
     children = {}
+    workspaces = {}  # pid -> its session's workspace
     spare = _fork_spare(own, args)
     server = os.getppid()
     uids = SessionUids(args.session_uids)
@@ -634,13 +637,16 @@ def zygote(control: socket.socket, args) -> int:
             ready, _, _ = select.select([control, wake_r], [], [], 1.0)
             if os.getppid() != server:
                 # The server is gone (its end of the control socket may linger in
-                # flight): its sessions' processes clean up their workspaces and
-                # end (they see their control sockets close); then everything
-                # they started goes too.
+                # flight): its sessions' processes end (they see their control
+                # sockets close); then everything they started goes too, and
+                # their workspaces, which a session in a mount namespace of its
+                # own sees only as its /tmp.
                 _outlive(children, SESSION_CLEANUP_S)
                 for pid in children:
                     end_process_group(pid)
                 end_strays(set())
+                for root in workspaces.values():
+                    shutil.rmtree(root, ignore_errors=True)
                 return 0
             if wake_r in ready:
                 try:
@@ -660,6 +666,7 @@ def zygote(control: socket.socket, args) -> int:
                     spare = None  # it died waiting; another is forked when needed
                     continue
                 session_id = children.pop(pid, None)
+                workspaces.pop(pid, None)
                 uids.free(pid)
                 if session_id is None:
                     continue  # a process a session left behind, already ended (see end_strays)
@@ -689,6 +696,7 @@ def zygote(control: socket.socket, args) -> int:
             for fd in fds:
                 os.close(fd)
             children[pid] = session_id
+            workspaces[pid] = workspace_root
             control.send(f"started {session_id} {pid}".encode())
             spare = _fork_spare(own, args)
 
@@ -781,19 +789,24 @@ class SessionUids:
 def _fork_spare(own, args):
     """Fork a child that waits for its session; returns (pid, the socket to send it on).
 
-    With a PID namespace the child forks once more: the grandchild, pid 1 of
-    the namespace, runs the session, and when it ends the kernel kills every
-    process left in it. The child stays outside, waits for it and ends as it
-    did, so the zygote and the server see one process, leader of the
-    session's process group."""
+    With a PID namespace the child is its pid 1: when it ends, the kernel
+    kills every process left in it. Root forks it there directly; another
+    user's child enters its namespaces and forks once more, and stays
+    outside, waiting for the grandchild (the session's process) and ending
+    as it did, so the zygote and the server see one process, leader of the
+    session's process group, either way."""
     door, inside = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    pid = os.fork()
+    pid = fork_into_pid_namespace() if "pids" in args.sandbox else None
+    args.parent_waits = pid is None
+    if pid is None:
+        pid = os.fork()
     if pid == 0:
         try:
             os.setpgid(0, 0)  # the session's processes are one group, ended together
             # Still single-threaded, as a namespace change needs, and ahead of
             # its session: the namespaces cost milliseconds no client waits for.
-            why = enter_namespaces(args.sandbox)
+            why = enter_namespaces([layer for layer in args.sandbox
+                                    if args.parent_waits or layer != "pids"])
             if why:
                 sys.stderr.write(f"a session process could not enter its sandbox: {why}\n")
                 os._exit(1)
@@ -801,7 +814,7 @@ def _fork_spare(own, args):
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             for s in own + (door,):
                 s.close()
-            if "pids" in args.sandbox:
+            if "pids" in args.sandbox and args.parent_waits:
                 inner = os.fork()
                 if inner != 0:
                     inside.close()

@@ -173,10 +173,10 @@ void plan_sandbox(Sandbox* sandbox, bool enabled, bool allow_network) {
   }
 }
 
-std::string enter_namespaces(const Sandbox& sandbox) {
+std::string enter_namespaces(const Sandbox& sandbox, bool mounts) {
   int flags = 0;
   if (sandbox.has("pids")) flags |= CLONE_NEWPID;
-  if (sandbox.has("files")) flags |= CLONE_NEWNS;
+  if (sandbox.has("files") && mounts) flags |= CLONE_NEWNS;
   if (sandbox.has("no-network")) flags |= CLONE_NEWNET;
   if (flags == 0) return "";
   uid_t uid = ::geteuid();
@@ -191,6 +191,14 @@ std::string enter_namespaces(const Sandbox& sandbox) {
     }
   }
   if ((flags & CLONE_NEWNS) && ::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) {
+    return failed("cannot keep this session's mounts to itself");
+  }
+  return "";
+}
+
+std::string enter_mount_namespace() {
+  if (::unshare(CLONE_NEWNS) != 0) return failed("this kernel refuses a mount namespace here");
+  if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) {
     return failed("cannot keep this session's mounts to itself");
   }
   return "";

@@ -30,8 +30,11 @@ std::string parse_uid_range(const std::string& text, Sandbox* sandbox);
 // a layer that fails is left out and named in `missing`. Exits with a
 // message when a user of this board has an id of the range.
 void plan_sandbox(Sandbox* sandbox, bool enabled, bool allow_network);
-// In a session's process, single-threaded: its namespaces. "" once done.
-std::string enter_namespaces(const Sandbox& sandbox);
+// In a session's process, single-threaded: its namespaces (the mount
+// namespace too when `mounts`). "" once done.
+std::string enter_namespaces(const Sandbox& sandbox, bool mounts = true);
+// Its own mount namespace, whose mounts stay in it. "" once done.
+std::string enter_mount_namespace();
 // In a session's process once it knows its workspace: the workspace becomes
 // its /tmp, the others and the hidden files are covered, and it takes the
 // user `uid` for good. "" once done (*root: the workspace as it sees it).

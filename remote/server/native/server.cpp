@@ -470,17 +470,21 @@ class DeviceService {
       // its copy of the options is gone.
       ::prctl(PR_SET_DUMPABLE, 1, 0, 0, 0);
       const Sandbox& sandbox = options_.sandbox;
-      std::string why = enter_namespaces(sandbox);
-      if (why.empty() && sandbox.has("pids")) {
+      bool relay = sandbox.has("pids");
+      pid_t server = ::getppid();
+      std::string why = enter_namespaces(sandbox, !relay);
+      if (why.empty() && relay) {
         // The session runs in pid 1 of the namespace: when it ends, the
         // kernel kills every process left in it. This process stays
-        // outside, the one the server sees, and ends as it did.
+        // outside (in the server's mounts too), the one the server sees,
+        // and ends as it did.
         pid_t inner = ::fork();
         if (inner < 0) why = std::string("fork failed: ") + std::strerror(errno);
         if (inner > 0) {
           close_other_fds({0, 1, 2});
-          end_as(inner);
+          end_as(inner, server, settings.workspace);
         }
+        if (inner == 0 && sandbox.has("files")) why = enter_mount_namespace();
       }
       if (why.empty()) {
         ::dup2(output[1], 2);  // a failure below is in the session's end reason
@@ -557,10 +561,13 @@ class DeviceService {
   }
 
   // Waits for `pid` and ends the way it ended (the same exit code or signal).
-  [[noreturn]] static void end_as(pid_t pid) {
+  // When `server` has gone meanwhile, removes the session's workspace, which
+  // the session saw only as its /tmp.
+  [[noreturn]] static void end_as(pid_t pid, pid_t server, const std::string& workspace) {
     int status = 0;
     while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
     }
+    if (::getppid() != server) Workspace(workspace).remove_all();
     if (WIFSIGNALED(status)) {
       rlimit none = {0, 0};
       ::setrlimit(RLIMIT_CORE, &none);
