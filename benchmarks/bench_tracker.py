@@ -79,7 +79,19 @@ def ours_request_to_session(sessions: int, server_command, db_args=("--db", "non
         return samples
 
 
-def sandbox_cost(sessions: int, server_command):
+def sandbox_run_speed(tracker, so_path: str, rounds: int = 5):
+    """The median time of a module's run on the two boards of ``sandbox_cost``,
+    measured on the board, in turns."""
+    medians = {KEY: [], KEY + "-open": []}
+    for _ in range(rounds):
+        for key, kept in medians.items():
+            with tracker.request(key, timeout=30) as sess:
+                sess.upload(so_path, target="model.so")
+                kept.append(sess.load_module("model.so").benchmark(number=20, repeat=5).median)
+    return statistics.median(medians[KEY]), statistics.median(medians[KEY + "-open"])
+
+
+def sandbox_cost(sessions: int, server_command, so_path: str):
     """request -> session -> close on two boards of one farm, taken in turn: one
     whose sessions run in the default sandbox (the PID, mount and network
     namespaces and, as root, a user of their own, as far as the kernel allows)
@@ -97,7 +109,9 @@ def sandbox_cost(sessions: int, server_command):
                     pass
                 if i >= 5:
                     kept.append(time.perf_counter() - start)
-        return sandboxed["attributes"].get("isolation", "?"), samples[KEY], samples[KEY + "-open"]
+        runs = sandbox_run_speed(tracker, so_path)
+        return (sandboxed["attributes"].get("isolation", "?"), samples[KEY], samples[KEY + "-open"],
+                runs)
 
 
 class TvmFarm:
@@ -324,13 +338,19 @@ def server_commands():
 def sandbox_figures(sessions: int, commands) -> dict:
     print("session sandbox set-up: request -> session -> close on a board with the default "
           "sandbox and on one started with --no-sandbox, in turn")
+    import tempfile
+    from bench_transfer import inference_model
+    so_path = inference_model(tempfile.mkdtemp(prefix="tether-bench-sandbox-"))
     figures = {}
     for kind, command in commands.items():
-        level, kept, open_ = sandbox_cost(sessions, command)
+        level, kept, open_, (run_kept, run_open) = sandbox_cost(sessions, command, so_path)
         (kept_ms, _), (open_ms, _) = describe(kept), describe(open_)
         print(f"  tether {kind:<7} isolation={level}: median {kept_ms:7.2f} ms, with "
               f"--no-sandbox {open_ms:7.2f} ms, sandbox costs {kept_ms - open_ms:+.2f} ms")
+        print(f"  {'':14} a run of a 1x3x224x224 -> 1000 model: {run_kept * 1e3:.3f} ms, with "
+              f"--no-sandbox {run_open * 1e3:.3f} ms (sandboxed/open = {run_kept / run_open:.2f})")
         figures[f"{kind}_sandbox_ms"] = kept_ms - open_ms
+        figures[f"{kind}_sandbox_run_ratio"] = run_kept / run_open
     return figures
 
 

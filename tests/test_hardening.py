@@ -766,6 +766,10 @@ def test_a_module_has_no_network_unless_the_operator_allows_it(server, tmp_path)
     listener.listen(4)
     port = listener.getsockname()[1]
     try:
+        with connect_when_free(server) as sess:
+            if "no-network" not in _layers(sess):
+                pytest.skip("this kernel gives the board server no network namespace: "
+                            + server.log_text()[-400:])
         assert _connect_from_a_module(server, probe, port) == -errno.ENETUNREACH
         allowed = start_server("--allow-network")
         try:
