@@ -16,7 +16,7 @@ from remote.proto import pb
 from remote.proto.frames import PROTOCOL_VERSION, FrameSocket
 from remote.server.isolation import LAYERS
 from tests import board_servers, session_modules, test_sessions
-from remote.cli.localfarm import Child, python_argv
+from remote.cli.localfarm import Child, ProcessStartError, python_argv
 from tests.test_sessions import ENV, _FOLDERS, connect, connect_when_free, start_server
 from tests.cli_processes import command_line
 from tests.test_tracker import HANG_S, key_status, local_farm, wait_until
@@ -504,8 +504,19 @@ def test_a_module_cannot_read_another_sessions_files_the_secret_or_shadow(kind, 
         child.stop()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="sessions get users of their own only from a "
+                    "server run as root")
+def test_session_uids_a_user_of_the_board_holds_are_refused_at_start(kind):
+    import pwd
+    taken = next((p for p in pwd.getpwall() if 0 < p.pw_uid < 2**32 - 2), None)
+    if taken is None:
+        pytest.skip("no user but root on this machine")
+    uids = f"{taken.pw_uid}-{taken.pw_uid + 1}"
+    with pytest.raises(ProcessStartError, match=f"user {taken.pw_name} has uid {taken.pw_uid}"):
+        start_server("--session-uids", uids).stop()
+
+
 def test_a_secret_file_others_may_read_is_refused_at_start(kind, tmp_path):
-    from remote.cli.localfarm import ProcessStartError
     secret = tmp_path / "farm-secret"
     secret.write_text("s\n")
     secret.chmod(0o644)
