@@ -108,8 +108,11 @@ def fork_into_pid_namespace() -> Optional[int]:
     if os.geteuid() != 0:
         return None
     if not _OWN_PID_NAMESPACE:
-        _OWN_PID_NAMESPACE.append(os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC))
-    if libc.unshare(_CLONE_NEWPID) != 0:
+        own = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+        # Going back needs the namespace's owner's privilege: root inside a
+        # container's user namespace lacks it.
+        _OWN_PID_NAMESPACE.append(own if libc.setns(own, _CLONE_NEWPID) == 0 else None)
+    if _OWN_PID_NAMESPACE[0] is None or libc.unshare(_CLONE_NEWPID) != 0:
         return None
     pid = os.fork()
     if pid == 0:
@@ -270,8 +273,12 @@ class Sandbox:
                         "with SIGKILL",
                 "files": "no mount namespace: a module sees the other sessions' workspaces "
                          "(to their modes) and the secret file, and shares /tmp",
-                "user": "no per-session user",
+                "user": "no per-session user: this root cannot take the ids of --session-uids "
+                        "(in a container, map them into its user namespace)",
                 "no-network": "no network namespace: a module opens connections from the board"}
+        if not _probe(wanted, session_uids.start):
+            self.layers += wanted  # all at once, as on most boards: one child tried
+            return
         for layer in wanted:
             alone = [layer] + (["files"] if layer == "user" and "files" in self.layers else [])
             why = _probe(alone, session_uids.start)

@@ -150,6 +150,10 @@ void plan_sandbox(Sandbox* sandbox, bool enabled, bool allow_network) {
   } else {
     wanted.push_back("no-network");
   }
+  if (probe(*sandbox, wanted).empty()) {  // all at once, as on most boards: one child tried
+    sandbox->layers.insert(sandbox->layers.end(), wanted.begin(), wanted.end());
+    return;
+  }
   for (const auto& layer : wanted) {
     std::vector<std::string> alone = {layer};
     if (layer == "user" && sandbox->has("files")) alone.push_back("files");
@@ -161,7 +165,8 @@ void plan_sandbox(Sandbox* sandbox, bool enabled, bool allow_network) {
     const char* what = layer == "pids" ? "no PID namespace: processes a module starts outlive a server killed with SIGKILL"
                        : layer == "files" ? "no mount namespace: a module sees the other sessions' workspaces (to "
                                             "their modes) and the secret file, and shares /tmp"
-                       : layer == "user" ? "no per-session user"
+                       : layer == "user" ? "no per-session user: this root cannot take the ids of --session-uids (in a "
+                                            "container, map them into its user namespace)"
                                          : "no network namespace: a module opens connections from the board";
     sandbox->missing.push_back(std::string(what) + " (" + why + ")");
   }
