@@ -465,6 +465,34 @@ def test_processes_a_module_starts_end_with_a_server_killed_by_sigkill(kind, tmp
         child.stop()
 
 
+def test_a_layer_the_board_cannot_give_is_named_at_start_and_sessions_go_on(kind, tmp_path):
+    """Root of a user namespace of its own (as in a container) cannot take
+    the ids of --session-uids: the server says so, shows no "user" layer,
+    and its sessions run with the others."""
+    import signal
+    import subprocess
+    unshare = shutil.which("unshare")
+    if unshare is None or subprocess.run([unshare, "-U", "-r", "true"]).returncode != 0:
+        pytest.skip("no unshare program, or this kernel refuses a user namespace here")
+    command = list(test_sessions._COMMAND)
+    test_sessions._COMMAND[:] = [unshare, "-U", "-r", "--fork", *command]
+    try:
+        child = start_server()
+    finally:
+        test_sessions._COMMAND[:] = command
+    try:
+        assert "sandbox: no per-session user: this root cannot take the ids" in child.log_text()
+        with connect_when_free(child) as sess:
+            assert "user" not in _layers(sess)
+            sess.upload(session_modules.build(str(tmp_path), "ok"), target="ok.so")
+            y = sess.load_module("ok.so").run({"x": np.ones((1, 4), np.float32)})[0]
+            np.testing.assert_array_equal(y, 2.0)
+    finally:
+        # unshare passes no signal on: the server (in its process group) hears it directly.
+        os.killpg(child.proc.pid, signal.SIGTERM)
+        child.stop()
+
+
 def _read_from_a_module(sess, tmp_path, path: str) -> int:
     reader = session_modules.build(str(tmp_path), "reader", read_path=path)
     name = os.path.basename(reader)
