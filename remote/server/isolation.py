@@ -247,7 +247,7 @@ class Sandbox:
     def __init__(self, enabled: bool = True, allow_network: bool = False,
                  session_uids: range = None, hidden=()):
         self.uids = session_uids = session_uids or parse_uid_range(DEFAULT_SESSION_UIDS)
-        self.hidden = [os.path.abspath(p) for p in hidden]
+        self.hidden = [os.path.realpath(p) for p in hidden]
         self.missing = []
         self.layers = ["processes"]
         if not enabled:
