@@ -383,7 +383,7 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     parser.add_argument("--session-limit", type=_session_limit, action="append", default=[],
                         metavar="NAME=NUMBER",
                         help="a limit on every session's processes: as (bytes of address "
-                             "space), nproc (processes of this user), fsize (bytes a file may "
+                             "space), nproc (processes of the session's user), fsize (bytes a file may "
                              "grow to), cpu (seconds of CPU time); repeat for several")
     parser.add_argument("--cc", default=os.environ.get("CC", "cc"),
                         help="C compiler that links uploaded .tar modules (default $CC or cc)")

@@ -317,7 +317,7 @@ def check_secret_file(path: str, what: str = "--farm-secret-file") -> None:
 # (--session-limit NAME=VALUE): name -> (resource module's name, what it limits).
 SESSION_LIMITS = {
     "as": ("RLIMIT_AS", "bytes of address space"),
-    "nproc": ("RLIMIT_NPROC", "processes of the server's user"),
+    "nproc": ("RLIMIT_NPROC", "processes of the session's user"),
     "fsize": ("RLIMIT_FSIZE", "bytes a file may grow to"),
     "cpu": ("RLIMIT_CPU", "seconds of CPU time"),
 }

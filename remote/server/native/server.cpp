@@ -213,7 +213,7 @@ Options parse_options(int argc, char** argv) {
       bool digits = !value.empty() && value.find_first_not_of("0123456789") == std::string::npos;
       if (kind < 0 || !digits) {
         usage_error("session limit '" + text + "' must be NAME=NUMBER with NAME one of as (bytes of address "
-                    "space), nproc (processes of the server's user), fsize (bytes a file may grow to), "
+                    "space), nproc (processes of the session's user), fsize (bytes a file may grow to), "
                     "cpu (seconds of CPU time)");
       }
       o.session_limits.emplace_back(kind, static_cast<rlim_t>(std::strtoull(value.c_str(), nullptr, 10)));
