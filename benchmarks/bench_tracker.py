@@ -2,6 +2,7 @@
 
     python benchmarks/bench_tracker.py [--sessions 100] [--devices 100] [--seconds 5]
     python benchmarks/bench_tracker.py --database [--rounds 3]   # what the farm database costs
+    python benchmarks/bench_tracker.py --sandbox [--sessions 100]  # what the session sandbox costs
 
 1. request -> session -> close: from ``request(key)`` to a connected session
    on a free device and until that session is closed again, with a real
@@ -78,13 +79,26 @@ def ours_request_to_session(sessions: int, server_command, db_args=("--db", "non
         return samples
 
 
-def sandbox_cost(sessions: int, server_command):
+def sandbox_run_speed(tracker, so_path: str, rounds: int = 5):
+    """The median time of a module's run on the two boards of ``sandbox_cost``,
+    measured on the board, in turns."""
+    medians = {KEY: [], KEY + "-open": []}
+    for _ in range(rounds):
+        for key, kept in medians.items():
+            with tracker.request(key, timeout=30) as sess:
+                sess.upload(so_path, target="model.so")
+                kept.append(sess.load_module("model.so").benchmark(number=20, repeat=5).median)
+    return statistics.median(medians[KEY]), statistics.median(medians[KEY + "-open"])
+
+
+def sandbox_cost(sessions: int, server_command, so_path: str):
     """request -> session -> close on two boards of one farm, taken in turn: one
-    whose sessions run in the default sandbox (a network namespace each, when
-    the kernel allows it) and one started with ``--allow-network``."""
+    whose sessions run in the default sandbox (the PID, mount and network
+    namespaces and, as root, a user of their own, as far as the kernel allows)
+    and one started with ``--no-sandbox``."""
     with LocalFarm(keys=[], env=env(), server_command=server_command) as farm:
         farm.add_server(KEY)
-        farm.add_server(KEY + "-open", extra=["--allow-network"])
+        farm.add_server(KEY + "-open", extra=["--no-sandbox"])
         tracker = rpc.connect_tracker(*farm.tracker)
         (sandboxed,) = [d for d in tracker.summary()["devices"] if d["key"] == KEY]
         samples = {KEY: [], KEY + "-open": []}
@@ -95,7 +109,9 @@ def sandbox_cost(sessions: int, server_command):
                     pass
                 if i >= 5:
                     kept.append(time.perf_counter() - start)
-        return sandboxed["attributes"].get("isolation", "?"), samples[KEY], samples[KEY + "-open"]
+        runs = sandbox_run_speed(tracker, so_path)
+        return (sandboxed["attributes"].get("isolation", "?"), samples[KEY], samples[KEY + "-open"],
+                runs)
 
 
 class TvmFarm:
@@ -322,6 +338,29 @@ def database_cost(args) -> dict:
 
 # ------------------------------------------------------------------ main --
 
+def server_commands():
+    return {"native": [build_native(platform.machine())], "python": python_argv("remote.server")}
+
+
+def sandbox_figures(sessions: int, commands) -> dict:
+    print("session sandbox set-up: request -> session -> close on a board with the default "
+          "sandbox and on one started with --no-sandbox, in turn")
+    import tempfile
+    from bench_transfer import inference_model
+    so_path = inference_model(tempfile.mkdtemp(prefix="tether-bench-sandbox-"))
+    figures = {}
+    for kind, command in commands.items():
+        level, kept, open_, (run_kept, run_open) = sandbox_cost(sessions, command, so_path)
+        (kept_ms, _), (open_ms, _) = describe(kept), describe(open_)
+        print(f"  tether {kind:<7} isolation={level}: median {kept_ms:7.2f} ms, with "
+              f"--no-sandbox {open_ms:7.2f} ms, sandbox costs {kept_ms - open_ms:+.2f} ms")
+        print(f"  {'':14} a run of a 1x3x224x224 -> 1000 model: {run_kept * 1e3:.3f} ms, with "
+              f"--no-sandbox {run_open * 1e3:.3f} ms (sandboxed/open = {run_kept / run_open:.2f})")
+        figures[f"{kind}_sandbox_ms"] = kept_ms - open_ms
+        figures[f"{kind}_sandbox_run_ratio"] = run_kept / run_open
+    return figures
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=100, help="timed request-to-session runs")
@@ -333,9 +372,12 @@ def main(argv=None):
                         help="measure only what the farm database costs the tracker: "
                              "--db none against SQLite, in turns")
     parser.add_argument("--rounds", type=int, default=3, help="turns of --database")
+    parser.add_argument("--sandbox", action="store_true",
+                        help="measure only what the session sandbox adds to opening a session")
     args = parser.parse_args(argv)
-    if args.database:
-        figures = database_cost(args)
+    if args.database or args.sandbox:
+        figures = (database_cost(args) if args.database
+                   else sandbox_figures(args.sessions, server_commands()))
         if args.json:
             print(json.dumps(figures))
         return 0
@@ -349,8 +391,7 @@ def main(argv=None):
 
     print(f"request -> session -> close, {args.sessions} sessions, loopback, "
           "real tracker and device server processes")
-    commands = {"native": [build_native(platform.machine())],
-                "python": python_argv("remote.server")}
+    commands = server_commands()
     ours = {kind: describe(ours_request_to_session(args.sessions, command))
             for kind, command in commands.items()}
     for kind, (median, p90) in ours.items():
@@ -358,14 +399,7 @@ def main(argv=None):
         figures[f"{kind}_request_to_session_ms"] = median
     native = ours["native"][0]
     print(f"  native/python = {native / ours['python'][0]:.2f} (median; below 1 is native faster)")
-    print("session sandbox set-up: the same, on a board with the default sandbox and on one "
-          "started with --allow-network, in turn")
-    for kind, command in commands.items():
-        level, kept, open_ = sandbox_cost(args.sessions, command)
-        (kept_ms, _), (open_ms, _) = describe(kept), describe(open_)
-        print(f"  tether {kind:<7} isolation={level}: median {kept_ms:7.2f} ms, with "
-              f"--allow-network {open_ms:7.2f} ms, sandbox costs {kept_ms - open_ms:+.2f} ms")
-        figures[f"{kind}_sandbox_ms"] = kept_ms - open_ms
+    figures.update(sandbox_figures(args.sessions, commands))
     if have_tvm:
         theirs = describe(tvm_request_to_session(args.sessions))
         print(f"  tvm            median {theirs[0]:7.2f} ms   p90 {theirs[1]:7.2f} ms")

@@ -14,8 +14,9 @@ import pytest
 from remote import errors
 from remote.proto import pb
 from remote.proto.frames import PROTOCOL_VERSION, FrameSocket
+from remote.server.isolation import LAYERS
 from tests import board_servers, session_modules, test_sessions
-from remote.cli.localfarm import Child, python_argv
+from remote.cli.localfarm import Child, ProcessStartError, python_argv
 from tests.test_sessions import ENV, _FOLDERS, connect, connect_when_free, start_server
 from tests.cli_processes import command_line
 from tests.test_tracker import HANG_S, key_status, local_farm, wait_until
@@ -398,17 +399,157 @@ def alive(pid: int) -> bool:
         return False
 
 
+def on_the_host(pids, session_pid: int):
+    """The host's pids of processes a module in the session served by
+    ``session_pid`` knows as ``pids``: in a PID namespace of its own, a module
+    sees its namespace's numbers."""
+    namespace = os.readlink(f"/proc/{session_pid}/ns/pid")
+    found = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.readlink(f"/proc/{entry}/ns/pid") != namespace:
+                continue
+            with open(f"/proc/{entry}/status") as f:
+                line = next(line for line in f if line.startswith("NSpid:"))
+        except (OSError, StopIteration):
+            continue
+        inner = int(line.split()[-1])
+        if inner in pids:
+            found[inner] = int(entry)
+    assert sorted(found) == sorted(pids), f"processes {pids} of the session not found: {found}"
+    return list(found.values())
+
+
+def _leave_processes(sess, forker):
+    """Run the forker module: the host pids of the two processes it left running."""
+    from tests.test_sessions import serving_pid
+    sess.upload(forker, target="forker.so")
+    y = sess.load_module("forker.so").run({"x": np.zeros((1, 4), np.float32)})[0]
+    pids = on_the_host([int(p) for p in y[0, :2]], serving_pid(sess))
+    assert all(p > 0 for p in pids) and all(alive(p) for p in pids), pids
+    return pids
+
+
 def test_processes_a_module_starts_end_with_its_session(server, tmp_path):
     forker = session_modules.build(str(tmp_path), "forker")
     with connect_when_free(server) as sess:
-        sess.upload(forker, target="forker.so")
-        y = sess.load_module("forker.so").run({"x": np.zeros((1, 4), np.float32)})[0]
-        pids = [int(p) for p in y[0, :2]]
-        assert all(p > 0 for p in pids) and all(alive(p) for p in pids), pids
+        pids = _leave_processes(sess, forker)
     wait_until(lambda: not any(alive(p) for p in pids),
                f"the end of processes {pids} a closed session's module left")
     with connect_when_free(server) as sess:
         sess.ping()
+
+
+def _layers(sess):
+    return sess.device_info()["attributes"]["isolation"].split(",")
+
+
+def test_processes_a_module_starts_end_with_a_server_killed_by_sigkill(kind, tmp_path):
+    """The server and (Python) its zygote killed at once: nobody is left to end
+    the session's processes but the kernel, through the PID namespace."""
+    import signal
+    forker = session_modules.build(str(tmp_path), "forker")
+    child = start_server()
+    try:
+        sess = connect_when_free(child)
+        if "pids" not in _layers(sess):
+            sess.close()
+            pytest.skip("this kernel gives the board server no PID namespace: "
+                        + child.log_text()[-400:])
+        pids = _leave_processes(sess, forker)
+        os.killpg(child.proc.pid, signal.SIGKILL)
+        wait_until(lambda: not any(alive(p) for p in pids),
+                   f"the end of processes {pids} left by a module when its server was killed")
+        sess._data.sock.close()
+    finally:
+        child.stop()
+
+
+def test_a_layer_the_board_cannot_give_is_named_at_start_and_sessions_go_on(kind, tmp_path):
+    """Root of a user namespace of its own (as in a container) cannot take
+    the ids of --session-uids: the server says so, shows no "user" layer,
+    and its sessions run with the others."""
+    import signal
+    import subprocess
+    unshare = shutil.which("unshare")
+    if unshare is None or subprocess.run([unshare, "-U", "-r", "true"]).returncode != 0:
+        pytest.skip("no unshare program, or this kernel refuses a user namespace here")
+    command = list(test_sessions._COMMAND)
+    test_sessions._COMMAND[:] = [unshare, "-U", "-r", "--fork", *command]
+    try:
+        child = start_server()
+    finally:
+        test_sessions._COMMAND[:] = command
+    try:
+        assert "sandbox: no per-session user: this root cannot take the ids" in child.log_text()
+        with connect_when_free(child) as sess:
+            assert "user" not in _layers(sess)
+            sess.upload(session_modules.build(str(tmp_path), "ok"), target="ok.so")
+            y = sess.load_module("ok.so").run({"x": np.ones((1, 4), np.float32)})[0]
+            np.testing.assert_array_equal(y, 2.0)
+    finally:
+        # unshare passes no signal on: the server (in its process group) hears it directly.
+        os.killpg(child.proc.pid, signal.SIGTERM)
+        child.stop()
+
+
+def _read_from_a_module(sess, tmp_path, path: str) -> int:
+    reader = session_modules.build(str(tmp_path), "reader", read_path=path)
+    name = os.path.basename(reader)
+    sess.upload(reader, target=name)
+    return int(sess.load_module(name).run({"x": np.zeros((1, 4), np.float32)})[0][0, 0])
+
+
+def test_a_module_cannot_read_another_sessions_files_the_secret_or_shadow(kind, tmp_path):
+    secret = tmp_path / "farm-secret"
+    secret.write_text("farm-secret-not-for-modules\n")
+    secret.chmod(0o600)
+    child = start_server("--max-sessions", "2", "--farm-secret-file", str(secret))
+    try:
+        with connect_when_free(child) as first, connect_when_free(child) as second:
+            layers = _layers(second)
+            if "files" not in layers and "user" not in layers:
+                pytest.skip("this board server has neither a mount namespace nor a user per "
+                            "session here: " + child.log_text()[-400:])
+            first.upload(b"the first session's own data", target="private.txt")
+            (folder,) = [f for f in os.listdir(child.workspaces)
+                         if os.path.exists(os.path.join(child.workspaces, f, "private.txt"))]
+            others = os.path.join(child.workspaces, folder, "private.txt")
+            # The reader works: it reads a file every user may read...
+            assert _read_from_a_module(second, tmp_path, "/etc/passwd") > 0
+            # ...and nothing of another live session, the secret or the board's passwords.
+            assert _read_from_a_module(second, tmp_path, others) <= 0
+            assert _read_from_a_module(second, tmp_path, str(secret)) <= 0
+            if os.path.exists("/etc/shadow"):
+                assert _read_from_a_module(second, tmp_path, "/etc/shadow") <= 0
+            # The first session still has its file, and both still compute.
+            assert bytes(first.download("private.txt")) == b"the first session's own data"
+            for sess in (first, second):
+                sess.upload(session_modules.build(str(tmp_path), "ok"), target="ok.so")
+                y = sess.load_module("ok.so").run({"x": np.ones((1, 4), np.float32)})[0]
+                np.testing.assert_array_equal(y, 2.0)
+    finally:
+        child.stop()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="sessions get users of their own only from a "
+                    "server run as root")
+def test_session_uids_a_user_of_the_board_holds_are_refused_at_start(kind):
+    import pwd
+    taken = next((p for p in pwd.getpwall() if 0 < p.pw_uid < 2**32 - 2), None)
+    if taken is None:
+        pytest.skip("no user but root on this machine")
+    uids = f"{taken.pw_uid}-{taken.pw_uid + 1}"
+    with pytest.raises(ProcessStartError, match=f"user {taken.pw_name} has uid {taken.pw_uid}"):
+        start_server("--session-uids", uids).stop()
+
+
+def test_a_secret_file_others_may_read_is_refused_at_start(kind, tmp_path):
+    secret = tmp_path / "farm-secret"
+    secret.write_text("s\n")
+    secret.chmod(0o644)
+    with pytest.raises(ProcessStartError, match=f"{secret}.*chmod 600 {secret}"):
+        start_server("--farm-secret-file", str(secret)).stop()
 
 
 def tracker_only(kind):
@@ -603,13 +744,15 @@ def test_the_farm_secret_is_not_where_a_module_can_read_it(kind, tmp_path):
     secret = "farm-" + random_secrets.token_hex(12)
     path = tmp_path / "farm-secret"
     path.write_text(secret + "\n")
+    path.chmod(0o600)
     with local_farm(keys=[], tracker_args=["--farm-secret", secret]) as farm:
         board = farm.add_server("k", extra=["--farm-secret-file", str(path),
                                             "--attr", "isolation=made up"])
         assert secret not in command_line(board.proc.pid)
         # The board says how far its sessions are isolated, whatever its operator wrote.
         (device,) = rpc.connect_tracker(*farm.tracker, farm_secret=secret).summary()["devices"]
-        assert device["attributes"]["isolation"] in ("processes", "processes,no-network")
+        layers = device["attributes"]["isolation"].split(",")
+        assert "processes" in layers and set(layers) <= set(LAYERS), layers
         with rpc.connect_tracker(*farm.tracker, farm_secret=secret).request(
                 "k", timeout=HANG_S) as sess:
             # The connection may still be on its way to the session's process
@@ -662,6 +805,10 @@ def test_a_module_has_no_network_unless_the_operator_allows_it(server, tmp_path)
     listener.listen(4)
     port = listener.getsockname()[1]
     try:
+        with connect_when_free(server) as sess:
+            if "no-network" not in _layers(sess):
+                pytest.skip("this kernel gives the board server no network namespace: "
+                            + server.log_text()[-400:])
         assert _connect_from_a_module(server, probe, port) == -errno.ENETUNREACH
         allowed = start_server("--allow-network")
         try:

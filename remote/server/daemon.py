@@ -19,8 +19,9 @@ from remote.defaults import (FARM_SECRET_ENV, SERVER_PORT, TLS_CA_ENV, TLS_CERT_
                              TRACKER_HELP, TRACKER_PORT, default_tracker)
 from remote.proto.frames import PREFIX
 from remote.lifecycle import start_logging, wait_for_stop_signal
-from remote.server.isolation import (ISOLATION_NOTE, hide_from_modules, network_isolation,
-                                     parse_session_limit, read_secret_file)
+from remote.server.isolation import (DEFAULT_SESSION_UIDS, Sandbox, check_secret_file,
+                                     hide_from_modules, parse_session_limit, parse_uid_range,
+                                     read_secret_file)
 from remote.server.registration import TrackerLink, local_address_towards
 from remote.server.service import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_UPLOAD_BYTES, DeviceService
 from remote.tls import server_context
@@ -258,12 +259,15 @@ def serve(host: str = "0.0.0.0", port: int = SERVER_PORT, tracker: Optional[str]
           max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES, session_queue_s: float = 0.0,
           cc: str = "cc", workspace_dir: Optional[str] = None, tls_cert: str = "",
           tls_key: str = "", tls_ca: str = "", relay: bool = False,
-          session_limits=(), allow_network: bool = False) -> RunningServer:
+          session_limits=(), allow_network: bool = False, sandbox: bool = True,
+          session_uids: Optional[range] = None, hidden=()) -> RunningServer:
     """Start serving; with ``tracker`` and ``key`` the server registers and needs leases.
 
     ``tls_cert``/``tls_key`` serve clients over TLS; ``tls_ca`` is the certificate
     to trust when talking to a TLS tracker. ``relay`` takes no sessions on this
     port: clients reach the board through the tracker (for boards behind NAT).
+    ``sandbox``, ``allow_network``, ``session_uids`` and ``hidden`` (files no
+    session may read) set the session sandbox (docs/security.md).
 
     >>> srv = serve("127.0.0.1", 0)            # doctest: +SKIP
     """
@@ -272,14 +276,15 @@ def serve(host: str = "0.0.0.0", port: int = SERVER_PORT, tracker: Optional[str]
     if relay and tracker is None:
         raise ValueError("--relay needs a tracker to relay through (--tracker, --key)")
     context = server_context(tls_cert, tls_key)
-    network_note = network_isolation(allow_network)
-    if network_note:
-        log.warning("sandbox: %s", network_note)
+    isolation = Sandbox(sandbox, allow_network, session_uids, hidden)
+    log.warning("sandbox: sessions are isolated by %s", isolation.level.replace(",", ", "))
+    for missing in isolation.missing:
+        log.warning("sandbox: %s", missing)
     service = DeviceService(max_sessions=max_sessions, idle_timeout_s=idle_timeout_s,
                             max_upload_bytes=max_upload_bytes, attributes=attributes,
                             session_queue_s=session_queue_s, cc=cc,
                             workspace_parent=workspace_dir, session_limits=session_limits,
-                            no_network=not network_note)
+                            sandbox=isolation)
     try:
         listener = Listener(host, port, service, context)
     except BaseException:
@@ -306,6 +311,13 @@ def serve(host: str = "0.0.0.0", port: int = SERVER_PORT, tracker: Optional[str]
 def _session_limit(text: str):
     try:
         return parse_session_limit(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _uid_range(text: str):
+    try:
+        return parse_uid_range(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -360,10 +372,18 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     parser.add_argument("--allow-network", action="store_true",
                         help="let sessions' modules use the network (by default each session "
                              "runs in a network namespace of its own, with no interface up)")
+    parser.add_argument("--no-sandbox", action="store_true",
+                        help="run sessions without namespaces or users of their own (their "
+                             "processes still end with them); for measuring the sandbox's cost "
+                             "or a board where it gets in the way")
+    parser.add_argument("--session-uids", type=_uid_range, default=None, metavar="FIRST-LAST",
+                        help="user ids for sessions when the server runs as root, each live "
+                             f"session its own (default {DEFAULT_SESSION_UIDS}); no user of "
+                             "this board may have one of them")
     parser.add_argument("--session-limit", type=_session_limit, action="append", default=[],
                         metavar="NAME=NUMBER",
                         help="a limit on every session's processes: as (bytes of address "
-                             "space), nproc (processes of this user), fsize (bytes a file may "
+                             "space), nproc (processes of the session's user), fsize (bytes a file may "
                              "grow to), cpu (seconds of CPU time); repeat for several")
     parser.add_argument("--cc", default=os.environ.get("CC", "cc"),
                         help="C compiler that links uploaded .tar modules (default $CC or cc)")
@@ -377,11 +397,11 @@ def run(args) -> int:
     """Serve until SIGINT/SIGTERM with the options parsed by ``build_parser``."""
     start_logging()
     hide_from_modules()
-    log.warning("sandbox: %s", ISOLATION_NOTE)
     log.warning("sandbox: %s", ", ".join(f"{n}={v}" for n, v in args.session_limit)
                 if args.session_limit else "no --session-limit: a session may use all of the "
                 "board's memory, disk and CPU until its timeouts end it")
     if args.farm_secret_file:
+        check_secret_file(args.farm_secret_file)
         args.farm_secret = read_secret_file(args.farm_secret_file)
     tracker = (args.tracker or default_tracker()) if args.key else None
     server = serve(args.host, args.port, tracker=tracker, key=args.key if tracker else None,
@@ -392,7 +412,9 @@ def run(args) -> int:
                    workspace_dir=args.workspace_dir,
                    tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
                    relay=args.relay, session_limits=args.session_limit,
-                   allow_network=args.allow_network)
+                   allow_network=args.allow_network, sandbox=not args.no_sandbox,
+                   session_uids=args.session_uids,
+                   hidden=[args.farm_secret_file] if args.farm_secret_file else [])
     if server.link is None:
         where = "standalone"
     elif server.link.registered.wait(REGISTER_WAIT_S):

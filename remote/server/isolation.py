@@ -7,8 +7,10 @@ what it printed.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -31,30 +33,56 @@ ZYGOTE_START_S = 120.0
 
 # What a session is kept from, as the tracker shows it among a board's
 # capabilities (attribute "isolation"; docs/security.md, "The session
-# sandbox"): "processes" is that all of a session's processes end with it,
-# "no-network" that they run in a network namespace of their own, with no
-# interface up. The module runs as the server's user, with its files.
-ISOLATION_NOTE = ("sessions run as this server's user, with its files (no per-session user "
-                  "or mount namespace on this server yet)")
+# sandbox"), in this order:
+#   processes   all of a session's processes end with it (its process group,
+#               and the server or zygote as a subreaper);
+#   pids        it runs as pid 1 of a PID namespace of its own: when it ends,
+#               the kernel kills every process it started, even when the
+#               server was killed with SIGKILL;
+#   files       a mount namespace of its own: its workspace is its /tmp, the
+#               other workspaces and the farm secret file are covered;
+#   user        (a server run as root) a user of its own from --session-uids,
+#               with no supplementary group, its workspace mode 0700;
+#   no-network  a network namespace of its own with no interface up.
+LAYERS = ("processes", "pids", "files", "user", "no-network")
+DEFAULT_SESSION_UIDS = "200000-265535"
+
+_CLONE_NEWNS = 0x00020000
 _CLONE_NEWUSER = 0x10000000
+_CLONE_NEWPID = 0x20000000
 _CLONE_NEWNET = 0x40000000
+_NAMESPACES = {"pids": _CLONE_NEWPID, "files": _CLONE_NEWNS, "no-network": _CLONE_NEWNET}
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
+_MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 16384, 1 << 18
+_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_NO_NEW_PRIVS = 1, 4, 38
 
 
-def leave_network() -> str:
-    """Move this process (single-threaded) into a network namespace of its own,
-    where no interface is up: connections anywhere, loopback included, fail.
-    Root does it directly; another user through a user namespace of its own,
-    mapping its user and group to themselves so that its files stay its own.
-    Returns "" once done, else why it cannot be done here."""
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    if os.geteuid() == 0:
-        flags = _CLONE_NEWNET
-    else:
-        flags = _CLONE_NEWUSER | _CLONE_NEWNET
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _failed(what: str) -> str:
+    return f"{what} ({os.strerror(ctypes.get_errno())})"
+
+
+def enter_namespaces(layers) -> str:
+    """In a session's process, single-threaded and ahead of its session: the
+    namespaces ``layers`` name. Root makes them directly; another user through
+    a user namespace of its own that maps its user and group to themselves, so
+    that its files stay its own. Mounts made from here on stay in this
+    process's namespace. Returns "" once done, else what failed."""
+    flags = 0
+    for layer, flag in _NAMESPACES.items():
+        if layer in layers:
+            flags |= flag
+    if not flags:
+        return ""
     uid, gid = os.geteuid(), os.getegid()
+    if uid != 0:
+        flags |= _CLONE_NEWUSER
+    libc = _libc()
     if libc.unshare(flags) != 0:
-        return f"this kernel refuses a network namespace here ({os.strerror(ctypes.get_errno())})"
+        return _failed("this kernel refuses the namespaces here")
     if flags & _CLONE_NEWUSER:
         try:
             for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
@@ -63,35 +91,233 @@ def leave_network() -> str:
                     f.write(text)
         except OSError as exc:
             return f"cannot map this user in a user namespace ({exc.strerror})"
+    if flags & _CLONE_NEWNS and libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
+        return _failed("cannot keep this session's mounts to itself")
     return ""
 
 
-def network_isolation(allow_network: bool) -> str:
-    """Whether sessions can be kept off the network here (tried in a child
-    process): "" when they will be, else what the server says at start."""
-    if allow_network:
-        return "sessions may use the network (--allow-network)"
+_OWN_PID_NAMESPACE = []
+
+
+def fork_into_pid_namespace() -> Optional[int]:
+    """Fork, the child as pid 1 of a PID namespace of its own, in one fork:
+    this process's next child goes into a new namespace (unshare), then its
+    own namespace again (setns). Root only: elsewhere (or refused) None, and
+    nothing forked."""
+    libc = _libc()
+    if os.geteuid() != 0:
+        return None
+    if not _OWN_PID_NAMESPACE:
+        own = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+        # Going back needs the namespace's owner's privilege: root inside a
+        # container's user namespace lacks it.
+        _OWN_PID_NAMESPACE.append(own if libc.setns(own, _CLONE_NEWPID) == 0 else None)
+    if _OWN_PID_NAMESPACE[0] is None or libc.unshare(_CLONE_NEWPID) != 0:
+        return None
+    pid = os.fork()
+    if pid == 0:
+        os.close(_OWN_PID_NAMESPACE.pop())
+    elif libc.setns(_OWN_PID_NAMESPACE[0], _CLONE_NEWPID) != 0:
+        raise OSError(_failed("cannot go back to this process's PID namespace"))
+    return pid
+
+
+def confine_session(layers, workspace: str, uid: int, hidden, parent_waits: bool = True) -> str:
+    """In a session's process, once it knows its workspace, before it serves:
+    its workspace becomes its /tmp, the folder holding the other workspaces
+    and the files in ``hidden`` are covered, and (layer "user") it takes the
+    user ``uid`` with no supplementary group, for good. ``parent_waits``: its
+    parent is a process outside its PID namespace that only waits for it.
+    Returns the workspace's path as the session sees it."""
+    libc = _libc()
+    if "files" in layers:
+        for path in hidden:
+            # The bind fails where the file is already out of sight.
+            libc.mount(b"/dev/null", path.encode(), None, _MS_BIND, None)
+        if "user" in layers:
+            os.chown(workspace, uid, uid)
+        os.chmod(workspace, 0o700)
+        if libc.mount(workspace.encode(), b"/tmp", None, _MS_BIND, None) != 0:
+            raise OSError(_failed("cannot make the session's workspace its /tmp"))
+        parent = os.path.dirname(workspace)
+        if parent != "/tmp" and not parent.startswith("/tmp/") and _may_cover(parent):
+            libc.mount(b"tmpfs", parent.encode(), b"tmpfs",
+                       _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, b"size=4k,mode=0555")
+        workspace = "/tmp"
+    elif "user" in layers:
+        os.chown(workspace, uid, uid)
+        os.chmod(workspace, 0o700)
+    if "user" in layers:
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+        # A change of user makes the process undumpable: its /proc files
+        # would be root's, not its own user's.
+        libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
+    else:
+        _drop_capabilities(libc)
+    # No set-user-id program gives a module back what it has left.
+    libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    if "pids" in layers and parent_waits:
+        # The process outside the namespace that waits for this one: if it is
+        # killed, this one goes too, and with it the namespace (set after the
+        # change of user, which clears it).
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    return workspace
+
+
+def _may_cover(folder: str) -> bool:
+    """Whether the folder of workspaces can be covered: not when it holds this
+    server's code or interpreter, which a session still reads."""
+    needed = (_CODE_ROOT, sys.prefix, os.path.realpath(sys.executable))
+    return not any(p == folder or p.startswith(folder.rstrip("/") + "/") for p in needed)
+
+
+def _drop_capabilities(libc) -> None:
+    """A server that is not root made its namespaces through a user namespace,
+    whose every capability this process holds: a module could undo the
+    mounts. It keeps none (capset with empty sets)."""
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3
+    data = (ctypes.c_uint32 * 6)()
+    libc.capset(header, data)
+
+
+def _probe(layers, uid: int = -1) -> str:
+    """Try ``layers`` in a child process as a session would: "" when they
+    work here, else what failed."""
+    import tempfile
+    workspace = tempfile.mkdtemp(prefix="tether-probe-")
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:
-        os.close(read)
-        os.write(write, leave_network().encode())
-        os._exit(0)
+        why = ""
+        try:
+            os.close(read)
+            # As a session's process is (the zygote is a program of its own):
+            # the server's setting (hide_from_modules) leaves /proc/self/uid_map to root.
+            _libc().prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
+            why = enter_namespaces(layers)
+            if not why and "pids" in layers:
+                inner = os.fork()  # the first process of a PID namespace is its pid 1
+                if inner == 0:
+                    os._exit(0 if os.getpid() == 1 else 1)
+                if os.waitpid(inner, 0)[1] != 0:
+                    why = "a process in a new PID namespace is not its pid 1"
+            if not why:
+                confine_session(layers, workspace, uid, ())
+        except OSError as exc:
+            why = exc.strerror or str(exc)
+        finally:
+            os.write(write, why.encode())
+            os._exit(0)
     os.close(write)
     with os.fdopen(read, "rb") as f:
         why = f.read().decode()
     os.waitpid(pid, 0)
+    os.rmdir(workspace)
     return why
 
 
+def parse_uid_range(text: str) -> range:
+    """``FIRST-LAST`` of --session-uids, checked.
 
+    >>> parse_uid_range("200000-200009")
+    range(200000, 200010)
+    """
+    first, _, last = text.partition("-")
+    if not (first.isdigit() and last.isdigit() and 0 < int(first) <= int(last) < 2**32 - 1):
+        raise ValueError(f"--session-uids {text!r} must be FIRST-LAST, two user ids above 0, "
+                         "e.g. " + DEFAULT_SESSION_UIDS)
+    return range(int(first), int(last) + 1)
+
+
+def _uids_taken(uids: range) -> str:
+    import pwd
+    for entry in pwd.getpwall():
+        if entry.pw_uid in uids:
+            return (f"user {entry.pw_name} has uid {entry.pw_uid}, inside --session-uids "
+                    f"{uids.start}-{uids.stop - 1}: give a range of ids no user has")
+    return ""
+
+
+class Sandbox:
+    """What this server's sessions are kept from, found out at start: ``layers``
+    in place (LAYERS' names), and a line for each layer missing."""
+
+    def __init__(self, enabled: bool = True, allow_network: bool = False,
+                 session_uids: range = None, hidden=()):
+        self.uids = session_uids = session_uids or parse_uid_range(DEFAULT_SESSION_UIDS)
+        self.hidden = [os.path.realpath(p) for p in hidden]
+        self.missing = []
+        self.layers = ["processes"]
+        if not enabled:
+            self.missing.append("no namespaces and no per-session user (--no-sandbox): a module "
+                                "sees this board's files, processes and network as this "
+                                "server's user")
+            return
+        wanted = ["pids", "files"]
+        if os.geteuid() == 0:
+            taken = _uids_taken(session_uids)
+            if taken:
+                raise SystemExit(taken)
+            wanted.append("user")
+        else:
+            self.missing.append("no per-session user: this server does not run as root, so "
+                                "modules run as its user and read what it can outside the "
+                                "files covered for them")
+        if allow_network:
+            self.missing.append("sessions may use the network (--allow-network)")
+        else:
+            wanted.append("no-network")
+        what = {"pids": "no PID namespace: processes a module starts outlive a server killed "
+                        "with SIGKILL",
+                "files": "no mount namespace: a module sees the other sessions' workspaces "
+                         "(to their modes) and the secret file, and shares /tmp",
+                "user": "no per-session user: this root cannot take the ids of --session-uids "
+                        "(in a container, map them into its user namespace)",
+                "no-network": "no network namespace: a module opens connections from the board"}
+        if not _probe(wanted, session_uids.start):
+            self.layers += wanted  # all at once, as on most boards: one child tried
+            return
+        for layer in wanted:
+            alone = [layer] + (["files"] if layer == "user" and "files" in self.layers else [])
+            why = _probe(alone, session_uids.start)
+            if why:
+                self.missing.append(f"{what[layer]} ({why})")
+            else:
+                self.layers.append(layer)
+        # Each works alone; together they must too (one unshare does them all).
+        why = _probe(self.layers, session_uids.start) if len(self.layers) > 1 else ""
+        if why:
+            self.missing.append(f"the namespaces fail together ({why}): sessions keep to "
+                                "their processes only")
+            self.layers = ["processes"]
+
+    @property
+    def level(self) -> str:
+        return ",".join(layer for layer in LAYERS if layer in self.layers)
+
+
+def check_secret_file(path: str, what: str = "--farm-secret-file") -> None:
+    """A secret file only the server's user may read: refused otherwise, with
+    the command that fixes it."""
+    try:
+        info = os.stat(path)
+    except OSError as exc:
+        raise SystemExit(f"{what} {path}: cannot read it: {exc.strerror}") from None
+    if info.st_mode & 0o077:
+        raise SystemExit(f"{what} {path} may be read by others (mode {info.st_mode & 0o777:04o}); "
+                         f"make it this user's alone: chmod 600 {path}")
+    if info.st_uid != os.geteuid():
+        raise SystemExit(f"{what} {path} belongs to uid {info.st_uid}, not to this server's "
+                         f"user (uid {os.geteuid()}): chown it to that user, then chmod 600 {path}")
 
 
 # Resource limits an operator may set on every session's processes
 # (--session-limit NAME=VALUE): name -> (resource module's name, what it limits).
 SESSION_LIMITS = {
     "as": ("RLIMIT_AS", "bytes of address space"),
-    "nproc": ("RLIMIT_NPROC", "processes of the server's user"),
+    "nproc": ("RLIMIT_NPROC", "processes of the session's user"),
     "fsize": ("RLIMIT_FSIZE", "bytes a file may grow to"),
     "cpu": ("RLIMIT_CPU", "seconds of CPU time"),
 }
@@ -112,7 +338,6 @@ def parse_session_limit(text: str):
 
 def apply_session_limits(limits) -> None:
     """In a session's process, before any of the session runs: the operator's limits."""
-    import resource
     for name, value in limits:
         kind = getattr(resource, SESSION_LIMITS[name][0])
         resource.setrlimit(kind, (value, value))
@@ -134,7 +359,6 @@ def hide_from_modules() -> None:
     readable by root only, not by other processes of its user such as the
     modules its sessions run (Linux prctl PR_SET_DUMPABLE 0). The zygote is
     a program of its own (the setting ends at exec) and holds no secret."""
-    import ctypes
     try:
         ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)
     except (OSError, AttributeError):
@@ -276,14 +500,17 @@ class Zygote:
     """The process that forks one child per session (remote/server/worker.py)."""
 
     def __init__(self, max_bytes: int, cc: str, idle_timeout_s: float, limits=(),
-                 no_network: bool = False):
+                 sandbox: Optional["Sandbox"] = None):
         self._argv = [sys.executable, "-m", "remote.server.worker",
                       "--max-bytes", str(max_bytes), "--cc", cc,
                       "--idle-timeout", str(idle_timeout_s)]
         for name, value in limits:
             self._argv += ["--session-limit", f"{name}={value}"]
-        if no_network:
-            self._argv.append("--no-network")
+        if sandbox is not None:
+            self._argv += ["--sandbox", sandbox.level,
+                           "--session-uids", f"{sandbox.uids.start}-{sandbox.uids.stop - 1}"]
+            for path in sandbox.hidden:
+                self._argv += ["--hide", path]
         self._lock = threading.Lock()
         self._sessions: Dict[str, SessionProcess] = {}
         self._closed = False

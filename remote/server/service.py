@@ -25,7 +25,7 @@ from remote.proto import pb
 from remote.proto.frames import (PROTOCOL_VERSION, FrameSocket, error_frame, looks_like_http2,
                                  splice, version_error)
 from remote.server import devinfo
-from remote.server.isolation import SessionProcess, Zygote
+from remote.server.isolation import Sandbox, SessionProcess, Zygote
 from remote.server.workspace import Workspace
 
 log = logging.getLogger("tether.server")
@@ -59,7 +59,7 @@ class DeviceService:
                  max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
                  workspace_parent: Optional[str] = None, attributes=None,
                  session_queue_s: float = 0.0, cc: str = "cc", session_limits=(),
-                 no_network: bool = False):
+                 sandbox: Optional[Sandbox] = None):
         self._redeem: Optional[Callable[[str], None]] = None
         self._release: Optional[Callable[[str], None]] = None
         self.max_sessions = max_sessions
@@ -68,14 +68,14 @@ class DeviceService:
         self.workspace_parent = workspace_parent
         self.info = devinfo.collect(attributes)
         # How far sessions are isolated: the server's to say, not the operator's.
-        self.info.attributes["isolation"] = "processes,no-network" if no_network else "processes"
+        self.info.attributes["isolation"] = sandbox.level if sandbox is not None else "processes"
         self.session_queue_s = session_queue_s
         self._sessions: Dict[str, Session] = {}
         self._ended: Dict[str, tuple] = {}
         self._ending: Dict[str, threading.Event] = {}
         self._lock = threading.Lock()
         self._slot_free = threading.Condition(self._lock)
-        self._zygote = Zygote(max_upload_bytes, cc, idle_timeout_s, session_limits, no_network)
+        self._zygote = Zygote(max_upload_bytes, cc, idle_timeout_s, session_limits, sandbox)
         self._stop = threading.Event()
         threading.Thread(target=self._expire_loop, name="session-expiry", daemon=True).start()
 

@@ -20,6 +20,7 @@ import argparse
 import gc
 import json
 import os
+import resource
 import select
 import shutil
 import signal
@@ -42,7 +43,9 @@ from remote.proto.frames import (CHUNK_BYTES, Checksum, FrameSocket, PeerClosed,
                                  error_frame, frame_bytes, little_endian, page_buffer,
                                  recv_array_chunks, recv_tensors, send_array_chunks, tensor_bytes,
                                  send_file_chunks, tensor_dtype, tensor_header)
-from remote.server.isolation import apply_session_limits, leave_network, parse_session_limit
+from remote.server.isolation import (apply_session_limits, confine_session, enter_namespaces,
+                                     fork_into_pid_namespace, parse_session_limit,
+                                     parse_uid_range)
 from remote.server.workspace import Workspace
 
 EXIT_RUN_TIMEOUT = 3
@@ -575,7 +578,7 @@ def _follow_server(workspace: Workspace) -> None:
     os._exit(0)
 
 
-def run_session(fds, workspace_root: str, args) -> None:
+def run_session(fds, message: str, args) -> None:
     """The forked child of one session: serve its connection, then exit."""
     global _CONTROL
     conn_fd, control_fd, output_fd = fds
@@ -583,6 +586,14 @@ def run_session(fds, workspace_root: str, args) -> None:
     os.dup2(output_fd, 1)
     os.dup2(output_fd, 2)
     os.close(output_fd)
+    uid, workspace_root = message.split(" ", 1)
+    try:
+        workspace_root = confine_session(args.sandbox, workspace_root, int(uid), args.hide,
+                                         args.parent_waits)
+        os.chdir(workspace_root)
+    except OSError as exc:
+        sys.stderr.write(f"the session's sandbox could not be set up: {exc}\n")
+        os._exit(1)
     apply_session_limits(args.session_limit)
     _CONTROL = socket.socket(fileno=control_fd)
     conn = socket.socket(fileno=conn_fd)
@@ -616,21 +627,26 @@ def zygote(control: socket.socket, args) -> int:
     gc.freeze()  # the collector then leaves the imported objects' pages alone in children
     own = (control, wake_r, wake_w)
     children = {}
+    workspaces = {}  # pid -> its session's workspace
     spare = _fork_spare(own, args)
     server = os.getppid()
+    uids = SessionUids(args.session_uids)
     control.send(b"ready")
     try:
         while True:
             ready, _, _ = select.select([control, wake_r], [], [], 1.0)
             if os.getppid() != server:
                 # The server is gone (its end of the control socket may linger in
-                # flight): its sessions' processes clean up their workspaces and
-                # end (they see their control sockets close); then everything
-                # they started goes too.
+                # flight): its sessions' processes end (they see their control
+                # sockets close); then everything they started goes too, and
+                # their workspaces, which a session in a mount namespace of its
+                # own sees only as its /tmp.
                 _outlive(children, SESSION_CLEANUP_S)
                 for pid in children:
                     end_process_group(pid)
                 end_strays(set())
+                for root in workspaces.values():
+                    shutil.rmtree(root, ignore_errors=True)
                 return 0
             if wake_r in ready:
                 try:
@@ -650,6 +666,8 @@ def zygote(control: socket.socket, args) -> int:
                     spare = None  # it died waiting; another is forked when needed
                     continue
                 session_id = children.pop(pid, None)
+                workspaces.pop(pid, None)
+                uids.free(pid)
                 if session_id is None:
                     continue  # a process a session left behind, already ended (see end_strays)
                 # What the session started ends with it: its process group, and
@@ -669,14 +687,16 @@ def zygote(control: socket.socket, args) -> int:
                 return 0
             _, session_id, workspace_root = message.decode().split(" ", 2)
             pid, door = spare if spare is not None else _fork_spare(own, args)
+            uid = uids.take(pid)
             try:
-                socket.send_fds(door, [workspace_root.encode()], fds)
+                socket.send_fds(door, [f"{uid} {workspace_root}".encode()], fds)
             except OSError:
                 pass  # it died just now: the server hears of its exit and ends the session
             door.close()
             for fd in fds:
                 os.close(fd)
             children[pid] = session_id
+            workspaces[pid] = workspace_root
             control.send(f"started {session_id} {pid}".encode())
             spare = _fork_spare(own, args)
 
@@ -741,31 +761,92 @@ def end_strays(keep) -> None:
             pass
 
 
+class SessionUids:
+    """The user ids of live sessions, each its own, taken in turn through the
+    range from a random start: an id comes back only after the whole range,
+    so what a session left in a world-writable folder is not the next one's."""
+
+    def __init__(self, uids: range):
+        import random
+        self._uids = uids
+        self._next = random.randrange(len(uids))
+        self._taken = {}
+
+    def take(self, pid: int) -> int:
+        live = set(self._taken.values())
+        for _ in range(len(self._uids)):
+            uid = self._uids[self._next % len(self._uids)]
+            self._next += 1
+            if uid not in live:
+                self._taken[pid] = uid
+                return uid
+        raise RuntimeError("every id of --session-uids is in use by a live session")
+
+    def free(self, pid: int) -> None:
+        self._taken.pop(pid, None)
+
+
 def _fork_spare(own, args):
-    """Fork a child that waits for its session; returns (pid, the socket to send it on)."""
+    """Fork a child that waits for its session; returns (pid, the socket to send it on).
+
+    With a PID namespace the child is its pid 1: when it ends, the kernel
+    kills every process left in it. Root forks it there directly; another
+    user's child enters its namespaces and forks once more, and stays
+    outside, waiting for the grandchild (the session's process) and ending
+    as it did, so the zygote and the server see one process, leader of the
+    session's process group, either way."""
     door, inside = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    pid = os.fork()
+    pid = fork_into_pid_namespace() if "pids" in args.sandbox else None
+    args.parent_waits = pid is None
+    if pid is None:
+        pid = os.fork()
     if pid == 0:
         try:
             os.setpgid(0, 0)  # the session's processes are one group, ended together
             # Still single-threaded, as a namespace change needs, and ahead of
-            # its session: the namespace costs milliseconds no client waits for.
-            why = leave_network() if args.no_network else ""
+            # its session: the namespaces cost milliseconds no client waits for.
+            why = enter_namespaces([layer for layer in args.sandbox
+                                    if args.parent_waits or layer != "pids"])
             if why:
-                sys.stderr.write(f"a session process could not leave the network: {why}\n")
+                sys.stderr.write(f"a session process could not enter its sandbox: {why}\n")
                 os._exit(1)
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             for s in own + (door,):
                 s.close()
+            if "pids" in args.sandbox and args.parent_waits:
+                inner = os.fork()
+                if inner != 0:
+                    inside.close()
+                    _end_as(inner)
             message, fds, _, _ = socket.recv_fds(inside, 65536, 3)
             if message and len(fds) == 3:
                 inside.close()
                 run_session(fds, message.decode(), args)
+        except BaseException:
+            traceback.print_exc()
+            raise
         finally:
             os._exit(1)
     inside.close()
     return pid, door
+
+
+def _end_as(pid: int) -> None:
+    """Wait for ``pid`` and end the way it ended (the same exit code or signal)."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    while True:
+        try:
+            status = os.waitpid(pid, 0)[1]
+            break
+        except InterruptedError:
+            continue
+    code = os.waitstatus_to_exitcode(status)
+    if code < 0:
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code & 0xFF)
 
 
 def main(argv=None) -> int:
@@ -775,7 +856,10 @@ def main(argv=None) -> int:
     parser.add_argument("--cc", default="cc")
     parser.add_argument("--idle-timeout", type=float, default=0.0)
     parser.add_argument("--session-limit", type=parse_session_limit, action="append", default=[])
-    parser.add_argument("--no-network", action="store_true")
+    parser.add_argument("--sandbox", type=lambda text: text.split(","), default=[])
+    parser.add_argument("--session-uids", type=parse_uid_range, default=range(1, 2))
+    parser.add_argument("--hide", action="append", default=[],
+                        help="a file a session's process must not read (covered in its mounts)")
     args = parser.parse_args(argv)
     return zygote(socket.socket(fileno=args.control_fd), args)
 

@@ -37,6 +37,7 @@
 
 #include "devinfo.hpp"
 #include "http2_refusal.hpp"
+#include "sandbox.hpp"
 #include "session.hpp"
 #include "tracker_link.hpp"
 #include "wire.hpp"
@@ -72,7 +73,10 @@ struct Options {
   std::string host = "0.0.0.0";
   int port = kServerPort;
   std::string tracker, key, advertise, farm_secret, workspace_dir, cc = "cc";
-  bool relay = false, advertise_given = false, allow_network = false;
+  bool relay = false, advertise_given = false, allow_network = false, sandbox_enabled = true;
+  // The layers in place, found out at start (plan_sandbox); the range of user
+  // ids and the hidden files come from the options.
+  Sandbox sandbox;
   StringPairs attributes;
   int max_sessions = 1;
   double idle_timeout_s = 300.0;
@@ -90,7 +94,7 @@ const char kUsage[] =
     "                     [--attr NAME=VALUE]... [--max-sessions N] [--idle-timeout SECONDS]\n"
     "                     [--max-upload-bytes N] [--session-queue SECONDS]\n"
     "                     [--workspace-dir DIR] [--cc CC] [--session-limit NAME=NUMBER]...\n"
-    "                     [--allow-network] [--version]\n"
+    "                     [--allow-network] [--no-sandbox] [--session-uids FIRST-LAST] [--version]\n"
     "\n"
     "Run a Tether device server on this board (the native build: no Python needed).\n"
     "Environment: TETHER_TRACKER, TETHER_FARM_SECRET as defaults of --tracker, --farm-secret.\n";
@@ -159,12 +163,25 @@ Options parse_options(int argc, char** argv) {
     else if (arg == "--advertise") { o.advertise = next(); o.advertise_given = true; }
     else if (arg == "--relay") o.relay = true;
     else if (arg == "--allow-network") o.allow_network = true;
+    else if (arg == "--no-sandbox") o.sandbox_enabled = false;
+    else if (arg == "--session-uids") {
+      std::string error = parse_uid_range(next(), &o.sandbox);
+      if (!error.empty()) usage_error(error);
+    }
     else if (arg == "--farm-secret") {
       o.farm_secret = next();
       // Blank it where other processes of this user read the command line.
       if (!inline_value) std::memset(argv[i], 'x', std::strlen(argv[i]));
     } else if (arg == "--farm-secret-file") {
       std::string path = next();
+      std::string refused = check_secret_file(path);
+      if (!refused.empty()) {
+        std::fprintf(stderr, "tether-server: error: %s\n", refused.c_str());
+        std::exit(2);
+      }
+      // Covered in every session's mounts (confine_session).
+      char absolute[4096];
+      o.sandbox.hidden.push_back(::realpath(path.c_str(), absolute) ? absolute : path);
       FILE* f = std::fopen(path.c_str(), "r");
       if (f == nullptr) usage_error("--farm-secret-file " + path + ": cannot read it: " + std::strerror(errno));
       char line[4096] = "";
@@ -196,7 +213,7 @@ Options parse_options(int argc, char** argv) {
       bool digits = !value.empty() && value.find_first_not_of("0123456789") == std::string::npos;
       if (kind < 0 || !digits) {
         usage_error("session limit '" + text + "' must be NAME=NUMBER with NAME one of as (bytes of address "
-                    "space), nproc (processes of the server's user), fsize (bytes a file may grow to), "
+                    "space), nproc (processes of the session's user), fsize (bytes a file may grow to), "
                     "cpu (seconds of CPU time)");
       }
       o.session_limits.emplace_back(kind, static_cast<rlim_t>(std::strtoull(value.c_str(), nullptr, 10)));
@@ -256,15 +273,11 @@ struct Session {
   bool gone = false, reported = false;
 };
 
-std::string leave_network();
-
 class DeviceService {
  public:
   DeviceService(const Options& options, DeviceInfo info) : options_(options), info_(std::move(info)) {}
 
   void attach(TrackerLink* link) { link_ = link; }
-  // Each session's process leaves the network (leave_network) before it serves.
-  void keep_sessions_off_the_network() { no_network_ = true; }
   const DeviceInfo* info() const { return &info_; }
 
   std::vector<std::string> live_tokens() {
@@ -440,6 +453,7 @@ class DeviceService {
     settings.poll_us = options_.poll_us;
     settings.cc = options_.cc;
     std::unique_lock<std::mutex> forking(processes_mutex_);
+    uid_t uid = take_uid();
     pid_t pid = ::fork();
     if (pid < 0) {
       *error = std::string("fork failed: ") + std::strerror(errno);
@@ -448,16 +462,39 @@ class DeviceService {
     }
     if (pid == 0) {
       ::setpgid(0, 0);  // the session's processes are one group, ended together
+      sigset_t all;
+      sigemptyset(&all);
+      ::sigprocmask(SIG_SETMASK, &all, nullptr);
       // The server's memory is hidden from its user's other processes (see
       // main); the session's process holds none of it that matters, once
       // its copy of the options is gone.
       ::prctl(PR_SET_DUMPABLE, 1, 0, 0, 0);
-      if (no_network_) {
-        std::string why = leave_network();
-        if (!why.empty()) {
-          std::fprintf(stderr, "a session process could not leave the network: %s\n", why.c_str());
-          _exit(1);
+      const Sandbox& sandbox = options_.sandbox;
+      bool relay = sandbox.has("pids");
+      pid_t server = ::getppid();
+      std::string why = enter_namespaces(sandbox, !relay);
+      if (why.empty() && relay) {
+        // The session runs in pid 1 of the namespace: when it ends, the
+        // kernel kills every process left in it. This process stays
+        // outside (in the server's mounts too), the one the server sees,
+        // and ends as it did.
+        pid_t inner = ::fork();
+        if (inner < 0) why = std::string("fork failed: ") + std::strerror(errno);
+        if (inner > 0) {
+          close_other_fds({0, 1, 2});
+          end_as(inner, server, settings.workspace);
         }
+        if (inner == 0 && sandbox.has("files")) why = enter_mount_namespace();
+      }
+      if (why.empty()) {
+        ::dup2(output[1], 2);  // a failure below is in the session's end reason
+        why = confine_session(sandbox, settings.workspace, uid, &settings.workspace);
+      }
+      if (!why.empty()) {
+        std::fprintf(stderr, "the session's sandbox could not be set up: %s\n", why.c_str());
+        _exit(1);
+      }
+      if (::chdir(settings.workspace.c_str()) != 0) {
       }
       for (const auto& limit : options_.session_limits) {
         rlimit value = {limit.second, limit.second};
@@ -472,13 +509,11 @@ class DeviceService {
       ::dup2(output[1], 1);
       ::dup2(output[1], 2);
       close_other_fds({0, 1, 2, conn_fd, control[1]});
-      sigset_t all;
-      sigemptyset(&all);
-      ::sigprocmask(SIG_SETMASK, &all, nullptr);
       ::signal(SIGINT, SIG_IGN);  // Ctrl-C on the server's terminal is the server's
       serve_session(settings);
     }
     session_pids_.insert(pid);
+    session_uids_[pid] = uid;
     forking.unlock();
     ::close(control[1]);
     ::close(output[1]);
@@ -500,12 +535,46 @@ class DeviceService {
     ::kill(-leader, SIGKILL);
     std::lock_guard<std::mutex> lock(processes_mutex_);
     session_pids_.erase(leader);
+    session_uids_.erase(leader);
     for (pid_t pid : own_children()) {
       if (session_pids_.count(pid)) continue;
       ::kill(pid, SIGKILL);
       while (::waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
       }
     }
+  }
+
+  // A user id of --session-uids no live session has, taken in turn through
+  // the range from a random start: an id comes back only after the whole
+  // range, so what a session left in a world-writable folder is not the next
+  // one's. Called with processes_mutex_ held.
+  uid_t take_uid() {
+    const Sandbox& sandbox = options_.sandbox;
+    if (next_uid_ == 0) next_uid_ = 1 + std::random_device()() % sandbox.uid_count;
+    std::set<uid_t> live;
+    for (const auto& kv : session_uids_) live.insert(kv.second);
+    for (uid_t i = 0; i < sandbox.uid_count; ++i) {
+      uid_t uid = sandbox.uid_first + (next_uid_++ % sandbox.uid_count);
+      if (!live.count(uid)) return uid;
+    }
+    return sandbox.uid_first;  // more live sessions than ids: never with the default range
+  }
+
+  // Waits for `pid` and ends the way it ended (the same exit code or signal).
+  // When `server` has gone meanwhile, removes the session's workspace, which
+  // the session saw only as its /tmp.
+  [[noreturn]] static void end_as(pid_t pid, pid_t server, const std::string& workspace) {
+    int status = 0;
+    while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    if (::getppid() != server) Workspace(workspace).remove_all();
+    if (WIFSIGNALED(status)) {
+      rlimit none = {0, 0};
+      ::setrlimit(RLIMIT_CORE, &none);
+      ::signal(WTERMSIG(status), SIG_DFL);
+      ::kill(::getpid(), WTERMSIG(status));
+    }
+    _exit(WIFEXITED(status) ? WEXITSTATUS(status) : 1);
   }
 
   static bool has_exited(pid_t pid) {
@@ -744,9 +813,10 @@ class DeviceService {
   std::mutex mutex_;
   // Held while a session's process is forked and while strays are ended, so
   // that a process just forked is never taken for a stray.
-  bool no_network_ = false;
   std::mutex processes_mutex_;
   std::set<pid_t> session_pids_;
+  std::map<pid_t, uid_t> session_uids_;
+  uid_t next_uid_ = 0;
   std::condition_variable slot_free_, changed_;
   std::map<std::string, std::shared_ptr<Session>> sessions_;
   std::map<std::string, std::pair<std::string, std::string>> ended_;
@@ -807,55 +877,6 @@ std::string local_address_towards(const std::string& tracker) {
     ::freeaddrinfo(found);
   }
   return result;
-}
-
-// Moves this process (single-threaded) into a network namespace of its own,
-// where no interface is up (remote/server/isolation.py, leave_network).
-// Returns "" once done, else why it cannot be done here.
-std::string leave_network() {
-  uid_t uid = ::geteuid();
-  gid_t gid = ::getegid();
-  int flags = CLONE_NEWNET | (uid == 0 ? 0 : CLONE_NEWUSER);
-  if (::unshare(flags) != 0) {
-    return std::string("this kernel refuses a network namespace here (") + std::strerror(errno) + ")";
-  }
-  if (uid != 0) {
-    const std::pair<const char*, std::string> maps[] = {
-        {"/proc/self/setgroups", "deny"},
-        {"/proc/self/uid_map", std::to_string(uid) + " " + std::to_string(uid) + " 1"},
-        {"/proc/self/gid_map", std::to_string(gid) + " " + std::to_string(gid) + " 1"}};
-    for (const auto& m : maps) {
-      int fd = ::open(m.first, O_WRONLY | O_CLOEXEC);
-      bool ok = fd >= 0 && ::write(fd, m.second.data(), m.second.size()) == static_cast<ssize_t>(m.second.size());
-      if (fd >= 0) ::close(fd);
-      if (!ok) return std::string("cannot map this user in a user namespace (") + std::strerror(errno) + ")";
-    }
-  }
-  return "";
-}
-
-// Whether sessions can be kept off the network here, tried in a child
-// process: "" when they will be, else what the server says at start.
-std::string network_isolation(bool allow_network) {
-  if (allow_network) return "sessions may use the network (--allow-network)";
-  int out[2];
-  if (::pipe2(out, O_CLOEXEC) != 0) return std::string("cannot try a network namespace: ") + std::strerror(errno);
-  pid_t pid = ::fork();
-  if (pid == 0) {
-    std::string why = leave_network();
-    ssize_t ignored = ::write(out[1], why.data(), why.size());
-    (void)ignored;
-    _exit(0);
-  }
-  ::close(out[1]);
-  std::string why;
-  char data[512];
-  for (ssize_t n; (n = ::read(out[0], data, sizeof data)) > 0;) why.append(data, static_cast<size_t>(n));
-  ::close(out[0]);
-  while (pid > 0 && ::waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
-  }
-  if (pid < 0) return std::string("cannot try a network namespace: fork failed: ") + std::strerror(errno);
-  return why;
 }
 
 // Whether a whole first frame waits in ``fd`` (looked at, not read); true too
@@ -981,8 +1002,6 @@ int main(int argc, char** argv) {
   // Its memory and /proc files (environment, open files) readable by root
   // only, not by the modules its sessions run as the same user.
   ::prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
-  log_line("sandbox: sessions run as this server's user, with its files (no per-session user or "
-           "mount namespace on this server yet)");
   log_line("sandbox: %s", options.session_limits.empty()
                               ? "no --session-limit: a session may use all of the board's memory, disk and CPU "
                                 "until its timeouts end it"
@@ -1001,16 +1020,17 @@ int main(int argc, char** argv) {
                  std::strerror(errno));
     return 1;
   }
-  // Before any thread starts: the probe forks.
-  std::string network_note = network_isolation(options.allow_network);
-  if (!network_note.empty()) log_line("sandbox: %s", network_note.c_str());
+  // Before any thread starts: the probes fork.
+  plan_sandbox(&options.sandbox, options.sandbox_enabled, options.allow_network);
+  std::string level = options.sandbox.level();
+  log_line("sandbox: sessions are isolated by %s", level.c_str());
+  for (const auto& missing : options.sandbox.missing) log_line("sandbox: %s", missing.c_str());
   DeviceInfo info = collect_device_info(options.attributes);
   // How far sessions are isolated: the server's to say, not the operator's.
   for (auto& kv : info.attributes) {
-    if (kv.first == "isolation") kv.second = network_note.empty() ? "processes,no-network" : "processes";
+    if (kv.first == "isolation") kv.second = level;
   }
   DeviceService service(options, std::move(info));
-  if (network_note.empty()) service.keep_sessions_off_the_network();
   service.start_expiry();
   std::unique_ptr<TrackerLink> link;
   if (!options.tracker.empty()) {
