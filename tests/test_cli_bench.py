@@ -30,6 +30,9 @@ HANG_S = 600.0
 
 @pytest.fixture(scope="module", params=board_servers.KINDS)
 def farm2(request):
+    """Two boards of key 'host' of each server kind. A test of what only the
+    command itself decides (its errors, its printing) takes one kind:
+    ONE_KIND below."""
     with LocalFarm(keys=["host", "host"], env=ENV,
                    server_command=board_servers.command(request.param)) as running:
         yield running
@@ -57,6 +60,10 @@ def wait_all_free(farm):
         if time.monotonic() > deadline:
             raise AssertionError(f"boards still held after the interrupt: {states}")
         time.sleep(0.2)
+
+
+# For a test of the command alone: the board server's kind changes nothing there.
+ONE_KIND = pytest.mark.parametrize("farm2", board_servers.KINDS[:1], indirect=True)
 
 
 def printed_tables(stdout):
@@ -189,6 +196,7 @@ def test_two_boards_in_parallel_with_ratios_against_an_earlier_run(farm2, first_
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+@ONE_KIND
 def test_vs_rejects_a_file_that_is_not_a_bench_result(farm2, onnx_path, tmp_path):
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"hello": 1}))
@@ -198,6 +206,7 @@ def test_vs_rejects_a_file_that_is_not_a_bench_result(farm2, onnx_path, tmp_path
     assert len(lines) == 1 and "is not a `tether bench --json` result" in lines[0]
 
 
+@ONE_KIND
 def test_errors_are_one_line_and_debug_shows_the_traceback(farm2, onnx_path):
     done = tether(farm2, "bench", onnx_path, "--key", "no-such-board")
     assert done.returncode == 1
@@ -261,6 +270,7 @@ def test_profile_of_a_module_without_the_export_says_to_rebuild(farm2, tmp_path)
     assert "rebuild it with this crosscompile" in record["profile_error"]
 
 
+@ONE_KIND
 def test_run_random_prints_top_k_like_onnxruntime(farm2, onnx_path):
     from remote.cli.run import random_inputs
     from tests.onnx_models import mlp, reference

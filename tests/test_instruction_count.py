@@ -52,31 +52,50 @@ def test_instruction_count_of_an_inference_is_reproducible(tmp_path):
 AVX2_TARGET = "x86_64-linux-gnu/haswell/+avx,+avx2,+fma"
 
 
-def test_counts_on_an_emulated_avx2_core_are_reproducible_and_pick_its_kernels(tmp_path):
-    """count_on_host_core runs this machine's own Python under qemu-x86_64
-    as a Haswell (AVX2, no AVX-512), whatever the host's vector width: our
-    AVX2 module counts alike twice, and onnxruntime, choosing its kernels
-    from the emulated core, executes more instructions once AVX2 and FMA
-    are taken away from it."""
-    import onnx
-    import platform
+def _avx2_module(tmp_path):
+    """The convolution built for AVX2, its model, and what counting it on this
+    host needs and lacks (the count runs this machine's own Python under
+    qemu-x86_64 as a Haswell, whatever the host's vector width)."""
     model = conv_relu_model(X_SHAPE, (32, X_SHAPE[1], 3, 3), {"pads": [1, 1, 1, 1]})
     so = crosscompile.build(model, target=AVX2_TARGET).export_library(tmp_path / "conv.so")
+    missing = [tool for tool in ("qemu-x86_64", "cc") if shutil.which(tool) is None]
+    return model, so, missing
+
+
+def test_counts_on_an_emulated_avx2_core_are_reproducible_and_need_its_instructions(tmp_path):
+    """Our AVX2 module counts alike twice on an emulated Haswell and dies of
+    an illegal instruction on one without AVX2 and FMA."""
+    import platform
+    model, so, missing = _avx2_module(tmp_path)
     if platform.machine() != "x86_64":
         with pytest.raises(instruction_count.CountError, match="x86-64 host only"):
             instruction_count.count_on_host_core("module", so, {"x": X_SHAPE})
         return
-    missing = [tool for tool in ("qemu-x86_64", "cc") if shutil.which(tool) is None]
     if missing:
         pytest.skip(f"counting instructions needs {', '.join(missing)}: apt-get install qemu-user gcc")
     first, second = (instruction_count.count_on_host_core("module", so, {"x": X_SHAPE}, runs=4).per_inference
                      for _ in range(2))
     assert first > 0 and abs(first - second) <= TOLERANCE * first, (first, second)
+    with pytest.raises(instruction_count.CountError, match=r"signal 4 \(Illegal instruction\)"):
+        instruction_count.count_on_host_core("module", so, {"x": X_SHAPE}, cpu="Haswell,-avx2,-fma")
+
+
+@pytest.mark.peer_counts
+def test_onnxruntime_counted_on_an_emulated_core_picks_that_cores_kernels(tmp_path):
+    """onnxruntime chooses its kernels from the emulated core: it executes
+    more instructions once AVX2 and FMA are taken away from it. (Each count
+    imports onnxruntime under qemu: minutes on 2 cores, so not in the
+    default run: pytest -m peer_counts tests/test_instruction_count.py)"""
+    import onnx
+    import platform
+    if platform.machine() != "x86_64":
+        pytest.skip("onnxruntime is counted on an emulated x86-64 core from an x86-64 host only")
+    model, _, missing = _avx2_module(tmp_path)
+    if missing:
+        pytest.skip(f"counting instructions needs {', '.join(missing)}: apt-get install qemu-user gcc")
     onnx_path = str(tmp_path / "conv.onnx")
     onnx.save(model, onnx_path)
     avx2 = instruction_count.count_on_host_core("onnx", onnx_path, {"x": X_SHAPE}).per_inference
     older = instruction_count.count_on_host_core("onnx", onnx_path, {"x": X_SHAPE},
                                                  cpu="Haswell,-avx2,-fma").per_inference
     assert older > 1.2 * avx2, (avx2, older)
-    with pytest.raises(instruction_count.CountError, match=r"signal 4 \(Illegal instruction\)"):
-        instruction_count.count_on_host_core("module", so, {"x": X_SHAPE}, cpu="Haswell,-avx2,-fma")

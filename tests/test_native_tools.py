@@ -146,11 +146,15 @@ def test_unknown_target_lists_the_known_ones():
 
 
 def test_build_follows_its_sources(monkeypatch, tmp_path):
-    """A change of any source builds anew; an unchanged one is taken from the cache;
-    a compiler error shows its first lines."""
+    """An unchanged source is taken from the cache; a change of any source, a
+    header too, builds anew; a compiler error shows its first lines. (A small
+    program stands in for the server here: test_build_is_static_and_small
+    builds the server itself.)"""
     _skip_without_zig()
     sources = tmp_path / "native"
-    shutil.copytree(native.SOURCE_DIR, sources, ignore=shutil.ignore_patterns("tools"))
+    sources.mkdir()
+    (sources / "server.cpp").write_text('#include "answer.hpp"\nint main() { return ANSWER; }\n')
+    (sources / "answer.hpp").write_text("#define ANSWER 0\n")
     monkeypatch.setattr(native, "SOURCE_DIR", str(sources))
     monkeypatch.setenv("TETHER_CACHE", str(tmp_path / "cache"))
     said = []
@@ -159,10 +163,11 @@ def test_build_follows_its_sources(monkeypatch, tmp_path):
     assert any("building the native server" in line for line in said)
     said.clear()
     assert native.build_native("host", progress=said.append) == first and said == []
+    assert subprocess.run([first]).returncode == 0
 
-    with open(sources / "server.cpp", "a") as f:
-        f.write("\n// a change\n")
-    assert native.build_native("host") != first
+    (sources / "answer.hpp").write_text("#define ANSWER 3\n")
+    second = native.build_native("host")
+    assert second != first and subprocess.run([second]).returncode == 3
 
     with open(sources / "server.cpp", "a") as f:
         f.write("\nint broken = ;\n")
