@@ -79,7 +79,7 @@ def pytest_addoption(parser):
 
 
 # Markers of tests left out of the default run, unless a -m expression names them.
-OPT_IN_MARKERS = ("quantized_forms", "quantized_zoo", "more_systems", "peer_counts")
+OPT_IN_MARKERS = ("quantized_forms", "quantized_zoo", "more_systems", "peer_tools")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -80,12 +80,12 @@ def test_counts_on_an_emulated_avx2_core_are_reproducible_and_need_its_instructi
         instruction_count.count_on_host_core("module", so, {"x": X_SHAPE}, cpu="Haswell,-avx2,-fma")
 
 
-@pytest.mark.peer_counts
+@pytest.mark.peer_tools
 def test_onnxruntime_counted_on_an_emulated_core_picks_that_cores_kernels(tmp_path):
     """onnxruntime chooses its kernels from the emulated core: it executes
     more instructions once AVX2 and FMA are taken away from it. (Each count
     imports onnxruntime under qemu: minutes on 2 cores, so not in the
-    default run: pytest -m peer_counts tests/test_instruction_count.py)"""
+    default run: pytest -m peer_tools tests/test_instruction_count.py)"""
     import onnx
     import platform
     if platform.machine() != "x86_64":

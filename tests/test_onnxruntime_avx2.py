@@ -90,6 +90,7 @@ np.save(sys.argv[2], session.run(None, {{"x": rand(1, 24, 20, 20, seed=4)}})[0])
 """
 
 
+@pytest.mark.peer_tools  # patching onnxruntime's library takes minutes on 2 cores
 def test_patched_onnxruntime_computes_what_the_installed_one_does(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(RUN.format(root=ROOT, cache=str(tmp_path / "cache")))
