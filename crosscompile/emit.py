@@ -559,8 +559,12 @@ MAX_THREADS = 255
 # Chunks per thread a shared range is split into (see shared_range).
 CHUNKS_PER_THREAD = 4
 # sched_yield calls a barrier's waiter makes, after its spin, before it
-# sleeps: each hands the core to another runnable thread if there is one.
-YIELDS_BEFORE_SLEEP = 200
+# sleeps: each hands the core to another runnable thread if there is one,
+# on a busy board often for a whole time slice, while a sleeper is woken
+# as soon as the chunk it waits for is done (MobileNetV2 with two
+# spinners, docs/kernels.md: 200 yields 1.22 and 1.18x onnxruntime, 4
+# yields 1.06 and 1.06x, runs alternated).
+YIELDS_BEFORE_SLEEP = 4
 # Bit 0 of the done word: a waiter is (about to be) asleep on the futex.
 SLEEPING = 1
 FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE = 128, 129
