@@ -5,8 +5,8 @@ GFLOP/s of the main convolution shapes against the machine's peak.
     python benchmarks/bench_models.py [model ...] [--repeat N] [--no-tvm] [--threads 1] [--busy N]
 
 Every model of the onnx package's light zoo (random parameters, as in
-tests/test_zoo.py), or MobileNetV2 and EfficientNet-B0 as torchvision
-builds them (tests/architectures.py) when named, one 1x3x224x224 image. Latencies are medians in ms;
+tests/test_zoo.py), or MobileNetV2, EfficientNet-B0 and RegNetX-400MF as
+torchvision builds them (tests/architectures.py) when named, one 1x3x224x224 image. Latencies are medians in ms;
 ratios are ours / peer (> 1: we are slower). Ours and onnxruntime run
 interleaved, one run of each in turn, so that load from other processes
 on a shared machine hits both alike. TVM is timed on one run after
@@ -68,7 +68,8 @@ CONV_SHAPES = [
 ]
 
 # Torchvision-like models built here (tests/architectures.py) by name.
-ARCHITECTURES = {"mobilenet_v2": architectures.mobilenet_v2, "efficientnet_b0": architectures.efficientnet_b0}
+ARCHITECTURES = {"mobilenet_v2": architectures.mobilenet_v2, "efficientnet_b0": architectures.efficientnet_b0,
+                 "regnet_x_400mf": architectures.regnet_x_400mf}
 
 
 def median_seconds(fn, repeat: int) -> float:

@@ -58,12 +58,12 @@ class FusedAttention(Op):
         workers = k.threads if k.parallel else ir.Constant(I32, 1)
         workers = b.select(b.icmp_signed("<", workers, ir.Constant(I32, slots)), workers, ir.Constant(I32, slots))
         thread = k.thread if k.parallel else ir.Constant(I32, 0)
-        lo, hi = k.part(math.prod(batch), workers)
+        # One score matrix per thread that takes items: the first `slots` threads.
         scores = b.gep(k.scratch, [b.mul(b.zext(thread, I64), k.i64(m * n + m))])
         inverses = b.gep(scores, [k.i64(m * n)])  # 1 / each row's sum of exponentials
         masks = [(k.inputs[3 + i], _broadcast_strides(t.shape, batch + (m, n))) for i, t in enumerate(inputs[3:])]
         item_strides = _c_strides(batch)
-        with b.if_then(b.icmp_signed("<", thread, workers)), k.alone(), k.nested_loops(batch) as idx:
+        with k.share(math.prod(batch), workers) as (lo, hi), k.alone(), k.nested_loops(batch) as idx:
             item = k.index(*zip(idx, item_strides))
             inside = b.and_(b.icmp_signed(">=", item, lo), b.icmp_signed("<", item, hi))
             with b.if_then(inside):

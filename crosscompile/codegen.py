@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 from llvmlite import ir
 
-from .emit import F32_PTR, I32, Kernel, barrier_function
+from .emit import F32_PTR, I32, Kernel, barrier_function, shared_range
 from .ir import Graph
 from .ops import OPS
 from .memory import ALIGNMENT, Location, MemoryPlan
@@ -160,8 +160,10 @@ def _emit_run(module: ir.Module, graph: Graph, plan: MemoryPlan, kernels, declar
     workspace, thread, threads, state): every one of `threads` threads calls
     it at once with the same buffers and a zeroed struct tether_sync.
     Parallel kernels share their work out between the threads (Kernel.share);
-    the others run on thread 0 while the rest wait at a barrier when they
-    next need its result.
+    each run of the others in a row is one item that the first thread to
+    come takes, and a barrier follows every step, which waits for the
+    work handed out, not for the threads (emit.barrier_function): a thread
+    that is late finds the steps it missed done and passes them.
     With profiled, tether_run_profiled(inputs, outputs, workspace, mark, ctx):
     one thread, calling mark(ctx, i) before kernel i and mark(ctx, n) after
     the last."""
@@ -227,7 +229,17 @@ def _emit_run(module: ir.Module, graph: Graph, plan: MemoryPlan, kernels, declar
     scratch = b.bitcast(b.gep(workspace, [ir.Constant(ir.IntType(64), plan.workspace_bytes - plan.scratch_bytes)]),
                         F32_PTR) if plan.scratch_bytes else None
     barrier = barrier_function(module, target)
-    serial_pending = False  # thread 0 ran kernels the others have not waited for
+    serial = []  # (kernel, buffers) of serial steps not yet emitted (parallel runs)
+
+    def run_serial() -> None:
+        # One item for whichever thread comes first, then a barrier before
+        # anybody reads what it computed.
+        with shared_range(b, target, state, threads, cursor, 1):
+            for kernel_fn, args in serial:
+                b.call(kernel_fn, args)
+        b.call(barrier, [state, threads, cursor])
+        serial.clear()
+
     for step, (node, kernel) in enumerate(kernels):
         if profiled:
             b.call(fn.args[3], [fn.args[4], ir.Constant(I32, step)])
@@ -236,18 +248,17 @@ def _emit_run(module: ir.Module, graph: Graph, plan: MemoryPlan, kernels, declar
                 [graph.tensors[t] for t in node.inputs], [graph.tensors[t] for t in node.outputs], node.attrs):
             buffers.append(scratch)
         if OPS[node.op_type].parallel(node.attrs):
-            if serial_pending and parallel:
-                b.call(barrier, [state, threads, cursor])
+            if serial:
+                run_serial()
             b.call(kernel, buffers + [thread, threads, state, cursor])
             if parallel:
                 b.call(barrier, [state, threads, cursor])
-            serial_pending = False
         elif parallel:
-            with b.if_then(b.icmp_signed("==", thread, ir.Constant(I32, 0))):
-                b.call(kernel, buffers)
-            serial_pending = True
+            serial.append((kernel, buffers))
         else:
             b.call(kernel, buffers)
+    if serial:
+        run_serial()
     if profiled:
         b.call(fn.args[3], [fn.args[4], ir.Constant(I32, len(kernels))])
     b.ret(ir.Constant(I32, RUN_OK))

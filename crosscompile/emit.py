@@ -138,29 +138,9 @@ class Kernel:
         return slot
 
     # -- threads --------------------------------------------------------------
-    def part(self, count: int, workers: "ir.Value | None" = None):
-        """This thread's share [lo, hi) of range(count), as i64 values; the
-        whole range in a kernel that is not parallel. With workers (an i32
-        value, at most the thread count), the range is shared between the
-        first `workers` threads alone."""
-        if not self.parallel:
-            return self.i64(0), self.i64(count)
-        b = self.builder
-        # Divided in double precision: ARMv7 may lack an integer divide and a
-        # libgcc helper call would make the module need more than the loader.
-        # Exact while count * threads < 2**53; thread t's hi is the same
-        # expression as thread t+1's lo, so the shares tile the range.
-        f64 = ir.DoubleType()
-        threads = b.uitofp(self.threads if workers is None else workers, f64)
-
-        def bound(t):
-            share = b.fdiv(b.fmul(ir.Constant(f64, float(count)), b.uitofp(t, f64)), threads)
-            return b.zext(b.fptoui(share, I32), I64)
-        return bound(self.thread), bound(b.add(self.thread, ir.Constant(I32, 1)))
-
     @contextmanager
     def alone(self):
-        """Code emitted inside works on data of its thread's own: part()
+        """Code emitted inside works on data of its thread's own: share()
         gives it the whole range and barrier() waits for nobody."""
         parallel, self.parallel = self.parallel, False
         try:
@@ -169,66 +149,30 @@ class Kernel:
             self.parallel = parallel
 
     @contextmanager
-    def share(self, count: int):
+    def share(self, count: int, workers: "ir.Value | None" = None):
         """Run the body emitted inside on chunks [lo, hi) (i64 values) of
         range(count) that the threads take in turn from a shared counter
-        until none is left, so that a thread the system deschedules leaves
-        its share to the others instead of holding them up at the next
-        barrier; the whole range at once in a kernel that is not parallel.
-        Every thread must reach the same share() calls in the same order
-        (as with barrier()).
+        until none is left; the whole range at once in a kernel that is not
+        parallel. With workers (an i32 value), only threads numbered below
+        it take chunks (e.g. one scratch slot each for that many).
 
-        The counter is the low bits of the barrier's arrival word (see
-        barrier_function), which the last thread to arrive at a barrier
-        clears. Between two barriers the ranges follow one another on it:
-        each thread's cursor holds where the current range starts, and a
-        thread leaves a range only once the counter has passed its end, so
-        no thread takes items of the next range early."""
+        A parallel kernel writes memory only inside share() bodies (or
+        alone() on its own data): a thread that the system deschedules,
+        or that has not started yet, takes no chunk and nobody waits for
+        it, so it may pass a kernel's code long after the others have moved
+        on. Every thread must reach the same share() calls in the same
+        order (as with barrier()); see shared_range for how it works."""
         if not self.parallel:
             yield self.i64(0), self.i64(count)
             return
-        if count >= WORK_LIMIT:
-            raise ValueError(f"a shared range of {count} items exceeds {WORK_LIMIT}; share larger items")
-        b = self.builder
-        with b.goto_entry_block():
-            chunk_slot = b.alloca(I32)
-        base = b.load(self.cursor)
-        size = ir.Constant(I32, count)
-        first = b.load_atomic(self.sync, "monotonic", 4)
-        before = b.block
-        claim = b.append_basic_block("claim")
-        take = b.append_basic_block("take")
-        body = b.append_basic_block("share")
-        after = b.append_basic_block("shared")
-        b.branch(claim)
-        b.position_at_end(claim)
-        word = b.phi(I32)
-        word.add_incoming(first, before)
-        rel = b.sub(b.and_(word, ir.Constant(I32, WORK_MASK)), base)
-        b.cbranch(b.icmp_unsigned(">=", rel, size), after, take)
-        b.position_at_end(take)
-        # The rest split in CHUNKS_PER_THREAD per thread: large chunks
-        # first (few claims), small ones last (threads finish together).
-        # Divided in double precision, as in part().
-        f64 = ir.DoubleType()
-        parts = b.uitofp(b.mul(self.threads, ir.Constant(I32, CHUNKS_PER_THREAD)), f64)
-        chunk = b.fptoui(b.fdiv(b.uitofp(b.sub(size, rel), f64), parts), I32)
-        chunk = b.select(b.icmp_unsigned("<", chunk, ir.Constant(I32, 1)), ir.Constant(I32, 1), chunk)
-        chunk = b.select(b.icmp_signed("<=", self.threads, ir.Constant(I32, 1)), b.sub(size, rel), chunk)
-        b.store(chunk, chunk_slot)
-        result = b.cmpxchg(self.sync, word, b.add(word, chunk), "acq_rel", "monotonic")
-        word.add_incoming(b.extract_value(result, 0), take)
-        b.cbranch(b.extract_value(result, 1), body, claim)
-        b.position_at_end(body)
-        lo = b.zext(rel, I64)
-        yield lo, b.add(lo, b.zext(b.load(chunk_slot), I64))
-        word.add_incoming(b.load_atomic(self.sync, "monotonic", 4), b.block)
-        b.branch(claim)
-        b.position_at_end(after)
-        b.store(b.add(base, size), self.cursor)
+        skip = None if workers is None else self.builder.icmp_signed(">=", self.thread, workers)
+        with shared_range(self.builder, self.target, self.sync, self.threads, self.cursor, count,
+                          skip) as chunk:
+            yield chunk
 
     def barrier(self) -> None:
-        """Wait until every thread of a parallel kernel has arrived here."""
+        """Wait until every chunk handed out so far (by this and earlier
+        share() calls) is done; not for threads that took none."""
         if self.parallel:
             self.builder.call(barrier_function(self.module, self.target),
                               [self.sync, self.threads, self.cursor])
@@ -434,29 +378,118 @@ ERFC_SCALED = (0.00035272904076, 0.55768901924, 0.051364641976, -0.50719867673,
                0.57833301586, -0.35704002275, 0.12232266986, -0.018239834347)
 
 
+@contextmanager
+def shared_range(b: ir.IRBuilder, target, sync: ir.Value, threads: ir.Value, cursor: ir.Value,
+                 count: int, skip: "ir.Value | None" = None):
+    """Emit a loop that takes chunks [lo, hi) (i64 values) of range(count)
+    from the sync state's claim counter and runs the body emitted inside
+    on each, until none is left (Kernel.share; codegen's serial steps).
+
+    Every range of a run has its own stretch of the claim counter
+    (sync[0]), which only grows: the thread's cursor holds where the
+    current range starts, and each thread's cursor passes the same
+    ranges in the same order. A thread takes a chunk by moving the
+    counter on with compare-and-swap from a value inside the range, so it
+    takes nothing from a range that is over (a late thread passes it at
+    once) nor from the next one early (a range is over for the claims
+    only once the counter has passed its end). After a chunk it adds
+    twice the chunk's size to the done word (sync[1]; its bit 0 says a
+    waiter sleeps on it, see barrier_function), which is what a barrier
+    waits for; if that finished the range and a waiter sleeps, it wakes
+    them. With skip (an i1 value) true the thread takes no chunk. The
+    counters count modulo 2**32 (items modulo 2**31 for the done word):
+    a run hands out fewer than 2**30 items."""
+    if count >= WORK_LIMIT:
+        raise ValueError(f"a shared range of {count} items exceeds {WORK_LIMIT}; share larger items")
+    fn = b.function
+    with b.goto_entry_block():
+        chunk_slot = b.alloca(I32)
+    base = b.load(cursor)
+    size = ir.Constant(I32, count)
+    end = b.add(base, size)
+    done_ptr = b.gep(sync, [ir.Constant(I32, 1)])
+    first = b.load_atomic(sync, "monotonic", 4)
+    before = b.block
+    claim = fn.append_basic_block("claim")
+    take = fn.append_basic_block("take")
+    body = fn.append_basic_block("share")
+    after = fn.append_basic_block("shared")
+    if skip is None:
+        b.branch(claim)
+    else:
+        b.cbranch(skip, after, claim)
+    b.position_at_end(claim)
+    word = b.phi(I32)
+    word.add_incoming(first, before)
+    rel = b.sub(word, base)
+    b.cbranch(b.icmp_unsigned(">=", rel, size), after, take)
+    b.position_at_end(take)
+    # The rest split in CHUNKS_PER_THREAD per thread: large chunks
+    # first (few claims), small ones last (threads finish together).
+    # Divided in double precision: ARMv7 may lack an integer divide and a
+    # libgcc helper call would make the module need more than the loader.
+    f64 = ir.DoubleType()
+    parts = b.uitofp(b.mul(threads, ir.Constant(I32, CHUNKS_PER_THREAD)), f64)
+    chunk = b.fptoui(b.fdiv(b.uitofp(b.sub(size, rel), f64), parts), I32)
+    chunk = b.select(b.icmp_unsigned("<", chunk, ir.Constant(I32, 1)), ir.Constant(I32, 1), chunk)
+    chunk = b.select(b.icmp_signed("<=", threads, ir.Constant(I32, 1)), b.sub(size, rel), chunk)
+    b.store(chunk, chunk_slot)
+    result = b.cmpxchg(sync, word, b.add(word, chunk), "acq_rel", "monotonic")
+    word.add_incoming(b.extract_value(result, 0), take)
+    b.cbranch(b.extract_value(result, 1), body, claim)
+    b.position_at_end(body)
+    lo = b.zext(rel, I64)
+    yield lo, b.add(lo, b.zext(b.load(chunk_slot), I64))
+    twice = b.shl(b.load(chunk_slot), ir.Constant(I32, 1))
+    old = b.atomic_rmw("add", done_ptr, twice, "release")
+    asleep = b.icmp_unsigned("!=", b.and_(old, ir.Constant(I32, SLEEPING)), ir.Constant(I32, 0))
+    with b.if_then(asleep, likely=False):
+        # A waiter sleeps: wake it once this range is done (it waits for
+        # the end of this range or a later one, never an earlier).
+        finished = _reached(b, b.add(old, twice), end)
+        with b.if_then(finished):
+            b.atomic_rmw("and", done_ptr, ir.Constant(I32, ~SLEEPING), "monotonic")
+            syscall = _syscall(b, target, sync)
+            if syscall is not None:
+                syscall(target.futex_syscall, b.ptrtoint(done_ptr, syscall.word), FUTEX_WAKE_PRIVATE,
+                        0x7FFFFFFF, 0)
+    word.add_incoming(b.load_atomic(sync, "monotonic", 4), b.block)
+    b.branch(claim)
+    b.position_at_end(after)
+    b.store(end, cursor)
+
+
+def _reached(b: ir.IRBuilder, done_word: ir.Value, cursor: ir.Value) -> ir.Value:
+    """Whether a done word counts at least `cursor` items: its count
+    (twice the items, plus the SLEEPING bit) minus twice the cursor,
+    compared as a signed number, which holds across the wrap at 2**32."""
+    return b.icmp_signed(">=", b.sub(done_word, b.shl(cursor, ir.Constant(I32, 1))), ir.Constant(I32, 0))
+
+
 def barrier_function(module: ir.Module, target) -> ir.Function:
-    """`void tether.barrier(i32 *state, i32 threads, i32 *cursor)`: a
-    counting barrier built from atomics alone, since the module links no
-    libc.
+    """`void tether.barrier(i32 *state, i32 threads, i32 *cursor)`: wait
+    until every chunk handed out before the thread's cursor is done,
+    built from atomics alone, since the module links no libc.
 
     state is the caller's struct tether_sync (docs/module-abi.md): state[0]
-    is the arrival word, state[1] the generation, and the pointer-sized
-    field at byte 8, when not NULL, is the C library's
-    `long syscall(long, ...)`. The arrival word counts arrived threads in
-    its top bits (ARRIVAL each) and in its low bits the items that
-    Kernel.share() handed out since the last barrier. The last thread to
-    arrive clears the word and moves the generation on; each thread clears
-    its own cursor (where its next shared range starts) as it leaves.
+    is the claim counter, state[1] the done word (see shared_range), and
+    the pointer-sized field at byte 8, when not NULL, is the C library's
+    `long syscall(long, ...)`. It waits for the work handed out, not for
+    the threads: a thread that took no chunk (descheduled, or not started
+    yet) holds nobody up, and one that arrives late finds the barrier
+    passed. The first thread through a barrier sees the count of exactly
+    the chunks before it, since chunks after it are only taken by threads
+    that passed it.
 
-    The others wait in three stages: they spin briefly on the generation
-    with the CPU's spin-wait hint (most barriers of a run on idle cores end
-    there), then ask the system to run something else (sched_yield) between
-    looks, which costs a system call when nothing else wants the core but
-    hands it over at once when something does (the thread everybody waits
-    for, on a busy board), then sleep on the generation with futex. A
-    thread about to sleep first sets the generation's top bit (SLEEPING),
-    and the last thread makes the wake-up system call only when it finds
-    that bit, since the call would cost microseconds each time.
+    A waiter waits in three stages: it spins briefly with the CPU's
+    spin-wait hint (most barriers of a run on idle cores end there), then
+    asks the system to run something else (sched_yield) between looks,
+    which costs a system call when nothing else wants the core but hands
+    it over at once when something does (the thread finishing a chunk,
+    on a busy board), then sleeps on the done word with futex. A thread
+    about to sleep first sets the word's bit 0 (SLEEPING), and the thread
+    that finishes the range makes the wake-up system call only when it
+    finds that bit, since the call would cost microseconds each time.
     """
     existing = module.globals.get("tether.barrier")
     if existing is not None:
@@ -471,42 +504,21 @@ def barrier_function(module: ir.Module, target) -> ir.Function:
     state, threads, cursor = fn.args
     b = ir.IRBuilder(fn.append_basic_block("entry"))
     done = fn.append_basic_block("done")
-    alone = fn.append_basic_block("alone")
     arrive = fn.append_basic_block("arrive")
-    b.cbranch(b.icmp_signed("<=", threads, ir.Constant(I32, 1)), alone, arrive)
-    b.position_at_end(alone)
-    b.store(ir.Constant(I32, 0), state)
-    b.branch(done)
+    b.cbranch(b.icmp_signed("<=", threads, ir.Constant(I32, 1)), done, arrive)
     b.position_at_end(arrive)
-    word_ptr = state
-    gen_ptr = b.gep(state, [ir.Constant(I32, 1)])
+    done_ptr = b.gep(state, [ir.Constant(I32, 1)])
     syscall = _syscall(b, target, state)
-    number = ir.Constant(I32, GENERATION_MASK)
-    generation = b.and_(b.load_atomic(gen_ptr, "acquire", 4), number)
-    word = b.atomic_rmw("add", word_ptr, ir.Constant(I32, ARRIVAL), "acq_rel")
-    arrived = b.lshr(word, ir.Constant(I32, ARRIVAL_SHIFT))
-    last = fn.append_basic_block("last")
+    goal = b.load(cursor)
     wait = fn.append_basic_block("wait")
-    b.cbranch(b.icmp_unsigned("==", arrived, b.sub(threads, ir.Constant(I32, 1))), last, wait)
-    b.position_at_end(last)
-    b.store_atomic(ir.Constant(I32, 0), word_ptr, "monotonic", 4)
-    # Only this thread moves the generation on; the others may only set
-    # SLEEPING, which the exchange clears and reports.
-    following = b.and_(b.add(generation, ir.Constant(I32, 1)), number)
-    before = b.atomic_rmw("xchg", gen_ptr, following, "acq_rel")
-    if syscall is not None:
-        sleepers = b.icmp_unsigned("!=", b.and_(before, ir.Constant(I32, SLEEPING)), ir.Constant(I32, 0))
-        with b.if_then(sleepers):
-            syscall(target.futex_syscall, b.ptrtoint(gen_ptr, syscall.word), FUTEX_WAKE_PRIVATE, 0x7FFFFFFF, 0)
-    b.branch(done)
+    b.branch(wait)
     b.position_at_end(wait)
     looks = b.phi(I32)
     looks.add_incoming(ir.Constant(I32, 0), arrive)
-    _spin_hint(b, module, target)
-    now = b.and_(b.load_atomic(gen_ptr, "acquire", 4), number)
     again = fn.append_basic_block("again")
-    b.cbranch(b.icmp_signed("==", now, generation), again, done)
+    b.cbranch(_reached(b, b.load_atomic(done_ptr, "acquire", 4), goal), done, again)
     b.position_at_end(again)
+    _spin_hint(b, module, target)
     next_look = b.add(looks, ir.Constant(I32, 1))
     looks.add_incoming(next_look, again)
     if syscall is not None:
@@ -522,39 +534,39 @@ def barrier_function(module: ir.Module, target) -> ir.Function:
         looks.add_incoming(next_look, b.block)
         b.branch(wait)
         b.position_at_end(sleep)
-        flagged = b.or_(generation, ir.Constant(I32, SLEEPING))
-        seen = b.atomic_rmw("or", gen_ptr, ir.Constant(I32, SLEEPING), "acq_rel")
+        seen = b.atomic_rmw("or", done_ptr, ir.Constant(I32, SLEEPING), "acquire")
         asleep = fn.append_basic_block("asleep")
-        b.cbranch(b.icmp_signed("==", b.and_(seen, number), generation), asleep, done)
+        b.cbranch(_reached(b, seen, goal), done, asleep)
         b.position_at_end(asleep)
-        # Returns at once if the generation changed since it was flagged.
-        syscall(target.futex_syscall, b.ptrtoint(gen_ptr, syscall.word), FUTEX_WAIT_PRIVATE, flagged, 0)
+        # Returns at once if a chunk was done since the bit was set.
+        syscall(target.futex_syscall, b.ptrtoint(done_ptr, syscall.word), FUTEX_WAIT_PRIVATE,
+                b.or_(seen, ir.Constant(I32, SLEEPING)), 0)
         looks.add_incoming(next_look, b.block)
         b.branch(wait)
     else:
         b.branch(wait)
     b.position_at_end(done)
-    b.store(ir.Constant(I32, 0), cursor)
     b.ret_void()
     return fn
 
 
-# The arrival word of struct tether_sync: arrived threads above
-# ARRIVAL_SHIFT (up to MAX_THREADS), items handed out by Kernel.share()
-# below it (a shared range must be smaller than WORK_LIMIT).
-ARRIVAL_SHIFT = 23
-ARRIVAL = 1 << ARRIVAL_SHIFT
+# A shared range must be smaller than WORK_LIMIT items (exact in the
+# double-precision chunk arithmetic, and far from the counters' wrap).
 WORK_LIMIT = 1 << 22
-WORK_MASK = ARRIVAL - 1
+# What loaders allow (docs/module-abi.md); the barrier itself counts work,
+# not threads.
 MAX_THREADS = 255
-# Chunks per thread a shared range is split into (see Kernel.share).
+# Chunks per thread a shared range is split into (see shared_range).
 CHUNKS_PER_THREAD = 4
 # sched_yield calls a barrier's waiter makes, after its spin, before it
-# sleeps: each hands the core to another runnable thread if there is one.
-YIELDS_BEFORE_SLEEP = 200
-# The generation's top bit: a waiter is (about to be) asleep on the futex.
-SLEEPING = -0x80000000
-GENERATION_MASK = 0x7FFFFFFF
+# sleeps: each hands the core to another runnable thread if there is one,
+# on a busy board often for a whole time slice, while a sleeper is woken
+# as soon as the chunk it waits for is done (MobileNetV2 with two
+# spinners, docs/kernels.md: 200 yields 1.22 and 1.18x onnxruntime, 4
+# yields 1.06 and 1.06x, runs alternated).
+YIELDS_BEFORE_SLEEP = 4
+# Bit 0 of the done word: a waiter is (about to be) asleep on the futex.
+SLEEPING = 1
 FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE = 128, 129
 
 

@@ -135,7 +135,7 @@ class Op:
         return 0
 
     def parallel(self, attrs: dict) -> bool:
-        """lower() splits its work between threads (Kernel.part/barrier):
+        """lower() splits its work between threads (Kernel.share/barrier):
         every thread of tether_run_parallel calls the kernel, not only the first."""
         return False
 

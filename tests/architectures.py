@@ -9,6 +9,7 @@ activations stay in range.
     >>> model = resnet(18)                  # input "input" (1, 3, 224, 224) -> "logits" (1, 1000)
     >>> model = mobilenet_v2()              # the same input and output
     >>> model = efficientnet_b0()
+    >>> model = regnet_x_400mf()
 """
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ RESNET_STAGES = {18: (2, 2, 2, 2), 34: (3, 4, 6, 3), 50: (3, 4, 6, 3)}
 # torchvision's MobileNetV2 stages: expansion, output channels, blocks, first stride.
 MOBILENET_V2_STAGES = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2),
                        (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1))
+# torchvision's RegNetX-400MF stages: blocks, output width (group width 16,
+# bottleneck ratio 1, first block of each stage strided).
+REGNET_X_400MF_STAGES = ((1, 32), (2, 64), (7, 160), (12, 400))
+REGNET_GROUP_WIDTH = 16
 # torchvision's EfficientNet-B0 stages: expansion, kernel, first stride, output channels, blocks.
 EFFICIENTNET_B0_STAGES = ((1, 3, 1, 16, 1), (6, 3, 2, 24, 2), (6, 5, 2, 40, 2), (6, 3, 2, 80, 3),
                           (6, 5, 1, 112, 3), (6, 5, 2, 192, 4), (6, 3, 1, 320, 1))
@@ -162,3 +167,21 @@ def efficientnet_b0(classes: int = 1000, size: int = 224, seed: int = 0) -> onnx
             x, cin = (g.add(y, x) if stride == 1 and cin == cout else y), cout
     x = g.conv(x, cin, 1280, 1, act="silu")
     return g.classifier(x, 1280, classes, size, "efficientnet_b0")
+
+
+def regnet_x_400mf(classes: int = 1000, size: int = 224, seed: int = 0) -> onnx.ModelProto:
+    """RegNetX-400MF: residual bottlenecks whose 3x3 convolution is grouped
+    in groups of 16 channels (a 1x1, the grouped 3x3 strided in a stage's
+    first block, a linear 1x1, a projection shortcut where the shape
+    changes, ReLU after the Add)."""
+    g = _GraphBuilder(seed)
+    x, cin = g.conv("input", 3, 32, 3, stride=2), 32
+    for blocks, width in REGNET_X_400MF_STAGES:
+        for block in range(blocks):
+            stride = 2 if not block else 1
+            y = g.conv(x, cin, width, 1)
+            y = g.conv(y, width, width, 3, stride, group=width // REGNET_GROUP_WIDTH)
+            y = g.conv(y, width, width, 1, act=None)
+            shortcut = g.conv(x, cin, width, 1, stride, act=None) if stride > 1 or cin != width else x
+            x, cin = g.add_relu(y, shortcut), width
+    return g.classifier(x, cin, classes, size, "regnet_x_400mf")
