@@ -11,6 +11,7 @@ from onnx import helper, numpy_helper
 
 from . import folding
 from .errors import BuildError, ShapeError, UnsupportedOpError
+from .functions import expand_functions
 from .ir import Graph, Node, Tensor
 from .ops import OPS
 from .quantize_ops import EXPANSIONS, expand_operators
@@ -51,7 +52,7 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
 
     >>> g = import_onnx("model.onnx", input_shapes={"input": (1, 784)})  # doctest: +SKIP
     """
-    proto = expand_operators(load_model(model))
+    proto = expand_functions(expand_operators(load_model(model)), set(OPS) | FRONTEND_OPS | set(EXPANSIONS))
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 1)
     g = proto.graph
     input_shapes = dict(input_shapes or {})
@@ -97,6 +98,13 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
         if np_node.op_type in folding.SHAPE_OPS and np_node.input[0] in tensors:
             _add_constant(constants, tensors, np_node.output[0],
                           folding.shape_value(np_node.op_type, tensors[np_node.input[0]].shape, raw))
+            continue
+        if np_node.op_type == "CastLike" and np_node.input[0] in constants and np_node.input[1] in tensors:
+            # A constant cast to a runtime tensor's type: its dtype is known now.
+            cast = helper.make_node("Cast", [np_node.input[0]], list(np_node.output[:1]),
+                                    to=helper.np_dtype_to_tensor_dtype(np.dtype(tensors[np_node.input[1]].dtype)))
+            cast.attribute.extend(a for a in np_node.attribute if a.name == "saturate")
+            _add_constant(constants, tensors, np_node.output[0], folding.evaluate(cast, constants, opset, where)[0])
             continue
         if folding.can_fold(np_node, constants) or (np_node.op_type in FRONTEND_OPS and not np_node.input):
             for out, value in zip(np_node.output, folding.evaluate(np_node, constants, opset, where)):
