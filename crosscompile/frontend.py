@@ -10,6 +10,7 @@ import onnx.defs
 from onnx import helper, numpy_helper
 
 from . import folding
+from .double import compute_in_float32
 from .errors import BuildError, ShapeError, UnsupportedOpError
 from .functions import expand_functions
 from .ir import Graph, Node, Tensor
@@ -17,7 +18,7 @@ from .ops import OPS
 from .quantize_ops import EXPANSIONS, expand_operators
 
 # Model inputs and outputs: float32 data, integer ids and indices, masks.
-SUPPORTED_DTYPES = ("float32", "int64", "int32", "bool")
+SUPPORTED_DTYPES = ("float32", "float64", "int64", "int32", "bool", "int16", "int8", "uint64", "uint32", "uint16", "uint8")
 # Ops the frontend evaluates itself instead of lowering (any other standard
 # op also folds when all its inputs are constants).
 FRONTEND_OPS = {"Constant", "ConstantOfShape", "Shape", "Size", "Range"}
@@ -52,7 +53,8 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
 
     >>> g = import_onnx("model.onnx", input_shapes={"input": (1, 784)})  # doctest: +SKIP
     """
-    proto = expand_functions(expand_operators(load_model(model)), set(OPS) | FRONTEND_OPS | set(EXPANSIONS))
+    proto = compute_in_float32(expand_operators(load_model(model)))
+    proto = expand_functions(proto, set(OPS) | FRONTEND_OPS | set(EXPANSIONS))
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 1)
     g = proto.graph
     input_shapes = dict(input_shapes or {})
@@ -239,8 +241,7 @@ def _dtype_name(elem_type: int) -> str:
 
 def _check_dtype(tensor: Tensor, what: str) -> None:
     if tensor.dtype not in SUPPORTED_DTYPES:
-        raise BuildError(f"{what} has dtype {tensor.dtype}; only float32 (and int64, int32 or bool "
-                         "for ids, indices and masks) is supported")
+        raise BuildError(f"{what} has dtype {tensor.dtype}; supported: {', '.join(SUPPORTED_DTYPES)}")
 
 
 def _attribute_value(attr: onnx.AttributeProto):

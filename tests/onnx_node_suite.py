@@ -124,7 +124,9 @@ def discover(everything: bool = False, op_type: "str | None" = None) -> list:
 
 
 # Model output dtypes a module can have (crosscompile.frontend.SUPPORTED_DTYPES).
-OUTPUT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.BOOL}
+OUTPUT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.BOOL,
+                onnx.TensorProto.INT16, onnx.TensorProto.INT8, onnx.TensorProto.UINT64, onnx.TensorProto.UINT32,
+                onnx.TensorProto.UINT16, onnx.TensorProto.UINT8}
 RUNTIME_DTYPES = {np.dtype(np.float32), np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.bool_)}
 
 
