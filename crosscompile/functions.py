@@ -26,6 +26,34 @@ CALL_DOMAIN = "tether.function_body"
 MAX_DEPTH = 4
 
 
+# Ops whose body ONNX builds per node (from its attributes and input
+# types) and whose bodies, as the node suite makes them, use supported ops.
+CONTEXT_BODIES = ("Attention", "CausalConvWithState", "LinearAttention", "RotaryEmbedding")
+
+
+def function_ops(lowered) -> set:
+    """The op types (of the default domain, at the latest opset) that
+    expand into ops of lowered (a set of op types), directly or through
+    other such ops, and CONTEXT_BODIES.
+
+    >>> "MeanVarianceNormalization" in function_ops({"ReduceMean", "Sub", "Mul", "Div", "Sqrt", "Add", "Constant"})
+    True
+    """
+    found, bodies = set(CONTEXT_BODIES), {}
+    for schema in onnx.defs.get_all_schemas():
+        body = _static_body(schema, None) if schema.domain == "" and schema.name not in lowered else None
+        if body is not None:
+            bodies[schema.name] = {node.op_type for node in body.node}
+    grew = True
+    while grew:
+        grew = False
+        for op_type, used in bodies.items():
+            if op_type not in found and used <= set(lowered) | found:
+                found.add(op_type)
+                grew = True
+    return found
+
+
 def defined_as_function(op_type: str, opset: "int | None" = None) -> bool:
     """Whether ONNX defines op_type (of the default domain, at opset or
     the latest one) by a body of other ops.

@@ -114,7 +114,7 @@ class Where(Elementwise):
 
 
 class Cast(Op):
-    """Cast between float32, int64, int32 and bool as numpy's astype does:
+    """Cast between float32, the integer types and bool as numpy's astype does:
     floats to integers round toward zero, anything to bool is `!= 0` (NaN
     is true). Casts of constants fold at import."""
 
