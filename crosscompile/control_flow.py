@@ -114,7 +114,25 @@ def _body_copy(body: onnx.GraphProto, prefix: str, feeds: dict, results: list, a
         copy.input[:] = [renamed.get(n, n) if n else n for n in node.input]
         copy.output[:] = [renamed.get(n, n) if n else n for n in node.output]
         copy.name = f"{prefix}/{node.name or node.op_type + '_' + str(number)}"
+        for attr in copy.attribute:
+            for graph in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
+                _rename_outer(graph, renamed)
         nodes.append(copy)
     for source, out in copies:
         nodes.append(helper.make_node("Identity", [renamed.get(source, source)], [out], name=f"{prefix}/{out}"))
     return nodes
+
+
+def _rename_outer(graph: onnx.GraphProto, renamed: dict) -> None:
+    """Rename, in place, what a nested graph reads from the enclosing one."""
+    local = {vi.name for vi in graph.input} | {init.name for init in graph.initializer}
+    local |= {out for node in graph.node for out in node.output}
+    outer = {old: new for old, new in renamed.items() if old not in local}
+    for node in graph.node:
+        node.input[:] = [outer.get(n, n) for n in node.input]
+        for attr in node.attribute:
+            for inner in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
+                _rename_outer(inner, outer)
+    for vi in graph.output:
+        if vi.name in outer:
+            vi.name = outer[vi.name]

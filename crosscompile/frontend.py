@@ -95,16 +95,23 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
             unknown.update(np_node.output)
             continue
         if unknown.intersection(np_node.input):
-            if np_node.op_type not in OPS and np_node.op_type not in FRONTEND_OPS:
+            if np_node.op_type not in OPS and np_node.op_type not in FRONTEND_OPS | set(control_flow.UNROLLED):
                 unsupported.setdefault(np_node.op_type, []).append(name)
             unknown.update(np_node.output)
             continue
         raw = {a.name: _attribute_value(a) for a in np_node.attribute}
+        where = f"node {name!r} ({np_node.op_type})"
         add_constant = functools.partial(_add_constant, constants, tensors)
         if np_node.op_type == "If" and np_node.input[0] in constants:
             # A condition known now: the branch taken is part of the graph.
             branch = raw["then_branch" if np.asarray(constants[np_node.input[0]]).reshape(-1)[0] else "else_branch"]
             pending.extend(reversed(control_flow.branch_nodes(branch, np_node, name, add_constant)))
+            continue
+        if np_node.op_type == "If":
+            refused.append(BuildError(f"{where}: its condition {np_node.input[0]!r} is computed at run time; "
+                                      "only an If whose condition is a constant is supported (it is written out "
+                                      "as its branch)"))
+            unknown.update(np_node.output)
             continue
         if np_node.op_type == "Scan":
             shapes = {x: tensors[x].shape for x in np_node.input if x in tensors}
@@ -117,7 +124,6 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
         if np_node.op_type == "Constant":
             _add_constant(constants, tensors, np_node.output[0], _constant_value(name, raw))
             continue
-        where = f"node {name!r} ({np_node.op_type})"
         if np_node.op_type in folding.SHAPE_OPS and np_node.input[0] in tensors:
             _add_constant(constants, tensors, np_node.output[0],
                           folding.shape_value(np_node.op_type, tensors[np_node.input[0]].shape, raw))

@@ -31,6 +31,13 @@ MAX_DEPTH = 4
 CONTEXT_BODIES = ("Attention", "CausalConvWithState", "LinearAttention", "RotaryEmbedding")
 
 
+# Inputs of expanded ops that set their output's shape, and so must be
+# constants in a compiled module (a window's size, the size AffineGrid
+# makes, CenterCropPad's shape).
+COMPILE_TIME_INPUTS = {"BlackmanWindow": (0,), "HammingWindow": (0,), "HannWindow": (0,), "AffineGrid": (1,),
+                       "CenterCropPad": (1,)}
+
+
 def function_ops(lowered) -> set:
     """The op types (of the default domain, at the latest opset) that
     expand into ops of lowered (a set of op types), directly or through

@@ -181,6 +181,7 @@ def run_case(case: Case, workdir: str, rtol=1e-4, atol=1e-5) -> Result:
     import crosscompile
     import minirt
     from crosscompile.frontend import FRONTEND_OPS
+    from crosscompile.functions import COMPILE_TIME_INPUTS
     from crosscompile.ops import OPS
 
     model, inputs, expected = case.load()
@@ -190,6 +191,8 @@ def run_case(case: Case, workdir: str, rtol=1e-4, atol=1e-5) -> Result:
     compile_time = {name for node in model.graph.node if node.op_type in OPS
                     for pos, name in enumerate(node.input) if pos in OPS[node.op_type].compile_time_inputs}
     compile_time |= {name for node in model.graph.node if node.op_type in FRONTEND_OPS for name in node.input}
+    compile_time |= {node.input[pos] for node in model.graph.node for pos in COMPILE_TIME_INPUTS.get(node.op_type, ())
+                     if pos < len(node.input)}
     graph_inputs = [vi for vi in model.graph.input if vi.name not in {i.name for i in model.graph.initializer}]
     feeds = {}
     for vi, value in zip(graph_inputs, inputs):
