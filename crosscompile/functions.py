@@ -11,6 +11,8 @@ use further function ops; they are expanded in turn.
 """
 from __future__ import annotations
 
+import functools
+
 import onnx
 import onnx.defs
 import onnx.inliner
@@ -46,11 +48,15 @@ def function_ops(lowered) -> set:
     >>> "MeanVarianceNormalization" in function_ops({"ReduceMean", "Sub", "Mul", "Div", "Sqrt", "Add", "Constant"})
     True
     """
+    return set(_function_ops(frozenset(lowered)))
+
+
+@functools.lru_cache(maxsize=4)
+def _function_ops(lowered: frozenset) -> frozenset:
     found, bodies = set(CONTEXT_BODIES), {}
     for schema in onnx.defs.get_all_schemas():
-        body = _static_body(schema, None) if schema.domain == "" and schema.name not in lowered else None
-        if body is not None:
-            bodies[schema.name] = {node.op_type for node in body.node}
+        if schema.domain == "" and schema.name not in lowered and schema.has_function:
+            bodies[schema.name] = {node.op_type for node in _static_body(schema, None).node}
     grew = True
     while grew:
         grew = False
@@ -58,7 +64,7 @@ def function_ops(lowered) -> set:
             if op_type not in found and used <= set(lowered) | found:
                 found.add(op_type)
                 grew = True
-    return found
+    return frozenset(found)
 
 
 def defined_as_function(op_type: str, opset: "int | None" = None) -> bool:

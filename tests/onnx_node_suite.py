@@ -174,10 +174,11 @@ ONNXRUNTIME_DIFFERS = {
 }
 
 
-def run_case(case: Case, workdir: str, rtol=1e-4, atol=1e-5) -> Result:
+def run_case(case: Case, workdir: str, rtol=1e-4, atol=1e-5, target: str = "host", run_module=None) -> Result:
     """Compile and run one case. Generated cases carry their own tolerance
     (some expected outputs are rounded to 4 decimals); directory cases use
-    rtol/atol."""
+    rtol/atol. The module is compiled for target and run by
+    run_module(path, feeds) -> outputs (by default loaded here with minirt)."""
     import crosscompile
     import minirt
     from crosscompile.frontend import FRONTEND_OPS
@@ -209,14 +210,14 @@ def run_case(case: Case, workdir: str, rtol=1e-4, atol=1e-5) -> Result:
     del model.graph.input[:]
     model.graph.input.extend(kept)
     try:
-        lib = crosscompile.build(model, "host", input_shapes={n: v.shape for n, v in feeds.items()})
+        lib = crosscompile.build(model, target, input_shapes={n: v.shape for n, v in feeds.items()})
     except crosscompile.BuildError as exc:
         return Result(case, "refused", str(exc).splitlines()[0][:300])
     except Exception as exc:  # noqa: BLE001 - any other exception is a compiler bug
         return Result(case, "crash", f"{type(exc).__name__}: {exc}"[:300])
     try:
         path = lib.export_library(os.path.join(workdir, f"{case.name}.so"))
-        got = minirt.load(path).run(feeds)
+        got = run_module(path, feeds) if run_module else minirt.load(path).run(feeds)
         if case.name in ONNXRUNTIME_DIFFERS:
             from tests.onnx_models import reference
             expected = reference(model, feeds)
