@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .emit import Kernel
+from .emit import ELEMENT_TYPES, I64, Kernel
 from .errors import BuildError, ShapeError
 from llvmlite import ir
 
-from .op_base import NUMERIC_DTYPES, Op, _broadcast_strides, _check_choice, _const_float
+from .op_base import (INTEGER_DTYPES, NARROW_INTEGERS, NUMERIC_DTYPES, UNSIGNED_DTYPES, Op, _broadcast_strides,
+                      _check_choice, _const_float)
 
 
 class Unary(Op):
@@ -34,7 +35,7 @@ class Unary(Op):
 def is_float(value) -> bool:
     """Whether an IR value is a float32 scalar or vector (else an integer)."""
     element = value.type.element if isinstance(value.type, ir.VectorType) else value.type
-    return isinstance(element, ir.FloatType)
+    return isinstance(element, (ir.FloatType, ir.DoubleType))
 
 
 def _int_zero(value):
@@ -260,12 +261,21 @@ class Elementwise(Op):
 
     def lower(self, k, inputs, outputs, attrs):
         out = outputs[0]
+        # Whether integer operands are unsigned (the comparisons, division
+        # and extremes ask), and their dtype (BitShift asks its width).
+        attrs = dict(attrs, unsigned=inputs[-1].dtype in UNSIGNED_DTYPES, dtype=inputs[-1].dtype)
         sources = [k.typed(ptr, t.dtype) for ptr, t in zip(k.inputs, inputs)]
         dest = k.typed(k.outputs[0], out.dtype)
+
+        def load(ptr, t, offset):
+            return widen(k, k.load(ptr, offset), t.dtype)
+
+        def store(value, offset):
+            k.store(narrow(k, k.activate(wrap(k, value, out.dtype)), out.dtype), dest, offset)
+
         if all(t.shape == out.shape for t in inputs):
             with k.loop(out.size) as i:
-                value = self.evaluate(k, [k.load(ptr, i) for ptr in sources], attrs)
-                k.store(k.activate(value), dest, i)
+                store(self.evaluate(k, [load(ptr, t, i) for ptr, t in zip(sources, inputs)], attrs), i)
             return
         shape = out.shape or (1,)
         out_strides = _broadcast_strides(shape, shape)
@@ -273,8 +283,31 @@ class Elementwise(Op):
                       for s in self.operand_shapes([t.shape for t in inputs], attrs)]
         shape, (out_strides, *in_strides) = _merge_dims(shape, [out_strides, *in_strides])
         with k.nested_loops(shape) as idx:
-            values = [k.load(ptr, k.index(*zip(idx, st))) for ptr, st in zip(sources, in_strides)]
-            k.store(k.activate(self.evaluate(k, values, attrs)), dest, k.index(*zip(idx, out_strides)))
+            values = [load(ptr, t, k.index(*zip(idx, st))) for ptr, t, st in zip(sources, inputs, in_strides)]
+            store(self.evaluate(k, values, attrs), k.index(*zip(idx, out_strides)))
+
+
+def widen(k: Kernel, value, dtype: str):
+    """A loaded element of a narrow integer dtype as int64 (see
+    op_base.NARROW_INTEGERS); any other value as it is."""
+    if dtype not in NARROW_INTEGERS:
+        return value
+    return k.builder.sext(value, I64) if NARROW_INTEGERS[dtype] else k.builder.zext(value, I64)
+
+
+def narrow(k: Kernel, value, dtype: str):
+    """An int64 result as the narrow integer dtype it is stored in."""
+    if dtype not in NARROW_INTEGERS or value.type != I64:
+        return value
+    return k.builder.trunc(value, ELEMENT_TYPES[dtype])
+
+
+def wrap(k: Kernel, value, dtype: str):
+    """An int64 result wrapped into dtype's range and widened again, so a
+    fused epilogue sees the value that is stored."""
+    if dtype not in NARROW_INTEGERS or value.type != I64:
+        return value
+    return widen(k, narrow(k, value, dtype), dtype)
 
 
 def _merge_dims(shape, strides_list):
@@ -319,40 +352,54 @@ def _integer_divisor(k: Kernel, y):
     return b.select(odd, ir.Constant(y.type, 1), y)
 
 
-def _divide(k, a, b_):
+def _divide(k, a, b_, unsigned=False):
     """a / b: float32 division, or integer division truncating toward zero
     (C's and onnxruntime's); an integer divided by 0 gives 0 instead of a
     trap, by -1 its negation."""
     b = k.builder
     if is_float(a):
         return b.fdiv(a, b_)
+    if unsigned:
+        zero = b.icmp_unsigned("==", b_, _int_zero(b_))
+        quotient = b.udiv(a, b.select(zero, ir.Constant(b_.type, 1), b_))
+        return b.select(zero, _int_zero(a), quotient)
     quotient = b.sdiv(a, _integer_divisor(k, b_))
     quotient = b.select(b.icmp_signed("==", b_, ir.Constant(b_.type, -1)), b.sub(_int_zero(a), a), quotient)
     return b.select(b.icmp_signed("==", b_, _int_zero(b_)), _int_zero(a), quotient)
 
 
 class _Arithmetic(Elementwise):
-    data_dtypes = NUMERIC_DTYPES
+    data_dtypes = ("float32", *INTEGER_DTYPES)
 
 
-class Add(_Arithmetic):
+class _Exact(_Arithmetic):
+    """An op that also computes float64 tensors in float64
+    (crosscompile.double keeps graphs of only these ops in float64)."""
+
+    data_dtypes = ("float32", "float64", *INTEGER_DTYPES)
+
+
+class Add(_Exact):
     op_type = "Add"
     combine = _arithmetic("fadd", "add")
 
 
-class Sub(_Arithmetic):
+class Sub(_Exact):
     op_type = "Sub"
     combine = _arithmetic("fsub", "sub")
 
 
-class Mul(_Arithmetic):
+class Mul(_Exact):
     op_type = "Mul"
     combine = _arithmetic("fmul", "mul")
 
 
-class Div(_Arithmetic):
+class Div(_Exact):
     op_type = "Div"
-    combine = _fold(_divide)
+
+    def evaluate(self, k, values, attrs):
+        a, d = values
+        return _divide(k, a, d, attrs.get("unsigned", False))
 
 
 class Sum(_Arithmetic):
@@ -361,22 +408,32 @@ class Sum(_Arithmetic):
     combine = _arithmetic("fadd", "add")
 
 
-def _extreme(k, a, b, predicate):
+def _extreme(k, a, b, predicate, unsigned=False):
     if is_float(a):
         return k.maximum(a, b) if predicate == ">" else k.minimum(a, b)
-    return k.builder.select(k.builder.icmp_signed(predicate, a, b), a, b)
+    compare = k.builder.icmp_unsigned if unsigned else k.builder.icmp_signed
+    return k.builder.select(compare(predicate, a, b), a, b)
 
 
-class Max(_Arithmetic):
+class _Extreme(_Arithmetic):
+    arity = (1, 1 << 16)
+    predicate = ""
+
+    def evaluate(self, k, values, attrs):
+        acc = values[0]
+        for v in values[1:]:
+            acc = _extreme(k, acc, v, self.predicate, attrs.get("unsigned", False))
+        return acc
+
+
+class Max(_Extreme):
     op_type = "Max"
-    arity = (1, 1 << 16)
-    combine = _fold(lambda k, a, b: _extreme(k, a, b, ">"))
+    predicate = ">"
 
 
-class Min(_Arithmetic):
+class Min(_Extreme):
     op_type = "Min"
-    arity = (1, 1 << 16)
-    combine = _fold(lambda k, a, b: _extreme(k, a, b, "<"))
+    predicate = "<"
 
 
 class Mod(_Arithmetic):
@@ -407,6 +464,9 @@ class Mod(_Arithmetic):
             differs = b.xor(b.fcmp_ordered("<", r, k.f32(0.0)), b.fcmp_ordered("<", d, k.f32(0.0)))
             fix = b.and_(b.fcmp_ordered("!=", r, k.f32(0.0)), differs)
             return b.select(fix, b.fadd(r, d), r)
+        if attrs.get("unsigned"):
+            zero = b.icmp_unsigned("==", d, _int_zero(d))
+            return b.select(zero, _int_zero(a), b.urem(a, b.select(zero, ir.Constant(d.type, 1), d)))
         r = b.srem(a, _integer_divisor(k, d))
         r = b.select(b.icmp_signed("==", d, ir.Constant(d.type, -1)), _int_zero(a), r)
         r = b.select(b.icmp_signed("==", d, _int_zero(d)), _int_zero(a), r)

@@ -2,6 +2,7 @@
 fold compile-time inputs into attributes and infer every tensor's shape."""
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -9,14 +10,16 @@ import onnx
 import onnx.defs
 from onnx import helper, numpy_helper
 
-from . import folding
+from . import control_flow, folding
+from .double import compute_in_float32
 from .errors import BuildError, ShapeError, UnsupportedOpError
+from .functions import expand_functions, function_ops
 from .ir import Graph, Node, Tensor
 from .ops import OPS
 from .quantize_ops import EXPANSIONS, expand_operators
 
 # Model inputs and outputs: float32 data, integer ids and indices, masks.
-SUPPORTED_DTYPES = ("float32", "int64", "int32", "bool")
+SUPPORTED_DTYPES = ("float32", "float64", "int64", "int32", "bool", "int16", "int8", "uint64", "uint32", "uint16", "uint8")
 # Ops the frontend evaluates itself instead of lowering (any other standard
 # op also folds when all its inputs are constants).
 FRONTEND_OPS = {"Constant", "ConstantOfShape", "Shape", "Size", "Range"}
@@ -24,13 +27,15 @@ FRONTEND_OPS = {"Constant", "ConstantOfShape", "Shape", "Size", "Range"}
 
 def supported_ops() -> list[str]:
     """ONNX op types a model may use: lowered ops (not the graph's own
-    fused ones), compile-time ones and the quantized ops rewritten before
-    import.
+    fused ones), compile-time ones, the quantized ops rewritten before
+    import, the control flow written out at import and the ops replaced
+    by their ONNX function bodies.
 
     >>> "Conv" in supported_ops()
     True
     """
-    return sorted({op for op in OPS if onnx.defs.has(op)} | FRONTEND_OPS | set(EXPANSIONS))
+    lowered = {op for op in OPS if onnx.defs.has(op)} | FRONTEND_OPS | set(EXPANSIONS) | set(control_flow.UNROLLED)
+    return sorted(lowered | function_ops(lowered))
 
 
 def load_model(model: "str | os.PathLike | onnx.ModelProto") -> onnx.ModelProto:
@@ -51,7 +56,8 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
 
     >>> g = import_onnx("model.onnx", input_shapes={"input": (1, 784)})  # doctest: +SKIP
     """
-    proto = expand_operators(load_model(model))
+    proto = compute_in_float32(expand_operators(load_model(model)))
+    proto = expand_functions(proto, set(OPS) | FRONTEND_OPS | set(EXPANSIONS) | set(control_flow.UNROLLED))
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 1)
     g = proto.graph
     input_shapes = dict(input_shapes or {})
@@ -78,25 +84,56 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
     # is named in one error: their nodes, and the nodes fed by their outputs
     # (which cannot be inferred), are skipped until the end.
     unsupported, refused, unknown = {}, [], set()
-    for index, np_node in enumerate(g.node):
+    pending = list(reversed(g.node))  # popped from the end; an If's branch is pushed back
+    index = -1
+    while pending:
+        np_node = pending.pop()
+        index += 1
         name = np_node.name or f"{np_node.op_type}_{index}"
         if np_node.domain not in ("", "ai.onnx"):
             unsupported.setdefault(f"{np_node.domain}.{np_node.op_type}", []).append(name)
             unknown.update(np_node.output)
             continue
         if unknown.intersection(np_node.input):
-            if np_node.op_type not in OPS and np_node.op_type not in FRONTEND_OPS:
+            if np_node.op_type not in OPS and np_node.op_type not in FRONTEND_OPS | set(control_flow.UNROLLED):
                 unsupported.setdefault(np_node.op_type, []).append(name)
             unknown.update(np_node.output)
             continue
         raw = {a.name: _attribute_value(a) for a in np_node.attribute}
+        where = f"node {name!r} ({np_node.op_type})"
+        add_constant = functools.partial(_add_constant, constants, tensors)
+        if np_node.op_type == "If" and np_node.input[0] in constants:
+            # A condition known now: the branch taken is part of the graph.
+            branch = raw["then_branch" if np.asarray(constants[np_node.input[0]]).reshape(-1)[0] else "else_branch"]
+            pending.extend(reversed(control_flow.branch_nodes(branch, np_node, name, add_constant)))
+            continue
+        if np_node.op_type == "If":
+            refused.append(BuildError(f"{where}: its condition {np_node.input[0]!r} is computed at run time; "
+                                      "only an If whose condition is a constant is supported (it is written out "
+                                      "as its branch)"))
+            unknown.update(np_node.output)
+            continue
+        if np_node.op_type == "Scan":
+            shapes = {x: tensors[x].shape for x in np_node.input if x in tensors}
+            try:
+                pending.extend(reversed(control_flow.unrolled_scan(np_node, raw, name, shapes, opset, add_constant)))
+            except BuildError as exc:
+                refused.append(exc)
+                unknown.update(np_node.output)
+            continue
         if np_node.op_type == "Constant":
             _add_constant(constants, tensors, np_node.output[0], _constant_value(name, raw))
             continue
-        where = f"node {name!r} ({np_node.op_type})"
         if np_node.op_type in folding.SHAPE_OPS and np_node.input[0] in tensors:
             _add_constant(constants, tensors, np_node.output[0],
                           folding.shape_value(np_node.op_type, tensors[np_node.input[0]].shape, raw))
+            continue
+        if np_node.op_type == "CastLike" and np_node.input[0] in constants and np_node.input[1] in tensors:
+            # A constant cast to a runtime tensor's type: its dtype is known now.
+            cast = helper.make_node("Cast", [np_node.input[0]], list(np_node.output[:1]),
+                                    to=helper.np_dtype_to_tensor_dtype(np.dtype(tensors[np_node.input[1]].dtype)))
+            cast.attribute.extend(a for a in np_node.attribute if a.name == "saturate")
+            _add_constant(constants, tensors, np_node.output[0], folding.evaluate(cast, constants, opset, where)[0])
             continue
         if folding.can_fold(np_node, constants) or (np_node.op_type in FRONTEND_OPS and not np_node.input):
             for out, value in zip(np_node.output, folding.evaluate(np_node, constants, opset, where)):
@@ -231,8 +268,7 @@ def _dtype_name(elem_type: int) -> str:
 
 def _check_dtype(tensor: Tensor, what: str) -> None:
     if tensor.dtype not in SUPPORTED_DTYPES:
-        raise BuildError(f"{what} has dtype {tensor.dtype}; only float32 (and int64, int32 or bool "
-                         "for ids, indices and masks) is supported")
+        raise BuildError(f"{what} has dtype {tensor.dtype}; supported: {', '.join(SUPPORTED_DTYPES)}")
 
 
 def _attribute_value(attr: onnx.AttributeProto):

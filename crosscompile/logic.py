@@ -14,13 +14,14 @@ from llvmlite import ir
 from onnx import TensorProto
 
 from .elementwise import Elementwise
-from .emit import F32, I8, I32, ELEMENT_TYPES
+from .emit import F32, I8, I32, I64, ELEMENT_TYPES
 from .errors import BuildError
-from .op_base import Op
+from .op_base import INTEGER_DTYPES, NARROW_INTEGERS, Op, UNSIGNED_DTYPES
 
-INTEGERS = ("int64", "int32")
+INTEGERS = INTEGER_DTYPES
 # TensorProto data type number -> dtype name, for Cast's `to`.
-CAST_TARGETS = {1: "float32", 6: "int32", 7: "int64", 9: "bool", 2: "uint8", 3: "int8"}
+CAST_TARGETS = {1: "float32", 11: "float64", 6: "int32", 7: "int64", 9: "bool", 2: "uint8", 3: "int8", 5: "int16",
+                4: "uint16", 12: "uint32", 13: "uint64"}
 
 
 def _same_dtype(op_type, inputs, allowed) -> str:
@@ -40,10 +41,12 @@ class _Compare(Elementwise):
         _same_dtype(self.op_type, inputs, ("float32", *INTEGERS, "bool"))
         return "bool"
 
-    def combine(self, k, values):
+    def evaluate(self, k, values, attrs):
         a, b = values
         if a.type == F32:
             truth = k.builder.fcmp_ordered(self.predicate, a, b)
+        elif attrs.get("unsigned"):
+            truth = k.builder.icmp_unsigned(self.predicate, a, b)
         else:
             truth = k.builder.icmp_signed(self.predicate, a, b)
         return k.builder.zext(truth, I8)
@@ -111,7 +114,7 @@ class Where(Elementwise):
 
 
 class Cast(Op):
-    """Cast between float32, int64, int32 and bool as numpy's astype does:
+    """Cast between float32, the integer types and bool as numpy's astype does:
     floats to integers round toward zero, anything to bool is `!= 0` (NaN
     is true). Casts of constants fold at import."""
 
@@ -122,7 +125,7 @@ class Cast(Op):
         if to not in CAST_TARGETS:
             name = TensorProto.DataType.Name(to) if to in TensorProto.DataType.values() else to
             raise BuildError(f"Cast of a runtime tensor to {name} is not supported; supported: "
-                             "FLOAT, INT64, INT32, BOOL, UINT8, INT8")
+                             + ", ".join(TensorProto.DataType.Name(t) for t in CAST_TARGETS))
         return {"to": CAST_TARGETS[to]}
 
     def infer(self, inputs, attrs):
@@ -171,14 +174,25 @@ def convert(k, value: ir.Value, source: str, target: str) -> ir.Value:
     to = ELEMENT_TYPES[target]
     if source == target:
         return value
+    # float64 is only a boundary type (crosscompile.double): it converts
+    # through float32.
+    if source == "float64":
+        return convert(k, b.fptrunc(value, F32), "float32", target)
+    if target == "float64":
+        return b.fpext(convert(k, value, source, "float32"), to)
     if target == "bool":
         if source == "float32":
             return b.zext(b.fcmp_unordered("!=", value, ir.Constant(F32, 0.0)), I8)
         return b.zext(b.icmp_unsigned("!=", value, ir.Constant(value.type, 0)), I8)
-    unsigned = source in ("bool", "uint8")
+    unsigned = source == "bool" or source in UNSIGNED_DTYPES
     if source == "float32":
-        # 8-bit targets through i32, so that uint8's 128..255 convert too.
-        return b.trunc(b.fptosi(value, I32), to) if to.width < 32 else b.fptosi(value, to)
+        # Narrow targets through a wider signed integer, so that uint8's
+        # 128..255 (uint32's 2**31...) convert too.
+        if target == "uint64":
+            return b.fptoui(value, to)
+        if to.width < 32 or target == "uint32":
+            return b.trunc(b.fptosi(value, I32 if to.width < 32 else I64), to)
+        return b.fptosi(value, to)
     if target == "float32":
         return b.uitofp(value, F32) if unsigned else b.sitofp(value, F32)
     if to.width > value.type.width:
@@ -186,3 +200,55 @@ def convert(k, value: ir.Value, source: str, target: str) -> ir.Value:
     if to.width == value.type.width:
         return value
     return b.trunc(value, to)
+
+
+class _Bitwise(Elementwise):
+    """Bitwise ops of integer tensors (all one dtype)."""
+
+    data_dtypes = INTEGER_DTYPES
+
+
+class BitwiseNot(_Bitwise):
+    op_type = "BitwiseNot"
+    arity = (1, 1)
+
+    def combine(self, k, values):
+        return k.builder.not_(values[0])
+
+
+# The binary bitwise ops and the IRBuilder method of each; their classes
+# are made from this table.
+BITWISE = {"BitwiseAnd": "and_", "BitwiseOr": "or_", "BitwiseXor": "xor"}
+for _op_type, _method in BITWISE.items():
+    type(_op_type, (_Bitwise,), {"op_type": _op_type, "__module__": __name__,
+                                 "combine": lambda self, k, values, _m=_method: getattr(k.builder, _m)(*values)})
+
+
+class BitShift(_Bitwise):
+    """X shifted by Y bits LEFT or RIGHT (arithmetic for signed X). A shift
+    by a negative Y or by the type's width or more gives what the sign
+    alone gives: -1 for a right shift of a negative X, else 0."""
+
+    op_type = "BitShift"
+
+    def attributes(self, raw, constants, opset):
+        direction = raw.get("direction", "")
+        if direction not in ("LEFT", "RIGHT"):
+            raise BuildError(f"attribute direction={direction!r} must be 'LEFT' or 'RIGHT'")
+        return {"direction": direction}
+
+    def evaluate(self, k, values, attrs):
+        x, y = values
+        b = k.builder
+        bits = 8 * np.dtype(attrs["dtype"]).itemsize
+        signed = attrs["dtype"] not in UNSIGNED_DTYPES
+        zero = ir.Constant(x.type, 0)
+        # Widened operands hold the value of their narrow type exactly, so
+        # the shift count is checked against the narrow type's width.
+        in_range = b.icmp_unsigned("<", y, ir.Constant(y.type, bits))
+        count = b.select(in_range, y, zero)
+        if attrs["direction"] == "LEFT":
+            return b.select(in_range, b.shl(x, count), zero)
+        shifted = b.ashr(x, count) if signed else b.lshr(x, count)
+        sign = b.select(b.icmp_signed("<", x, zero), ir.Constant(x.type, -1), zero) if signed else zero
+        return b.select(in_range, shifted, sign)

@@ -21,9 +21,17 @@ from .ir import Tensor
 Shape = tuple
 # Every dtype a tensor of the graph may have; ops that only move elements
 # take them all.
-ALL_DTYPES = ("float32", "int64", "int32", "bool", "uint8", "int8")
+ALL_DTYPES = ("float32", "int64", "int32", "bool", "uint8", "int8", "int16", "uint16", "uint32", "uint64")
 # The dtypes arithmetic takes.
 NUMERIC_DTYPES = ("float32", "int64", "int32")
+# Integer dtypes narrower than int64 that element-wise kernels compute as
+# int64 (sign- or zero-extended, True when signed) and truncate back when
+# they store: that wraps +, - and * as numpy does, and the other ops never
+# leave the type's range.
+NARROW_INTEGERS = {"int8": True, "int16": True, "uint8": False, "uint16": False, "uint32": False}
+UNSIGNED_DTYPES = ("uint8", "uint16", "uint32", "uint64")
+# Every integer dtype of the element-wise integer ops (Add ... Mod, BitShift, Bitwise*).
+INTEGER_DTYPES = ("int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8")
 # ONNX op type -> the class lowering it, filled as the op modules are imported.
 REGISTERED: dict = {}
 

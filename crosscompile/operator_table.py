@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 
 from .frontend import FRONTEND_OPS, supported_ops
+from .control_flow import UNROLLED
+from .functions import function_ops
 from .ops import OPS
 
 # Where the generated table sits in a document.
@@ -22,7 +24,7 @@ END = "<!-- end: generated -->"
 @dataclass(frozen=True)
 class OperatorRow:
     op_type: str
-    evaluated: str  # "run time", "compile time" or "rewritten"
+    evaluated: str  # "run time", "compile time", "unrolled", "expanded" or "rewritten"
     defined_in: str
     note: str
 
@@ -33,12 +35,18 @@ def operator_rows() -> list[OperatorRow]:
     >>> next(r for r in operator_rows() if r.op_type == "Conv").evaluated
     'run time'
     """
-    rows = []
+    rows, expanded = [], function_ops(set(OPS) | FRONTEND_OPS | set(UNROLLED))
     for op_type in supported_ops():
         if op_type in OPS:
             cls = type(OPS[op_type])
             rows.append(OperatorRow(op_type, "run time", f"crosscompile/{cls.__module__.rsplit('.', 1)[-1]}.py",
                                     _first_sentence(cls.__dict__.get("__doc__"))))
+        elif op_type in UNROLLED:
+            rows.append(OperatorRow(op_type, "unrolled", "crosscompile/control_flow.py",
+                                    f"written out as plain nodes at import: {UNROLLED[op_type]}"))
+        elif op_type in expanded:
+            rows.append(OperatorRow(op_type, "expanded", "crosscompile/functions.py",
+                                    "replaced by ONNX's definition of it by other ops"))
         elif op_type in FRONTEND_OPS:
             rows.append(OperatorRow(op_type, "compile time", "crosscompile/folding.py",
                                     "constant inputs only; evaluated at import"))

@@ -124,7 +124,9 @@ def discover(everything: bool = False, op_type: "str | None" = None) -> list:
 
 
 # Model output dtypes a module can have (crosscompile.frontend.SUPPORTED_DTYPES).
-OUTPUT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.BOOL}
+OUTPUT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.BOOL,
+                onnx.TensorProto.INT16, onnx.TensorProto.INT8, onnx.TensorProto.UINT64, onnx.TensorProto.UINT32,
+                onnx.TensorProto.UINT16, onnx.TensorProto.UINT8}
 RUNTIME_DTYPES = {np.dtype(np.float32), np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.bool_)}
 
 
@@ -172,13 +174,15 @@ ONNXRUNTIME_DIFFERS = {
 }
 
 
-def run_case(case: Case, workdir: str, rtol=1e-4, atol=1e-5) -> Result:
+def run_case(case: Case, workdir: str, rtol=1e-4, atol=1e-5, target: str = "host", run_module=None) -> Result:
     """Compile and run one case. Generated cases carry their own tolerance
     (some expected outputs are rounded to 4 decimals); directory cases use
-    rtol/atol."""
+    rtol/atol. The module is compiled for target and run by
+    run_module(path, feeds) -> outputs (by default loaded here with minirt)."""
     import crosscompile
     import minirt
     from crosscompile.frontend import FRONTEND_OPS
+    from crosscompile.functions import COMPILE_TIME_INPUTS
     from crosscompile.ops import OPS
 
     model, inputs, expected = case.load()
@@ -188,6 +192,8 @@ def run_case(case: Case, workdir: str, rtol=1e-4, atol=1e-5) -> Result:
     compile_time = {name for node in model.graph.node if node.op_type in OPS
                     for pos, name in enumerate(node.input) if pos in OPS[node.op_type].compile_time_inputs}
     compile_time |= {name for node in model.graph.node if node.op_type in FRONTEND_OPS for name in node.input}
+    compile_time |= {node.input[pos] for node in model.graph.node for pos in COMPILE_TIME_INPUTS.get(node.op_type, ())
+                     if pos < len(node.input)}
     graph_inputs = [vi for vi in model.graph.input if vi.name not in {i.name for i in model.graph.initializer}]
     feeds = {}
     for vi, value in zip(graph_inputs, inputs):
@@ -204,14 +210,14 @@ def run_case(case: Case, workdir: str, rtol=1e-4, atol=1e-5) -> Result:
     del model.graph.input[:]
     model.graph.input.extend(kept)
     try:
-        lib = crosscompile.build(model, "host", input_shapes={n: v.shape for n, v in feeds.items()})
+        lib = crosscompile.build(model, target, input_shapes={n: v.shape for n, v in feeds.items()})
     except crosscompile.BuildError as exc:
         return Result(case, "refused", str(exc).splitlines()[0][:300])
     except Exception as exc:  # noqa: BLE001 - any other exception is a compiler bug
         return Result(case, "crash", f"{type(exc).__name__}: {exc}"[:300])
     try:
         path = lib.export_library(os.path.join(workdir, f"{case.name}.so"))
-        got = minirt.load(path).run(feeds)
+        got = run_module(path, feeds) if run_module else minirt.load(path).run(feeds)
         if case.name in ONNXRUNTIME_DIFFERS:
             from tests.onnx_models import reference
             expected = reference(model, feeds)

@@ -29,7 +29,8 @@ CLAIMED = {"Conv", "Gemm", "MatMul", "BatchNormalization", "Relu", "LeakyRelu", 
            "Cosh", "Asinh", "Acosh", "Atanh", "DepthToSpace", "SpaceToDepth", "Tile", "Trilu", "CastLike",
            "LpNormalization", "Mod", "Max", "Min", "GatherND", "ScatterND", "ScatterElements", "OneHot",
            "RMSNormalization", "Hardmax", "CumProd", "Swish", "NegativeLogLikelihoodLoss",
-           "SoftmaxCrossEntropyLoss"}
+           "SoftmaxCrossEntropyLoss", "BitShift", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "BitwiseNot",
+           "Attention", "RotaryEmbedding", "MeanVarianceNormalization", "SwiGLU", "CausalConvWithState"}
 # In-scope cases run per op by default (a case counts for every op it uses).
 CASES_PER_OP = 3
 

@@ -1,0 +1,83 @@
+"""Control flow written out at import (If with a constant condition, Scan),
+integer tensors of every width at the module's boundary and a float64
+model, each compiled, run and compared with onnxruntime."""
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+import crosscompile
+import minirt
+from tests.onnx_models import IR_VERSION
+from tests.test_ops_logic import run_typed
+
+
+def typed_model(nodes, feeds: dict, outputs: dict, inits=(), opset=13):
+    """A model whose inputs take the dtypes and shapes of `feeds` (any
+    numpy dtype) and whose outputs are {name: numpy dtype}."""
+    def elem(dtype):
+        return helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    graph = helper.make_graph(
+        nodes, "typed", [helper.make_tensor_value_info(n, elem(v.dtype), v.shape) for n, v in feeds.items()],
+        [helper.make_tensor_value_info(n, elem(t), None) for n, t in outputs.items()],
+        [numpy_helper.from_array(np.asarray(v), n) for n, v in dict(inits).items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=IR_VERSION)
+
+
+def test_scan_becomes_one_body_copy_per_step(tmp_path):
+    # A running sum over the sequence axis, and each step's sum as a scan output.
+    body = helper.make_graph(
+        [helper.make_node("Add", ["sum_in", "x_t"], ["sum_out"]),
+         helper.make_node("Identity", ["sum_out"], ["step"])], "body",
+        [helper.make_tensor_value_info("sum_in", TensorProto.FLOAT, [3]),
+         helper.make_tensor_value_info("x_t", TensorProto.FLOAT, [3])],
+        [helper.make_tensor_value_info("sum_out", TensorProto.FLOAT, [3]),
+         helper.make_tensor_value_info("step", TensorProto.FLOAT, [3])])
+    feeds = {"init": np.ones(3, np.float32),
+             "x": np.random.default_rng(0).standard_normal((5, 3)).astype(np.float32)}
+    scan = helper.make_node("Scan", ["init", "x"], ["total", "steps"], body=body, num_scan_inputs=1,
+                            scan_output_directions=[1])
+    run_typed(typed_model([scan], feeds, {"total": np.float32, "steps": np.float32}, opset=16), feeds, tmp_path)
+
+
+def test_if_with_a_constant_condition_is_its_branch_and_a_runtime_one_is_refused(tmp_path):
+    def branch(op):
+        return helper.make_graph([helper.make_node(op, ["x", "x"], ["y_branch"])], op,
+                                 [], [helper.make_tensor_value_info("y_branch", TensorProto.FLOAT, [2, 3])])
+    feeds = {"x": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    node = helper.make_node("If", ["cond"], ["y"], then_branch=branch("Mul"), else_branch=branch("Add"))
+    run_typed(typed_model([node], feeds, {"y": np.float32}, {"cond": np.array(False)}), feeds, tmp_path)
+    runtime = typed_model([node], {**feeds, "cond": np.array(True)}, {"y": np.float32})
+    with pytest.raises(crosscompile.BuildError, match="condition 'cond' is computed at run time"):
+        crosscompile.build(runtime)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.uint16, np.uint32, np.uint64])
+def test_narrow_and_unsigned_integers_wrap_compare_and_divide_as_onnxruntime(tmp_path, dtype):
+    info = np.iinfo(dtype)
+    rng = np.random.default_rng(1)
+    a = rng.integers(info.min, info.max, size=(4, 6), dtype=dtype, endpoint=True)
+    b = rng.integers(max(info.min, -9), 9, size=(6,), dtype=dtype, endpoint=True)
+    b[b == 0] = 1
+    nodes = [helper.make_node("Add", ["a", "b"], ["sum"]), helper.make_node("Mul", ["a", "b"], ["product"]),
+             helper.make_node("Div", ["a", "b"], ["quotient"]), helper.make_node("Max", ["a", "b"], ["larger"]),
+             helper.make_node("Less", ["a", "b"], ["less"])]
+    feeds = {"a": a, "b": b}
+    outputs = {"sum": dtype, "product": dtype, "quotient": dtype, "larger": dtype, "less": np.bool_}
+    model = typed_model(nodes, feeds, outputs, opset=18)
+    got = minirt.load(crosscompile.build(model).export_library(tmp_path / "m.so")).run(feeds)
+    # onnx's reference (numpy's arithmetic): onnxruntime lacks some of these kernels.
+    for g, w in zip(got, ReferenceEvaluator(model).run(None, feeds)):
+        assert g.dtype == w.dtype
+        np.testing.assert_array_equal(g, w)
+
+
+def test_a_float64_model_keeps_float64_at_its_boundary(tmp_path):
+    feeds = {"x": np.random.default_rng(2).standard_normal((3, 4))}
+    nodes = [helper.make_node("Exp", ["x"], ["e"]), helper.make_node("CumSum", ["e", "axis"], ["y"])]
+    model = typed_model(nodes, feeds, {"y": np.float64}, {"axis": np.array(1, np.int64)})
+    lib = crosscompile.build(model)
+    got = minirt.load(lib.export_library(tmp_path / "m.so")).run(feeds)[0]
+    assert got.dtype == np.float64
+    # Computed in float32 inside: float32's rounding, not float64's.
+    np.testing.assert_allclose(got, np.cumsum(np.exp(feeds["x"]), axis=1), rtol=1e-6)
