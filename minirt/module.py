@@ -279,7 +279,7 @@ class Module:
             if tuple(value.shape) != spec.shape:
                 raise InputError(f"input {spec.name!r}: expected shape {spec.shape}, "
                                  f"got {tuple(value.shape)}")
-            arrays.append(np.ascontiguousarray(value))
+            arrays.append(np.ascontiguousarray(value).reshape(value.shape))  # 0-d stays 0-d
         return arrays
 
 

@@ -1,9 +1,14 @@
 """From an ONNX file to a device leased through a tracker and back, all real processes."""
+import os
+
 import numpy as np
 import onnxruntime as ort
 import pytest
 
 from remote import errors, rpc
+from remote.cli.localfarm import LocalFarm
+from tests import board_servers
+from tests.emulated_boards import ROOT
 
 
 def reference(model_path, x):
@@ -99,3 +104,32 @@ def test_connection_refused_is_typed():
         port = s.getsockname()[1]
     with pytest.raises(errors.ConnectionFailed, match=f"127.0.0.1:{port}"):
         rpc.connect("127.0.0.1", port, timeout=3)
+
+
+@pytest.mark.parametrize("kind", board_servers.KINDS)
+def test_scalar_and_empty_tensors_keep_their_shapes_both_ways(kind, tmp_path):
+    """A 0-d input and output stay 0-d, and a tensor with a zero dimension
+    goes and comes back empty, on either board server."""
+    from onnx import TensorProto, helper
+
+    import crosscompile
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["s", "two"], ["y"]), helper.make_node("Add", ["e", "one"], ["z"])],
+        "scalars",
+        [helper.make_tensor_value_info("s", TensorProto.FLOAT, []),
+         helper.make_tensor_value_info("e", TensorProto.FLOAT, [0, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, []),
+         helper.make_tensor_value_info("z", TensorProto.FLOAT, [0, 3])],
+        [helper.make_tensor("two", TensorProto.FLOAT, [], [2.0]),
+         helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    so_path = crosscompile.build(model, target="host").export_library(tmp_path / "scalars.so")
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    with LocalFarm(keys=["host"], env=env, server_command=board_servers.command(kind)) as farm, \
+            rpc.connect_tracker(*farm.tracker).request("host", timeout=30) as sess:
+        sess.upload(str(so_path))
+        mod = sess.load_module("scalars.so")
+        for _ in range(2):  # the session goes on after each run
+            y, z = mod.run({"s": np.array(1.5, np.float32), "e": np.zeros((0, 3), np.float32)})
+            assert y.shape == () and float(y) == 3.0
+            assert z.shape == (0, 3)

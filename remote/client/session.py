@@ -16,7 +16,7 @@ from remote.address import split_address
 from remote.defaults import SERVER_PORT, TLS_CA_ENV
 from remote.proto import pb
 from remote.proto.frames import (CHUNK_BYTES, CUT_SHORT, PROTOCOL_VERSION, Checksum,
-                                 FrameSocket, aligned_empty, frame_bytes, little_endian,
+                                 FrameSocket, aligned_empty, byte_view, frame_bytes, little_endian,
                                  looks_like_http2, page_buffer, recv_array_chunks, recv_tensors,
                                  send_array_chunks, send_file_chunks, tensor_header)
 
@@ -241,7 +241,7 @@ class Session:
         if isinstance(path_or_bytes, (bytes, bytearray, memoryview)):
             if not target:
                 raise ValueError("upload of bytes needs target='name' for the file on the device")
-            data = memoryview(path_or_bytes).cast("B")
+            data = byte_view(path_or_bytes)
             total = data.nbytes
         else:
             path = os.fspath(path_or_bytes)

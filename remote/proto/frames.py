@@ -91,7 +91,7 @@ class Checksum:
         self._length = 0
 
     def update(self, data) -> None:
-        view = memoryview(data).cast("B")
+        view = byte_view(data)
         self._length += view.nbytes
         while view.nbytes:
             n = min(view.nbytes, CHUNK_BYTES - self._block_fill)
@@ -233,7 +233,7 @@ class FrameSocket:
         if not body:
             self.sock.sendall(PREFIX.pack(len(head), 0) + head)
             return
-        views = [memoryview(b).cast("B") for b in body]
+        views = [byte_view(b) for b in body]
         size = sum(v.nbytes for v in views)
         prefix = PREFIX.pack(len(head), size)
         if size <= JOIN_LIMIT:
@@ -380,7 +380,7 @@ class FrameSocket:
         return n
 
     def recv_body_into(self, buffer) -> None:
-        view = memoryview(buffer).cast("B")
+        view = byte_view(buffer)
         if view.nbytes > self.body_left:
             raise ConnectionError(f"frame body has {self.body_left} bytes left, "
                                   f"{view.nbytes} expected")
@@ -564,7 +564,7 @@ def send_array_chunks(fs: FrameSocket, array, progress=None) -> str:
     """Send a contiguous array's bytes in chunks (after a prefix); returns the checksum."""
     checksum = Checksum()
     total = array.nbytes
-    flat = memoryview(array.reshape(-1)).cast("B")
+    flat = byte_view(array)
     for i in range(0, total, CHUNK_BYTES):
         view = flat[i:i + CHUNK_BYTES]
         checksum.update(view)  # while the chunk is still in the cache
@@ -578,7 +578,7 @@ def recv_array_chunks(fs: FrameSocket, array, progress=None) -> str:
     """Fill a contiguous array from the frame body in chunks; returns the checksum."""
     checksum = Checksum()
     total = array.nbytes
-    flat = memoryview(array.reshape(-1)).cast("B")
+    flat = byte_view(array)
     for i in range(0, total, CHUNK_BYTES):
         view = flat[i:i + CHUNK_BYTES]
         fs.recv_body_into(view)
@@ -588,9 +588,25 @@ def recv_array_chunks(fs: FrameSocket, array, progress=None) -> str:
     return checksum.text()
 
 
+def byte_view(data) -> memoryview:
+    """The bytes of a contiguous buffer, as a flat view: of any shape, a
+    0-d array's or one with a zero dimension too (which memoryview.cast
+    refuses).
+
+    >>> import numpy as np
+    >>> byte_view(np.zeros((0, 3), np.float32)).nbytes, byte_view(np.float32(2).reshape(())).nbytes
+    (0, 4)
+    """
+    view = memoryview(data)
+    if view.nbytes == 0:
+        return memoryview(b"")
+    return view.cast("B")
+
+
 def little_endian(array):
-    """``array`` as contiguous little-endian data, copied only when it must be."""
+    """``array`` as contiguous little-endian data of the same shape (a 0-d
+    array stays 0-d), copied only when it must be."""
     import numpy as np
 
     array = np.asarray(array)
-    return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+    return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).reshape(array.shape)
