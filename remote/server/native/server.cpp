@@ -484,7 +484,19 @@ class DeviceService {
           close_other_fds({0, 1, 2});
           end_as(inner, server, settings.workspace);
         }
-        if (inner == 0 && sandbox.has("files")) why = enter_mount_namespace();
+        if (inner == 0) {
+          // Pid 1 of a namespace ignores the signals it sends itself, so the
+          // session runs in pid 2: a fault that an emulator (qemu-user)
+          // delivers with kill(), or a module's raise(), ends it as on any
+          // process. Pid 1 only waits for it and ends with its end.
+          pid_t session_pid = ::fork();
+          if (session_pid < 0) why = std::string("fork failed: ") + std::strerror(errno);
+          if (session_pid > 0) {
+            close_other_fds({});
+            reap_as_init(session_pid);
+          }
+        }
+        if (inner == 0 && why.empty() && sandbox.has("files")) why = enter_mount_namespace();
       }
       if (why.empty()) {
         ::dup2(output[1], 2);  // a failure below is in the session's end reason
@@ -568,13 +580,29 @@ class DeviceService {
     while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
     }
     if (::getppid() != server) Workspace(workspace).remove_all();
-    if (WIFSIGNALED(status)) {
+    int signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+    if (WIFEXITED(status) && WEXITSTATUS(status) > 128) signal = WEXITSTATUS(status) - 128;  // reap_as_init's
+    if (signal != 0) {
       rlimit none = {0, 0};
       ::setrlimit(RLIMIT_CORE, &none);
-      ::signal(WTERMSIG(status), SIG_DFL);
-      ::kill(::getpid(), WTERMSIG(status));
+      ::signal(signal, SIG_DFL);
+      ::kill(::getpid(), signal);
     }
     _exit(WIFEXITED(status) ? WEXITSTATUS(status) : 1);
+  }
+
+  // Pid 1 of a session's PID namespace: reaps what is orphaned in it until
+  // `session` ends, then exits with its exit code, or 128 + its signal
+  // (which end_as, outside, turns back into that signal). Its exit ends
+  // every process left in the namespace.
+  [[noreturn]] static void reap_as_init(pid_t session) {
+    int status = 0;
+    for (;;) {
+      pid_t done = ::waitpid(-1, &status, 0);
+      if (done == session) break;
+      if (done < 0 && errno != EINTR) _exit(1);
+    }
+    _exit(WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WIFEXITED(status) ? WEXITSTATUS(status) : 1);
   }
 
   static bool has_exited(pid_t pid) {
