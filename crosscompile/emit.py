@@ -44,6 +44,10 @@ class Kernel:
         # Inlining hundreds of kernels into tether_run makes one huge function
         # that the optimiser spends most of the compile time on, for no gain.
         self.function.attributes.add("noinline")
+        # Nothing in a kernel unwinds; without this, a call through the
+        # syscall pointer (the wake-up in share()) would make 32-bit ARM code
+        # reference the C++ unwinder's personality routine.
+        self.function.attributes.add("nounwind")
         for arg in self.function.args[:pointers]:
             arg.add_attribute("noalias")
         self.inputs = list(self.function.args[:n_inputs])
