@@ -709,6 +709,12 @@ def _depthwise_rows(k: Kernel, Y, plane, out_row, top, group, height: int, taps,
                 line = (r * sh + kh * dh) * wq  # rows of the group share the input rows they read
                 for i, (first, width, _) in enumerate(group):
                     key = (line, first * sw + kw * dw, width)
+                    if key not in loaded and sw == 2 and plane.type.pointee == HALF and k.target.arch == "aarch64":
+                        # Both phases of one load (ld2): a generic wide load
+                        # and shuffle, overlapping the next tap's, gets
+                        # rebuilt a lane at a time.
+                        both = _deinterleaved(k, plane, b.add(top, k.i64(key[0] + key[1])), width)
+                        loaded[key], loaded[key[0], key[1] + 1, width] = both
                     if key not in loaded:
                         loaded[key] = load_strided(k, plane, b.add(top, k.i64(key[0] + key[1])), width, sw,
                                                    spare=sw - 1)
@@ -725,6 +731,20 @@ def _depthwise_rows(k: Kernel, Y, plane, out_row, top, group, height: int, taps,
             if stored < width:
                 acc = b.shuffle_vector(acc, acc, ir.Constant(ir.VectorType(i32, stored), list(range(stored))))
             b.store(acc, _vector_ptr(k, Y, b.add(out_row, k.i64(r * ow_n + first)), stored), align=4)
+
+
+def _deinterleaved(k: Kernel, ptr: ir.Value, offset: ir.Value, width: int) -> list:
+    """[ptr[offset + 2i], ptr[offset + 2i + 1]] for i < width: two vectors
+    from one AArch64 ld2."""
+    b = k.builder
+    vector = ir.VectorType(ptr.type.pointee, width)
+    name = f"llvm.aarch64.neon.ld2.v{width}f16.p0v{width}f16"
+    fn = k.module.globals.get(name)
+    if fn is None:
+        fn = ir.Function(k.module, ir.FunctionType(ir.LiteralStructType([vector, vector]), [vector.as_pointer()]),
+                         name=name)
+    pair = b.call(fn, [_vector_ptr(k, ptr, offset, width)])
+    return [b.extract_value(pair, 0), b.extract_value(pair, 1)]
 
 
 # Vectors a depthwise convolution accumulates at once (of one output row,

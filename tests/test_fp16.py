@@ -67,12 +67,25 @@ def matmul_net() -> onnx.ModelProto:
     return make_model(nodes, {"x": (24, 64)}, {"y": (24, 10)}, inits, name="fp16_matmul_net")
 
 
+def depthwise_net() -> onnx.ModelProto:
+    """x (1, 8, 20, 23) -> depthwise 3x3 stride 2 -> depthwise 5x5 dilated 2
+    -> y (1, 8, 10, 12): rows of 12 columns, a vector of 8 halves and one
+    of 4."""
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["d1"], pads=[1, 1, 1, 1], strides=[2, 2], group=8),
+        helper.make_node("Conv", ["d1", "w2", "b2"], ["y"], pads=[4, 4, 4, 4], dilations=[2, 2], group=8),
+    ]
+    inits = {"w1": _weight(8, 1, 3, 3, seed=17), "b1": rand(8, seed=18),
+             "w2": _weight(8, 1, 5, 5, seed=19), "b2": rand(8, seed=20)}
+    return make_model(nodes, {"x": (1, 8, 20, 23)}, {"y": (1, 8, 10, 12)}, inits, name="fp16_depthwise_net")
+
+
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
     a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
     return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
 
 
-@pytest.mark.parametrize("make, fp16_nodes", [(conv_net, 6), (matmul_net, 3)])
+@pytest.mark.parametrize("make, fp16_nodes", [(conv_net, 6), (matmul_net, 3), (depthwise_net, 2)])
 def test_fp16_module_matches_float32_on_an_emulated_cortex_a76(tmp_path, make, fp16_nodes):
     emulated_tools("rasp5")
     model = make()
