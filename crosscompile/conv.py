@@ -68,7 +68,8 @@ class Conv(Op):
         if attrs.get("winograd"):
             return 4 * winograd.plan(geometry, x[1], w[0], attrs["winograd"]).scratch_floats
         if self._pointwise(geometry):
-            return 0
+            # An fp16 tile's B: the input converted to halves once (_gemm_group).
+            return 2 * x[1] // attrs["group"] * _prod(geometry[-1]) if _halves_b(attrs) else 0
         pixels = getattr(attrs.get("gemm_tile"), "pixels", 0)
         direct = _direct_plan(geometry, x[1] // attrs["group"], w[0] // attrs["group"], attrs, any_grid=bool(pixels))
         if direct is not None:
@@ -240,7 +241,17 @@ class Conv(Op):
         """One image and group: B is the input itself (pointwise) or its im2col."""
         bld = k.builder
         pack = None
-        if pointwise:
+        b_half = pointwise and tile.precision == "fp16"
+        if b_half:
+            # The input converted to halves once, rather than as loaded by
+            # every block of rows of the micro-kernel.
+            half_b = k.typed(k.scratch, "float16")
+            with k.share(cg) as (c_lo, c_hi), k.loop(c_hi, start=c_lo) as c, k.loop(n) as j:
+                at = k.index((c, n), (j, 1))
+                k.store(bld.fptrunc(k.load(k.inputs[0], bld.add(x_base, at)), HALF), half_b, at)
+            k.barrier()  # every thread's GEMM reads all of it
+            b_ptr, b_base = k.scratch, k.i64(0)
+        elif pointwise:
             b_ptr, b_base = k.inputs[0], x_base
         elif splits_columns(tile, m, n):
             # Each thread fills the panels it multiplies, a chunk at a
@@ -261,11 +272,18 @@ class Conv(Op):
         emit_gemm(k, tile, m, kdim, n, a_ptr, b_ptr, b_base, n,
                   k.outputs[0], y_base, bias, epilogue,
                   k.inputs[-1] if residual_at is not None else None, residual_at or 0,
-                  b_panels=not pointwise, pack=pack)
-        if not pointwise:
+                  b_panels=not pointwise, pack=pack, b_half=b_half)
+        if not pointwise or b_half:
             # Before the next image or group overwrites im2col (also the
             # packed chunks: the next image's chunks go to other threads).
             k.barrier()
+
+
+def _halves_b(attrs) -> bool:
+    """Whether a pointwise convolution's GEMM reads its input converted to
+    halves in scratch: on an fp16 tile of rows."""
+    tile = attrs.get("gemm_tile")
+    return tile is not None and tile.precision == "fp16" and not tile.pixels and not attrs.get("winograd")
 
 
 @dataclass(frozen=True)
