@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from llvmlite import ir
 
 from . import winograd
-from .emit import Kernel
+from .emit import F32, HALF, Kernel
 from .errors import BuildError, ShapeError
 from .gemm import divide, emit_channel_gemm, emit_gemm, i32_table, panel_offset, splits_columns
 from .op_base import Op, _prod
@@ -60,7 +60,7 @@ class Conv(Op):
     def scratch_bytes(self, inputs, outputs, attrs):
         if attrs.get("padded_planes"):
             hq, wq = attrs["padded_planes"]
-            return 4 * inputs[0].shape[1] * hq * wq
+            return (2 if attrs.get("precision") == "fp16" else 4) * inputs[0].shape[1] * hq * wq
         if "packed_mr" not in attrs:
             return 0
         x, w = inputs[0].shape, attrs["weight_shape"]
@@ -68,7 +68,8 @@ class Conv(Op):
         if attrs.get("winograd"):
             return 4 * winograd.plan(geometry, x[1], w[0], attrs["winograd"]).scratch_floats
         if self._pointwise(geometry):
-            return 0
+            # An fp16 tile's B: the input converted to halves once (_gemm_group).
+            return 2 * x[1] // attrs["group"] * _prod(geometry[-1]) if _halves_b(attrs) else 0
         pixels = getattr(attrs.get("gemm_tile"), "pixels", 0)
         direct = _direct_plan(geometry, x[1] // attrs["group"], w[0] // attrs["group"], attrs, any_grid=bool(pixels))
         if direct is not None:
@@ -90,7 +91,8 @@ class Conv(Op):
         if attrs.get("depthwise"):
             geometry = _resolve_window(inputs[0].shape, tuple(inputs[1].shape[2:]), attrs, what="convolution")
             epilogue = vector_epilogue(k)
-            lanes = k.target.lanes
+            half = attrs.get("precision") == "fp16"  # crosscompile.precision: then always padded_planes
+            lanes = k.target.lanes * (2 if half else 1)
             with k.loop(inputs[0].shape[0]) as image:
                 c_n = inputs[0].shape[1]
                 volume_in, volume_out = _prod(geometry[0]), _prod(geometry[-1])
@@ -98,7 +100,8 @@ class Conv(Op):
                 y = k.builder.gep(k.outputs[0], [k.index((image, c_n * volume_out))])
                 bias = k.inputs[2] if len(inputs) == 3 else None
                 if attrs.get("padded_planes"):
-                    emit_depthwise_padded(k, lanes, c_n, geometry, attrs["padded_planes"], x, y, bias, epilogue)
+                    emit_depthwise_padded(k, lanes, c_n, geometry, attrs["padded_planes"], x, y, bias, epilogue,
+                                          half)
                     if inputs[0].shape[0] > 1:
                         # Before the next image's copy of a channel
                         # overwrites this one's, which another thread may
@@ -238,7 +241,17 @@ class Conv(Op):
         """One image and group: B is the input itself (pointwise) or its im2col."""
         bld = k.builder
         pack = None
-        if pointwise:
+        b_half = pointwise and tile.precision == "fp16"
+        if b_half:
+            # The input converted to halves once, rather than as loaded by
+            # every block of rows of the micro-kernel.
+            half_b = k.typed(k.scratch, "float16")
+            with k.share(cg) as (c_lo, c_hi), k.loop(c_hi, start=c_lo) as c, k.loop(n) as j:
+                at = k.index((c, n), (j, 1))
+                k.store(bld.fptrunc(k.load(k.inputs[0], bld.add(x_base, at)), HALF), half_b, at)
+            k.barrier()  # every thread's GEMM reads all of it
+            b_ptr, b_base = k.scratch, k.i64(0)
+        elif pointwise:
             b_ptr, b_base = k.inputs[0], x_base
         elif splits_columns(tile, m, n):
             # Each thread fills the panels it multiplies, a chunk at a
@@ -259,11 +272,18 @@ class Conv(Op):
         emit_gemm(k, tile, m, kdim, n, a_ptr, b_ptr, b_base, n,
                   k.outputs[0], y_base, bias, epilogue,
                   k.inputs[-1] if residual_at is not None else None, residual_at or 0,
-                  b_panels=not pointwise, pack=pack)
-        if not pointwise:
+                  b_panels=not pointwise, pack=pack, b_half=b_half)
+        if not pointwise or b_half:
             # Before the next image or group overwrites im2col (also the
             # packed chunks: the next image's chunks go to other threads).
             k.barrier()
+
+
+def _halves_b(attrs) -> bool:
+    """Whether a pointwise convolution's GEMM reads its input converted to
+    halves in scratch: on an fp16 tile of rows."""
+    tile = attrs.get("gemm_tile")
+    return tile is not None and tile.precision == "fp16" and not tile.pixels and not attrs.get("winograd")
 
 
 @dataclass(frozen=True)
@@ -602,9 +622,11 @@ def depthwise_pieces(count: int, lanes: int) -> list:
     return pieces
 
 
-def depthwise_planes(geometry, lanes: int) -> "tuple | None":
+def depthwise_planes(geometry, lanes: int, half: bool = False) -> "tuple | None":
     """(rows, columns) of the zero-padded copy of one channel a depthwise
-    convolution reads with emit_depthwise_padded, or None where
+    convolution reads with emit_depthwise_padded (`lanes` float32 lanes a
+    vector; with `half`, a copy in halves, always made: it converts each
+    input value once rather than once per tap), or None where
     emit_depthwise reads the input in place at no more cost: there every
     column whose window crosses the left or right padding takes a scalar
     path testing each tap, which for a 7x7 kernel on 14 columns is 6 of
@@ -619,27 +641,34 @@ def depthwise_planes(geometry, lanes: int) -> "tuple | None":
     (_, h, wd), (_, kh_n, kw_n), (_, sh, sw), (_, dh, dw), (_, ph, pw), _, (_, oh_n, ow_n) = geometry
     if sw > 2 or kw_n * kh_n == 1:
         return None
+    if half:
+        lanes *= 2
     lo = max(-(-(pw - kw * dw) // sw) if pw > kw * dw else 0 for kw in range(kw_n))
     hi = max(lo, min(min((wd - 1 - kw * dw + pw) // sw + 1 for kw in range(kw_n)), ow_n))
     _, vec_end = row_pieces(lo, hi, lanes, sw)
-    if 16 * (lo + ow_n - vec_end) <= ow_n:
+    if 16 * (lo + ow_n - vec_end) <= ow_n and not half:
         return None
     first, width, _ = depthwise_pieces(ow_n, lanes)[-1]
     return (oh_n - 1) * sh + (kh_n - 1) * dh + 1, (first + width) * sw + (kw_n - 1) * dw
 
 
 def emit_depthwise_padded(k: Kernel, lanes: int, channels: int, geometry, planes: tuple, X: ir.Value,
-                          Y: ir.Value, bias: "ir.Value | None", vector_epilogue: bool) -> None:
+                          Y: ir.Value, bias: "ir.Value | None", vector_epilogue: bool,
+                          half: bool = False) -> None:
     """Depthwise convolution over a zero-padded copy of each channel (in
     scratch, planes = (rows, columns) of it, see depthwise_planes): every
     output row is whole vectors of columns accumulating all kh x kw taps
     (depthwise_pieces; the last vector's extra lanes are not stored), with
     no padding tests left. Channels are split between threads, each
-    copying the channels it computes."""
+    copying the channels it computes. With `half` the copy, weights, bias
+    and accumulators are halves (`lanes` of them a vector), widened to
+    float32 for the epilogue and the store."""
     (_, h, wd), (_, kh_n, kw_n), (_, sh, sw), (_, dh, dw), (_, ph, pw), _, (_, oh_n, ow_n) = geometry
     hq, wq = planes
     b = k.builder
     W = k.inputs[1]
+    narrow = (lambda v: b.fptrunc(v, HALF)) if half else (lambda v: v)
+    scratch = k.typed(k.scratch, "float16" if half else "float32")
     with k.share(channels) as (c_lo, c_hi), k.loop(c_hi, start=c_lo) as c:
         buf = k.index((c, hq * wq))
         src_plane = k.index((c, h * wd))
@@ -657,10 +686,10 @@ def emit_depthwise_padded(k: Kernel, lanes: int, channels: int, geometry, planes
                         value = b.select(inside, k.load(X, b.select(inside, b.add(line, x), src_plane)), k.f32(0.0))
                     else:
                         value = k.f32(0.0)
-                    k.store(value, k.scratch, b.add(dst, x))
-        taps = [[k.load(W, k.index((c, kh_n * kw_n), (kh * kw_n + kw, 1))) for kw in range(kw_n)]
+                    k.store(narrow(value), scratch, b.add(dst, x))
+        taps = [[narrow(k.load(W, k.index((c, kh_n * kw_n), (kh * kw_n + kw, 1)))) for kw in range(kw_n)]
                 for kh in range(kh_n)]
-        start = k.load(bias, c) if bias is not None else k.f32(0.0)
+        start = narrow(k.load(bias, c) if bias is not None else k.f32(0.0))
         pieces = depthwise_pieces(ow_n, lanes)
         # Several output rows at once when a row has few vectors: more
         # independent chains of FMAs (one vector's 49 taps of a 7x7 kernel
@@ -676,15 +705,16 @@ def emit_depthwise_padded(k: Kernel, lanes: int, channels: int, geometry, planes
                 oh = k.index((q, height), (first_row, 1))
                 top = k.index((buf, 1), (oh, sh * wq))
                 for group in groups:
-                    _depthwise_rows(k, Y, k.index((c, oh_n * ow_n), (oh, ow_n)), top, group, height, taps,
-                                    start, geometry, wq, vector_epilogue)
+                    _depthwise_rows(k, Y, scratch, k.index((c, oh_n * ow_n), (oh, ow_n)), top, group, height,
+                                    taps, start, geometry, wq, vector_epilogue)
 
 
-def _depthwise_rows(k: Kernel, Y, out_row, top, group, height: int, taps, start, geometry, wq: int,
+def _depthwise_rows(k: Kernel, Y, plane, out_row, top, group, height: int, taps, start, geometry, wq: int,
                     vector_epilogue: bool) -> None:
     """`height` output rows from out_row on, the vectors of `group` of
     each (see emit_depthwise_padded), their windows starting at row `top`
-    of the padded plane: tap by tap, every accumulator at once."""
+    of the padded plane (float32 or halves): tap by tap, every accumulator
+    at once, widened to float32 before the epilogue."""
     (_, _, _), (_, kh_n, kw_n), (_, sh, sw), (_, dh, dw), _, _, (_, _, ow_n) = geometry
     b = k.builder
     i32 = ir.IntType(32)
@@ -697,20 +727,42 @@ def _depthwise_rows(k: Kernel, Y, out_row, top, group, height: int, taps, start,
                 line = (r * sh + kh * dh) * wq  # rows of the group share the input rows they read
                 for i, (first, width, _) in enumerate(group):
                     key = (line, first * sw + kw * dw, width)
+                    if key not in loaded and sw == 2 and plane.type.pointee == HALF and k.target.arch == "aarch64":
+                        # Both phases of one load (ld2): a generic wide load
+                        # and shuffle, overlapping the next tap's, gets
+                        # rebuilt a lane at a time.
+                        both = _deinterleaved(k, plane, b.add(top, k.i64(key[0] + key[1])), width)
+                        loaded[key], loaded[key[0], key[1] + 1, width] = both
                     if key not in loaded:
-                        loaded[key] = load_strided(k, k.scratch, b.add(top, k.i64(key[0] + key[1])), width, sw,
+                        loaded[key] = load_strided(k, plane, b.add(top, k.i64(key[0] + key[1])), width, sw,
                                                    spare=sw - 1)
                     if width not in weights:
                         weights[width] = splat(k, weight, width)
                     accs[r][i] = _fmuladd(k, loaded[key], weights[width], accs[r][i])
     for r in range(height):
         for acc, (first, width, stored) in zip(accs[r], group):
+            if acc.type.element != F32:
+                acc = b.fpext(acc, ir.VectorType(F32, width))
             if vector_epilogue:
                 with k.vector_constants(width):
                     acc = k.activate(acc)
             if stored < width:
                 acc = b.shuffle_vector(acc, acc, ir.Constant(ir.VectorType(i32, stored), list(range(stored))))
             b.store(acc, _vector_ptr(k, Y, b.add(out_row, k.i64(r * ow_n + first)), stored), align=4)
+
+
+def _deinterleaved(k: Kernel, ptr: ir.Value, offset: ir.Value, width: int) -> list:
+    """[ptr[offset + 2i], ptr[offset + 2i + 1]] for i < width: two vectors
+    from one AArch64 ld2."""
+    b = k.builder
+    vector = ir.VectorType(ptr.type.pointee, width)
+    name = f"llvm.aarch64.neon.ld2.v{width}f16.p0v{width}f16"
+    fn = k.module.globals.get(name)
+    if fn is None:
+        fn = ir.Function(k.module, ir.FunctionType(ir.LiteralStructType([vector, vector]), [vector.as_pointer()]),
+                         name=name)
+    pair = b.call(fn, [_vector_ptr(k, ptr, offset, width)])
+    return [b.extract_value(pair, 0), b.extract_value(pair, 1)]
 
 
 # Vectors a depthwise convolution accumulates at once (of one output row,

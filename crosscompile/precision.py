@@ -7,8 +7,11 @@ micro-kernel (passes.runs_as_gemm, passes.runs_as_tiled_product).
 schedule.assign_tiles then gives those nodes an fp16 register tile
 (gemm.tile_for(target, "fp16")), the packing passes store their weights
 as halves, and the kernels multiply and accumulate in half precision
-with float32 inputs, outputs, bias and epilogue. Everything else
-(depthwise convolutions, pools, element-wise ops, the classifier's
+with float32 inputs, outputs, bias and epilogue. Depthwise convolutions
+(passes._is_depthwise) with strides up to 2 are marked too: they convert
+each input channel to halves once, into a zero-padded copy
+(conv.emit_depthwise_padded), and accumulate twice as many lanes per
+vector. Everything else (pools, element-wise ops, the classifier's
 matrix-vector product) stays float32, as do the module's inputs and
 outputs.
 
@@ -23,7 +26,8 @@ from dataclasses import replace
 
 from .errors import BuildError
 from .ir import Graph, Node
-from .passes import runs_as_gemm, runs_as_tiled_product
+from .op_base import _prod
+from .passes import _is_depthwise, runs_as_gemm, runs_as_tiled_product
 
 PRECISIONS = ("fp32", "fp16")
 
@@ -54,8 +58,17 @@ def mark_precision(graph: Graph, target, precision: str = "fp32") -> Graph:
         return graph
     nodes = []
     for node in graph.nodes:
-        if runs_as_gemm(graph, node) or runs_as_tiled_product(graph, node):
+        if runs_as_gemm(graph, node) or runs_as_tiled_product(graph, node) or _half_depthwise(graph, node):
             node = Node(node.op_type, node.name, list(node.inputs), list(node.outputs),
                         dict(node.attrs, precision=precision))
         nodes.append(node)
     return replace(graph, nodes=nodes)
+
+
+def _half_depthwise(graph: Graph, node: Node) -> bool:
+    """A depthwise convolution the half-precision kernel runs: a window of
+    more than one tap and strides up to 2 (conv.depthwise_planes)."""
+    if node.op_type != "Conv" or not _is_depthwise(graph, node):
+        return False
+    taps = graph.tensors[node.inputs[1]].shape[2:]
+    return all(s <= 2 for s in node.attrs.get("strides") or (1,)) and _prod(taps) > 1

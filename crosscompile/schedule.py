@@ -297,7 +297,8 @@ def assign_tiles(graph, target, table: Mapping):
     tuned one.
     A depthwise convolution that reads a zero-padded copy of its input
     (conv.depthwise_planes, for the target's vector width) gets the copy's
-    (rows, columns) as attrs["padded_planes"]. A ConvTranspose with constant
+    (rows, columns) as attrs["padded_planes"]; one marked fp16 always does
+    (it holds the copy in halves). A ConvTranspose with constant
     weights gets the tile of rows its columns are computed with
     (attrs["columns_tile"]).
 
@@ -328,7 +329,7 @@ def assign_tiles(graph, target, table: Mapping):
         elif node.op_type == "Conv" and _is_depthwise(graph, node):
             shape = conv_shape(graph, node)
             planes = depthwise_planes(_resolve_window(shape.x, shape.w[2:], node.attrs, what="convolution"),
-                                      target.lanes)
+                                      target.lanes, half)
             if planes is not None:
                 node = Node(node.op_type, node.name, list(node.inputs), list(node.outputs),
                             dict(node.attrs, padded_planes=planes))

@@ -120,10 +120,11 @@ def load_strided(k: Kernel, ptr: ir.Value, offset: ir.Value, width: int, stride:
     loads stride * width values instead: a whole number of registers,
     where the odd length costs a chain of partial loads."""
     b = k.builder
+    align = 2 if ptr.type.pointee == HALF else 4
     if stride == 1:
-        return b.load(_vector_ptr(k, ptr, offset, width), align=4)
+        return b.load(_vector_ptr(k, ptr, offset, width), align=align)
     count = width * stride - (0 if spare >= stride - 1 else stride - 1)
-    wide = b.load(_vector_ptr(k, ptr, offset, count), align=4)
+    wide = b.load(_vector_ptr(k, ptr, offset, count), align=align)
     picks = ir.Constant(ir.VectorType(ir.IntType(32), width), list(range(0, width * stride, stride)))
     return b.shuffle_vector(wide, wide, picks)
 

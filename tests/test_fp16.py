@@ -29,8 +29,8 @@ def _weight(*shape, seed):
 
 def conv_net() -> onnx.ModelProto:
     """x (1, 16, 18, 18) -> 3x3 Conv (Winograd) -> Relu -> 1x1 Conv (pointwise)
-    + residual -> 3x3 stride-2 Conv -> Relu -> depthwise 3x3 (stays float32) ->
-    7x1 Conv of two groups -> y (1, 32, 3, 9)."""
+    + residual -> 3x3 stride-2 Conv -> Relu -> depthwise 3x3 -> depthwise 3x3
+    stride 2 -> 3x1 Conv of two groups -> y (1, 32, 3, 5)."""
     nodes = [
         helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
         helper.make_node("Relu", ["c1"], ["r1"]),
@@ -39,14 +39,16 @@ def conv_net() -> onnx.ModelProto:
         helper.make_node("Conv", ["a2", "w3", "b3"], ["c3"], pads=[1, 1, 1, 1], strides=[2, 2]),
         helper.make_node("Relu", ["c3"], ["r3"]),
         helper.make_node("Conv", ["r3", "wd", "bd"], ["cd"], pads=[1, 1, 1, 1], group=24),
-        helper.make_node("Conv", ["cd", "w4", "b4"], ["y"], group=2),
+        helper.make_node("Conv", ["cd", "we", "be"], ["ce"], pads=[1, 1, 1, 1], strides=[2, 2], group=24),
+        helper.make_node("Conv", ["ce", "w4", "b4"], ["y"], group=2),
     ]
     inits = {"w1": _weight(16, 16, 3, 3, seed=1), "b1": rand(16, seed=2),
              "w2": _weight(16, 16, 1, 1, seed=3), "b2": rand(16, seed=4),
              "w3": _weight(24, 16, 3, 3, seed=5), "b3": rand(24, seed=6),
              "wd": _weight(24, 1, 3, 3, seed=7), "bd": rand(24, seed=8),
-             "w4": _weight(32, 12, 7, 1, seed=9), "b4": rand(32, seed=10)}
-    return make_model(nodes, {"x": (1, 16, 18, 18)}, {"y": (1, 32, 3, 9)}, inits, name="fp16_conv_net")
+             "we": _weight(24, 1, 3, 3, seed=15), "be": rand(24, seed=16),
+             "w4": _weight(32, 12, 3, 1, seed=9), "b4": rand(32, seed=10)}
+    return make_model(nodes, {"x": (1, 16, 18, 18)}, {"y": (1, 32, 3, 5)}, inits, name="fp16_conv_net")
 
 
 def matmul_net() -> onnx.ModelProto:
@@ -65,12 +67,25 @@ def matmul_net() -> onnx.ModelProto:
     return make_model(nodes, {"x": (24, 64)}, {"y": (24, 10)}, inits, name="fp16_matmul_net")
 
 
+def depthwise_net() -> onnx.ModelProto:
+    """x (1, 8, 20, 23) -> depthwise 3x3 stride 2 -> depthwise 5x5 dilated 2
+    -> y (1, 8, 10, 12): rows of 12 columns, a vector of 8 halves and one
+    of 4."""
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["d1"], pads=[1, 1, 1, 1], strides=[2, 2], group=8),
+        helper.make_node("Conv", ["d1", "w2", "b2"], ["y"], pads=[4, 4, 4, 4], dilations=[2, 2], group=8),
+    ]
+    inits = {"w1": _weight(8, 1, 3, 3, seed=17), "b1": rand(8, seed=18),
+             "w2": _weight(8, 1, 5, 5, seed=19), "b2": rand(8, seed=20)}
+    return make_model(nodes, {"x": (1, 8, 20, 23)}, {"y": (1, 8, 10, 12)}, inits, name="fp16_depthwise_net")
+
+
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
     a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
     return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
 
 
-@pytest.mark.parametrize("make, fp16_nodes", [(conv_net, 4), (matmul_net, 3)])
+@pytest.mark.parametrize("make, fp16_nodes", [(conv_net, 6), (matmul_net, 3), (depthwise_net, 2)])
 def test_fp16_module_matches_float32_on_an_emulated_cortex_a76(tmp_path, make, fp16_nodes):
     emulated_tools("rasp5")
     model = make()
@@ -114,8 +129,11 @@ def test_precision_is_written_into_the_graph_and_weights_are_halves():
     _, _, fp32 = lowered_graph(conv_net(), target, None, {})
     _, _, fp16 = lowered_graph(conv_net(), target, None, {}, "fp16")
     marked = {n.name or n.outputs[0]: n.attrs.get("precision") for n in fp16.nodes}
+    # Depthwise convolutions compute in halves over a padded copy in halves.
     depthwise = [n for n in fp16.nodes if n.attrs.get("depthwise")]
-    assert len(depthwise) == 1 and depthwise[0].attrs.get("precision") is None
+    assert len(depthwise) == 2 and all(n.attrs["precision"] == "fp16" for n in depthwise), marked
+    assert all(n.attrs["padded_planes"] for n in depthwise)
+    assert fp16.constants[depthwise[0].inputs[1]].dtype == np.float32  # converted in the kernel
     gemm_convs = [n for n in fp16.nodes if "gemm_tile" in n.attrs]
     assert len(gemm_convs) == 4 and all(n.attrs["precision"] == "fp16" for n in gemm_convs), marked
     for node in gemm_convs:
