@@ -297,7 +297,11 @@ def test_tether_tune_counts_instructions_where_the_farm_has_no_board_of_the_key(
     from tests.emulated_boards import skip_without_tools
 
     skip_without_tools()
-    emulate.build_rootfs("bookworm", "arm64")
+    root = emulate.build_rootfs("bookworm", "arm64")
+    # A private cache for the tuning table, sharing the root filesystems
+    # already built (a second debootstrap would only cost minutes).
+    os.makedirs(tmp_path / "cache")
+    os.symlink(os.path.dirname(root), tmp_path / "cache" / "rootfs")
     shape = ConvShape((1, 8, 6, 6), (12, 8, 3, 3), (1, 12, 6, 6), (1, 1), (1, 1, 1, 1), (1, 1), 1)
     model = tmp_path / "conv.onnx"
     onnx.save(tuning.conv_model(shape, seed=5), str(model))
