@@ -345,6 +345,29 @@ class Command:
         self.proc.wait()
 
 
+def started_processes(server):
+    """The processes a device server has started itself, once they are
+    ready: the one that forks the process of each session. Frozen while
+    still starting, it would keep the server from serving at all."""
+    pids = worker_processes(server)
+    if any(b"remote.server.worker" in _cmdline(pid) for pid in pids):
+        deadline = time.monotonic() + HANG_S
+        while not re.search(r"session process starter \(pid \d+\) is ready", server.log_text()):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the session process starter never became ready: "
+                                     f"{server.log_text()}")
+            time.sleep(0.05)
+    return pids
+
+
+def _cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
 def worker_processes(server):
     """The processes a device server has started itself: the one that forks
     the process of each session."""
@@ -370,7 +393,7 @@ def test_ctrl_c_during_upload_returns_the_board(farm2, tmp_path):
     # Frozen, it takes the session's connection and starts nothing to read
     # it: the upload begins but cannot finish, on a fast machine as on a
     # loaded one.
-    frozen = [pid for server in farm2.servers for pid in worker_processes(server)]
+    frozen = [pid for server in farm2.servers for pid in started_processes(server)]
     for pid in frozen:
         os.kill(pid, signal.SIGSTOP)
     command = Command(farm2, "bench", str(big), "--key", "host", "--timeout", str(HANG_S))

@@ -577,6 +577,7 @@ class Zygote:
                 break
             words = message.decode().split()
             if words[0] == "ready":
+                log.info("the session process starter (pid %d) is ready", proc.pid)
                 self.ready.set()
                 continue
             with self._lock:
