@@ -493,11 +493,18 @@ def test_a_layer_the_board_cannot_give_is_named_at_start_and_sessions_go_on(kind
         child.stop()
 
 
-def _read_from_a_module(sess, tmp_path, path: str) -> int:
-    reader = session_modules.build(str(tmp_path), "reader", read_path=path)
-    name = os.path.basename(reader)
-    sess.upload(reader, target=name)
+def _file_access_from_a_module(sess, tmp_path, kind: str, path: str) -> int:
+    """Run a module that reads ('reader') or writes ('writer') ``path``: the
+    bytes it read or wrote, or minus the error number."""
+    option = {"reader": "read_path", "writer": "write_path"}[kind]
+    module = session_modules.build(str(tmp_path), kind, **{option: path})
+    name = os.path.basename(module)
+    sess.upload(module, target=name)
     return int(sess.load_module(name).run({"x": np.zeros((1, 4), np.float32)})[0][0, 0])
+
+
+def _read_from_a_module(sess, tmp_path, path: str) -> int:
+    return _file_access_from_a_module(sess, tmp_path, "reader", path)
 
 
 def test_a_module_cannot_read_another_sessions_files_the_secret_or_shadow(kind, tmp_path):
@@ -528,6 +535,43 @@ def test_a_module_cannot_read_another_sessions_files_the_secret_or_shadow(kind, 
                 sess.upload(session_modules.build(str(tmp_path), "ok"), target="ok.so")
                 y = sess.load_module("ok.so").run({"x": np.ones((1, 4), np.float32)})[0]
                 np.testing.assert_array_equal(y, 2.0)
+    finally:
+        child.stop()
+
+
+def _write_from_a_module(sess, tmp_path, path: str) -> int:
+    return _file_access_from_a_module(sess, tmp_path, "writer", path)
+
+
+def test_a_module_sees_no_other_process_and_shares_no_world_writable_folder(kind, tmp_path):
+    """A module reads the command line of the server and of another live
+    session's process from /proc, and leaves files in /dev/shm and /var/tmp
+    for the next session's module to read: the sandbox's /proc shows only
+    the session's own processes, and both folders are the session's own."""
+    import uuid
+    from tests.test_sessions import serving_pid
+    child = start_server("--max-sessions", "2")
+    try:
+        with connect_when_free(child) as first, connect_when_free(child) as second:
+            layers = _layers(second)
+            if "proc" not in layers:
+                pytest.skip("this kernel gives the board server no /proc of a session's "
+                            "own: " + child.log_text()[-400:])
+            # The reader works: the session's own process is in its /proc.
+            assert _read_from_a_module(second, tmp_path, "/proc/self/cmdline") > 0
+            for pid in (child.proc.pid, serving_pid(first)):
+                assert os.path.exists(f"/proc/{pid}/cmdline")
+                assert _read_from_a_module(second, tmp_path, f"/proc/{pid}/cmdline") < 0, pid
+            left = [f"{folder}/tether-left-{uuid.uuid4().hex}" for folder in ("/dev/shm", "/var/tmp")
+                    if os.path.isdir(folder)]
+            for path in left:
+                assert _write_from_a_module(first, tmp_path, path) > 0, path
+                assert _read_from_a_module(first, tmp_path, path) > 0, path
+                assert not os.path.exists(path), f"{path} is the board's, not the session's own"
+                assert _read_from_a_module(second, tmp_path, path) < 0, path
+            second.upload(session_modules.build(str(tmp_path), "ok"), target="ok.so")
+            y = second.load_module("ok.so").run({"x": np.ones((1, 4), np.float32)})[0]
+            np.testing.assert_array_equal(y, 2.0)
     finally:
         child.stop()
 
