@@ -253,27 +253,44 @@ def test_a_board_id_cannot_be_taken_over_by_another_registration():
             assert sess.address == device["address"]
 
 
-def test_parked_requests_are_capped_and_boards_stay_registered():
-    from remote.tracker.service import MAX_WAITING_PER_CLIENT
+def _park_and_refuse(names, one_more: str, refusal: str) -> None:
+    """Park a request for the only board under each of ``names`` while it is
+    held, then ask once more under ``one_more``: refused with ``refusal``,
+    and the board still registered and served once they are gone."""
     with local_farm(keys=["k"]) as farm:
         tracker = farm.client()
         holder = tracker.request("k", timeout=HANG_S, client="holder")
         futures = []
         try:
-            for _ in range(MAX_WAITING_PER_CLIENT):
-                request = pb.DeviceRequest(key="k", timeout_s=HANG_S, client="parker")
+            for name in names:
+                request = pb.DeviceRequest(key="k", timeout_s=HANG_S, client=name)
                 futures.append(tracker._stub.RequestDevice.future(request, timeout=HANG_S))
-            wait_until(lambda: key_status(tracker, "k")["pending"] == MAX_WAITING_PER_CLIENT,
+            wait_until(lambda: key_status(tracker, "k")["pending"] == len(names),
                        "every parked request queued")
-            with pytest.raises(errors.DeviceBusy, match="already has"):
-                tracker.lease("k", timeout=HANG_S, client="parker")
+            with pytest.raises(errors.DeviceBusy, match=refusal):
+                tracker.lease("k", timeout=HANG_S, client=one_more)
             assert key_status(tracker, "k")["total"] == 1
         finally:
             for f in futures:
                 f.cancel()
             holder.close()
+        wait_until(lambda: key_status(tracker, "k")["pending"] == 0, "the parked requests gone")
         with tracker.request("k", timeout=HANG_S, client="someone else") as sess:
             sess.ping()
+
+
+def test_parked_requests_are_capped_and_boards_stay_registered():
+    from remote.tracker.service import MAX_WAITING_PER_CLIENT
+    _park_and_refuse(["parker"] * MAX_WAITING_PER_CLIENT, "parker", "parker already has")
+
+
+def test_parked_requests_are_capped_per_address_whatever_names_they_give(kind):
+    """Without --require-tokens a client names itself: one caller parking
+    requests under a new name each is held by the cap on its address."""
+    from remote.tracker.service import MAX_WAITING_PER_SOURCE
+    tracker_only(kind)
+    _park_and_refuse([f"parker{i}" for i in range(MAX_WAITING_PER_SOURCE)], "yet another name",
+                     "127.0.0.1 already has .* whatever names")
 
 
 def test_an_oversized_message_is_refused_before_it_is_held():

@@ -31,7 +31,7 @@ from remote.client.grpc_layer import SERVER_OPTIONS, abort, add_servicer
 from remote.errors import AuthenticationError, DeviceBusy, NoSuchKey, RequestTimeout
 from remote.proto import pb
 from remote.tls import server_context
-from remote.tracker.boards import FrontDoor
+from remote.tracker.boards import CountBySource, FrontDoor
 from remote.tracker.farmlog import FarmLog
 from remote.tracker.scheduler import LeaseRefused, Request, Scheduler
 from remote.tracker.tokens import TokenBook
@@ -48,9 +48,11 @@ EVICTION_WINDOW_S = 2.5
 UNUSED_LEASE_S = 10.0
 # How often the tracker's port loop marks itself as caught up (FrontDoor.last_tick).
 LOOP_TICK_S = 0.1
-# Requests waiting for a device, at most, in all and per client name.
+# Requests waiting for a device, at most, in all, per client name and per
+# address they come from (a caller without a token chooses its name).
 MAX_WAITING = 512
 MAX_WAITING_PER_CLIENT = 64
+MAX_WAITING_PER_SOURCE = 128
 # Lease tokens remembered after their lease ended, for a session's status and close.
 RECENT_LEASES = 4096
 # Each waiting RequestDevice call holds one worker thread, so the pool is large;
@@ -97,7 +99,9 @@ class TrackerService:
                                     unused_lease_s=unused_lease_s)
         self._infos: Dict[str, object] = {}       # device_id -> pb.DeviceInfo
         self._waiters: Dict[str, _Waiter] = {}    # request_id -> waiter
-        self._waiting_by: Dict[str, int] = {}     # client -> requests waiting
+        # Requests waiting, by client name and by the address they came from.
+        self._waiting_by = CountBySource(MAX_WAITING_PER_CLIENT, MAX_WAITING)
+        self._waiting_from = CountBySource(MAX_WAITING_PER_SOURCE, MAX_WAITING)
         self._ids = itertools.count(1)
         self._farm_secret = farm_secret
         self._relayed: Set[str] = set()           # devices reached through the relay
@@ -338,16 +342,21 @@ class TrackerService:
                     f"{', '.join(served) if served else '(none)'}"))
             # Each waiting request holds one of the server's threads: bounded,
             # so that requests parked by one client cannot starve the others.
-            if len(self._waiters) >= MAX_WAITING:
+            if self._waiting_by.total >= MAX_WAITING:
                 abort(context, DeviceBusy(
-                    f"{len(self._waiters)} requests are already waiting at this tracker, its "
-                    f"limit; try again later"))
-            mine = self._waiting_by.get(client, 0)
-            if mine >= MAX_WAITING_PER_CLIENT:
+                    f"{self._waiting_by.total} requests are already waiting at this tracker, "
+                    f"its limit; try again later"))
+            source = self.door.source_of(context.peer()) if self.door else context.peer()
+            if not self._waiting_by.add(client):
                 abort(context, DeviceBusy(
-                    f"{client} already has {mine} requests waiting, the most one client may "
-                    "have; wait for those (or cancel them) first"))
-            self._waiting_by[client] = mine + 1
+                    f"{client} already has {self._waiting_by.of(client)} requests waiting, the "
+                    "most one client may have; wait for those (or cancel them) first"))
+            if not self._waiting_from.add(source):
+                self._waiting_by.remove(client)
+                abort(context, DeviceBusy(
+                    f"{source} already has {self._waiting_from.of(source)} requests waiting, "
+                    "the most one address may have, whatever names they give; wait for those "
+                    "(or cancel them) first"))
             self._waiters[request_id] = waiter
             self._scheduler.enqueue(Request(request_id, request.key, request.priority,
                                             client, self._clock(),
@@ -360,11 +369,8 @@ class TrackerService:
         timeout = request.timeout_s if request.timeout_s > 0 else None
         waiter.event.wait(timeout)
         with self._lock:
-            left = self._waiting_by.get(client, 1) - 1
-            if left > 0:
-                self._waiting_by[client] = left
-            else:
-                self._waiting_by.pop(client, None)
+            self._waiting_by.remove(client)
+            self._waiting_from.remove(source)
             if waiter.lease is None:
                 self._waiters.pop(request_id, None)
                 self._scheduler.cancel(request_id)
