@@ -279,8 +279,9 @@ def _park_and_refuse(names, one_more: str, refusal: str) -> None:
             sess.ping()
 
 
-def test_parked_requests_are_capped_and_boards_stay_registered():
+def test_parked_requests_are_capped_and_boards_stay_registered(kind):
     from remote.tracker.service import MAX_WAITING_PER_CLIENT
+    tracker_only(kind)
     _park_and_refuse(["parker"] * MAX_WAITING_PER_CLIENT, "parker", "parker already has")
 
 
@@ -291,6 +292,23 @@ def test_parked_requests_are_capped_per_address_whatever_names_they_give(kind):
     tracker_only(kind)
     _park_and_refuse([f"parker{i}" for i in range(MAX_WAITING_PER_SOURCE)], "yet another name",
                      "127.0.0.1 already has .* whatever names")
+
+
+def test_grants_left_unused_again_and_again_are_refused(kind):
+    """A caller that takes board after board and never opens a session holds
+    each for the unused-lease timeout: after a few it is refused, and the
+    board goes back to the pool each time."""
+    from remote.tracker.service import MAX_UNUSED_GRANTS
+    tracker_only(kind)
+    with local_farm(keys=["k"], tracker_args=["--unused-lease-timeout", "0.3"]) as farm:
+        tracker = farm.client()
+        for i in range(MAX_UNUSED_GRANTS):
+            tracker.lease("k", timeout=HANG_S, client=f"grabber{i}")
+            wait_until(lambda: key_status(tracker, "k")["free"] == 1, "the unused grant's end")
+        with pytest.raises(errors.DeviceBusy, match=f"{MAX_UNUSED_GRANTS} boards granted to "
+                           "127.0.0.1 .* went unused"):
+            tracker.lease("k", timeout=HANG_S, client="yet another name")
+        assert key_status(tracker, "k") == {"key": "k", "total": 1, "free": 1, "pending": 0}
 
 
 def test_an_oversized_message_is_refused_before_it_is_held():

@@ -21,7 +21,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent import futures
-from typing import TYPE_CHECKING, Dict, Optional, Set
+from typing import TYPE_CHECKING, Dict, List, Optional, Set
 
 import grpc
 
@@ -53,6 +53,12 @@ LOOP_TICK_S = 0.1
 MAX_WAITING = 512
 MAX_WAITING_PER_CLIENT = 64
 MAX_WAITING_PER_SOURCE = 128
+# An address whose granted boards went unused this many times within the
+# window is refused leases until the oldest of them leaves it: a grant holds
+# a board for the unused-lease timeout, and one caller asking again and again
+# without opening sessions would keep the board from everyone else.
+MAX_UNUSED_GRANTS = 3
+UNUSED_GRANTS_WINDOW_S = 60.0
 # Lease tokens remembered after their lease ended, for a session's status and close.
 RECENT_LEASES = 4096
 # Each waiting RequestDevice call holds one worker thread, so the pool is large;
@@ -110,6 +116,8 @@ class TrackerService:
         # about its session (status, close) with its lease's token, also after
         # the lease ended; the oldest are forgotten first.
         self._granted: "OrderedDict[str, str]" = OrderedDict()
+        self._granted_to: "OrderedDict[str, str]" = OrderedDict()  # token -> caller's address
+        self._unused_from: Dict[str, List[float]] = {}  # address -> when its grants expired
         self.door: Optional[FrontDoor] = None
         self.eviction_window_s = eviction_window_s
         self._stop = threading.Event()
@@ -162,6 +170,15 @@ class TrackerService:
             waiter.lease = lease
             waiter.event.set()
 
+    def _recent_unused_locked(self, source: str, now: float) -> List[float]:
+        """When grants to ``source`` expired unused within the window, oldest first."""
+        times = [t for t in self._unused_from.get(source, ()) if now - t < UNUSED_GRANTS_WINDOW_S]
+        if times:
+            self._unused_from[source] = times
+        else:
+            self._unused_from.pop(source, None)
+        return times
+
     def _release_locked(self, token: str, how: str) -> None:
         """End a lease (recording how long it was held) and serve the queue."""
         lease = self._scheduler.leases.get(token)
@@ -203,6 +220,11 @@ class TrackerService:
                     self._relayed.discard(device.device_id)
                 for lease in self._scheduler.expire_unused(now):
                     log.info("lease on %s expired unused", lease.device_id)
+                    source = self._granted_to.pop(lease.token, "")
+                    if source:
+                        self._unused_from.setdefault(source, []).append(now)
+                for source in list(self._unused_from):
+                    self._recent_unused_locked(source, now)
                     self.log.event("expired", f"lease on {lease.device_id} for {lease.client} "
                                               "expired unused")
                 self._dispatch_locked()
@@ -347,6 +369,15 @@ class TrackerService:
                     f"{self._waiting_by.total} requests are already waiting at this tracker, "
                     f"its limit; try again later"))
             source = self.door.source_of(context.peer()) if self.door else context.peer()
+            unused = self._recent_unused_locked(source, self._clock())
+            if len(unused) >= MAX_UNUSED_GRANTS:
+                wait_s = unused[0] + UNUSED_GRANTS_WINDOW_S - self._clock()
+                abort(context, DeviceBusy(
+                    f"{len(unused)} boards granted to {source} in the last "
+                    f"{UNUSED_GRANTS_WINDOW_S:g} s went unused (a granted board waits "
+                    f"{self._scheduler.unused_lease_s:g} s for its session, kept from everyone "
+                    f"else): open a session on each board you are granted; request again in "
+                    f"{max(wait_s, 0.0):.0f} s"))
             if not self._waiting_by.add(client):
                 abort(context, DeviceBusy(
                     f"{client} already has {self._waiting_by.of(client)} requests waiting, the "
@@ -392,8 +423,10 @@ class TrackerService:
                 return pb.Lease()
             relayed = lease.device_id in self._relayed
             self._granted[lease.token] = lease.device_id
-            while len(self._granted) > RECENT_LEASES:
-                self._granted.popitem(last=False)
+            self._granted_to[lease.token] = source
+            for recent in (self._granted, self._granted_to):
+                while len(recent) > RECENT_LEASES:
+                    recent.popitem(last=False)
             reply = pb.Lease(token=lease.token, device_id=lease.device_id, key=device.key,
                              address="" if relayed else device.address, relayed=relayed)
             if lease.device_id in self._infos:
