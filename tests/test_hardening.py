@@ -257,8 +257,7 @@ def _park_and_refuse(names, one_more: str, refusal: str) -> None:
     """Park a request for the only board under each of ``names`` while it is
     held, then ask once more under ``one_more``: refused with ``refusal``,
     and the board still registered and served once they are gone."""
-    with local_farm(keys=["k"]) as farm:
-        tracker = farm.client()
+    with local_farm(keys=["k"]) as farm, farm.client() as tracker:
         holder = tracker.request("k", timeout=HANG_S, client="holder")
         futures = []
         try:
