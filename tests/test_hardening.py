@@ -329,6 +329,48 @@ def test_an_oversized_message_is_refused_before_it_is_held():
             sess.ping()
 
 
+def test_unfinished_first_frames_hold_a_bounded_budget_of_the_trackers_memory(kind):
+    """Hundreds of connections each sending 200 KiB of a first frame and no
+    more: what they hold together is capped, those past it are dropped, and
+    the tracker goes on serving."""
+    from remote.proto.frames import PREFIX
+    from remote.tracker.boards import MAX_OPENING_BYTES
+    tracker_only(kind)
+    part = PREFIX.pack(200 << 10, 0) + b"\0" * ((200 << 10) - 1)  # one byte short
+    count = 2 * MAX_OPENING_BYTES // len(part)
+    with local_farm(keys=["k"]) as farm, farm.client() as tracker:
+        pid = farm.tracker_proc.proc.pid
+        before = rss_bytes(pid)
+        held = []
+        try:
+            for _ in range(count):
+                sock = socket.create_connection(("127.0.0.1", farm.tracker[1]))
+                sock.sendall(part)
+                held.append(sock)
+            # Past the budget (half of them) the tracker drops them.
+            wait_until(lambda: sum(closed_by_peer_now(sock) for sock in held) >= count // 3,
+                       f"the tracker dropping a third of {count} unfinished frames")
+            grown = rss_bytes(pid) - before
+            assert grown < MAX_OPENING_BYTES + (24 << 20), \
+                f"the tracker grew {grown >> 20} MiB for {count} unfinished frames of 200 KiB"
+            with tracker.request("k", timeout=HANG_S) as sess:
+                sess.ping()
+        finally:
+            for sock in held:
+                sock.close()
+
+
+def closed_by_peer_now(sock: socket.socket) -> bool:
+    """Whether the other end has closed (or reset) ``sock`` already."""
+    sock.setblocking(False)
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
 def test_user_tokens_name_the_holder_and_are_required_when_the_tracker_says_so(tmp_path):
     import subprocess
     import sys
