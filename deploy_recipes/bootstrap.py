@@ -372,6 +372,7 @@ class BootstrapReport(NamedTuple):
     service: str
     device: Dict
     installed: Dict  # what the manifest records of the install (files, or the native build)
+    sandbox: List[str]  # what the server said at start of its sessions' sandbox
 
 
 def _probe(board: Board, python: str, tracker: str) -> Dict:
@@ -479,7 +480,9 @@ def bootstrap(board: str, tracker: str, key: Optional[str] = None, *,
         say(f"server started ({service}); waiting for the tracker to list it")
         device = _wait_for_tracker(tracker_from_here or tracker, key, login.host, port,
                                    timeout, lambda: _server_log(conn, layout))
-        return BootstrapReport(probe, target, key, layout, service, device, installed)
+        sandbox = [line.split("sandbox: ", 1)[1] for line in _server_log(conn, layout).splitlines()
+                   if "sandbox: " in line]
+        return BootstrapReport(probe, target, key, layout, service, device, installed, sandbox)
     finally:
         conn.close()
 
@@ -685,4 +688,10 @@ def run_bootstrap(args) -> int:
     print(f"installed in {report.layout.root} as a {report.service} service")
     d = report.device
     print(f"tracker lists {d['device_id']} key={d['key']} address={d['address']} state={d['state']}")
+    # What the board keeps its sessions from, and what it cannot (the server
+    # found out at start): docs/security.md, "The session sandbox".
+    print(f"isolation of its sessions: {d.get('attributes', {}).get('isolation', 'not reported')}")
+    for line in report.sandbox:
+        if not line.startswith("sessions are isolated by"):
+            print(f"  {line}")
     return 0

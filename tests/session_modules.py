@@ -25,7 +25,8 @@ SOURCE = r"""
 /* No libc (docs/module-abi.md): memset is one of the three symbols a module
    may leave to the loader, and the rest are system calls made here. */
 void *memset(void *s, int c, unsigned long n);
-#if defined(CHATTY) || defined(SLOW) || defined(FORKER) || defined(NETPROBE) || defined(READ_PATH)
+#if defined(CHATTY) || defined(SLOW) || defined(FORKER) || defined(NETPROBE) || defined(READ_PATH) || \
+    defined(WRITE_PATH)
 static long sys3(long n, long a, long b, long c) {
 #if defined(__x86_64__)
     long ret;
@@ -51,15 +52,15 @@ static long sys3(long n, long a, long b, long c) {
 }
 #if defined(__x86_64__)
 enum { SYS_WRITE = 1, SYS_NANOSLEEP = 35, SYS_SETSID = 112, SYS_SOCKET = 41, SYS_CONNECT = 42,
-       SYS_READ = 0, SYS_OPENAT = 257 };
+       SYS_READ = 0, SYS_OPENAT = 257, SYS_FCHMOD = 91 };
 static long fork_now(void) { return sys3(57, 0, 0, 0); }
 #elif defined(__aarch64__)
 enum { SYS_WRITE = 64, SYS_NANOSLEEP = 101, SYS_SETSID = 157, SYS_SOCKET = 198, SYS_CONNECT = 203,
-       SYS_READ = 63, SYS_OPENAT = 56 };
+       SYS_READ = 63, SYS_OPENAT = 56, SYS_FCHMOD = 52 };
 static long fork_now(void) { return sys3(220, 17 /* SIGCHLD */, 0, 0); }   /* clone */
 #else
 enum { SYS_WRITE = 4, SYS_NANOSLEEP = 162, SYS_SETSID = 66, SYS_SOCKET = 281, SYS_CONNECT = 283,
-       SYS_READ = 3, SYS_OPENAT = 322 };
+       SYS_READ = 3, SYS_OPENAT = 322, SYS_FCHMOD = 94 };
 static long fork_now(void) { return sys3(2, 0, 0, 0); }
 #endif
 #if defined(FORKER)
@@ -116,6 +117,17 @@ int32_t tether_run(void *const *inputs, void *const *outputs, void *workspace) {
     y[0] = fd < 0 ? (float)fd : (float)sys3(SYS_READ, fd, (long)data, sizeof data);
     y[1] = y[2] = y[3] = 0.0f;
     return 0;
+#elif defined(WRITE_PATH)
+    /* Writes "written by a module" to the file WRITE_PATH, made readable by
+       all (fchmod 0644: openat's mode would be a fourth argument): y[0] is
+       how many bytes went (or minus the error number). */
+    static const char text[] = "written by a module";
+    long fd = sys3(SYS_OPENAT, -100 /* AT_FDCWD */, (long)WRITE_PATH,
+                   01 | 0100 | 01000 /* O_WRONLY | O_CREAT | O_TRUNC */);
+    if (fd >= 0) sys3(SYS_FCHMOD, fd, 0644, 0);
+    y[0] = fd < 0 ? (float)fd : (float)sys3(SYS_WRITE, fd, (long)text, sizeof text - 1);
+    y[1] = y[2] = y[3] = 0.0f;
+    return 0;
 #elif defined(CHATTY)
     static char line[1 << 16];
     memset(line, 'x', sizeof line);
@@ -141,19 +153,24 @@ def _write_source(folder: str) -> str:
     return path
 
 
-def build(folder: str, kind: str = "ok", compiler: str = None, read_path: str = "") -> str:
+def build(folder: str, kind: str = "ok", compiler: str = None, read_path: str = "",
+          write_path: str = "") -> str:
     """A shared object: kind 'ok' (y = x + 1), 'crash' (segfaults), 'hang' (spins) or
     'chatty' (prints 64 MiB to stdout, then y = x + 1) or 'slow' (0.3 s a run) or
     'forker' (leaves two processes that sleep for good, one in a session of its own;
     y holds their pids) or 'netprobe' (y[0]: connect's result for 127.0.0.1, port x[0])
-    or 'reader' (y[0]: bytes read from the file ``read_path``, or minus the error)."""
+    or 'reader' (y[0]: bytes read from the file ``read_path``, or minus the error)
+    or 'writer' (y[0]: bytes written to the file ``write_path``, or minus the error)."""
     source = _write_source(folder)
     out = os.path.join(folder, f"{kind}.so")
     if kind == "reader":
         out = os.path.join(folder, f"reader-{abs(hash(read_path))}.so")
+    if kind == "writer":
+        out = os.path.join(folder, f"writer-{abs(hash(write_path))}.so")
     flags = {"ok": [], "crash": ["-DCRASH"], "hang": ["-DHANG"], "chatty": ["-DCHATTY"],
              "slow": ["-DSLOW"], "forker": ["-DFORKER"], "netprobe": ["-DNETPROBE"],
-             "reader": [f"-DREAD_PATH={json.dumps(read_path)}"]}[kind]
+             "reader": [f"-DREAD_PATH={json.dumps(read_path)}"],
+             "writer": [f"-DWRITE_PATH={json.dumps(write_path)}"]}[kind]
     subprocess.run([compiler or C_COMPILER, "-shared", "-fPIC", "-O1", *NO_LIBC, *flags, "-o", out,
                     source], check=True)
     return out

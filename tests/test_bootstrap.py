@@ -38,6 +38,15 @@ def test_install_upgrade_and_uninstall_over_ssh(sshd, tracker, tmp_path, stop_le
     assert first.returncode == 0, first.stderr
     assert "suggested target: host" in first.stdout
     assert f"key=ssh-board address=127.0.0.1:{port}" in first.stdout
+    # It says what the board keeps its sessions from, as the tracker shows it,
+    # and what the server could not give them.
+    (device,) = [d for d in tracker_summary(tracker)["devices"] if d["key"] == "ssh-board"]
+    isolation = device["attributes"]["isolation"]
+    assert f"isolation of its sessions: {isolation}\n" in first.stdout
+    assert isolation.startswith("processes")
+    assert "no --session-limit" in first.stdout
+    if os.geteuid() != 0:
+        assert "no per-session user: this server does not run as root" in first.stdout
     installed = sorted(str(p.relative_to(remote_dir / "code")).replace(os.sep, "/")
                        for p in (remote_dir / "code").rglob("*")
                        if p.is_file() and "__pycache__" not in p.parts)

@@ -253,27 +253,61 @@ def test_a_board_id_cannot_be_taken_over_by_another_registration():
             assert sess.address == device["address"]
 
 
-def test_parked_requests_are_capped_and_boards_stay_registered():
-    from remote.tracker.service import MAX_WAITING_PER_CLIENT
-    with local_farm(keys=["k"]) as farm:
-        tracker = farm.client()
+def _park_and_refuse(names, one_more: str, refusal: str) -> None:
+    """Park a request for the only board under each of ``names`` while it is
+    held, then ask once more under ``one_more``: refused with ``refusal``,
+    and the board still registered and served once they are gone."""
+    with local_farm(keys=["k"]) as farm, farm.client() as tracker:
         holder = tracker.request("k", timeout=HANG_S, client="holder")
         futures = []
         try:
-            for _ in range(MAX_WAITING_PER_CLIENT):
-                request = pb.DeviceRequest(key="k", timeout_s=HANG_S, client="parker")
+            for name in names:
+                request = pb.DeviceRequest(key="k", timeout_s=HANG_S, client=name)
                 futures.append(tracker._stub.RequestDevice.future(request, timeout=HANG_S))
-            wait_until(lambda: key_status(tracker, "k")["pending"] == MAX_WAITING_PER_CLIENT,
+            wait_until(lambda: key_status(tracker, "k")["pending"] == len(names),
                        "every parked request queued")
-            with pytest.raises(errors.DeviceBusy, match="already has"):
-                tracker.lease("k", timeout=HANG_S, client="parker")
+            with pytest.raises(errors.DeviceBusy, match=refusal):
+                tracker.lease("k", timeout=HANG_S, client=one_more)
             assert key_status(tracker, "k")["total"] == 1
         finally:
             for f in futures:
                 f.cancel()
             holder.close()
+        wait_until(lambda: key_status(tracker, "k")["pending"] == 0, "the parked requests gone")
         with tracker.request("k", timeout=HANG_S, client="someone else") as sess:
             sess.ping()
+
+
+def test_parked_requests_are_capped_and_boards_stay_registered(kind):
+    from remote.tracker.service import MAX_WAITING_PER_CLIENT
+    tracker_only(kind)
+    _park_and_refuse(["parker"] * MAX_WAITING_PER_CLIENT, "parker", "parker already has")
+
+
+def test_parked_requests_are_capped_per_address_whatever_names_they_give(kind):
+    """Without --require-tokens a client names itself: one caller parking
+    requests under a new name each is held by the cap on its address."""
+    from remote.tracker.service import MAX_WAITING_PER_SOURCE
+    tracker_only(kind)
+    _park_and_refuse([f"parker{i}" for i in range(MAX_WAITING_PER_SOURCE)], "yet another name",
+                     "127.0.0.1 already has .* whatever names")
+
+
+def test_grants_left_unused_again_and_again_are_refused(kind):
+    """A caller that takes board after board and never opens a session holds
+    each for the unused-lease timeout: after a few it is refused, and the
+    board goes back to the pool each time."""
+    from remote.tracker.service import MAX_UNUSED_GRANTS
+    tracker_only(kind)
+    with local_farm(keys=["k"], tracker_args=["--unused-lease-timeout", "0.3"]) as farm:
+        tracker = farm.client()
+        for i in range(MAX_UNUSED_GRANTS):
+            tracker.lease("k", timeout=HANG_S, client=f"grabber{i}")
+            wait_until(lambda: key_status(tracker, "k")["free"] == 1, "the unused grant's end")
+        with pytest.raises(errors.DeviceBusy, match=f"{MAX_UNUSED_GRANTS} boards granted to "
+                           "127.0.0.1 .* went unused"):
+            tracker.lease("k", timeout=HANG_S, client="yet another name")
+        assert key_status(tracker, "k") == {"key": "k", "total": 1, "free": 1, "pending": 0}
 
 
 def test_an_oversized_message_is_refused_before_it_is_held():
@@ -293,6 +327,48 @@ def test_an_oversized_message_is_refused_before_it_is_held():
         assert grown < 100 << 20, f"the tracker grew {grown >> 20} MiB for a refused message"
         with farm.client().request("k", timeout=HANG_S) as sess:
             sess.ping()
+
+
+def test_unfinished_first_frames_hold_a_bounded_budget_of_the_trackers_memory(kind):
+    """Hundreds of connections each sending 200 KiB of a first frame and no
+    more: what they hold together is capped, those past it are dropped, and
+    the tracker goes on serving."""
+    from remote.proto.frames import PREFIX
+    from remote.tracker.boards import MAX_OPENING_BYTES
+    tracker_only(kind)
+    part = PREFIX.pack(200 << 10, 0) + b"\0" * ((200 << 10) - 1)  # one byte short
+    count = 2 * MAX_OPENING_BYTES // len(part)
+    with local_farm(keys=["k"]) as farm, farm.client() as tracker:
+        pid = farm.tracker_proc.proc.pid
+        before = rss_bytes(pid)
+        held = []
+        try:
+            for _ in range(count):
+                sock = socket.create_connection(("127.0.0.1", farm.tracker[1]))
+                sock.sendall(part)
+                held.append(sock)
+            # Past the budget (half of them) the tracker drops them.
+            wait_until(lambda: sum(closed_by_peer_now(sock) for sock in held) >= count // 3,
+                       f"the tracker dropping a third of {count} unfinished frames")
+            grown = rss_bytes(pid) - before
+            assert grown < MAX_OPENING_BYTES + (24 << 20), \
+                f"the tracker grew {grown >> 20} MiB for {count} unfinished frames of 200 KiB"
+            with tracker.request("k", timeout=HANG_S) as sess:
+                sess.ping()
+        finally:
+            for sock in held:
+                sock.close()
+
+
+def closed_by_peer_now(sock: socket.socket) -> bool:
+    """Whether the other end has closed (or reset) ``sock`` already."""
+    sock.setblocking(False)
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 def test_user_tokens_name_the_holder_and_are_required_when_the_tracker_says_so(tmp_path):
@@ -493,11 +569,18 @@ def test_a_layer_the_board_cannot_give_is_named_at_start_and_sessions_go_on(kind
         child.stop()
 
 
-def _read_from_a_module(sess, tmp_path, path: str) -> int:
-    reader = session_modules.build(str(tmp_path), "reader", read_path=path)
-    name = os.path.basename(reader)
-    sess.upload(reader, target=name)
+def _file_access_from_a_module(sess, tmp_path, kind: str, path: str) -> int:
+    """Run a module that reads ('reader') or writes ('writer') ``path``: the
+    bytes it read or wrote, or minus the error number."""
+    option = {"reader": "read_path", "writer": "write_path"}[kind]
+    module = session_modules.build(str(tmp_path), kind, **{option: path})
+    name = os.path.basename(module)
+    sess.upload(module, target=name)
     return int(sess.load_module(name).run({"x": np.zeros((1, 4), np.float32)})[0][0, 0])
+
+
+def _read_from_a_module(sess, tmp_path, path: str) -> int:
+    return _file_access_from_a_module(sess, tmp_path, "reader", path)
 
 
 def test_a_module_cannot_read_another_sessions_files_the_secret_or_shadow(kind, tmp_path):
@@ -528,6 +611,43 @@ def test_a_module_cannot_read_another_sessions_files_the_secret_or_shadow(kind, 
                 sess.upload(session_modules.build(str(tmp_path), "ok"), target="ok.so")
                 y = sess.load_module("ok.so").run({"x": np.ones((1, 4), np.float32)})[0]
                 np.testing.assert_array_equal(y, 2.0)
+    finally:
+        child.stop()
+
+
+def _write_from_a_module(sess, tmp_path, path: str) -> int:
+    return _file_access_from_a_module(sess, tmp_path, "writer", path)
+
+
+def test_a_module_sees_no_other_process_and_shares_no_world_writable_folder(kind, tmp_path):
+    """A module reads the command line of the server and of another live
+    session's process from /proc, and leaves files in /dev/shm and /var/tmp
+    for the next session's module to read: the sandbox's /proc shows only
+    the session's own processes, and both folders are the session's own."""
+    import uuid
+    from tests.test_sessions import serving_pid
+    child = start_server("--max-sessions", "2")
+    try:
+        with connect_when_free(child) as first, connect_when_free(child) as second:
+            layers = _layers(second)
+            if "proc" not in layers:
+                pytest.skip("this kernel gives the board server no /proc of a session's "
+                            "own: " + child.log_text()[-400:])
+            # The reader works: the session's own process is in its /proc.
+            assert _read_from_a_module(second, tmp_path, "/proc/self/cmdline") > 0
+            for pid in (child.proc.pid, serving_pid(first)):
+                assert os.path.exists(f"/proc/{pid}/cmdline")
+                assert _read_from_a_module(second, tmp_path, f"/proc/{pid}/cmdline") < 0, pid
+            left = [f"{folder}/tether-left-{uuid.uuid4().hex}" for folder in ("/dev/shm", "/var/tmp")
+                    if os.path.isdir(folder)]
+            for path in left:
+                assert _write_from_a_module(first, tmp_path, path) > 0, path
+                assert _read_from_a_module(first, tmp_path, path) > 0, path
+                assert not os.path.exists(path), f"{path} is the board's, not the session's own"
+                assert _read_from_a_module(second, tmp_path, path) < 0, path
+            second.upload(session_modules.build(str(tmp_path), "ok"), target="ok.so")
+            y = second.load_module("ok.so").run({"x": np.ones((1, 4), np.float32)})[0]
+            np.testing.assert_array_equal(y, 2.0)
     finally:
         child.stop()
 

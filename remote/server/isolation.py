@@ -39,12 +39,16 @@ ZYGOTE_START_S = 120.0
 #   pids        it runs as pid 1 of a PID namespace of its own: when it ends,
 #               the kernel kills every process it started, even when the
 #               server was killed with SIGKILL;
+#   proc        (with pids and files) a /proc of its own PID namespace: it
+#               sees no other process of the board, nor their command lines
+#               or environments;
 #   files       a mount namespace of its own: its workspace is its /tmp, the
-#               other workspaces and the farm secret file are covered;
+#               other workspaces and the farm secret file are covered, and
+#               /dev/shm and /var/tmp are empty folders of its own;
 #   user        (a server run as root) a user of its own from --session-uids,
 #               with no supplementary group, its workspace mode 0700;
 #   no-network  a network namespace of its own with no interface up.
-LAYERS = ("processes", "pids", "files", "user", "no-network")
+LAYERS = ("processes", "pids", "proc", "files", "user", "no-network")
 DEFAULT_SESSION_UIDS = "200000-265535"
 
 _CLONE_NEWNS = 0x00020000
@@ -55,6 +59,9 @@ _NAMESPACES = {"pids": _CLONE_NEWPID, "files": _CLONE_NEWNS, "no-network": _CLON
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
 _MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 16384, 1 << 18
 _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_NO_NEW_PRIVS = 1, 4, 38
+# World-writable folders besides /tmp that sessions would otherwise share:
+# each session's are tmpfs of its own, gone with it.
+SHARED_FOLDERS = ("/dev/shm", "/var/tmp")
 
 
 def _libc():
@@ -143,6 +150,15 @@ def confine_session(layers, workspace: str, uid: int, hidden, parent_waits: bool
         if parent != "/tmp" and not parent.startswith("/tmp/") and _may_cover(parent):
             libc.mount(b"tmpfs", parent.encode(), b"tmpfs",
                        _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, b"size=4k,mode=0555")
+        for folder in SHARED_FOLDERS:
+            if os.path.isdir(folder) and _may_cover(folder) and libc.mount(
+                    b"tmpfs", folder.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"mode=1777") != 0:
+                raise OSError(_failed(f"cannot give the session a {folder} of its own"))
+        # Mounted by a process of the session's PID namespace, /proc shows
+        # that namespace's processes only.
+        if "proc" in layers and libc.mount(b"proc", b"/proc", b"proc",
+                                           _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None) != 0:
+            raise OSError(_failed("cannot give the session a /proc of its own"))
         workspace = "/tmp"
     elif "user" in layers:
         os.chown(workspace, uid, uid)
@@ -198,10 +214,13 @@ def _probe(layers, uid: int = -1) -> str:
             _libc().prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
             why = enter_namespaces(layers)
             if not why and "pids" in layers:
-                inner = os.fork()  # the first process of a PID namespace is its pid 1
-                if inner == 0:
-                    os._exit(0 if os.getpid() == 1 else 1)
-                if os.waitpid(inner, 0)[1] != 0:
+                # The session's process is the first of its PID namespace,
+                # its pid 1: so is the process that tries the rest.
+                inner = os.fork()
+                if inner != 0:
+                    os.waitpid(inner, 0)
+                    os._exit(0)
+                if os.getpid() != 1:
                     why = "a process in a new PID namespace is not its pid 1"
             if not why:
                 confine_session(layers, workspace, uid, ())
@@ -255,7 +274,7 @@ class Sandbox:
                                 "sees this board's files, processes and network as this "
                                 "server's user")
             return
-        wanted = ["pids", "files"]
+        wanted = ["pids", "files", "proc"]
         if os.geteuid() == 0:
             taken = _uids_taken(session_uids)
             if taken:
@@ -272,7 +291,11 @@ class Sandbox:
         what = {"pids": "no PID namespace: processes a module starts outlive a server killed "
                         "with SIGKILL",
                 "files": "no mount namespace: a module sees the other sessions' workspaces "
-                         "(to their modes) and the secret file, and shares /tmp",
+                         "(to their modes) and the secret file, and shares /tmp, /dev/shm and "
+                         "/var/tmp",
+                "proc": "no /proc of its own: a module sees every process of the board in "
+                        "/proc, their command lines, and (as the server's user) their "
+                        "environments",
                 "user": "no per-session user: this root cannot take the ids of --session-uids "
                         "(in a container, map them into its user namespace)",
                 "no-network": "no network namespace: a module opens connections from the board"}
@@ -281,6 +304,8 @@ class Sandbox:
             return
         for layer in wanted:
             alone = [layer] + (["files"] if layer == "user" and "files" in self.layers else [])
+            if layer == "proc":
+                alone = ["pids", "files", "proc"]
             why = _probe(alone, session_uids.start)
             if why:
                 self.missing.append(f"{what[layer]} ({why})")

@@ -28,6 +28,7 @@ machinery; a link's pings are answered once in two seconds, not each.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import secrets
@@ -308,6 +309,7 @@ class _GrpcSide(asyncio.Protocol):
     def __init__(self, client: Conn):
         self.conn = Conn(client.door)
         self.conn.role = "spliced"
+        self.name = ""  # the peer name gRPC gives the caller
 
     def connection_made(self, transport):
         self.conn.transport = transport
@@ -317,6 +319,7 @@ class _GrpcSide(asyncio.Protocol):
         self.conn.peer.transport.write(data)
 
     def connection_lost(self, exc):
+        self.conn.door.spliced_off(self.name)
         if self.conn.peer is not None:
             self.conn.peer.transport.close()
 
@@ -370,6 +373,8 @@ class FrontDoor:
         self._opening = CountBySource(MAX_OPENING_PER_SOURCE, MAX_OPENING)
         self._opening_bytes = 0
         self._grpc = CountBySource(MAX_GRPC_PER_SOURCE, MAX_GRPC)
+        self._splices = itertools.count()
+        self._callers: Dict[str, str] = {}         # gRPC's peer name -> the caller's address
         self._relays = 0                           # relayed sessions being carried
         self._relays_lock = threading.Lock()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -514,17 +519,36 @@ class FrontDoor:
 
     # ----------------------------------------------------------------- gRPC --
     async def splice_grpc(self, client: Conn):
+        # The gRPC server sees every caller as this side of the splice: a
+        # socket bound to a name of its own (in the abstract namespace, no
+        # file) lets the service learn the caller's address from the peer
+        # gRPC names (source_of).
+        name = f"tether-grpc-{os.getpid()}-{next(self._splices)}"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            _, side = await self.loop.create_unix_connection(lambda: _GrpcSide(client),
-                                                             self.grpc_path)
+            sock.bind("\0" + name)
+            sock.setblocking(False)
+            await self.loop.sock_connect(sock, self.grpc_path)
+            _, side = await self.loop.create_unix_connection(lambda: _GrpcSide(client), sock=sock)
         except OSError as exc:
+            sock.close()
             log.error("the tracker's gRPC server is unreachable: %s", exc)
             client.transport.close()
             return
         if client.transport.is_closing():
             side.conn.transport.close()
             return
+        side.name = "unix-abstract:" + name
+        self._callers[side.name] = client.peer_name.rsplit(":", 1)[0]
         client.splice_to(side.conn)
+
+    def source_of(self, peer: str) -> str:
+        """The address of the caller gRPC names ``peer`` (its context.peer()),
+        or ``peer`` itself when it came by another way."""
+        return self._callers.get(peer, peer)
+
+    def spliced_off(self, name: str) -> None:
+        self._callers.pop(name, None)
 
     # --------------------------------------------------------------- links --
     async def register(self, conn: Conn, frame) -> None:

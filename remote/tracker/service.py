@@ -21,7 +21,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent import futures
-from typing import TYPE_CHECKING, Dict, Optional, Set
+from typing import TYPE_CHECKING, Dict, List, Optional, Set
 
 import grpc
 
@@ -31,7 +31,7 @@ from remote.client.grpc_layer import SERVER_OPTIONS, abort, add_servicer
 from remote.errors import AuthenticationError, DeviceBusy, NoSuchKey, RequestTimeout
 from remote.proto import pb
 from remote.tls import server_context
-from remote.tracker.boards import FrontDoor
+from remote.tracker.boards import CountBySource, FrontDoor
 from remote.tracker.farmlog import FarmLog
 from remote.tracker.scheduler import LeaseRefused, Request, Scheduler
 from remote.tracker.tokens import TokenBook
@@ -48,9 +48,17 @@ EVICTION_WINDOW_S = 2.5
 UNUSED_LEASE_S = 10.0
 # How often the tracker's port loop marks itself as caught up (FrontDoor.last_tick).
 LOOP_TICK_S = 0.1
-# Requests waiting for a device, at most, in all and per client name.
+# Requests waiting for a device, at most, in all, per client name and per
+# address they come from (a caller without a token chooses its name).
 MAX_WAITING = 512
 MAX_WAITING_PER_CLIENT = 64
+MAX_WAITING_PER_SOURCE = 128
+# An address whose granted boards went unused this many times within the
+# window is refused leases until the oldest of them leaves it: a grant holds
+# a board for the unused-lease timeout, and one caller asking again and again
+# without opening sessions would keep the board from everyone else.
+MAX_UNUSED_GRANTS = 3
+UNUSED_GRANTS_WINDOW_S = 60.0
 # Lease tokens remembered after their lease ended, for a session's status and close.
 RECENT_LEASES = 4096
 # Each waiting RequestDevice call holds one worker thread, so the pool is large;
@@ -97,7 +105,9 @@ class TrackerService:
                                     unused_lease_s=unused_lease_s)
         self._infos: Dict[str, object] = {}       # device_id -> pb.DeviceInfo
         self._waiters: Dict[str, _Waiter] = {}    # request_id -> waiter
-        self._waiting_by: Dict[str, int] = {}     # client -> requests waiting
+        # Requests waiting, by client name and by the address they came from.
+        self._waiting_by = CountBySource(MAX_WAITING_PER_CLIENT, MAX_WAITING)
+        self._waiting_from = CountBySource(MAX_WAITING_PER_SOURCE, MAX_WAITING)
         self._ids = itertools.count(1)
         self._farm_secret = farm_secret
         self._relayed: Set[str] = set()           # devices reached through the relay
@@ -106,6 +116,8 @@ class TrackerService:
         # about its session (status, close) with its lease's token, also after
         # the lease ended; the oldest are forgotten first.
         self._granted: "OrderedDict[str, str]" = OrderedDict()
+        self._granted_to: "OrderedDict[str, str]" = OrderedDict()  # token -> caller's address
+        self._unused_from: Dict[str, List[float]] = {}  # address -> when its grants expired
         self.door: Optional[FrontDoor] = None
         self.eviction_window_s = eviction_window_s
         self._stop = threading.Event()
@@ -158,6 +170,15 @@ class TrackerService:
             waiter.lease = lease
             waiter.event.set()
 
+    def _recent_unused_locked(self, source: str, now: float) -> List[float]:
+        """When grants to ``source`` expired unused within the window, oldest first."""
+        times = [t for t in self._unused_from.get(source, ()) if now - t < UNUSED_GRANTS_WINDOW_S]
+        if times:
+            self._unused_from[source] = times
+        else:
+            self._unused_from.pop(source, None)
+        return times
+
     def _release_locked(self, token: str, how: str) -> None:
         """End a lease (recording how long it was held) and serve the queue."""
         lease = self._scheduler.leases.get(token)
@@ -199,6 +220,11 @@ class TrackerService:
                     self._relayed.discard(device.device_id)
                 for lease in self._scheduler.expire_unused(now):
                     log.info("lease on %s expired unused", lease.device_id)
+                    source = self._granted_to.pop(lease.token, "")
+                    if source:
+                        self._unused_from.setdefault(source, []).append(now)
+                for source in list(self._unused_from):
+                    self._recent_unused_locked(source, now)
                     self.log.event("expired", f"lease on {lease.device_id} for {lease.client} "
                                               "expired unused")
                 self._dispatch_locked()
@@ -338,16 +364,30 @@ class TrackerService:
                     f"{', '.join(served) if served else '(none)'}"))
             # Each waiting request holds one of the server's threads: bounded,
             # so that requests parked by one client cannot starve the others.
-            if len(self._waiters) >= MAX_WAITING:
+            if self._waiting_by.total >= MAX_WAITING:
                 abort(context, DeviceBusy(
-                    f"{len(self._waiters)} requests are already waiting at this tracker, its "
-                    f"limit; try again later"))
-            mine = self._waiting_by.get(client, 0)
-            if mine >= MAX_WAITING_PER_CLIENT:
+                    f"{self._waiting_by.total} requests are already waiting at this tracker, "
+                    f"its limit; try again later"))
+            source = self.door.source_of(context.peer()) if self.door else context.peer()
+            unused = self._recent_unused_locked(source, self._clock())
+            if len(unused) >= MAX_UNUSED_GRANTS:
+                wait_s = unused[0] + UNUSED_GRANTS_WINDOW_S - self._clock()
                 abort(context, DeviceBusy(
-                    f"{client} already has {mine} requests waiting, the most one client may "
-                    "have; wait for those (or cancel them) first"))
-            self._waiting_by[client] = mine + 1
+                    f"{len(unused)} boards granted to {source} in the last "
+                    f"{UNUSED_GRANTS_WINDOW_S:g} s went unused (a granted board waits "
+                    f"{self._scheduler.unused_lease_s:g} s for its session, kept from everyone "
+                    f"else): open a session on each board you are granted; request again in "
+                    f"{max(wait_s, 0.0):.0f} s"))
+            if not self._waiting_by.add(client):
+                abort(context, DeviceBusy(
+                    f"{client} already has {self._waiting_by.of(client)} requests waiting, the "
+                    "most one client may have; wait for those (or cancel them) first"))
+            if not self._waiting_from.add(source):
+                self._waiting_by.remove(client)
+                abort(context, DeviceBusy(
+                    f"{source} already has {self._waiting_from.of(source)} requests waiting, "
+                    "the most one address may have, whatever names they give; wait for those "
+                    "(or cancel them) first"))
             self._waiters[request_id] = waiter
             self._scheduler.enqueue(Request(request_id, request.key, request.priority,
                                             client, self._clock(),
@@ -360,11 +400,8 @@ class TrackerService:
         timeout = request.timeout_s if request.timeout_s > 0 else None
         waiter.event.wait(timeout)
         with self._lock:
-            left = self._waiting_by.get(client, 1) - 1
-            if left > 0:
-                self._waiting_by[client] = left
-            else:
-                self._waiting_by.pop(client, None)
+            self._waiting_by.remove(client)
+            self._waiting_from.remove(source)
             if waiter.lease is None:
                 self._waiters.pop(request_id, None)
                 self._scheduler.cancel(request_id)
@@ -386,8 +423,10 @@ class TrackerService:
                 return pb.Lease()
             relayed = lease.device_id in self._relayed
             self._granted[lease.token] = lease.device_id
-            while len(self._granted) > RECENT_LEASES:
-                self._granted.popitem(last=False)
+            self._granted_to[lease.token] = source
+            for recent in (self._granted, self._granted_to):
+                while len(recent) > RECENT_LEASES:
+                    recent.popitem(last=False)
             reply = pb.Lease(token=lease.token, device_id=lease.device_id, key=device.key,
                              address="" if relayed else device.address, relayed=relayed)
             if lease.device_id in self._infos:

@@ -19,7 +19,10 @@
 
 namespace tether {
 
-const char* const kSandboxLayers[5] = {"processes", "pids", "files", "user", "no-network"};
+const char* const kSandboxLayers[6] = {"processes", "pids", "proc", "files", "user", "no-network"};
+// World-writable folders besides /tmp that sessions would otherwise share
+// (isolation.py's SHARED_FOLDERS).
+const char* const kSharedFolders[2] = {"/dev/shm", "/var/tmp"};
 
 bool Sandbox::has(const char* layer) const {
   for (const auto& l : layers) if (l == layer) return true;
@@ -78,12 +81,15 @@ std::string probe(const Sandbox& plan, const std::vector<std::string>& layers) {
     ::prctl(PR_SET_DUMPABLE, 1, 0, 0, 0);
     std::string why = enter_namespaces(trial), root;
     if (why.empty() && trial.has("pids")) {
+      // The session's process is in its PID namespace: so is the process
+      // that tries the rest.
       pid_t inner = ::fork();
-      if (inner == 0) _exit(::getpid() == 1 ? 0 : 1);
-      int status = 1;
-      while (::waitpid(inner, &status, 0) < 0 && errno == EINTR) {
+      if (inner > 0) {
+        while (::waitpid(inner, nullptr, 0) < 0 && errno == EINTR) {
+        }
+        _exit(0);
       }
-      if (inner < 0 || status != 0) why = "a process in a new PID namespace is not its pid 1";
+      if (inner < 0 || ::getpid() != 1) why = "a process in a new PID namespace is not its pid 1";
     }
     if (why.empty()) why = confine_session(trial, folder, trial.uid_first, &root);
     ssize_t ignored = ::write(out[1], why.data(), why.size());
@@ -127,7 +133,7 @@ void plan_sandbox(Sandbox* sandbox, bool enabled, bool allow_network) {
                                "board's files, processes and network as this server's user");
     return;
   }
-  std::vector<std::string> wanted = {"pids", "files"};
+  std::vector<std::string> wanted = {"pids", "files", "proc"};
   if (::geteuid() == 0) {
     ::setpwent();
     while (passwd* entry = ::getpwent()) {
@@ -157,6 +163,7 @@ void plan_sandbox(Sandbox* sandbox, bool enabled, bool allow_network) {
   for (const auto& layer : wanted) {
     std::vector<std::string> alone = {layer};
     if (layer == "user" && sandbox->has("files")) alone.push_back("files");
+    if (layer == "proc") alone = {"pids", "files", "proc"};
     std::string why = probe(*sandbox, alone);
     if (why.empty()) {
       sandbox->layers.push_back(layer);
@@ -164,7 +171,9 @@ void plan_sandbox(Sandbox* sandbox, bool enabled, bool allow_network) {
     }
     const char* what = layer == "pids" ? "no PID namespace: processes a module starts outlive a server killed with SIGKILL"
                        : layer == "files" ? "no mount namespace: a module sees the other sessions' workspaces (to "
-                                            "their modes) and the secret file, and shares /tmp"
+                                            "their modes) and the secret file, and shares /tmp, /dev/shm and /var/tmp"
+                       : layer == "proc" ? "no /proc of its own: a module sees every process of the board in /proc, "
+                                           "their command lines, and (as the server's user) their environments"
                        : layer == "user" ? "no per-session user: this root cannot take the ids of --session-uids (in a "
                                             "container, map them into its user namespace)"
                                          : "no network namespace: a module opens connections from the board";
@@ -225,6 +234,18 @@ std::string confine_session(const Sandbox& sandbox, const std::string& workspace
     std::string parent = workspace.substr(0, workspace.rfind('/'));
     if (parent != "/tmp" && parent.compare(0, 5, "/tmp/") != 0 && !parent.empty() && may_cover(parent)) {
       ::mount("tmpfs", parent.c_str(), "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=0555");
+    }
+    for (const char* folder : kSharedFolders) {
+      struct stat info;
+      if (::stat(folder, &info) != 0 || !S_ISDIR(info.st_mode) || !may_cover(folder)) continue;
+      if (::mount("tmpfs", folder, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777") != 0) {
+        return failed((std::string("cannot give the session a ") + folder + " of its own").c_str());
+      }
+    }
+    // Mounted by a process of the session's PID namespace, /proc shows that
+    // namespace's processes only.
+    if (sandbox.has("proc") && ::mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr) != 0) {
+      return failed("cannot give the session a /proc of its own");
     }
     *root = "/tmp";
   }

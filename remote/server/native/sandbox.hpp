@@ -12,7 +12,7 @@ namespace tether {
 
 // The layers, in the order the attribute "isolation" names them (see
 // isolation.py's LAYERS for what each stops).
-extern const char* const kSandboxLayers[5];
+extern const char* const kSandboxLayers[6];
 constexpr const char* kDefaultSessionUids = "200000-265535";
 
 struct Sandbox {
