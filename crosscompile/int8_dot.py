@@ -107,18 +107,24 @@ class DotTile:
     bias(row, column) / multiplier(row, column) -> <4 x i32> / <4 x float>
     for the 4 columns from column on; out(row, column) -> element offset in
     the output of (row, column), whose next 3 columns follow it.
+
+    With lanes (kind "dot" only), broadcast(row, g) is the i8* of 16 bytes:
+    rows row..row + 3 (row a multiple of 4), 4 reduction values each, and
+    each row's sdot takes its 4 bytes as a lane of that one register
+    (sdot by element): a load for 4 rows rather than one for each.
     """
 
-    def __init__(self, depth4: int, vector, broadcast, bias, multiplier, out, out_ptr, attrs):
-        self.kind = attrs["int8_kernel"]
+    def __init__(self, depth4: int, vector, broadcast, bias, multiplier, out, out_ptr, attrs, lanes: bool = False):
+        self.kind, self.lanes = attrs["int8_kernel"], lanes
         self.depth4, self.vector, self.broadcast = depth4, vector, broadcast
         self.bias, self.multiplier, self.out, self.out_ptr, self.attrs = bias, multiplier, out, out_ptr, attrs
 
 
 def emit_tile(k: Kernel, tile: DotTile, row0: ir.Value, rows: int, column0: ir.Value, vectors: int,
-              last_lanes: int = 4) -> None:
+              last_lanes: int = 4, stored_rows: "int | None" = None) -> None:
     """One tile: rows x (vectors * 4) sums from (row0, column0), all
-    written but the last vector's lanes beyond last_lanes.
+    written but the last vector's lanes beyond last_lanes and the rows
+    from stored_rows on (padding rows of a lanes tile).
 
     With tile.kind "dot" each sum is one register, 16 products a sdot.
     With "quads" (AArch64 without dot products) each is one register too,
@@ -137,7 +143,16 @@ def emit_tile(k: Kernel, tile: DotTile, row0: ir.Value, rows: int, column0: ir.V
             loaded = [(_half(k, a, False), _half(k, a, True)) for a in loaded]
         elif tile.kind == "quads":
             loaded = [(_lanes16(k, a, False), _lanes16(k, a, True)) for a in loaded]
+        if tile.lanes:
+            quads = [b.bitcast(b.load(b.bitcast(tile.broadcast(b.add(row0, k.i64(4 * q)), g), V4I32.as_pointer()),
+                                      align=1), V4I32) for q in range(rows // 4)]
         for i in range(rows):
+            if tile.lanes:
+                splat = b.bitcast(b.shuffle_vector(quads[i // 4], ir.Constant(V4I32, ir.Undefined),
+                                                   ir.Constant(V4I32, [i % 4] * 4)), V16I8)
+                for v in range(vectors):
+                    b.store(_sdot(k, b.load(accs[i][v][0]), loaded[v], splat), accs[i][v][0])
+                continue
             word = b.load(b.bitcast(tile.broadcast(b.add(row0, k.i64(i)), g), I32.as_pointer()), align=1)
             splat = b.bitcast(_splat(k, word, V4I32), V16I8)
             if tile.kind == "pairs":
@@ -155,7 +170,7 @@ def emit_tile(k: Kernel, tile: DotTile, row0: ir.Value, rows: int, column0: ir.V
                         b.store(_quad_sums(k, b.load(acc), *loaded[v], *splat), acc)
                     else:
                         b.store(_pair_sums(k, b.load(acc), loaded[v][part], splat), acc)
-    for i in range(rows):
+    for i in range(rows if stored_rows is None else stored_rows):
         for v in range(vectors):
             row, column = b.add(row0, k.i64(i)), b.add(column0, k.i64(4 * v))
             sums = [b.load(acc) for acc in accs[i][v]]
@@ -206,14 +221,20 @@ def emit_tiles(k: Kernel, tile: DotTile, rows: int, columns: int, tile_rows: int
     row_parts = [(full_rows, tile_rows, None)] + ([(rows % tile_rows, rows % tile_rows, full_rows)]
                                                   if rows % tile_rows else [])
     for count, height, start in row_parts:
+        # A lanes tile reads rows 4 at a time: the remainder is a whole
+        # tile of the weight's padding rows, only its real rows stored.
+        sums, stored = (tile_rows, height) if tile.lanes and start is not None else (height, None)
+
         def columns_of(row0):
             if full_vectors:
                 with k.loop(full_vectors // tile_vectors) as c:
-                    emit_tile(k, tile, row0, height, k.builder.mul(c, k.i64(4 * tile_vectors)), tile_vectors)
+                    emit_tile(k, tile, row0, sums, k.builder.mul(c, k.i64(4 * tile_vectors)), tile_vectors,
+                              stored_rows=stored)
             if whole_vectors % tile_vectors:
-                emit_tile(k, tile, row0, height, k.i64(4 * full_vectors), whole_vectors % tile_vectors)
+                emit_tile(k, tile, row0, sums, k.i64(4 * full_vectors), whole_vectors % tile_vectors,
+                          stored_rows=stored)
             if columns % 4:
-                emit_tile(k, tile, row0, height, k.i64(4 * whole_vectors), 1, columns % 4)
+                emit_tile(k, tile, row0, sums, k.i64(4 * whole_vectors), 1, columns % 4, stored_rows=stored)
         if start is None:
             if count:
                 with k.loop(count // height) as r:
@@ -253,7 +274,8 @@ def lower_conv(k: Kernel, inputs, outputs, attrs) -> None:
     height, width, kh_count, kw_count, sh, sw, dh, dw, ph, pw, oh_count, ow_count = conv_geometry(x_shape, attrs)
     batch, channels = x_shape[:2]
     filters = attrs["filters"]
-    groups4 = inputs[1].shape[-1] // 4
+    lanes = attrs["int8_kernel"] == "dot"
+    groups4 = inputs[1].shape[1] // (kh_count * kw_count) if lanes else inputs[1].shape[-1] // 4
     plane = oh_count * ow_count
     plane4 = -(-plane // 4) * 4
     depth4 = kh_count * kw_count * groups4
@@ -296,11 +318,15 @@ def lower_conv(k: Kernel, inputs, outputs, attrs) -> None:
             return b.gep(packed, [k.index((g, plane4 * 4), (column, 4))])
 
         def broadcast(row, g):
+            if lanes:  # [filters / 8][depth4][8 filters][4]
+                return b.gep(weight, [k.index((b.lshr(row, k.i64(3)), depth4 * 32), (g, 32),
+                                              (b.and_(row, k.i64(7)), 4))])
             return b.gep(weight, [k.index((row, kp), (g, 4))])
         tile = DotTile(depth4, vector, broadcast,
                        lambda row, column: _splat(k, k.load(bias, row), V4I32),
                        lambda row, column: _splat(k, k.load(k.inputs[3], row), V4F32),
-                       lambda row, column: k.index((n, filters * plane), (row, plane), (column, 1)), y, attrs)
+                       lambda row, column: k.index((n, filters * plane), (row, plane), (column, 1)), y, attrs,
+                       lanes)
         emit_tiles(k, tile, filters, plane, *attrs["int8_tile"])
 
 

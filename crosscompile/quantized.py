@@ -73,6 +73,8 @@ def int8_tile(kernel: str) -> tuple:
     """(rows, vectors of 4 columns) of a dot-product tile in AArch64's 32
     registers: 16 sum registers, the loaded vectors and a broadcast ("pairs"
     keeps two registers per sum, so half the columns; "quads" one, as "dot")."""
+    if kernel == "dot":  # 24 sums, 3 loaded vectors and 2 of 4 rows' weights (sdot by element)
+        return (8, 3)
     return (4, 2) if kernel == "pairs" else (4, 4)
 
 
@@ -80,17 +82,24 @@ def _round_up(value: int, step: int) -> int:
     return -(-value // step) * step
 
 
-def _dot_constants(op: str, weight: np.ndarray, bias: np.ndarray, multipliers: np.ndarray, offset: int):
+def _dot_constants(op: str, weight: np.ndarray, bias: np.ndarray, multipliers: np.ndarray, offset: int,
+                   lanes: bool = False):
     """(weight, bias, multipliers) in the dot-product kernel's layouts, the
     bias corrected for activations entering as x - offset (see int8_dot.py):
-    a convolution's weight as (M, KH, KW, C padded to 4) rows; a product's
-    as [K / 4][N padded to 4][4], its bias and multipliers padded to N."""
+    a convolution's weight as (M, KH, KW, C padded to 4) rows, or with
+    lanes (sdot by element) as [M / 8][KH * KW * C / 4][8][4], M padded to 8
+    with zero filters; a product's as [K / 4][N padded to 4][4], its bias
+    and multipliers padded to N."""
     if op == "Conv":
         sums = weight.reshape(weight.shape[0], -1).astype(np.int64).sum(axis=1)
         rows = np.moveaxis(weight, 1, -1)
         pad = _round_up(rows.shape[-1], 4) - rows.shape[-1]
         rows = np.pad(rows, [(0, 0)] * (rows.ndim - 1) + [(0, pad)])
         corrected = bias.astype(np.int64) + offset * sums
+        if lanes:
+            rows = rows.reshape(rows.shape[0], -1, 4)
+            rows = np.pad(rows, [(0, _round_up(rows.shape[0], 8) - rows.shape[0]), (0, 0), (0, 0)])
+            rows = rows.reshape(-1, 8, rows.shape[1], 4).transpose(0, 2, 1, 3)
         return np.ascontiguousarray(rows.astype(np.int8)), corrected.astype(np.int32), multipliers
     depth, columns = weight.shape
     sums = weight.astype(np.int64).sum(axis=0)
@@ -259,7 +268,8 @@ def _integer_node(graph: Graph, match: _Match, target: Target, constants: dict, 
     x_dtype = graph.tensors[match.x].dtype
     if kernel in ("dot", "pairs", "quads"):
         offset = (128 if x_dtype == "uint8" else 0) - match.x_zero
-        weight, bias, multipliers = _dot_constants(op.op_type if conv else "MatMul", weight, bias, multipliers, offset)
+        weight, bias, multipliers = _dot_constants(op.op_type if conv else "MatMul", weight, bias, multipliers, offset,
+                                                   lanes=conv and kernel == "dot")
     names = [f"{op.name}/integer_weight", f"{op.name}/integer_bias", f"{op.name}/multipliers"]
     for name, value in zip(names, (weight, bias, multipliers)):
         constants[name] = value
