@@ -24,7 +24,7 @@ from llvmlite import ir
 
 from .conv import _deinterleaved
 from .emit import F32, I8, I32, I64, Kernel
-from .int8_dot import ROUNDING_LIMIT
+from .int8_dot import ROUNDING_LIMIT, _intrinsic
 from .op_base import _prod
 from .quantize_ops import QUANT_RANGES, _IntegerOp, _extend, round_half_even, saturate, window_taps
 from .window import _resolve_window, _valid_range
@@ -67,11 +67,40 @@ class IntegerTable(_IntegerOp):
         return [inputs[0]]
 
     def lower(self, k, inputs, outputs, attrs):
-        b = k.builder
         x, table = k.typed(k.inputs[0], inputs[0].dtype), k.typed(k.inputs[1], attrs["output_dtype"])
         y = k.typed(k.outputs[0], attrs["output_dtype"])
-        with k.loop(outputs[0].size) as i:
-            k.store(k.load(table, b.zext(k.load(x, i), I64)), y, i)
+        look_up(k, table, x, y, k.i64(0), outputs[0].size)
+
+
+# Bytes a table lookup takes at a time on AArch64.
+TABLE_LANES = 16
+
+
+def look_up(k: Kernel, table: ir.Value, x: ir.Value, y: ir.Value, start: ir.Value, count: int) -> None:
+    """y[start + i] = table[x[start + i]] for i < count (x may be y). On
+    AArch64, 16 values at a time: the 256-byte table held in 16 registers,
+    one tbl of its first 64 bytes and a tbx of each next 64 (the index
+    less 64 each time: tbx leaves lanes whose index is out of range)."""
+    b = k.builder
+    whole = count // TABLE_LANES if k.target.arch == "aarch64" else 0
+    if whole:
+        vector = ir.VectorType(I8, TABLE_LANES)
+        pointer = vector.as_pointer()
+        rows = [b.load(b.bitcast(b.gep(table, [k.i64(TABLE_LANES * i)]), pointer), align=1)
+                for i in range(256 // TABLE_LANES)]
+        quarter = ir.Constant(vector, [64] * TABLE_LANES)
+        with k.loop(whole) as i:
+            at = b.add(start, b.mul(i, k.i64(TABLE_LANES)))
+            index = b.load(b.bitcast(b.gep(x, [at]), pointer), align=1)
+            value = _intrinsic(k, "llvm.aarch64.neon.tbl4.v16i8", vector, rows[:4] + [index])
+            for part in range(1, 4):
+                index = b.sub(index, quarter)
+                value = _intrinsic(k, "llvm.aarch64.neon.tbx4.v16i8", vector,
+                                   [value] + rows[4 * part:4 * part + 4] + [index])
+            b.store(value, b.bitcast(b.gep(y, [at]), pointer), align=1)
+    with k.loop(count, start=whole * TABLE_LANES) as i:
+        at = b.add(start, i)
+        k.store(k.load(table, b.zext(k.load(x, at), I64)), y, at)
 
 
 class IntegerBinary(_IntegerOp):
@@ -148,16 +177,14 @@ class IntegerPool(_IntegerOp):
                         k.store(b.add(k.load(acc, at), value), acc, at)
                 else:
                     _maximum_taps(k, x, y, source, out, geometry, dtype)
-            with k.loop(plane) as p:
-                if average:
+            if average:
+                with k.loop(plane) as p:
                     count = k.load(k.typed(k.inputs[1], "int32"), p)
                     total = b.sub(k.load(acc, p), b.mul(count, ir.Constant(I32, attrs["input_zero"])))
                     value = b.fmul(b.sitofp(total, F32), k.f32(attrs["input_scale"]))
                     k.store(quantize_value(k, b.fdiv(value, b.sitofp(count, F32)), attrs), y, b.add(out, p))
-                elif len(inputs) == 2:
-                    table = k.typed(k.inputs[1], attrs["output_dtype"])
-                    at = b.add(out, p)
-                    k.store(k.load(table, b.zext(k.load(y, at), I64)), y, at)
+            elif len(inputs) == 2:
+                look_up(k, k.typed(k.inputs[1], attrs["output_dtype"]), y, y, out, plane)
 
 
 # Outputs of a max pool's row taken at a time: a 16-byte vector, or an
