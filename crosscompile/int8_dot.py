@@ -135,7 +135,12 @@ def emit_tile(k: Kernel, tile: DotTile, row0: ir.Value, rows: int, column0: ir.V
     b = k.builder
     zero = ir.Constant(V4I32, [0] * 4)
     parts = 2 if tile.kind == "pairs" else 1
-    accs = [[[k.variable(zero) for _ in range(parts)] for v in range(vectors)] for i in range(rows)]
+    stored = rows if stored_rows is None else stored_rows
+    # Each stored row's sums start from its bias (a padding row's from 0;
+    # pair sums, added pairwise at the end, take it then).
+    accs = [[[k.variable(tile.bias(b.add(row0, k.i64(i)), b.add(column0, k.i64(4 * v)))
+                         if parts == 1 and i < stored else zero) for _ in range(parts)]
+             for v in range(vectors)] for i in range(rows)]
     with k.loop(tile.depth4) as g:
         loaded = [b.load(b.bitcast(tile.vector(g, b.add(column0, k.i64(4 * v))), V16I8.as_pointer()), align=1)
                   for v in range(vectors)]
@@ -170,20 +175,77 @@ def emit_tile(k: Kernel, tile: DotTile, row0: ir.Value, rows: int, column0: ir.V
                         b.store(_quad_sums(k, b.load(acc), *loaded[v], *splat), acc)
                     else:
                         b.store(_pair_sums(k, b.load(acc), loaded[v][part], splat), acc)
-    for i in range(rows if stored_rows is None else stored_rows):
+    for i in range(stored):
+        row = b.add(row0, k.i64(i))
+        totals = []
         for v in range(vectors):
-            row, column = b.add(row0, k.i64(i)), b.add(column0, k.i64(4 * v))
             sums = [b.load(acc) for acc in accs[i][v]]
-            total = sums[0] if parts == 1 else _intrinsic(k, "llvm.aarch64.neon.addp.v4i32", V4I32, sums)
-            total = b.add(total, tile.bias(row, column))
-            values = _requantize_vector(k, total, tile.multiplier(row, column), tile.attrs)
-            at = b.gep(tile.out_ptr, [tile.out(row, column)])
-            lanes = last_lanes if v == vectors - 1 else 4
-            if lanes == 4:
-                b.store(values, b.bitcast(at, V4I8.as_pointer()), align=1)
-            else:
-                for lane in range(lanes):
-                    b.store(b.extract_element(values, ir.Constant(I32, lane)), b.gep(at, [k.i64(lane)]))
+            if parts == 1:
+                totals.append(sums[0])
+                continue
+            total = _intrinsic(k, "llvm.aarch64.neon.addp.v4i32", V4I32, sums)
+            totals.append(b.add(total, tile.bias(row, b.add(column0, k.i64(4 * v)))))
+        multipliers = [tile.multiplier(row, b.add(column0, k.i64(4 * v))) for v in range(vectors)]
+        values = _requantize_row(k, totals, multipliers, tile.attrs)
+        at = b.gep(tile.out_ptr, [tile.out(row, column0)])
+        lanes = 4 * (vectors - 1) + last_lanes
+        done = 0
+        for width in (16, 8, 4, 2, 1):
+            while lanes - done >= width:
+                piece = b.shuffle_vector(values, values, ir.Constant(ir.VectorType(I32, width),
+                                                                     list(range(done, done + width))))
+                b.store(piece, b.bitcast(b.gep(at, [k.i64(done)]), piece.type.as_pointer()), align=1)
+                done += width
+
+
+def _requantize_row(k: Kernel, sums: list, multipliers: list, attrs) -> ir.Value:
+    """The vectors of sums (4 x i32 each, of one row's consecutive columns)
+    requantized to one vector of their 8-bit values. fcvtns rounds to
+    nearest, ties to even, into int32; sqxtn saturates to int16, where
+    y_zero is added (saturating: within int16 that cannot change a value
+    that the bytes' saturation keeps), then sqxtun / sqxtn saturates to
+    the output's 8 bits, 8 lanes an instruction, and only bounds narrower
+    than the type's (a Relu's) are applied as such."""
+    b = k.builder
+    if k.target.arch != "aarch64":
+        parts = [_requantize_vector(k, acc, m, attrs) for acc, m in zip(sums, multipliers)]
+        return _concatenated(k, parts)
+    halves = []
+    for acc, multiplier in zip(sums, multipliers):
+        value = _intrinsic(k, "llvm.aarch64.neon.fcvtns.v4i32.v4f32", V4I32,
+                           [b.fmul(b.sitofp(acc, V4F32), multiplier)])
+        halves.append(_intrinsic(k, "llvm.aarch64.neon.sqxtn.v4i16", V4I16, [value]))
+    wide = _concatenated(k, halves + [ir.Constant(V4I16, ir.Undefined)] * (len(halves) % 2))
+    lanes = wide.type.count
+    wide = _intrinsic(k, f"llvm.sadd.sat.v{lanes}i16", wide.type,
+                      [wide, ir.Constant(wide.type, [attrs["output_zero"]] * lanes)])
+    unsigned = attrs["output_dtype"] == "uint8"
+    narrow = "sqxtun" if unsigned else "sqxtn"
+    eighths = [b.shuffle_vector(wide, wide, ir.Constant(ir.VectorType(I32, 8), list(range(start, start + 8))))
+               for start in range(0, lanes, 8)]
+    value = _concatenated(k, [_intrinsic(k, f"llvm.aarch64.neon.{narrow}.v8i8", V8I8, [part]) for part in eighths])
+    value_lanes = value.type.count
+    low, high = (0, 255) if unsigned else (-128, 127)
+    compare = b.icmp_unsigned if unsigned else b.icmp_signed
+    if attrs["lowest"] > low:
+        bound = ir.Constant(value.type, [attrs["lowest"] & 0xFF] * value_lanes)
+        value = b.select(compare(">", value, bound), value, bound)
+    if attrs["highest"] < high:
+        bound = ir.Constant(value.type, [attrs["highest"] & 0xFF] * value_lanes)
+        value = b.select(compare("<", value, bound), value, bound)
+    return value
+
+
+def _concatenated(k: Kernel, parts: list) -> ir.Value:
+    """One vector of equal-length vectors, in order (pairs joined until one is left)."""
+    b = k.builder
+    while len(parts) > 1:
+        if len(parts) % 2:
+            parts = parts + [ir.Constant(parts[0].type, ir.Undefined)]
+        count = parts[0].type.count
+        parts = [b.shuffle_vector(a, c, ir.Constant(ir.VectorType(I32, 2 * count), list(range(2 * count))))
+                 for a, c in zip(parts[::2], parts[1::2])]
+    return parts[0]
 
 
 def _requantize_vector(k: Kernel, acc: ir.Value, multiplier: ir.Value, attrs) -> ir.Value:
