@@ -15,7 +15,8 @@ from __future__ import annotations
 from llvmlite import ir
 
 from .emit import I8, I16, I32, Kernel
-from .int8_dot import V4F32, _requantize_vector, _splat, conv_geometry
+from .conv import _deinterleaved
+from .int8_dot import V4F32, _requantize_row, _splat, conv_geometry
 
 LANES = 8
 V8I16 = ir.VectorType(I16, LANES)
@@ -37,11 +38,16 @@ def scratch_bytes(x_shape, attrs) -> int:
     return 2 * rows * columns
 
 
-def _lanes(k: Kernel, ptr: ir.Value, stride: int) -> ir.Value:
-    """LANES int16 values at ptr, stride elements apart."""
+def _lanes(k: Kernel, padded: ir.Value, at: ir.Value, stride: int) -> ir.Value:
+    """LANES int16 values at padded + at, stride elements apart (stride 2 on
+    AArch64: one ld2, where LLVM rebuilds a wide load's even lanes a lane
+    at a time)."""
     b = k.builder
+    ptr = b.gep(padded, [at])
     if stride == 1:
         return b.load(b.bitcast(ptr, V8I16.as_pointer()), align=2)
+    if stride == 2 and k.target.arch == "aarch64":
+        return _deinterleaved(k, padded, at, LANES)[0]
     wide = ir.VectorType(I16, LANES * stride)
     loaded = b.load(b.bitcast(ptr, wide.as_pointer()), align=2)
     return b.shuffle_vector(loaded, ir.Constant(wide, ir.Undefined),
@@ -91,11 +97,9 @@ def lower(k: Kernel, inputs, outputs, attrs) -> None:
             for kh in range(kh_count):
                 for kw in range(kw_count):
                     at = k.index((oh, sh * columns), (block, LANES * sw), (kh * dh, columns), (kw * dw, 1))
-                    values = b.sext(_lanes(k, b.gep(padded, [at]), sw), V8I32)
+                    values = b.sext(_lanes(k, padded, at, sw), V8I32)
                     acc = b.add(acc, b.mul(values, taps[kh * kw_count + kw]))
-            quantized = [_requantize_vector(k, _half(k, acc, high), multiplier, attrs) for high in (False, True)]
-            out = b.shuffle_vector(quantized[0], quantized[1], ir.Constant(ir.VectorType(I32, LANES),
-                                                                           list(range(LANES))))
+            out = _requantize_row(k, [_half(k, acc, high) for high in (False, True)], [multiplier] * 2, attrs)
             base = k.index((nc, plane), (oh, ow_count), (block, LANES))
             _store_block(k, out, y, base, block, blocks, ow_count)
 
