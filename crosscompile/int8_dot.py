@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
+from .conv import _deinterleaved
 from .emit import F32, I8, I32, Kernel
 from .op_base import _prod
 from .window import _resolve_window, _valid_range
@@ -133,6 +134,8 @@ def emit_tile(k: Kernel, tile: DotTile, row0: ir.Value, rows: int, column0: ir.V
     columns 0-1 and 2-3, 8 products a smull + sadalp, added pairwise
     (addp) at the end."""
     b = k.builder
+    if tile.lanes and tile.depth4 <= OPAQUE_DEPTH4:
+        row0 = _opaque(k, row0)
     zero = ir.Constant(V4I32, [0] * 4)
     parts = 2 if tile.kind == "pairs" else 1
     stored = rows if stored_rows is None else stored_rows
@@ -196,6 +199,20 @@ def emit_tile(k: Kernel, tile: DotTile, row0: ir.Value, rows: int, column0: ir.V
                                                                      list(range(done, done + width))))
                 b.store(piece, b.bitcast(b.gep(at, [k.i64(done)]), piece.type.as_pointer()), align=1)
                 done += width
+
+
+# Reductions (in groups of 4) short enough for LLVM to unroll fully; see _opaque.
+OPAQUE_DEPTH4 = 8
+
+
+def _opaque(k: Kernel, value: ir.Value) -> ir.Value:
+    """value, through an empty asm statement that LLVM cannot see through
+    nor move: what is computed from it stays where it is. A tile's row
+    passes through it so that, with a short reduction fully unrolled, the
+    weights (the same for every tile of a row of tiles) are not all hoisted
+    out of the loop over columns, splat, and spilled to the stack."""
+    asm = ir.InlineAsm(ir.FunctionType(value.type, [value.type]), "", "=r,0", side_effect=True)
+    return k.builder.call(asm, [value])
 
 
 def _requantize_row(k: Kernel, sums: list, multipliers: list, attrs) -> ir.Value:
@@ -307,7 +324,12 @@ def emit_tiles(k: Kernel, tile: DotTile, rows: int, columns: int, tile_rows: int
 
 def _as_int8(k: Kernel, value: ir.Value, dtype: str) -> ir.Value:
     """An 8-bit activation as the kernel's int8: uint8 less 128 (its top bit flipped)."""
-    return k.builder.xor(value, ir.Constant(I8, 0x80)) if dtype == "uint8" else value
+    if dtype != "uint8":
+        return value
+    flip = ir.Constant(I8, 0x80)
+    if isinstance(value.type, ir.VectorType):
+        flip = ir.Constant(value.type, [0x80] * value.type.count)
+    return k.builder.xor(value, flip)
 
 
 def _fill(k: Kernel, ptr: ir.Value, start: ir.Value, count: int, value: ir.Value) -> None:
@@ -369,11 +391,17 @@ def lower_conv(k: Kernel, inputs, outputs, attrs) -> None:
                         row = k.index((group, 1), (oh, ow_count * 4))
                         _fill(k, packed, row, cols[0] * 4, pad)
                         _fill(k, packed, k.index((row, 1), (cols[1] * 4, 1)), (ow_count - cols[1]) * 4, pad)
-                        with k.loop(cols[1], start=cols[0]) as ow:
-                            for j in range(4):
-                                value = k.load(x, k.index((lines[j], 1), (oh, sh * width), (ow, sw)))
-                                value = b.select(valid[j], _as_int8(k, value, dtype), pad)
-                                k.store(value, packed, k.index((row, 1), (ow, 4), (j, 1)))
+                        tail_shift = kw * dw - pw + (cols[1] - PACK_LANES) * sw - 1
+                        if (sw == 2 and k.target.arch == "aarch64" and cols[1] - cols[0] >= PACK_LANES
+                                and tail_shift >= 0):
+                            _pack_stride2(k, x, packed, [k.index((line, 1), (oh, sh * width)) for line in lines],
+                                          valid, row, cols, pad, dtype)
+                        else:
+                            with k.loop(cols[1], start=cols[0]) as ow:
+                                for j in range(4):
+                                    value = k.load(x, k.index((lines[j], 1), (oh, sh * width), (ow, sw)))
+                                    value = b.select(valid[j], _as_int8(k, value, dtype), pad)
+                                    k.store(value, packed, k.index((row, 1), (ow, 4), (j, 1)))
         kp = depth4 * 4
 
         def vector(g, column):
@@ -390,6 +418,41 @@ def lower_conv(k: Kernel, inputs, outputs, attrs) -> None:
                        lambda row, column: k.index((n, filters * plane), (row, plane), (column, 1)), y, attrs,
                        lanes)
         emit_tiles(k, tile, filters, plane, *attrs["int8_tile"])
+
+
+# Output pixels packed at a time from a convolution's stride-2 rows.
+PACK_LANES = 16
+
+
+def _pack_stride2(k: Kernel, x: ir.Value, packed: ir.Value, lines: list, valid: list, row: ir.Value,
+                  cols: tuple, pad: ir.Value, dtype: str) -> None:
+    """The packing of output pixels cols[0]..cols[1] of one row, one kernel
+    tap, 4 channels (lines: their input rows at the tap; valid: whether
+    each channel exists), for stride 2: 16 pixels a time, each channel's
+    16 values from one ld2, the 4 channels interleaved into 64 bytes (st4).
+    The last 16 end at the row's end (its ld2 starts a byte early and takes
+    the odd lanes, so that it reads nothing past the row), rewriting some
+    pixels before them with the same bytes."""
+    b = k.builder
+    vector = ir.VectorType(I8, PACK_LANES)
+    pads = b.insert_element(ir.Constant(vector, ir.Undefined), pad, ir.Constant(I32, 0))
+    pads = b.shuffle_vector(pads, pads, ir.Constant(ir.VectorType(I32, PACK_LANES), [0] * PACK_LANES))
+    interleave = [j * PACK_LANES + p for p in range(PACK_LANES) for j in range(4)]
+
+    def pack(ow: ir.Value, shift: int) -> None:
+        values = []
+        for line, exists in zip(lines, valid):
+            loaded = _deinterleaved(k, x, k.index((line, 1), (ow, 2), (-shift, 1)), PACK_LANES)[shift]
+            values.append(b.select(exists, _as_int8(k, loaded, dtype), pads))
+        halves = [b.shuffle_vector(values[i], values[i + 1], ir.Constant(ir.VectorType(I32, 2 * PACK_LANES),
+                                                                         list(range(2 * PACK_LANES))))
+                  for i in (0, 2)]
+        joined = b.shuffle_vector(halves[0], halves[1], ir.Constant(ir.VectorType(I32, 4 * PACK_LANES), interleave))
+        at = b.gep(packed, [k.index((row, 1), (ow, 4))])
+        b.store(joined, b.bitcast(at, joined.type.as_pointer()), align=1)
+    with k.loop((cols[1] - cols[0] - 1) // PACK_LANES) as c:
+        pack(k.index((c, PACK_LANES), (cols[0], 1)), 0)
+    pack(k.i64(cols[1] - PACK_LANES), 1)
 
 
 def lower_matmul(k: Kernel, inputs, outputs, attrs) -> None:
