@@ -63,35 +63,7 @@ def _half(k: Kernel, vector: ir.Value, high: bool) -> ir.Value:
                                     ir.Constant(ir.VectorType(I32, 8), list(range(start, start + 8))))
 
 
-def _pair_sums(k: Kernel, acc: ir.Value, a: ir.Value, b: ir.Value) -> ir.Value:
-    """acc (4 x i32) + the sums of adjacent pairs of a * b (8 x int8 each):
-    smull then sadalp, ARMv8.0's widening multiply-accumulate."""
-    product = _intrinsic(k, "llvm.aarch64.neon.smull.v8i16", V8I16, [a, b])
-    return k.builder.add(acc, _intrinsic(k, "llvm.aarch64.neon.saddlp.v4i32.v8i16", V4I32, [product]))
-
-
 V4I16 = ir.VectorType(ir.IntType(16), 4)
-
-
-def _lanes16(k: Kernel, vector: ir.Value, odd: bool) -> ir.Value:
-    """The even (or odd) 16-bit lanes of 16 bytes, as 8 bytes: for a vector
-    of 4 columns x 4 reduction values, each column's values 0-1 (or 2-3)."""
-    b = k.builder
-    halves = b.bitcast(vector, V8I16)
-    picked = b.shuffle_vector(halves, ir.Constant(V8I16, ir.Undefined),
-                              ir.Constant(V4I32, [int(odd) + 2 * i for i in range(4)]))
-    return b.bitcast(picked, V8I8)
-
-
-def _quad_sums(k: Kernel, acc: ir.Value, low: ir.Value, high: ir.Value, pair_low: ir.Value,
-               pair_high: ir.Value) -> ir.Value:
-    """acc (4 x i32) + per column the 4 products of its reduction values:
-    smull of values 0-1, smlal of values 2-3 (16-bit sums of two products,
-    which cannot overflow while weights stay within +-127), then sadalp."""
-    b = k.builder
-    product = b.add(_intrinsic(k, "llvm.aarch64.neon.smull.v8i16", V8I16, [low, pair_low]),
-                    _intrinsic(k, "llvm.aarch64.neon.smull.v8i16", V8I16, [high, pair_high]))
-    return b.add(acc, _intrinsic(k, "llvm.aarch64.neon.saddlp.v4i32.v8i16", V4I32, [product]))
 
 
 def _splat(k: Kernel, value: ir.Value, vector: ir.VectorType) -> ir.Value:
@@ -109,10 +81,10 @@ class DotTile:
     for the 4 columns from column on; out(row, column) -> element offset in
     the output of (row, column), whose next 3 columns follow it.
 
-    With lanes (kind "dot" only), broadcast(row, g) is the i8* of 16 bytes:
-    rows row..row + 3 (row a multiple of 4), 4 reduction values each, and
-    each row's sdot takes its 4 bytes as a lane of that one register
-    (sdot by element): a load for 4 rows rather than one for each.
+    With lanes (kinds "dot" and "quads"), broadcast(row, g) is the i8* of
+    16 bytes: rows row..row + 3 (row a multiple of 4), 4 reduction values
+    each, and each row's 4 bytes are a lane of that one register (sdot by
+    element, or a dup): a load for 4 rows rather than one for each.
     """
 
     def __init__(self, depth4: int, vector, broadcast, bias, multiplier, out, out_ptr, attrs, lanes: bool = False):
@@ -128,16 +100,15 @@ def emit_tile(k: Kernel, tile: DotTile, row0: ir.Value, rows: int, column0: ir.V
     from stored_rows on (padding rows of a lanes tile).
 
     With tile.kind "dot" each sum is one register, 16 products a sdot.
-    With "quads" (AArch64 without dot products) each is one register too,
-    16 products a smull + smlal + sadalp on the loaded vector's even and
-    odd 16-bit lanes. With "pairs" each is two registers of pair sums,
-    columns 0-1 and 2-3, 8 products a smull + sadalp, added pairwise
-    (addp) at the end."""
+    With "pairs" and "quads" (AArch64 without dot products) each is two
+    registers of pair sums, columns 0-1 and 2-3, added pairwise (addp) at
+    the end: 8 products a smull + sadalp ("pairs"), or 16 products of two
+    groups a smull + smlal + sadalp ("quads")."""
     b = k.builder
     if tile.lanes and tile.depth4 <= OPAQUE_DEPTH4:
         row0 = _opaque(k, row0)
     zero = ir.Constant(V4I32, [0] * 4)
-    parts = 2 if tile.kind == "pairs" else 1
+    parts = 1 if tile.kind == "dot" else 2
     stored = rows if stored_rows is None else stored_rows
     # Each stored row's sums start from its bias (a padding row's from 0;
     # pair sums, added pairwise at the end, take it then).
@@ -145,49 +116,53 @@ def emit_tile(k: Kernel, tile: DotTile, row0: ir.Value, rows: int, column0: ir.V
                          if parts == 1 and i < stored else zero) for _ in range(parts)]
              for v in range(vectors)] for i in range(rows)]
 
-    def step(g: ir.Value) -> None:
-        loaded = [b.load(b.bitcast(tile.vector(g, b.add(column0, k.i64(4 * v))), V16I8.as_pointer()), align=1)
-                  for v in range(vectors)]
-        if tile.kind == "pairs":
-            loaded = [(_half(k, a, False), _half(k, a, True)) for a in loaded]
-        elif tile.kind == "quads":
-            loaded = [(_lanes16(k, a, False), _lanes16(k, a, True)) for a in loaded]
+    def step(groups: list) -> None:
+        """The products of one or two groups of 4 along the reduction."""
+        if tile.kind != "quads" and len(groups) > 1:  # one after the other: fewer registers live
+            for g in groups:
+                step([g])
+            return
+        loaded = [[b.load(b.bitcast(tile.vector(g, b.add(column0, k.i64(4 * v))), V16I8.as_pointer()), align=1)
+                   for v in range(vectors)] for g in groups]
         if tile.lanes:
-            quads = [b.bitcast(b.load(b.bitcast(tile.broadcast(b.add(row0, k.i64(4 * q)), g), V4I32.as_pointer()),
-                                      align=1), V4I32) for q in range(rows // 4)]
+            quads = [[b.load(b.bitcast(tile.broadcast(b.add(row0, k.i64(4 * q)), g), V4I32.as_pointer()), align=1)
+                      for g in groups] for q in range(rows // 4)]
         for i in range(rows):
+            row = b.add(row0, k.i64(i))
             if tile.lanes:
-                splat = b.bitcast(b.shuffle_vector(quads[i // 4], ir.Constant(V4I32, ir.Undefined),
-                                                   ir.Constant(V4I32, [i % 4] * 4)), V16I8)
-                for v in range(vectors):
-                    b.store(_sdot(k, b.load(accs[i][v][0]), loaded[v], splat), accs[i][v][0])
-                continue
-            word = b.load(b.bitcast(tile.broadcast(b.add(row0, k.i64(i)), g), I32.as_pointer()), align=1)
-            splat = b.bitcast(_splat(k, word, V4I32), V16I8)
-            if tile.kind == "pairs":
-                splat = _half(k, splat, False)
-            elif tile.kind == "quads":
-                pairs = b.bitcast(word, ir.VectorType(ir.IntType(16), 2))
-                splat = [b.bitcast(_splat(k, b.extract_element(pairs, ir.Constant(I32, h)), V4I16), V8I8)
-                         for h in (0, 1)]
+                splats = [b.bitcast(b.shuffle_vector(q, ir.Constant(V4I32, ir.Undefined),
+                                                     ir.Constant(V4I32, [i % 4] * 4)), V16I8) for q in quads[i // 4]]
+            else:
+                splats = [b.bitcast(_splat(k, b.load(b.bitcast(tile.broadcast(row, g), I32.as_pointer()), align=1),
+                                           V4I32), V16I8) for g in groups]
             for v in range(vectors):
                 for part in range(parts):
                     acc = accs[i][v][part]
                     if tile.kind == "dot":
-                        b.store(_sdot(k, b.load(acc), loaded[v], splat), acc)
-                    elif tile.kind == "quads":
-                        b.store(_quad_sums(k, b.load(acc), *loaded[v], *splat), acc)
+                        total = b.load(acc)
+                        for a, splat in zip(loaded, splats):
+                            total = _sdot(k, total, a[v], splat)
                     else:
-                        b.store(_pair_sums(k, b.load(acc), loaded[v][part], splat), acc)
+                        # 8 products (columns 0-1 or 2-3, by the weights' 4
+                        # values twice) a smull, the next group's added by
+                        # smlal: 16-bit sums of two products, which cannot
+                        # overflow while weights stay within +-127 ("quads").
+                        products = [_intrinsic(k, "llvm.aarch64.neon.smull.v8i16", V8I16,
+                                               [_half(k, a[v], part == 1), _half(k, splat, part == 1)])
+                                    for a, splat in zip(loaded, splats)]
+                        product = products[0] if len(products) == 1 else b.add(*products)
+                        total = b.add(b.load(acc), _intrinsic(k, "llvm.aarch64.neon.saddlp.v4i32.v8i16",
+                                                              V4I32, [product]))
+                    b.store(total, acc)
 
     # Lanes tiles take two groups a trip: the loop's counter, branch and
-    # pointer steps cost 7 instructions a trip against 24 sdot.
-    unroll = 2 if tile.lanes and tile.depth4 > OPAQUE_DEPTH4 else 1
+    # pointer steps cost 7 instructions a trip against 24 sdot; "quads"
+    # tiles two, to add the second's products to the first's in 16 bits.
+    unroll = 2 if (tile.lanes and tile.depth4 > OPAQUE_DEPTH4) or tile.kind == "quads" else 1
     with k.loop(tile.depth4 // unroll) as h:
-        for u in range(unroll):
-            step(b.add(b.mul(h, k.i64(unroll)), k.i64(u)))
+        step([b.add(b.mul(h, k.i64(unroll)), k.i64(u)) for u in range(unroll)])
     if tile.depth4 % unroll:
-        step(k.i64(tile.depth4 - 1))
+        step([k.i64(tile.depth4 - 1)])
     for i in range(stored):
         row = b.add(row0, k.i64(i))
         totals = []
@@ -368,7 +343,8 @@ def lower_conv(k: Kernel, inputs, outputs, attrs) -> None:
     height, width, kh_count, kw_count, sh, sw, dh, dw, ph, pw, oh_count, ow_count = conv_geometry(x_shape, attrs)
     batch, channels = x_shape[:2]
     filters = attrs["filters"]
-    lanes = attrs["int8_kernel"] == "dot"
+    lanes = attrs["int8_kernel"] in ("dot", "quads")
+    block = attrs["int8_tile"][0]  # rows of the weight's blocks, with lanes
     groups4 = inputs[1].shape[1] // (kh_count * kw_count) if lanes else inputs[1].shape[-1] // 4
     plane = oh_count * ow_count
     plane4 = -(-plane // 4) * 4
@@ -418,9 +394,10 @@ def lower_conv(k: Kernel, inputs, outputs, attrs) -> None:
             return b.gep(packed, [k.index((g, plane4 * 4), (column, 4))])
 
         def broadcast(row, g):
-            if lanes:  # [filters / 8][depth4][8 filters][4]
-                return b.gep(weight, [k.index((b.lshr(row, k.i64(3)), depth4 * 32), (g, 32),
-                                              (b.and_(row, k.i64(7)), 4))])
+            if lanes:  # [filters / block][depth4][block filters][4]
+                shift = block.bit_length() - 1  # block is 4 or 8
+                return b.gep(weight, [k.index((b.lshr(row, k.i64(shift)), depth4 * block * 4), (g, block * 4),
+                                              (b.and_(row, k.i64(block - 1)), 4))])
             return b.gep(weight, [k.index((row, kp), (g, 4))])
         tile = DotTile(depth4, vector, broadcast,
                        lambda row, column: _splat(k, k.load(bias, row), V4I32),
