@@ -55,7 +55,8 @@ def int8_kernel(target: Target, weight: np.ndarray, group: int) -> str:
       weights that reach -128;
     - "depthwise": a 2-D convolution of one filter per channel, on every
       target (int8_depthwise.py: int16 products summed into int32 lanes,
-      8 outputs of a row at a time);
+      8 outputs of a row at a time; 3 x 3 layers with sdot on cores that
+      have it);
     - "widening": 8-bit values widened and multiplied into 32-bit sums
       along output rows, on every target (x86, 32-bit ARM, and the other
       grouped convolutions everywhere).
@@ -89,8 +90,9 @@ def _dot_constants(op: str, weight: np.ndarray, bias: np.ndarray, multipliers: n
     bias corrected for activations entering as x - offset (see int8_dot.py):
     a convolution's weight as (M, KH, KW, C padded to 4) rows, or with
     lanes (a tile's rows, read 4 at a time: sdot by element, or dup) as
-    [M / lanes][KH * KW * C / 4][lanes][4], M padded with zero filters; a product's as [K / 4][N padded to 4][4], its bias
-    and multipliers padded to N."""
+    [M / lanes][KH * KW * C / 4][lanes][4], M padded with zero filters; a
+    product's as [K / 4][N padded to 4][4], its bias and multipliers padded
+    to N."""
     if op == "Conv":
         sums = weight.reshape(weight.shape[0], -1).astype(np.int64).sum(axis=1)
         rows = np.moveaxis(weight, 1, -1)
@@ -277,6 +279,8 @@ def _integer_node(graph: Graph, match: _Match, target: Target, constants: dict, 
         tensors[name] = Tensor(name, value.shape, value.dtype.name)
     attrs = _Output(match.quantize, match.y_scale, match.y_zero, match.y_dtype, match.relu).attrs()
     attrs.update({"input_zero": match.x_zero, "int8_kernel": kernel, "int8_tile": int8_tile(kernel)})
+    if kernel == "depthwise":  # whether sdot can take the weights (int8_depthwise.lower_dot)
+        attrs["int8_weights"] = bool(weight.size == 0 or (weight.min() >= -128 and weight.max() <= 127))
     if conv:
         attrs.update({key: op.attrs[key] for key in ("strides", "pads", "auto_pad", "dilations", "group")})
         attrs["kernel_shape"] = tuple(match.weight.shape[2:])
