@@ -756,7 +756,8 @@ def _deinterleaved(k: Kernel, ptr: ir.Value, offset: ir.Value, width: int) -> li
     from one AArch64 ld2."""
     b = k.builder
     vector = ir.VectorType(ptr.type.pointee, width)
-    name = f"llvm.aarch64.neon.ld2.v{width}f16.p0v{width}f16"
+    element = "f16" if ptr.type.pointee == HALF else str(ptr.type.pointee)
+    name = f"llvm.aarch64.neon.ld2.v{width}{element}.p0v{width}{element}"
     fn = k.module.globals.get(name)
     if fn is None:
         fn = ir.Function(k.module, ir.FunctionType(ir.LiteralStructType([vector, vector]), [vector.as_pointer()]),

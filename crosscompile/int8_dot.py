@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
+from .conv import _deinterleaved
 from .emit import F32, I8, I32, Kernel
 from .op_base import _prod
 from .window import _resolve_window, _valid_range
@@ -62,35 +63,7 @@ def _half(k: Kernel, vector: ir.Value, high: bool) -> ir.Value:
                                     ir.Constant(ir.VectorType(I32, 8), list(range(start, start + 8))))
 
 
-def _pair_sums(k: Kernel, acc: ir.Value, a: ir.Value, b: ir.Value) -> ir.Value:
-    """acc (4 x i32) + the sums of adjacent pairs of a * b (8 x int8 each):
-    smull then sadalp, ARMv8.0's widening multiply-accumulate."""
-    product = _intrinsic(k, "llvm.aarch64.neon.smull.v8i16", V8I16, [a, b])
-    return k.builder.add(acc, _intrinsic(k, "llvm.aarch64.neon.saddlp.v4i32.v8i16", V4I32, [product]))
-
-
 V4I16 = ir.VectorType(ir.IntType(16), 4)
-
-
-def _lanes16(k: Kernel, vector: ir.Value, odd: bool) -> ir.Value:
-    """The even (or odd) 16-bit lanes of 16 bytes, as 8 bytes: for a vector
-    of 4 columns x 4 reduction values, each column's values 0-1 (or 2-3)."""
-    b = k.builder
-    halves = b.bitcast(vector, V8I16)
-    picked = b.shuffle_vector(halves, ir.Constant(V8I16, ir.Undefined),
-                              ir.Constant(V4I32, [int(odd) + 2 * i for i in range(4)]))
-    return b.bitcast(picked, V8I8)
-
-
-def _quad_sums(k: Kernel, acc: ir.Value, low: ir.Value, high: ir.Value, pair_low: ir.Value,
-               pair_high: ir.Value) -> ir.Value:
-    """acc (4 x i32) + per column the 4 products of its reduction values:
-    smull of values 0-1, smlal of values 2-3 (16-bit sums of two products,
-    which cannot overflow while weights stay within +-127), then sadalp."""
-    b = k.builder
-    product = b.add(_intrinsic(k, "llvm.aarch64.neon.smull.v8i16", V8I16, [low, pair_low]),
-                    _intrinsic(k, "llvm.aarch64.neon.smull.v8i16", V8I16, [high, pair_high]))
-    return b.add(acc, _intrinsic(k, "llvm.aarch64.neon.saddlp.v4i32.v8i16", V4I32, [product]))
 
 
 def _splat(k: Kernel, value: ir.Value, vector: ir.VectorType) -> ir.Value:
@@ -107,68 +80,174 @@ class DotTile:
     bias(row, column) / multiplier(row, column) -> <4 x i32> / <4 x float>
     for the 4 columns from column on; out(row, column) -> element offset in
     the output of (row, column), whose next 3 columns follow it.
+
+    With lanes (kinds "dot" and "quads"), broadcast(row, g) is the i8* of
+    16 bytes: rows row..row + 3 (row a multiple of 4), 4 reduction values
+    each, and each row's 4 bytes are a lane of that one register (sdot by
+    element, or a dup): a load for 4 rows rather than one for each.
     """
 
-    def __init__(self, depth4: int, vector, broadcast, bias, multiplier, out, out_ptr, attrs):
-        self.kind = attrs["int8_kernel"]
+    def __init__(self, depth4: int, vector, broadcast, bias, multiplier, out, out_ptr, attrs, lanes: bool = False):
+        self.kind, self.lanes = attrs["int8_kernel"], lanes
         self.depth4, self.vector, self.broadcast = depth4, vector, broadcast
         self.bias, self.multiplier, self.out, self.out_ptr, self.attrs = bias, multiplier, out, out_ptr, attrs
 
 
 def emit_tile(k: Kernel, tile: DotTile, row0: ir.Value, rows: int, column0: ir.Value, vectors: int,
-              last_lanes: int = 4) -> None:
+              last_lanes: int = 4, stored_rows: "int | None" = None) -> None:
     """One tile: rows x (vectors * 4) sums from (row0, column0), all
-    written but the last vector's lanes beyond last_lanes.
+    written but the last vector's lanes beyond last_lanes and the rows
+    from stored_rows on (padding rows of a lanes tile).
 
     With tile.kind "dot" each sum is one register, 16 products a sdot.
-    With "quads" (AArch64 without dot products) each is one register too,
-    16 products a smull + smlal + sadalp on the loaded vector's even and
-    odd 16-bit lanes. With "pairs" each is two registers of pair sums,
-    columns 0-1 and 2-3, 8 products a smull + sadalp, added pairwise
-    (addp) at the end."""
+    With "pairs" and "quads" (AArch64 without dot products) each is two
+    registers of pair sums, columns 0-1 and 2-3, added pairwise (addp) at
+    the end: 8 products a smull + sadalp ("pairs"), or 16 products of two
+    groups a smull + smlal + sadalp ("quads")."""
     b = k.builder
+    if tile.lanes and tile.depth4 <= OPAQUE_DEPTH4:
+        row0 = _opaque(k, row0)
     zero = ir.Constant(V4I32, [0] * 4)
-    parts = 2 if tile.kind == "pairs" else 1
-    accs = [[[k.variable(zero) for _ in range(parts)] for v in range(vectors)] for i in range(rows)]
-    with k.loop(tile.depth4) as g:
-        loaded = [b.load(b.bitcast(tile.vector(g, b.add(column0, k.i64(4 * v))), V16I8.as_pointer()), align=1)
-                  for v in range(vectors)]
-        if tile.kind == "pairs":
-            loaded = [(_half(k, a, False), _half(k, a, True)) for a in loaded]
-        elif tile.kind == "quads":
-            loaded = [(_lanes16(k, a, False), _lanes16(k, a, True)) for a in loaded]
+    parts = 1 if tile.kind == "dot" else 2
+    stored = rows if stored_rows is None else stored_rows
+    # Each stored row's sums start from its bias (a padding row's from 0;
+    # pair sums, added pairwise at the end, take it then).
+    accs = [[[k.variable(tile.bias(b.add(row0, k.i64(i)), b.add(column0, k.i64(4 * v)))
+                         if parts == 1 and i < stored else zero) for _ in range(parts)]
+             for v in range(vectors)] for i in range(rows)]
+
+    def step(groups: list) -> None:
+        """The products of one or two groups of 4 along the reduction."""
+        if tile.kind != "quads" and len(groups) > 1:  # one after the other: fewer registers live
+            for g in groups:
+                step([g])
+            return
+        loaded = [[b.load(b.bitcast(tile.vector(g, b.add(column0, k.i64(4 * v))), V16I8.as_pointer()), align=1)
+                   for v in range(vectors)] for g in groups]
+        if tile.lanes:
+            quads = [[b.load(b.bitcast(tile.broadcast(b.add(row0, k.i64(4 * q)), g), V4I32.as_pointer()), align=1)
+                      for g in groups] for q in range(rows // 4)]
         for i in range(rows):
-            word = b.load(b.bitcast(tile.broadcast(b.add(row0, k.i64(i)), g), I32.as_pointer()), align=1)
-            splat = b.bitcast(_splat(k, word, V4I32), V16I8)
-            if tile.kind == "pairs":
-                splat = _half(k, splat, False)
-            elif tile.kind == "quads":
-                pairs = b.bitcast(word, ir.VectorType(ir.IntType(16), 2))
-                splat = [b.bitcast(_splat(k, b.extract_element(pairs, ir.Constant(I32, h)), V4I16), V8I8)
-                         for h in (0, 1)]
+            row = b.add(row0, k.i64(i))
+            if tile.lanes:
+                splats = [b.bitcast(b.shuffle_vector(q, ir.Constant(V4I32, ir.Undefined),
+                                                     ir.Constant(V4I32, [i % 4] * 4)), V16I8) for q in quads[i // 4]]
+            else:
+                splats = [b.bitcast(_splat(k, b.load(b.bitcast(tile.broadcast(row, g), I32.as_pointer()), align=1),
+                                           V4I32), V16I8) for g in groups]
             for v in range(vectors):
                 for part in range(parts):
                     acc = accs[i][v][part]
                     if tile.kind == "dot":
-                        b.store(_sdot(k, b.load(acc), loaded[v], splat), acc)
-                    elif tile.kind == "quads":
-                        b.store(_quad_sums(k, b.load(acc), *loaded[v], *splat), acc)
+                        total = b.load(acc)
+                        for a, splat in zip(loaded, splats):
+                            total = _sdot(k, total, a[v], splat)
                     else:
-                        b.store(_pair_sums(k, b.load(acc), loaded[v][part], splat), acc)
-    for i in range(rows):
+                        # 8 products (columns 0-1 or 2-3, by the weights' 4
+                        # values twice) a smull, the next group's added by
+                        # smlal: 16-bit sums of two products, which cannot
+                        # overflow while weights stay within +-127 ("quads").
+                        products = [_intrinsic(k, "llvm.aarch64.neon.smull.v8i16", V8I16,
+                                               [_half(k, a[v], part == 1), _half(k, splat, part == 1)])
+                                    for a, splat in zip(loaded, splats)]
+                        product = products[0] if len(products) == 1 else b.add(*products)
+                        total = b.add(b.load(acc), _intrinsic(k, "llvm.aarch64.neon.saddlp.v4i32.v8i16",
+                                                              V4I32, [product]))
+                    b.store(total, acc)
+
+    # Lanes tiles take two groups a trip: the loop's counter, branch and
+    # pointer steps cost 7 instructions a trip against 24 sdot; "quads"
+    # tiles two, to add the second's products to the first's in 16 bits.
+    unroll = 2 if (tile.lanes and tile.depth4 > OPAQUE_DEPTH4) or tile.kind == "quads" else 1
+    with k.loop(tile.depth4 // unroll) as h:
+        step([b.add(b.mul(h, k.i64(unroll)), k.i64(u)) for u in range(unroll)])
+    if tile.depth4 % unroll:
+        step([k.i64(tile.depth4 - 1)])
+    for i in range(stored):
+        row = b.add(row0, k.i64(i))
+        totals = []
         for v in range(vectors):
-            row, column = b.add(row0, k.i64(i)), b.add(column0, k.i64(4 * v))
             sums = [b.load(acc) for acc in accs[i][v]]
-            total = sums[0] if parts == 1 else _intrinsic(k, "llvm.aarch64.neon.addp.v4i32", V4I32, sums)
-            total = b.add(total, tile.bias(row, column))
-            values = _requantize_vector(k, total, tile.multiplier(row, column), tile.attrs)
-            at = b.gep(tile.out_ptr, [tile.out(row, column)])
-            lanes = last_lanes if v == vectors - 1 else 4
-            if lanes == 4:
-                b.store(values, b.bitcast(at, V4I8.as_pointer()), align=1)
-            else:
-                for lane in range(lanes):
-                    b.store(b.extract_element(values, ir.Constant(I32, lane)), b.gep(at, [k.i64(lane)]))
+            if parts == 1:
+                totals.append(sums[0])
+                continue
+            total = _intrinsic(k, "llvm.aarch64.neon.addp.v4i32", V4I32, sums)
+            totals.append(b.add(total, tile.bias(row, b.add(column0, k.i64(4 * v)))))
+        multipliers = [tile.multiplier(row, b.add(column0, k.i64(4 * v))) for v in range(vectors)]
+        values = _requantize_row(k, totals, multipliers, tile.attrs)
+        at = b.gep(tile.out_ptr, [tile.out(row, column0)])
+        lanes = 4 * (vectors - 1) + last_lanes
+        done = 0
+        for width in (16, 8, 4, 2, 1):
+            while lanes - done >= width:
+                piece = b.shuffle_vector(values, values, ir.Constant(ir.VectorType(I32, width),
+                                                                     list(range(done, done + width))))
+                b.store(piece, b.bitcast(b.gep(at, [k.i64(done)]), piece.type.as_pointer()), align=1)
+                done += width
+
+
+# Reductions (in groups of 4) short enough for LLVM to unroll fully; see _opaque.
+OPAQUE_DEPTH4 = 8
+
+
+def _opaque(k: Kernel, value: ir.Value) -> ir.Value:
+    """value, through an empty asm statement that LLVM cannot see through
+    nor move: what is computed from it stays where it is. A tile's row
+    passes through it so that, with a short reduction fully unrolled, the
+    weights (the same for every tile of a row of tiles) are not all hoisted
+    out of the loop over columns, splat, and spilled to the stack."""
+    asm = ir.InlineAsm(ir.FunctionType(value.type, [value.type]), "", "=r,0", side_effect=True)
+    return k.builder.call(asm, [value])
+
+
+def _requantize_row(k: Kernel, sums: list, multipliers: list, attrs) -> ir.Value:
+    """The vectors of sums (4 x i32 each, of one row's consecutive columns)
+    requantized to one vector of their 8-bit values. fcvtns rounds to
+    nearest, ties to even, into int32; sqxtn saturates to int16, where
+    y_zero is added (saturating: within int16 that cannot change a value
+    that the bytes' saturation keeps), then sqxtun / sqxtn saturates to
+    the output's 8 bits, 8 lanes an instruction, and only bounds narrower
+    than the type's (a Relu's) are applied as such."""
+    b = k.builder
+    if k.target.arch != "aarch64":
+        parts = [_requantize_vector(k, acc, m, attrs) for acc, m in zip(sums, multipliers)]
+        return _concatenated(k, parts)
+    halves = []
+    for acc, multiplier in zip(sums, multipliers):
+        value = _intrinsic(k, "llvm.aarch64.neon.fcvtns.v4i32.v4f32", V4I32,
+                           [b.fmul(b.sitofp(acc, V4F32), multiplier)])
+        halves.append(_intrinsic(k, "llvm.aarch64.neon.sqxtn.v4i16", V4I16, [value]))
+    wide = _concatenated(k, halves + [ir.Constant(V4I16, ir.Undefined)] * (len(halves) % 2))
+    lanes = wide.type.count
+    wide = _intrinsic(k, f"llvm.sadd.sat.v{lanes}i16", wide.type,
+                      [wide, ir.Constant(wide.type, [attrs["output_zero"]] * lanes)])
+    unsigned = attrs["output_dtype"] == "uint8"
+    narrow = "sqxtun" if unsigned else "sqxtn"
+    eighths = [b.shuffle_vector(wide, wide, ir.Constant(ir.VectorType(I32, 8), list(range(start, start + 8))))
+               for start in range(0, lanes, 8)]
+    value = _concatenated(k, [_intrinsic(k, f"llvm.aarch64.neon.{narrow}.v8i8", V8I8, [part]) for part in eighths])
+    value_lanes = value.type.count
+    low, high = (0, 255) if unsigned else (-128, 127)
+    compare = b.icmp_unsigned if unsigned else b.icmp_signed
+    if attrs["lowest"] > low:
+        bound = ir.Constant(value.type, [attrs["lowest"] & 0xFF] * value_lanes)
+        value = b.select(compare(">", value, bound), value, bound)
+    if attrs["highest"] < high:
+        bound = ir.Constant(value.type, [attrs["highest"] & 0xFF] * value_lanes)
+        value = b.select(compare("<", value, bound), value, bound)
+    return value
+
+
+def _concatenated(k: Kernel, parts: list) -> ir.Value:
+    """One vector of equal-length vectors, in order (pairs joined until one is left)."""
+    b = k.builder
+    while len(parts) > 1:
+        if len(parts) % 2:
+            parts = parts + [ir.Constant(parts[0].type, ir.Undefined)]
+        count = parts[0].type.count
+        parts = [b.shuffle_vector(a, c, ir.Constant(ir.VectorType(I32, 2 * count), list(range(2 * count))))
+                 for a, c in zip(parts[::2], parts[1::2])]
+    return parts[0]
 
 
 def _requantize_vector(k: Kernel, acc: ir.Value, multiplier: ir.Value, attrs) -> ir.Value:
@@ -206,14 +285,20 @@ def emit_tiles(k: Kernel, tile: DotTile, rows: int, columns: int, tile_rows: int
     row_parts = [(full_rows, tile_rows, None)] + ([(rows % tile_rows, rows % tile_rows, full_rows)]
                                                   if rows % tile_rows else [])
     for count, height, start in row_parts:
+        # A lanes tile reads rows 4 at a time: the remainder is a whole
+        # tile of the weight's padding rows, only its real rows stored.
+        sums, stored = (tile_rows, height) if tile.lanes and start is not None else (height, None)
+
         def columns_of(row0):
             if full_vectors:
                 with k.loop(full_vectors // tile_vectors) as c:
-                    emit_tile(k, tile, row0, height, k.builder.mul(c, k.i64(4 * tile_vectors)), tile_vectors)
+                    emit_tile(k, tile, row0, sums, k.builder.mul(c, k.i64(4 * tile_vectors)), tile_vectors,
+                              stored_rows=stored)
             if whole_vectors % tile_vectors:
-                emit_tile(k, tile, row0, height, k.i64(4 * full_vectors), whole_vectors % tile_vectors)
+                emit_tile(k, tile, row0, sums, k.i64(4 * full_vectors), whole_vectors % tile_vectors,
+                          stored_rows=stored)
             if columns % 4:
-                emit_tile(k, tile, row0, height, k.i64(4 * whole_vectors), 1, columns % 4)
+                emit_tile(k, tile, row0, sums, k.i64(4 * whole_vectors), 1, columns % 4, stored_rows=stored)
         if start is None:
             if count:
                 with k.loop(count // height) as r:
@@ -224,7 +309,12 @@ def emit_tiles(k: Kernel, tile: DotTile, rows: int, columns: int, tile_rows: int
 
 def _as_int8(k: Kernel, value: ir.Value, dtype: str) -> ir.Value:
     """An 8-bit activation as the kernel's int8: uint8 less 128 (its top bit flipped)."""
-    return k.builder.xor(value, ir.Constant(I8, 0x80)) if dtype == "uint8" else value
+    if dtype != "uint8":
+        return value
+    flip = ir.Constant(I8, 0x80)
+    if isinstance(value.type, ir.VectorType):
+        flip = ir.Constant(value.type, [0x80] * value.type.count)
+    return k.builder.xor(value, flip)
 
 
 def _fill(k: Kernel, ptr: ir.Value, start: ir.Value, count: int, value: ir.Value) -> None:
@@ -253,7 +343,9 @@ def lower_conv(k: Kernel, inputs, outputs, attrs) -> None:
     height, width, kh_count, kw_count, sh, sw, dh, dw, ph, pw, oh_count, ow_count = conv_geometry(x_shape, attrs)
     batch, channels = x_shape[:2]
     filters = attrs["filters"]
-    groups4 = inputs[1].shape[-1] // 4
+    lanes = attrs["int8_kernel"] in ("dot", "quads")
+    block = attrs["int8_tile"][0]  # rows of the weight's blocks, with lanes
+    groups4 = inputs[1].shape[1] // (kh_count * kw_count) if lanes else inputs[1].shape[-1] // 4
     plane = oh_count * ow_count
     plane4 = -(-plane // 4) * 4
     depth4 = kh_count * kw_count * groups4
@@ -285,23 +377,69 @@ def lower_conv(k: Kernel, inputs, outputs, attrs) -> None:
                         row = k.index((group, 1), (oh, ow_count * 4))
                         _fill(k, packed, row, cols[0] * 4, pad)
                         _fill(k, packed, k.index((row, 1), (cols[1] * 4, 1)), (ow_count - cols[1]) * 4, pad)
-                        with k.loop(cols[1], start=cols[0]) as ow:
-                            for j in range(4):
-                                value = k.load(x, k.index((lines[j], 1), (oh, sh * width), (ow, sw)))
-                                value = b.select(valid[j], _as_int8(k, value, dtype), pad)
-                                k.store(value, packed, k.index((row, 1), (ow, 4), (j, 1)))
+                        tail_shift = kw * dw - pw + (cols[1] - PACK_LANES) * sw - 1
+                        if (sw == 2 and k.target.arch == "aarch64" and cols[1] - cols[0] >= PACK_LANES
+                                and tail_shift >= 0):
+                            _pack_stride2(k, x, packed, [k.index((line, 1), (oh, sh * width)) for line in lines],
+                                          valid, row, cols, pad, dtype)
+                        else:
+                            with k.loop(cols[1], start=cols[0]) as ow:
+                                for j in range(4):
+                                    value = k.load(x, k.index((lines[j], 1), (oh, sh * width), (ow, sw)))
+                                    value = b.select(valid[j], _as_int8(k, value, dtype), pad)
+                                    k.store(value, packed, k.index((row, 1), (ow, 4), (j, 1)))
         kp = depth4 * 4
 
         def vector(g, column):
             return b.gep(packed, [k.index((g, plane4 * 4), (column, 4))])
 
         def broadcast(row, g):
+            if lanes:  # [filters / block][depth4][block filters][4]
+                shift = block.bit_length() - 1  # block is 4 or 8
+                return b.gep(weight, [k.index((b.lshr(row, k.i64(shift)), depth4 * block * 4), (g, block * 4),
+                                              (b.and_(row, k.i64(block - 1)), 4))])
             return b.gep(weight, [k.index((row, kp), (g, 4))])
         tile = DotTile(depth4, vector, broadcast,
                        lambda row, column: _splat(k, k.load(bias, row), V4I32),
                        lambda row, column: _splat(k, k.load(k.inputs[3], row), V4F32),
-                       lambda row, column: k.index((n, filters * plane), (row, plane), (column, 1)), y, attrs)
+                       lambda row, column: k.index((n, filters * plane), (row, plane), (column, 1)), y, attrs,
+                       lanes)
         emit_tiles(k, tile, filters, plane, *attrs["int8_tile"])
+
+
+# Output pixels packed at a time from a convolution's stride-2 rows.
+PACK_LANES = 16
+
+
+def _pack_stride2(k: Kernel, x: ir.Value, packed: ir.Value, lines: list, valid: list, row: ir.Value,
+                  cols: tuple, pad: ir.Value, dtype: str) -> None:
+    """The packing of output pixels cols[0]..cols[1] of one row, one kernel
+    tap, 4 channels (lines: their input rows at the tap; valid: whether
+    each channel exists), for stride 2: 16 pixels a time, each channel's
+    16 values from one ld2, the 4 channels interleaved into 64 bytes (st4).
+    The last 16 end at the row's end (its ld2 starts a byte early and takes
+    the odd lanes, so that it reads nothing past the row), rewriting some
+    pixels before them with the same bytes."""
+    b = k.builder
+    vector = ir.VectorType(I8, PACK_LANES)
+    pads = b.insert_element(ir.Constant(vector, ir.Undefined), pad, ir.Constant(I32, 0))
+    pads = b.shuffle_vector(pads, pads, ir.Constant(ir.VectorType(I32, PACK_LANES), [0] * PACK_LANES))
+    interleave = [j * PACK_LANES + p for p in range(PACK_LANES) for j in range(4)]
+
+    def pack(ow: ir.Value, shift: int) -> None:
+        values = []
+        for line, exists in zip(lines, valid):
+            loaded = _deinterleaved(k, x, k.index((line, 1), (ow, 2), (-shift, 1)), PACK_LANES)[shift]
+            values.append(b.select(exists, _as_int8(k, loaded, dtype), pads))
+        halves = [b.shuffle_vector(values[i], values[i + 1], ir.Constant(ir.VectorType(I32, 2 * PACK_LANES),
+                                                                         list(range(2 * PACK_LANES))))
+                  for i in (0, 2)]
+        joined = b.shuffle_vector(halves[0], halves[1], ir.Constant(ir.VectorType(I32, 4 * PACK_LANES), interleave))
+        at = b.gep(packed, [k.index((row, 1), (ow, 4))])
+        b.store(joined, b.bitcast(at, joined.type.as_pointer()), align=1)
+    with k.loop((cols[1] - cols[0] - 1) // PACK_LANES) as c:
+        pack(k.index((c, PACK_LANES), (cols[0], 1)), 0)
+    pack(k.i64(cols[1] - PACK_LANES), 1)
 
 
 def lower_matmul(k: Kernel, inputs, outputs, attrs) -> None:

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from .emit import F32, I32, I64, Kernel
-from .int8_dot import ROUNDING_LIMIT
+from .conv import _deinterleaved
+from .emit import F32, I8, I32, I64, Kernel
+from .int8_dot import ROUNDING_LIMIT, _intrinsic
 from .op_base import _prod
 from .quantize_ops import QUANT_RANGES, _IntegerOp, _extend, round_half_even, saturate, window_taps
-from .window import _resolve_window
+from .window import _resolve_window, _valid_range
 
 
 def pool_geometry(x_shape, attrs) -> tuple:
@@ -66,11 +67,40 @@ class IntegerTable(_IntegerOp):
         return [inputs[0]]
 
     def lower(self, k, inputs, outputs, attrs):
-        b = k.builder
         x, table = k.typed(k.inputs[0], inputs[0].dtype), k.typed(k.inputs[1], attrs["output_dtype"])
         y = k.typed(k.outputs[0], attrs["output_dtype"])
-        with k.loop(outputs[0].size) as i:
-            k.store(k.load(table, b.zext(k.load(x, i), I64)), y, i)
+        look_up(k, table, x, y, k.i64(0), outputs[0].size)
+
+
+# Bytes a table lookup takes at a time on AArch64.
+TABLE_LANES = 16
+
+
+def look_up(k: Kernel, table: ir.Value, x: ir.Value, y: ir.Value, start: ir.Value, count: int) -> None:
+    """y[start + i] = table[x[start + i]] for i < count (x may be y). On
+    AArch64, 16 values at a time: the 256-byte table held in 16 registers,
+    one tbl of its first 64 bytes and a tbx of each next 64 (the index
+    less 64 each time: tbx leaves lanes whose index is out of range)."""
+    b = k.builder
+    whole = count // TABLE_LANES if k.target.arch == "aarch64" else 0
+    if whole:
+        vector = ir.VectorType(I8, TABLE_LANES)
+        pointer = vector.as_pointer()
+        rows = [b.load(b.bitcast(b.gep(table, [k.i64(TABLE_LANES * i)]), pointer), align=1)
+                for i in range(256 // TABLE_LANES)]
+        quarter = ir.Constant(vector, [64] * TABLE_LANES)
+        with k.loop(whole) as i:
+            at = b.add(start, b.mul(i, k.i64(TABLE_LANES)))
+            index = b.load(b.bitcast(b.gep(x, [at]), pointer), align=1)
+            value = _intrinsic(k, "llvm.aarch64.neon.tbl4.v16i8", vector, rows[:4] + [index])
+            for part in range(1, 4):
+                index = b.sub(index, quarter)
+                value = _intrinsic(k, "llvm.aarch64.neon.tbx4.v16i8", vector,
+                                   [value] + rows[4 * part:4 * part + 4] + [index])
+            b.store(value, b.bitcast(b.gep(y, [at]), pointer), align=1)
+    with k.loop(count, start=whole * TABLE_LANES) as i:
+        at = b.add(start, i)
+        k.store(k.load(table, b.zext(k.load(x, at), I64)), y, at)
 
 
 class IntegerBinary(_IntegerOp):
@@ -124,11 +154,9 @@ class IntegerPool(_IntegerOp):
         average = attrs["mode"] == "average"
         x, y = k.typed(k.inputs[0], dtype), k.typed(k.outputs[0], attrs["output_dtype"])
         if average:
-            acc, combine = k.typed(k.scratch, "int32"), b.add
-            start = ir.Constant(I32, 0)
+            acc, start = k.typed(k.scratch, "int32"), ir.Constant(I32, 0)
         else:
-            acc, combine = y, (lambda m, v: b.select(_above(k, v, m, dtype), v, m))
-            start = ir.Constant(y.type.pointee, QUANT_RANGES[dtype][0] & 0xFF)
+            acc, start = y, ir.Constant(y.type.pointee, QUANT_RANGES[dtype][0] & 0xFF)
         with k.loop(x_shape[0] * x_shape[1]) as nc:
             out = k.index((nc, plane))
             source = k.index((nc, height * width))
@@ -143,23 +171,86 @@ class IntegerPool(_IntegerOp):
             else:
                 with k.loop(plane) as p:
                     k.store(start, acc, p if average else b.add(out, p))
-                for _, source_at, at in window_taps(k, source, geometry):
-                    value = k.load(x, source_at)
-                    if average:
-                        value = _extend(k, value, dtype)
-                    else:
-                        at = b.add(out, at)
-                    k.store(combine(k.load(acc, at), value), acc, at)
-            with k.loop(plane) as p:
                 if average:
+                    for _, source_at, at in window_taps(k, source, geometry):
+                        value = _extend(k, k.load(x, source_at), dtype)
+                        k.store(b.add(k.load(acc, at), value), acc, at)
+                else:
+                    _maximum_taps(k, x, y, source, out, geometry, dtype)
+            if average:
+                with k.loop(plane) as p:
                     count = k.load(k.typed(k.inputs[1], "int32"), p)
                     total = b.sub(k.load(acc, p), b.mul(count, ir.Constant(I32, attrs["input_zero"])))
                     value = b.fmul(b.sitofp(total, F32), k.f32(attrs["input_scale"]))
                     k.store(quantize_value(k, b.fdiv(value, b.sitofp(count, F32)), attrs), y, b.add(out, p))
-                elif len(inputs) == 2:
-                    table = k.typed(k.inputs[1], attrs["output_dtype"])
-                    at = b.add(out, p)
-                    k.store(k.load(table, b.zext(k.load(y, at), I64)), y, at)
+            elif len(inputs) == 2:
+                look_up(k, k.typed(k.inputs[1], attrs["output_dtype"]), y, y, out, plane)
+
+
+# Outputs of a max pool's row taken at a time: a 16-byte vector, or an
+# 8-byte one for rows of 8 to 15.
+POOL_LANES = (16, 8)
+
+
+def _maximum_taps(k: Kernel, x: ir.Value, y: ir.Value, source: ir.Value, out: ir.Value, geometry: tuple,
+                  dtype: str) -> None:
+    """y = max(y, tap) for each tap of the window, as window_taps visits
+    them, 16 (or 8) outputs of a row at a time where the tap's row has at
+    least that many and the stride is 1 or 2 (a load of 16 x stride bytes
+    and its even or odd lanes: one ld2 on AArch64); the last 16 of the row
+    end at its end, overlapping the ones before (the maximum is idempotent)."""
+    height, width, kh_count, kw_count, sh, sw, dh, dw, ph, pw, oh_count, ow_count = geometry
+    b = k.builder
+    for kh in range(kh_count):
+        rows = _valid_range(kh * dh - ph, sh, height, oh_count)
+        for kw in range(kw_count):
+            cols = _valid_range(kw * dw - pw, sw, width, ow_count)
+            count, offset = cols[1] - cols[0], kw * dw - pw
+            if rows[0] == rows[1] or count == 0:
+                continue
+            lanes = next((n for n in POOL_LANES if n <= count), POOL_LANES[0])
+            vector = ir.VectorType(I8, lanes)
+            # The last vector's load starts sw - 1 bytes early and takes the
+            # odd lanes, so that it ends at the row's last value; or, where
+            # that start is before the row, at the first value (its load then
+            # ends sw - 1 bytes past the value, still in the row).
+            tail_start = (cols[1] - lanes) * sw + offset
+            if tail_start - (sw - 1) >= 0:
+                tail_shift = sw - 1
+            elif (cols[1] - 1) * sw + offset + sw - 1 < width:
+                tail_shift = 0
+            else:
+                tail_shift = None
+            vectored = sw <= 2 and count >= lanes and tail_shift is not None
+            with k.loop(rows[1], start=rows[0]) as oh:
+                line = k.index((source, 1), (oh, sh * width), (kh * dh - ph, width), (offset, 1))
+                row = k.index((out, 1), (oh, ow_count))
+                if not vectored:
+                    with k.loop(cols[1], start=cols[0]) as ow:
+                        at = b.add(row, ow)
+                        value = k.load(x, k.index((line, 1), (ow, sw)))
+                        current = k.load(y, at)
+                        k.store(b.select(_above(k, value, current, dtype), value, current), y, at)
+                    continue
+
+                def maximum(ow: ir.Value, shift: int) -> None:
+                    offset = k.index((line, 1), (ow, sw), (-shift, 1))
+                    if sw == 2 and k.target.arch == "aarch64":
+                        # ld2 itself: LLVM rebuilds a wide load's even lanes a lane at a time.
+                        loaded = _deinterleaved(k, x, offset, lanes)[shift]
+                    else:
+                        loaded = b.load(b.bitcast(b.gep(x, [offset]), ir.VectorType(I8, lanes * sw).as_pointer()),
+                                        align=1)
+                    if sw > 1 and loaded.type.count != lanes:
+                        loaded = b.shuffle_vector(loaded, ir.Constant(loaded.type, ir.Undefined),
+                                                  ir.Constant(ir.VectorType(I32, lanes),
+                                                              [shift + sw * j for j in range(lanes)]))
+                    at = b.bitcast(b.gep(y, [b.add(row, ow)]), vector.as_pointer())
+                    current = b.load(at, align=1)
+                    b.store(b.select(_above(k, loaded, current, dtype), loaded, current), at, align=1)
+                with k.loop((count - 1) // lanes) as c:
+                    maximum(k.index((c, lanes), (cols[0], 1)), 0)
+                maximum(k.i64(cols[1] - lanes), tail_shift)
 
 
 def _above(k: Kernel, a: ir.Value, b: ir.Value, dtype: str) -> ir.Value:

@@ -352,6 +352,8 @@ class IntegerConv(_IntegerOp):
         plane = _prod(outputs[0].shape[2:])
         if attrs["int8_kernel"] == "depthwise":
             return int8_depthwise.scratch_bytes(inputs[0].shape, attrs)
+        if attrs["int8_kernel"] in ("dot", "quads"):  # the packed input: depth4 groups of 4 per output pixel
+            return inputs[1].shape[1] * 4 * -(-plane // 4) * 4
         if attrs["int8_kernel"] != "widening":
             return _prod(inputs[1].shape[1:]) * -(-plane // 4) * 4
         return 4 * plane

@@ -47,14 +47,16 @@ def int8_kernel(target: Target, weight: np.ndarray, group: int) -> str:
       int8 (symmetric int8 weights, as quantize_static writes them) and the
       convolution has one group;
     - "quads": the same tiles with ARMv8.0's smull + smlal + sadalp (16
-      products in three instructions, their 16-bit pair sums safe while
-      the weights stay within +-127, as symmetric int8 weights do), on the
-      other AArch64 cores (Cortex-A53, A72), under the same conditions;
+      products of two groups of 4 in three instructions, their 16-bit sums
+      of two products safe while the weights stay within +-127, as
+      symmetric int8 weights do), on the other AArch64 cores (Cortex-A53,
+      A72), under the same conditions;
     - "pairs": smull + sadalp (8 products in two instructions), there for
       weights that reach -128;
     - "depthwise": a 2-D convolution of one filter per channel, on every
       target (int8_depthwise.py: int16 products summed into int32 lanes,
-      8 outputs of a row at a time);
+      8 outputs of a row at a time; 3 x 3 layers with sdot on cores that
+      have it);
     - "widening": 8-bit values widened and multiplied into 32-bit sums
       along output rows, on every target (x86, 32-bit ARM, and the other
       grouped convolutions everywhere).
@@ -72,25 +74,35 @@ def int8_kernel(target: Target, weight: np.ndarray, group: int) -> str:
 def int8_tile(kernel: str) -> tuple:
     """(rows, vectors of 4 columns) of a dot-product tile in AArch64's 32
     registers: 16 sum registers, the loaded vectors and a broadcast ("pairs"
-    keeps two registers per sum, so half the columns; "quads" one, as "dot")."""
-    return (4, 2) if kernel == "pairs" else (4, 4)
+    and "quads" keep two registers per sum, so half the columns)."""
+    if kernel == "dot":  # 24 sums, 3 loaded vectors and 2 of 4 rows' weights (sdot by element)
+        return (8, 3)
+    return (4, 2)
 
 
 def _round_up(value: int, step: int) -> int:
     return -(-value // step) * step
 
 
-def _dot_constants(op: str, weight: np.ndarray, bias: np.ndarray, multipliers: np.ndarray, offset: int):
+def _dot_constants(op: str, weight: np.ndarray, bias: np.ndarray, multipliers: np.ndarray, offset: int,
+                   lanes: int = 0):
     """(weight, bias, multipliers) in the dot-product kernel's layouts, the
     bias corrected for activations entering as x - offset (see int8_dot.py):
-    a convolution's weight as (M, KH, KW, C padded to 4) rows; a product's
-    as [K / 4][N padded to 4][4], its bias and multipliers padded to N."""
+    a convolution's weight as (M, KH, KW, C padded to 4) rows, or with
+    lanes (a tile's rows, read 4 at a time: sdot by element, or dup) as
+    [M / lanes][KH * KW * C / 4][lanes][4], M padded with zero filters; a
+    product's as [K / 4][N padded to 4][4], its bias and multipliers padded
+    to N."""
     if op == "Conv":
         sums = weight.reshape(weight.shape[0], -1).astype(np.int64).sum(axis=1)
         rows = np.moveaxis(weight, 1, -1)
         pad = _round_up(rows.shape[-1], 4) - rows.shape[-1]
         rows = np.pad(rows, [(0, 0)] * (rows.ndim - 1) + [(0, pad)])
         corrected = bias.astype(np.int64) + offset * sums
+        if lanes:
+            rows = rows.reshape(rows.shape[0], -1, 4)
+            rows = np.pad(rows, [(0, _round_up(rows.shape[0], lanes) - rows.shape[0]), (0, 0), (0, 0)])
+            rows = rows.reshape(-1, lanes, rows.shape[1], 4).transpose(0, 2, 1, 3)
         return np.ascontiguousarray(rows.astype(np.int8)), corrected.astype(np.int32), multipliers
     depth, columns = weight.shape
     sums = weight.astype(np.int64).sum(axis=0)
@@ -259,13 +271,16 @@ def _integer_node(graph: Graph, match: _Match, target: Target, constants: dict, 
     x_dtype = graph.tensors[match.x].dtype
     if kernel in ("dot", "pairs", "quads"):
         offset = (128 if x_dtype == "uint8" else 0) - match.x_zero
-        weight, bias, multipliers = _dot_constants(op.op_type if conv else "MatMul", weight, bias, multipliers, offset)
+        weight, bias, multipliers = _dot_constants(op.op_type if conv else "MatMul", weight, bias, multipliers, offset,
+                                                   lanes=int8_tile(kernel)[0] if conv and kernel != "pairs" else 0)
     names = [f"{op.name}/integer_weight", f"{op.name}/integer_bias", f"{op.name}/multipliers"]
     for name, value in zip(names, (weight, bias, multipliers)):
         constants[name] = value
         tensors[name] = Tensor(name, value.shape, value.dtype.name)
     attrs = _Output(match.quantize, match.y_scale, match.y_zero, match.y_dtype, match.relu).attrs()
     attrs.update({"input_zero": match.x_zero, "int8_kernel": kernel, "int8_tile": int8_tile(kernel)})
+    if kernel == "depthwise":  # whether sdot can take the weights (int8_depthwise.lower_dot)
+        attrs["int8_weights"] = bool(weight.size == 0 or (weight.min() >= -128 and weight.max() <= 127))
     if conv:
         attrs.update({key: op.attrs[key] for key in ("strides", "pads", "auto_pad", "dilations", "group")})
         attrs["kernel_shape"] = tuple(match.weight.shape[2:])

@@ -86,14 +86,15 @@ WIDE_SHAPE = (1, 3, 8, 40)
 
 def wide_net(seed: int = 0) -> onnx.ModelProto:
     """Rows wide enough for the kernels' vector blocks and their remainders
-    (40, 20 and 10 columns): convolutions of stride 1 and 2, depthwise
+    (40, 20 and 10 columns), a convolution of 10 filters (the integer
+    tiles' 8 or 4 rows and a remainder): convolutions of stride 1 and 2, depthwise
     convolutions of stride 1 and 2, a MaxPool with ceil_mode, a Concat of
     inputs quantized apart, a residual Add, GlobalAveragePool and a dense
     layer. Input "x" WIDE_SHAPE, output "y" (1, 10)."""
     rng = np.random.default_rng(seed)
     inits = {}
-    inits.update(_conv(rng, "c1", 3, 8, 3))
-    inits.update(_conv(rng, "c2", 8, 8, 3))
+    inits.update(_conv(rng, "c1", 3, 10, 3))
+    inits.update(_conv(rng, "c2", 10, 8, 3))
     inits.update(_conv(rng, "dw1", 8, 8, 3, group=8))
     inits.update(_conv(rng, "dw2", 8, 8, 3, group=8))
     inits.update(_conv(rng, "pw", 16, 16, 1))
