@@ -13,6 +13,7 @@ import numpy as np
 from .ir import Graph, Node, Tensor
 from .ops import OPS
 from .recurrent import R_TRANSPOSED, W_TRANSPOSED
+from .window import _resolve_window, _valid_range
 
 
 def eliminate_dead_code(graph: Graph) -> Graph:
@@ -444,3 +445,59 @@ def fuse_residual_add(graph: Graph) -> Graph:
         return graph
     nodes = [fused.get(n.name, n) for n in graph.nodes if n.name not in dropped]
     return eliminate_dead_code(replace(graph, nodes=nodes))
+
+
+def _meets_input(outputs: tuple) -> bool:
+    lo, hi = outputs
+    return lo < hi
+
+
+def _live_taps(size: int, kernel: int, stride: int, dilation: int, begin: int, count: int) -> tuple:
+    """(first, last) kernel index along one axis whose tap meets the input
+    for some output position, or None if none does."""
+    live = [t for t in range(kernel) if _meets_input(_valid_range(t * dilation - begin, stride, size, count))]
+    return (live[0], live[-1]) if live else None
+
+
+def crop_dead_taps(graph: Graph) -> Graph:
+    """Drop the kernel rows and columns of a Conv with constant weights that
+    read only padding, whatever the output position, and shrink its
+    padding to match: the output is the same, the work is not. A dilated
+    3x3 convolution whose dilation reaches past the map (DeepLabV3's ASPP:
+    dilations 24 and 36 on a 14 x 14 map) becomes a 1x1 convolution, 9x
+    fewer multiplications; a large kernel on a small map loses its border.
+    Taps that meet the input for only some outputs stay (they count there).
+    """
+    constants, tensors = dict(graph.constants), dict(graph.tensors)
+    nodes, changed = [], False
+    for node in graph.nodes:
+        if node.op_type != "Conv" or len(node.inputs) < 2 or node.inputs[1] not in constants:
+            nodes.append(node)
+            continue
+        x, weight = graph.tensors[node.inputs[0]].shape, constants[node.inputs[1]]
+        axes = len(x) - 2
+        # The window's 3-D geometry, only the input's own spatial axes kept.
+        spatial, kernel, strides, dilations, begin, end, out = (
+            part[-axes:] for part in _resolve_window(x, tuple(weight.shape[2:]), node.attrs, what="convolution"))
+        spans = [_live_taps(*args) for args in zip(spatial, kernel, strides, dilations, begin, out)]
+        if None in spans or all(span == (0, k - 1) for span, k in zip(spans, kernel)):
+            nodes.append(node)  # nothing to drop (or no tap meets the input: left as it is)
+            continue
+        new_begin = [b - first * d for b, (first, _), d in zip(begin, spans, dilations)]
+        new_end = [e - (k - 1 - last) * d for e, (_, last), k, d in zip(end, spans, kernel, dilations)]
+        if min(new_begin + new_end) < 0:
+            nodes.append(node)  # the crop would need negative padding (cropping the input)
+            continue
+        cropped = weight[(slice(None), slice(None)) + tuple(slice(first, last + 1) for first, last in spans)]
+        name = f"{node.name}/live_taps"
+        _add_constant(constants, tensors, name, np.ascontiguousarray(cropped))
+        # A kernel of one tap along an axis reads no dilation there.
+        new_dilations = [d if last > first else 1 for (first, last), d in zip(spans, dilations)]
+        attrs = dict(node.attrs, kernel_shape=tuple(cropped.shape[2:]), pads=tuple(new_begin + new_end),
+                     dilations=tuple(new_dilations), auto_pad="NOTSET")
+        nodes.append(Node(node.op_type, node.name, [node.inputs[0], name] + list(node.inputs[2:]),
+                          list(node.outputs), attrs))
+        changed = True
+    if not changed:
+        return graph
+    return eliminate_dead_code(replace(graph, nodes=nodes, constants=constants, tensors=tensors))
