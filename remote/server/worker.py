@@ -641,13 +641,7 @@ def zygote(control: socket.socket, args) -> int:
                 # sockets close); then everything they started goes too, and
                 # their workspaces, which a session in a mount namespace of its
                 # own sees only as its /tmp.
-                _outlive(children, SESSION_CLEANUP_S)
-                for pid in children:
-                    end_process_group(pid)
-                end_strays(set())
-                for root in workspaces.values():
-                    shutil.rmtree(root, ignore_errors=True)
-                return 0
+                return _after_the_server(children, workspaces)
             if wake_r in ready:
                 try:
                     while wake_r.recv(512):
@@ -666,7 +660,7 @@ def zygote(control: socket.socket, args) -> int:
                     spare = None  # it died waiting; another is forked when needed
                     continue
                 session_id = children.pop(pid, None)
-                workspaces.pop(pid, None)
+                root = workspaces.pop(pid, None)
                 uids.free(pid)
                 if session_id is None:
                     continue  # a process a session left behind, already ended (see end_strays)
@@ -675,7 +669,8 @@ def zygote(control: socket.socket, args) -> int:
                 # this subreaper once their parents ended.
                 end_process_group(pid)
                 end_strays(set(children) | ({spare[0]} if spare is not None else set()))
-                control.send(f"exit {session_id} {os.waitstatus_to_exitcode(status)}".encode())
+                if not _tell(control, f"exit {session_id} {os.waitstatus_to_exitcode(status)}"):
+                    return _after_the_server(children, {**workspaces, pid: root})
             if control not in ready:
                 continue
             try:
@@ -697,13 +692,38 @@ def zygote(control: socket.socket, args) -> int:
                 os.close(fd)
             children[pid] = session_id
             workspaces[pid] = workspace_root
-            control.send(f"started {session_id} {pid}".encode())
+            if not _tell(control, f"started {session_id} {pid}"):
+                return _after_the_server(children, workspaces)
             spare = _fork_spare(own, args)
 
     finally:
         # A SIGCHLD that comes after the wake socket is closed (as the process
         # exits) would otherwise be reported as a write to a bad descriptor.
         signal.set_wakeup_fd(-1)
+
+
+def _after_the_server(children: dict, workspaces: dict) -> int:
+    """The server is gone: its sessions' processes end (they see their control
+    sockets close); then everything they started goes too, and their
+    workspaces."""
+    _outlive(children, SESSION_CLEANUP_S)
+    for pid in children:
+        end_process_group(pid)
+    end_strays(set())
+    for root in workspaces.values():
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+def _tell(control: socket.socket, message: str) -> bool:
+    """Send ``message`` to the server; False once the server has closed its end
+    (a server that stops closes it while its last sessions end)."""
+    try:
+        control.send(message.encode())
+        return True
+    except OSError:
+        return False
+
 
 # How long a server-less zygote waits for its sessions' processes to clean up.
 SESSION_CLEANUP_S = 10.0
