@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import crosscompile
+from remote.cli import native
 from tests.audio_models import kws_lstm
 from tests.onnx_models import mlp, reference, sample_input
 from tests.test_profile import residual_cnn
@@ -69,7 +70,10 @@ def build_drivers(folder) -> dict:
     procs = {}
     for arch, a in ARCHES.items():
         out = os.path.join(folder, f"module_check-{arch}")
+        # The server's own flags per triple: the builds of musl and libc++
+        # that zig makes first (minutes on a fresh machine) serve both.
         command = [sys.executable, "-m", "ziglang", "c++", "-target", a.zig_target, *FLAGS,
+                   *native.TRIPLE_FLAGS[a.zig_target],
                    *[os.path.join(NATIVE, s) for s in SOURCES], "-o", out]
         procs[arch] = (out, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     drivers = {}
