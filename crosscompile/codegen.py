@@ -56,7 +56,7 @@ def generate(graph: Graph, plan: MemoryPlan, metadata: dict, target, data_layout
             continue
         ins = [graph.tensors[t] for t in node.inputs]
         outs = [graph.tensors[t] for t in node.outputs]
-        key = repr((node.op_type, [t.shape for t in ins], [t.shape for t in outs], node.attrs))
+        key = repr((node.op_type, [(t.shape, t.dtype) for t in ins], [(t.shape, t.dtype) for t in outs], node.attrs))
         if key not in cache:
             cache[key] = _lower(module, f"node{pos}_{_symbol(node.op_type)}", node, ins, outs, target, tiles)
         kernels.append((node, cache[key]))

@@ -1,18 +1,22 @@
-"""float64 models, computed in float32.
+"""float64, float16 and bfloat16 models, computed in float32.
 
 The kernels compute in float32 (and the integer types); a model whose
-tensors are float64 keeps float64 inputs and outputs at the module's
-boundary, and inside is the same model in float32: its float64
-initializers and constants are rounded to float32, a Cast to float64
-becomes one to float32, each float64 input is cast to float32 as it comes
-in and each float64 output back as it goes out. Results then carry
-float32's rounding (a relative error near 1e-7 per op), which is what the
-module's users get in place of float64's; the node suite's float64 cases
-pass within their tolerances so.
+tensors are float64, float16 or bfloat16 keeps those types for its inputs
+and outputs at the module's boundary, and inside is the same model in
+float32: its initializers and constants of those types are converted to
+float32 (exactly, but for float64's rounding), each such input is cast to
+float32 as it comes in and each such output back as it goes out. A Cast
+to float64 becomes one to float32; a Cast (or CastLike) to float16 or
+bfloat16 keeps its rounding to the narrow type, then widens the result to
+float32 again. float64 results then carry float32's rounding (a relative
+error near 1e-7 per op), which is what the module's users get in place of
+float64's; the node suite's float64 cases pass within their tolerances
+so. float16 and bfloat16 results are float32's rounded once more at the
+boundary, as precise as the types hold or more.
 
-A graph made only of ops that compute float64 themselves (FLOAT64_OPS)
-keeps its float64 arithmetic: its inputs may hold values beyond float32's
-range.
+A float64 graph made only of ops that compute float64 themselves
+(FLOAT64_OPS) keeps its float64 arithmetic: its inputs may hold values
+beyond float32's range.
 """
 from __future__ import annotations
 
@@ -20,9 +24,17 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 DOUBLE, FLOAT = TensorProto.DOUBLE, TensorProto.FLOAT
+# The float types computed in float32, and the narrow ones among them,
+# whose Casts keep their rounding.
+OTHER_FLOATS = {DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
+NARROW_FLOATS = {TensorProto.FLOAT16, TensorProto.BFLOAT16}
 # Ops whose kernels compute float64 tensors in float64 (elementwise._Exact),
 # and those that only move elements.
 FLOAT64_OPS = {"Add", "Sub", "Mul", "Div", "Constant", "Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze"}
+# Ops that only move or pick elements: their results need no rounding.
+MOVING_OPS = FLOAT64_OPS - {"Add", "Sub", "Mul", "Div"} | {
+    "Transpose", "Concat", "Split", "Slice", "Gather", "Expand", "Where", "Pad", "Max", "Min", "ReduceMax",
+    "ReduceMin", "Relu", "Abs", "Neg", "Tile", "MaxPool"}
 # Attributes naming an output element type (Cast's `to`, EyeLike's and
 # the random generators' `dtype`).
 TYPE_ATTRIBUTES = ("to", "dtype")
@@ -30,66 +42,119 @@ TYPE_ATTRIBUTES = ("to", "dtype")
 TENSOR_ATTRIBUTES = ("value",)
 
 
-def uses_float64(proto: onnx.ModelProto) -> bool:
+def other_floats(proto: onnx.ModelProto) -> set:
+    """The float types other than float32 (TensorProto numbers) that proto's
+    inputs, outputs, initializers, Casts and constants use."""
     g = proto.graph
-    if any(vi.type.tensor_type.elem_type == DOUBLE for vi in (*g.input, *g.output)):
-        return True
-    if any(init.data_type == DOUBLE for init in g.initializer):
-        return True
-    return any(_node_makes_float64(node) for node in g.node)
+    used = {vi.type.tensor_type.elem_type for vi in (*g.input, *g.output)}
+    used |= {init.data_type for init in g.initializer}
+    for node in g.node:
+        for attr in node.attribute:
+            if attr.name in TYPE_ATTRIBUTES and attr.type == onnx.AttributeProto.INT:
+                used.add(attr.i)
+            elif attr.name in TENSOR_ATTRIBUTES and attr.type == onnx.AttributeProto.TENSOR:
+                used.add(attr.t.data_type)
+    return used & OTHER_FLOATS
 
 
 def compute_in_float32(proto: onnx.ModelProto) -> onnx.ModelProto:
-    """proto with its float64 arithmetic in float32 and float64 inputs and
-    outputs cast at the boundary; the same model when it has no float64.
+    """proto with its float64, float16 and bfloat16 arithmetic in float32
+    and such inputs and outputs cast at the boundary; the same model when
+    it has none.
 
     >>> m = compute_in_float32(onnx.load("cumsum_float64.onnx"))  # doctest: +SKIP
     """
-    if not uses_float64(proto) or all(node.op_type in FLOAT64_OPS for node in proto.graph.node):
+    used = other_floats(proto)
+    if not used or (used == {DOUBLE} and all(node.op_type in FLOAT64_OPS for node in proto.graph.node)):
         return proto
     model = onnx.ModelProto()
     model.CopyFrom(proto)
     g = model.graph
+    kinds = _element_types(proto) if used & NARROW_FLOATS else {}
+    kinds.update((vi.name, vi.type.tensor_type.elem_type) for vi in (*g.input, *g.value_info, *g.output))
+    kinds.update((init.name, init.data_type) for init in g.initializer)
     for init in g.initializer:
-        if init.data_type == DOUBLE:
-            init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init).astype("float32"), init.name))
+        if init.data_type in OTHER_FLOATS:
+            init.CopyFrom(_in_float32(init, init.name))
     initialized = {init.name for init in g.initializer}
     renamed, entry = {}, []
     for vi in g.input:
-        if vi.name not in initialized and vi.type.tensor_type.elem_type == DOUBLE:
+        if vi.name not in initialized and vi.type.tensor_type.elem_type in OTHER_FLOATS:
             renamed[vi.name] = f"{vi.name}/float32"
             entry.append(helper.make_node("Cast", [vi.name], [renamed[vi.name]], to=FLOAT,
                                           name=f"{vi.name}/to_float32"))
-    outputs = {vi.name for vi in g.output if vi.type.tensor_type.elem_type == DOUBLE}
+    outputs = {vi.name: vi.type.tensor_type.elem_type for vi in g.output
+               if vi.type.tensor_type.elem_type in OTHER_FLOATS}
     exits = []
-    for name in outputs:
+    for name, kind in outputs.items():
         inner = f"{name}/float32"
         renamed.setdefault(name, inner)
-        exits.append(helper.make_node("Cast", [inner], [name], to=DOUBLE, name=f"{name}/to_float64"))
+        exits.append(helper.make_node("Cast", [inner], [name], to=kind,
+                                      name=f"{name}/to_{TensorProto.DataType.Name(kind).lower()}"))
     nodes = []
     for node in g.node:
         node.input[:] = [renamed.get(n, n) for n in node.input]
         node.output[:] = [renamed.get(n, n) if n in outputs else n for n in node.output]
+        narrow = _narrow_cast(node, kinds)
+        # Every op's float16 or bfloat16 result is rounded to its type, as
+        # ONNX's semantics (and onnxruntime's kernels) have it; the
+        # boundary's Cast rounds the graph's outputs.
+        rounded = [] if narrow is not None or node.op_type in MOVING_OPS else [
+            (pos, kinds[name]) for pos, name in enumerate(node.output)
+            if kinds.get(name) in NARROW_FLOATS and name not in outputs]
         for attr in node.attribute:
-            if attr.name in TYPE_ATTRIBUTES and attr.type == onnx.AttributeProto.INT and attr.i == DOUBLE:
+            if attr.name in TYPE_ATTRIBUTES and attr.type == onnx.AttributeProto.INT and attr.i in OTHER_FLOATS:
+                if node.op_type == "Cast" and attr.i in NARROW_FLOATS:
+                    continue
                 attr.i = FLOAT
             elif attr.name in TENSOR_ATTRIBUTES and attr.type == onnx.AttributeProto.TENSOR \
-                    and attr.t.data_type == DOUBLE:
-                attr.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(attr.t).astype("float32"),
-                                                        attr.t.name))
+                    and attr.t.data_type in OTHER_FLOATS:
+                attr.t.CopyFrom(_in_float32(attr.t, attr.t.name))
+        if narrow is not None:
+            nodes.extend(_round_trip(node.input[0], node.output[0], narrow))
+            continue
         nodes.append(node)
+        for pos, kind in rounded:
+            name = node.output[pos]
+            node.output[pos] = f"{name}/unrounded"
+            nodes.extend(_round_trip(node.output[pos], name, kind))
     del g.node[:]
     g.node.extend(entry + nodes + exits)
-    kept = [vi for vi in g.value_info if vi.type.tensor_type.elem_type != DOUBLE]
+    kept = [vi for vi in g.value_info if vi.type.tensor_type.elem_type not in OTHER_FLOATS]
     del g.value_info[:]
     g.value_info.extend(kept)
     return model
 
 
-def _node_makes_float64(node: onnx.NodeProto) -> bool:
-    for attr in node.attribute:
-        if attr.name in TYPE_ATTRIBUTES and attr.type == onnx.AttributeProto.INT and attr.i == DOUBLE:
-            return True
-        if attr.name in TENSOR_ATTRIBUTES and attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == DOUBLE:
-            return True
-    return False
+def _round_trip(source: str, target: str, narrow: int) -> list:
+    """Nodes giving target = source (float32) rounded to the narrow type
+    and widened back to float32."""
+    between = f"{target}/{TensorProto.DataType.Name(narrow).lower()}"
+    return [helper.make_node("Cast", [source], [between], to=narrow, name=f"{target}/round"),
+            helper.make_node("Cast", [between], [target], to=FLOAT, name=f"{target}/widen")]
+
+
+def _element_types(proto: onnx.ModelProto) -> dict:
+    """name -> TensorProto element type of proto's tensors, as far as onnx's
+    type inference finds them (nothing where it fails)."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(proto).graph
+    except Exception:  # noqa: BLE001 - a model onnx cannot infer is rounded at its Casts and boundary only
+        return {}
+    return {vi.name: vi.type.tensor_type.elem_type for vi in inferred.value_info}
+
+
+def _narrow_cast(node: onnx.NodeProto, kinds: dict):
+    """The narrow float type (TensorProto number) that node, a Cast or a
+    CastLike, converts to; None for any other node or type."""
+    if node.op_type == "Cast":
+        to = next((attr.i for attr in node.attribute if attr.name == "to"), None)
+    elif node.op_type == "CastLike" and len(node.input) == 2:
+        to = kinds.get(node.input[1])
+    else:
+        return None
+    return to if to in NARROW_FLOATS else None
+
+
+def _in_float32(tensor: onnx.TensorProto, name: str) -> onnx.TensorProto:
+    return numpy_helper.from_array(numpy_helper.to_array(tensor).astype("float32"), name)

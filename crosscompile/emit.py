@@ -22,7 +22,8 @@ I16 = ir.IntType(16)
 # float pointer and view it as its element type (Kernel.typed). LLVM's
 # integers carry no sign: a kernel extends uint8 with zext, int8 with sext.
 ELEMENT_TYPES = {"float32": F32, "float16": HALF, "float64": ir.DoubleType(), "int64": I64, "int32": I32, "bool": I8,
-                 "uint8": I8, "int8": I8, "int16": I16, "uint16": I16, "uint32": I32, "uint64": I64}
+                 "uint8": I8, "int8": I8, "int16": I16, "uint16": I16, "uint32": I32, "uint64": I64,
+                 "bfloat16": I16}
 
 
 class Kernel:

@@ -19,7 +19,8 @@ from .ops import OPS
 from .quantize_ops import EXPANSIONS, expand_operators
 
 # Model inputs and outputs: float32 data, integer ids and indices, masks.
-SUPPORTED_DTYPES = ("float32", "float64", "int64", "int32", "bool", "int16", "int8", "uint64", "uint32", "uint16", "uint8")
+SUPPORTED_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "bool", "int16", "int8", "uint64",
+                    "uint32", "uint16", "uint8")
 # Ops the frontend evaluates itself instead of lowering (any other standard
 # op also folds when all its inputs are constants).
 FRONTEND_OPS = {"Constant", "ConstantOfShape", "Shape", "Size", "Range"}

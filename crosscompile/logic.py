@@ -14,13 +14,13 @@ from llvmlite import ir
 from onnx import TensorProto
 
 from .elementwise import Elementwise
-from .emit import F32, I8, I32, I64, ELEMENT_TYPES
+from .emit import F32, I8, I16, I32, I64, ELEMENT_TYPES
 from .errors import BuildError
 from .op_base import INTEGER_DTYPES, NARROW_INTEGERS, Op, UNSIGNED_DTYPES
 
 INTEGERS = INTEGER_DTYPES
 # TensorProto data type number -> dtype name, for Cast's `to`.
-CAST_TARGETS = {1: "float32", 11: "float64", 6: "int32", 7: "int64", 9: "bool", 2: "uint8", 3: "int8", 5: "int16",
+CAST_TARGETS = {1: "float32", 11: "float64", 10: "float16", 16: "bfloat16", 6: "int32", 7: "int64", 9: "bool", 2: "uint8", 3: "int8", 5: "int16",
                 4: "uint16", 12: "uint32", 13: "uint64"}
 
 
@@ -136,7 +136,7 @@ class Cast(Op):
 
     def lower(self, k, inputs, outputs, attrs):
         source, target = inputs[0].dtype, outputs[0].dtype
-        src, dst = k.typed(k.inputs[0], source), k.typed(k.outputs[0], target)
+        src, dst = _bits_or_typed(k, k.inputs[0], source), _bits_or_typed(k, k.outputs[0], target)
         with k.loop(outputs[0].size) as i:
             k.store(k.activate(convert(k, k.load(src, i), source, target)), dst, i)
 
@@ -180,6 +180,13 @@ def convert(k, value: ir.Value, source: str, target: str) -> ir.Value:
         return convert(k, b.fptrunc(value, F32), "float32", target)
     if target == "float64":
         return b.fpext(convert(k, value, source, "float32"), to)
+    # float16 and bfloat16 too (crosscompile.double), converted with
+    # integer operations so that every target rounds alike, without the
+    # half-precision instructions or library calls some lack.
+    if source in SIXTEEN_BIT_FLOATS:
+        return convert(k, _widen(b, value, source), "float32", target)
+    if target in SIXTEEN_BIT_FLOATS:
+        return _narrow(b, convert(k, value, source, "float32"), target)
     if target == "bool":
         if source == "float32":
             return b.zext(b.fcmp_unordered("!=", value, ir.Constant(F32, 0.0)), I8)
@@ -200,6 +207,61 @@ def convert(k, value: ir.Value, source: str, target: str) -> ir.Value:
     if to.width == value.type.width:
         return value
     return b.trunc(value, to)
+
+
+SIXTEEN_BIT_FLOATS = ("float16", "bfloat16")
+
+
+def _bits_or_typed(k, ptr: ir.Value, dtype: str) -> ir.Value:
+    """A buffer viewed as its dtype's elements, a float16 one as i16 bit
+    patterns (LLVM's half loads and bitcasts go through conversions of
+    their own on targets without half arithmetic)."""
+    return k.builder.bitcast(ptr, I16.as_pointer()) if dtype == "float16" else k.typed(ptr, dtype)
+
+
+def _narrow(b, value: ir.Value, target: str) -> ir.Value:
+    """float32 value as float16 or bfloat16 (their bits as an i16),
+    rounded to nearest even as numpy and ONNX do; NaN stays NaN."""
+    def const(n):
+        return ir.Constant(I32, n)
+    bits = b.bitcast(value, I32)
+    if target == "bfloat16":
+        odd = b.and_(b.lshr(bits, const(16)), const(1))
+        rounded = b.lshr(b.add(bits, b.add(const(0x7FFF), odd)), const(16))
+        nan = b.fcmp_unordered("uno", value, value)
+        return b.trunc(b.select(nan, b.or_(b.lshr(bits, const(16)), const(0x40)), rounded), I16)
+    sign = b.and_(b.lshr(bits, const(16)), const(0x8000))
+    magnitude = b.and_(bits, const(0x7FFFFFFF))
+    # Normal halves: rebias the exponent (127 - 15) and round off 13 bits.
+    rebiased = b.sub(magnitude, const(112 << 23))
+    odd = b.and_(b.lshr(rebiased, const(13)), const(1))
+    normal = b.lshr(b.add(rebiased, b.add(const(0xFFF), odd)), const(13))
+    # Subnormal halves: adding 0.5 lets the float32 adder round the value to
+    # a multiple of 2**-24, which lands in the low mantissa bits.
+    shifted = b.fadd(b.bitcast(magnitude, F32), ir.Constant(F32, 0.5))
+    subnormal = b.sub(b.bitcast(shifted, I32), const(0x3F000000))
+    half = b.select(b.icmp_unsigned("<", magnitude, const(0x38800000)), subnormal, normal)
+    half = b.select(b.icmp_unsigned(">=", magnitude, const(0x477FF000)), const(0x7C00), half)  # to infinity
+    half = b.select(b.icmp_unsigned(">", magnitude, const(0x7F800000)), const(0x7E00), half)  # NaN
+    return b.trunc(b.or_(half, sign), I16)
+
+
+def _widen(b, value: ir.Value, source: str) -> ir.Value:
+    """A float16 or bfloat16 value (its bits as an i16) as float32, exactly."""
+    def const(n):
+        return ir.Constant(I32, n)
+    if source == "bfloat16":
+        return b.bitcast(b.shl(b.zext(value, I32), const(16)), F32)
+    bits = b.zext(value, I32)
+    sign = b.shl(b.and_(bits, const(0x8000)), const(16))
+    magnitude = b.and_(bits, const(0x7FFF))
+    exponent = b.and_(bits, const(0x7C00))
+    normal = b.add(b.shl(magnitude, const(13)), const(112 << 23))
+    special = b.add(normal, const(112 << 23))  # infinity and NaN: float32's all-ones exponent
+    subnormal = b.bitcast(b.fmul(b.uitofp(magnitude, F32), ir.Constant(F32, 2.0 ** -24)), I32)
+    wide = b.select(b.icmp_unsigned("==", exponent, const(0x7C00)), special, normal)
+    wide = b.select(b.icmp_unsigned("==", exponent, const(0)), subnormal, wide)
+    return b.bitcast(b.or_(wide, sign), F32)
 
 
 class _Bitwise(Elementwise):

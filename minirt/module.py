@@ -155,7 +155,7 @@ class Module:
         """Run the module on a dict {name: array} or a list in input order;
         returns one numpy array per output."""
         arrays = self._check_inputs(inputs)
-        outputs = [np.empty(spec.shape, dtype=spec.dtype) for spec in self.outputs]
+        outputs = [np.empty(spec.shape, dtype=numpy_dtype(spec.dtype)) for spec in self.outputs]
         in_ptrs = (ctypes.c_void_p * max(len(arrays), 1))(*[a.ctypes.data for a in arrays])
         out_ptrs = (ctypes.c_void_p * max(len(outputs), 1))(*[a.ctypes.data for a in outputs])
         try:
@@ -191,9 +191,9 @@ class Module:
         if not isinstance(number, int) or isinstance(number, bool) or number < 1:
             raise InputError(f"number must be a positive integer, got {number!r}")
         if inputs is None:
-            inputs = {spec.name: np.zeros(spec.shape, dtype=spec.dtype) for spec in self.inputs}
+            inputs = {spec.name: np.zeros(spec.shape, dtype=numpy_dtype(spec.dtype)) for spec in self.inputs}
         arrays = self._check_inputs(inputs)
-        outputs = [np.empty(spec.shape, dtype=spec.dtype) for spec in self.outputs]
+        outputs = [np.empty(spec.shape, dtype=numpy_dtype(spec.dtype)) for spec in self.outputs]
         in_ptrs = (ctypes.c_void_p * max(len(arrays), 1))(*[a.ctypes.data for a in arrays])
         out_ptrs = (ctypes.c_void_p * max(len(outputs), 1))(*[a.ctypes.data for a in outputs])
         workspace = self._new_workspace()
@@ -272,15 +272,28 @@ class Module:
         arrays = []
         for spec, value in zip(self.inputs, values):
             if isinstance(value, np.ndarray):
-                if value.dtype != np.dtype(spec.dtype):
+                if value.dtype != numpy_dtype(spec.dtype):
                     raise InputError(f"input {spec.name!r}: expected dtype {spec.dtype}, got {value.dtype}")
             else:
-                value = np.asarray(value, dtype=spec.dtype)
+                value = np.asarray(value, dtype=numpy_dtype(spec.dtype))
             if tuple(value.shape) != spec.shape:
                 raise InputError(f"input {spec.name!r}: expected shape {spec.shape}, "
                                  f"got {tuple(value.shape)}")
             arrays.append(np.ascontiguousarray(value).reshape(value.shape))  # 0-d stays 0-d
         return arrays
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype a module's tensor of dtype name is held in. numpy has
+    no bfloat16: where ml_dtypes (which onnx brings) has given it one, that
+    is used, elsewhere uint16 arrays of bfloat16's bit patterns (a float32's
+    upper half)."""
+    try:
+        return np.dtype(name)
+    except TypeError:
+        if name == "bfloat16":
+            return np.dtype(np.uint16)
+        raise
 
 
 def _spec(entry: dict) -> TensorSpec:

@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Tuple
 import numpy as np
 
 from .errors import RunError
-from .module import RUN_ERRORS, Module, _aligned_address
+from .module import RUN_ERRORS, Module, _aligned_address, numpy_dtype
 
 # Growing `number` stops here even if a run is too fast to reach min_repeat_ms.
 MAX_NUMBER = 1 << 30
@@ -34,7 +34,7 @@ def bound_call(module: Module, inputs) -> Callable[[], None]:
     tether_run_parallel, so a benchmark times what run() does.
     """
     arrays = module._check_inputs(inputs)
-    outputs = [np.empty(spec.shape, dtype=spec.dtype) for spec in module.outputs]
+    outputs = [np.empty(spec.shape, dtype=numpy_dtype(spec.dtype)) for spec in module.outputs]
     workspace = module._new_workspace()
     in_ptrs = (ctypes.c_void_p * max(len(arrays), 1))(*[a.ctypes.data for a in arrays])
     out_ptrs = (ctypes.c_void_p * max(len(outputs), 1))(*[a.ctypes.data for a in outputs])

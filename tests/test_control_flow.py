@@ -1,6 +1,7 @@
 """Control flow written out at import (If with a constant condition, Scan),
-integer tensors of every width at the module's boundary and a float64
-model, each compiled, run and compared with onnxruntime."""
+integer tensors of every width at the module's boundary, float64 and
+float16 models and Casts to float16 and bfloat16, each compiled, run and
+compared with onnxruntime (or numpy's rounding)."""
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
@@ -81,3 +82,46 @@ def test_a_float64_model_keeps_float64_at_its_boundary(tmp_path):
     assert got.dtype == np.float64
     # Computed in float32 inside: float32's rounding, not float64's.
     np.testing.assert_allclose(got, np.cumsum(np.exp(feeds["x"]), axis=1), rtol=1e-6)
+
+
+def test_a_float16_model_keeps_float16_at_its_boundary_and_matches_onnxruntime(tmp_path):
+    import onnxruntime as ort
+    rng = np.random.default_rng(3)
+    feeds = {"x": rng.standard_normal((1, 3, 6, 6)).astype(np.float16)}
+    inits = {"w": (rng.standard_normal((4, 3, 3, 3)) / 5).astype(np.float16),
+             "b": rng.standard_normal(4).astype(np.float16), "scale": np.float32(1.7)}
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Cast", ["c"], ["c32"], to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["c32", "scale"], ["m"]),
+             helper.make_node("Cast", ["m"], ["m16"], to=TensorProto.FLOAT16),
+             helper.make_node("Relu", ["m16"], ["y"])]
+    model = typed_model(nodes, feeds, {"y": np.float16}, inits)
+    module = minirt.load(crosscompile.build(model).export_library(tmp_path / "m.so"))
+    assert [(s.name, s.dtype) for s in module.inputs + module.outputs] == [("x", "float16"), ("y", "float16")]
+    got = module.run(feeds)[0]
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    assert got.dtype == want.dtype == np.float16 and got.shape == want.shape
+    # The Conv is computed in float32 and rounded to float16 once, as
+    # onnxruntime's does: at most one float16 step apart.
+    np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=1e-3, atol=1e-3)
+    assert np.any(got != 0)
+
+
+def test_casts_to_float16_and_bfloat16_round_as_numpy_does(tmp_path):
+    import ml_dtypes  # onnx's own dependency: numpy's bfloat16
+    bits = np.random.default_rng(4).integers(0, 2 ** 32, 4000, dtype=np.uint64).astype(np.uint32)
+    special = np.array([0.0, -0.0, 65504.0, 65519.99, 65520.0, 1e9, np.inf, -np.inf, np.nan, 2.0 ** -24,
+                        2.0 ** -25, 3 * 2.0 ** -26, 2.0 ** -14 - 2.0 ** -25, 1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11,
+                        1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8, 6e-8, -7.3e-5], np.float32)
+    x = np.concatenate([bits.view(np.float32), special,
+                        np.random.default_rng(5).standard_normal(500).astype(np.float32)])
+    feeds = {"x": x}
+    nodes = [helper.make_node("Cast", ["x"], ["h"], to=TensorProto.FLOAT16),
+             helper.make_node("Cast", ["x"], ["bf"], to=TensorProto.BFLOAT16),
+             helper.make_node("Cast", ["h"], ["h32"], to=TensorProto.FLOAT),
+             helper.make_node("Cast", ["bf"], ["bf32"], to=TensorProto.FLOAT)]
+    model = typed_model(nodes, feeds, {"h32": np.float32, "bf32": np.float32})
+    h32, bf32 = minirt.load(crosscompile.build(model).export_library(tmp_path / "m.so")).run(feeds)
+    with np.errstate(over="ignore", invalid="ignore"):  # numpy's own casts of inf and NaN
+        np.testing.assert_array_equal(h32, x.astype(np.float16).astype(np.float32))
+        np.testing.assert_array_equal(bf32, x.astype(ml_dtypes.bfloat16).astype(np.float32))
