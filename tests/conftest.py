@@ -1,5 +1,6 @@
 import os
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -107,3 +108,44 @@ def pytest_collection_modifyitems(config, items):
     if left:
         config.hook.pytest_deselected(items=left)
         items[:] = kept
+    _start_native_warmup(config, items)
+
+
+def native_triples(items):
+    """The native server's triples the selected tests use, in the order they first
+    need them: x86_64 for every native server test, the ARM ones where a test's
+    name says so (and for the native tool tests, which build all three)."""
+    wanted = []
+    for item in items:
+        name = item.nodeid
+        if "native" not in name:
+            continue
+        every = "test_native_" in name
+        for triple, words in (("x86_64-linux-musl", ("",)),
+                              ("aarch64-linux-musl", ("aarch64", "arm64")),
+                              ("arm-linux-musleabihf", ("armv7", "armhf"))):
+            if (every or any(w in name for w in words)) and triple not in wanted:
+                wanted.append(triple)
+    return wanted
+
+
+def _start_native_warmup(config, items):
+    triples = native_triples(items)
+    if not triples or len(items) < 50:  # a few tests: build on demand
+        return
+    config._native_warmup = subprocess.Popen(
+        [sys.executable, "-m", "tests.native_warmup", *triples], cwd=ROOT,
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True, preexec_fn=lambda: os.nice(10))
+
+
+def pytest_unconfigure(config):
+    proc = getattr(config, "_native_warmup", None)
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -15,7 +15,15 @@ from tests.onnx_models import (ZOO, assert_zoo_close, assert_zoo_matches, refere
                                zoo_model)
 
 
-@pytest.mark.parametrize("name", ZOO)
+# Plain stacks of convolutions and large fully connected layers, as bvlc_alexnet
+# is: the default run leaves these two (the longest to compile and check) to
+# --full-zoo.
+LIKE_ALEXNET = ("vgg19", "zfnet512")
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.full_zoo]
+                                               if name in LIKE_ALEXNET else [])
+                                  for name in ZOO])
 def test_zoo_model_matches_onnxruntime_on_host(tmp_path, name):
     model = zoo_model(name)
     feeds = zoo_input(model)
