@@ -133,3 +133,32 @@ def test_scalar_and_empty_tensors_keep_their_shapes_both_ways(kind, tmp_path):
             y, z = mod.run({"s": np.array(1.5, np.float32), "e": np.zeros((0, 3), np.float32)})
             assert y.shape == () and float(y) == 3.0
             assert z.shape == (0, 3)
+
+
+@pytest.mark.parametrize("kind", board_servers.KINDS)
+def test_float16_and_bfloat16_tensors_go_and_come_back_on_either_server(kind, tmp_path):
+    """A module with float16 and bfloat16 inputs and outputs runs on either
+    board server, and its results are the 16-bit values onnx specifies."""
+    import ml_dtypes  # onnx's own dependency: numpy's bfloat16
+    from onnx import TensorProto, helper
+
+    import crosscompile
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["h", "h"], ["hh"]), helper.make_node("Add", ["b", "b"], ["bb"])],
+        "sixteen_bits",
+        [helper.make_tensor_value_info("h", TensorProto.FLOAT16, [2, 3]),
+         helper.make_tensor_value_info("b", TensorProto.BFLOAT16, [4])],
+        [helper.make_tensor_value_info("hh", TensorProto.FLOAT16, [2, 3]),
+         helper.make_tensor_value_info("bb", TensorProto.BFLOAT16, [4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    so_path = crosscompile.build(model, target="host").export_library(tmp_path / "sixteen.so")
+    h = np.array([[0.1, -2.5, 3.0], [1e-3, 250.0, -0.7]], np.float16)
+    b = np.array([1.1, -3.3, 7e10, 0.0], ml_dtypes.bfloat16)
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    with LocalFarm(keys=["host"], env=env, server_command=board_servers.command(kind)) as farm, \
+            rpc.connect_tracker(*farm.tracker).request("host", timeout=30) as sess:
+        sess.upload(str(so_path))
+        hh, bb = sess.load_module("sixteen.so").run({"h": h, "b": b})
+    assert hh.dtype == np.float16 and bb.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(hh, h * h)  # numpy rounds each product to float16 too
+    np.testing.assert_array_equal(bb.astype(np.float32), (b + b).astype(np.float32))

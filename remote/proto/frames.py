@@ -432,9 +432,11 @@ def error_frame(error_class: str, message: str):
     return pb.DataFrame(op="error", error=error_class, text=message)
 
 
-def tensor_header(name: str, array):
-    """A Tensor message describing ``array`` (data travels in the frame body)."""
-    return pb.Tensor(name=name, dtype=array.dtype.name, shape=list(array.shape))
+def tensor_header(name: str, array, dtype: str = ""):
+    """A Tensor message describing ``array`` (data travels in the frame body),
+    as ``dtype`` where given: a module's bfloat16 output is held in uint16
+    where numpy has no bfloat16 (minirt.module.numpy_dtype)."""
+    return pb.Tensor(name=name, dtype=dtype or array.dtype.name, shape=list(array.shape))
 
 
 # Tensors carry plain numbers only: booleans, integers, floats, complex. Object,
@@ -449,10 +451,13 @@ def tensor_dtype(name: str, text: str):
     try:
         dtype = np.dtype(text)
     except TypeError:
-        dtype = None
-    if dtype is None or dtype.kind not in TENSOR_KINDS or dtype.fields or dtype.subdtype:
+        # numpy knows bfloat16 once ml_dtypes is imported; elsewhere its bit
+        # patterns travel as uint16 (minirt.module.numpy_dtype)
+        dtype = np.dtype(np.uint16) if text == "bfloat16" else None
+    if text != "bfloat16" and (dtype is None or dtype.kind not in TENSOR_KINDS
+                               or dtype.fields or dtype.subdtype):
         raise ValueError(f"tensor {name!r} has dtype {text!r}; tensors hold numbers only "
-                         "(bool, int8-64, uint8-64, float16/32/64, complex)")
+                         "(bool, int8-64, uint8-64, bfloat16, float16/32/64, complex)")
     return dtype.newbyteorder("<")
 
 
@@ -597,7 +602,11 @@ def byte_view(data) -> memoryview:
     >>> byte_view(np.zeros((0, 3), np.float32)).nbytes, byte_view(np.float32(2).reshape(())).nbytes
     (0, 4)
     """
-    view = memoryview(data)
+    try:
+        view = memoryview(data)
+    except ValueError:  # a dtype the buffer protocol cannot name (ml_dtypes' bfloat16)
+        import numpy as np
+        view = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
     if view.nbytes == 0:
         return memoryview(b"")
     return view.cast("B")

@@ -499,9 +499,9 @@ class Worker:
             run_s = time.perf_counter() - start
         finally:
             self.watchdog.disarm()
-        names = [spec.name for spec in module.outputs]
         fs.send(pb.DataFrame(op="ok", seconds=run_s,
-                             tensors=[tensor_header(n, a) for n, a in zip(names, outputs)]),
+                             tensors=[tensor_header(s.name, a, s.dtype)
+                                      for s, a in zip(module.outputs, outputs)]),
                 [little_endian(a) for a in outputs])
 
     def _inputs_or_zeros(self, fs, header, module):

@@ -40,7 +40,7 @@ int64_t dtype_bytes(const std::string& dtype) {
     int64_t bytes;
   } kSizes[] = {{"float32", 4}, {"int64", 8}, {"int32", 4}, {"bool", 1},    {"float16", 2},
                 {"float64", 8}, {"int8", 1},  {"uint8", 1}, {"int16", 2},   {"uint16", 2},
-                {"uint32", 4},  {"uint64", 8}};
+                {"uint32", 4},  {"uint64", 8}, {"bfloat16", 2}};
   for (const auto& size : kSizes) {
     if (dtype == size.name) return size.bytes;
   }

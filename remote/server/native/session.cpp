@@ -94,6 +94,7 @@ struct Tensor {
 int itemsize(const std::string& dtype) {
   static const std::map<std::string, int> sizes = {
       {"bool", 1}, {"int8", 1}, {"uint8", 1}, {"int16", 2}, {"uint16", 2}, {"float16", 2},
+      {"bfloat16", 2},
       {"int32", 4}, {"uint32", 4}, {"float32", 4}, {"int64", 8}, {"uint64", 8},
       {"float64", 8}, {"complex64", 8}, {"complex128", 16}};
   auto it = sizes.find(dtype);
@@ -119,7 +120,7 @@ int64_t tensor_bytes(const TensorDesc& desc, const std::string& name, Failure* f
   if (size == 0) {
     *failure = {"InvalidArgument", "tensor " + quote(name) + " has dtype " + quote(desc.dtype) +
                                        "; tensors hold numbers only (bool, int8-64, uint8-64, "
-                                       "float16/32/64, complex)"};
+                                       "bfloat16, float16/32/64, complex)"};
     return -1;
   }
   int64_t count = 1;
