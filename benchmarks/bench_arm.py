@@ -61,6 +61,7 @@ from remote.defaults import cache_dir  # noqa: E402
 from tests.architectures import efficientnet_b0, mobilenet_v2, resnet  # noqa: E402
 from tests.onnx_models import zoo_model  # noqa: E402
 from tests.quantized_models import output_step  # noqa: E402
+from tests.segmentation_models import aspp  # noqa: E402
 from tests.transformer_models import vit_block  # noqa: E402
 
 RELEASE = "bookworm"
@@ -71,6 +72,7 @@ MODELS = {
     "mobilenetv2": mobilenet_v2,
     "efficientnet_b0": efficientnet_b0,
     "vit_block": lambda: vit_block(opset=17),
+    "aspp": aspp,
 }
 # preset: (Debian architecture, qemu core, whether onnxruntime has a wheel for it).
 TARGETS = {

@@ -3,7 +3,7 @@ for the modern model families the tests build (tests/transformer_models.py,
 tests/segmentation_models.py, tests/audio_models.py): a ViT block, a
 ConvNeXt block, a pair of Swin blocks (windows, then shifted windows),
 BERT-style encoders (16 and 128 tokens, scores by MatMul and by Einsum),
-a U-Net, an LSTM keyword spotter and a CTC speech model.
+a U-Net, DeepLabV3's ASPP head, an LSTM keyword spotter and a CTC speech model.
 
     python benchmarks/bench_modern.py [model ...] [--repeat N] [--avx2]
 
@@ -27,7 +27,7 @@ import minirt  # noqa: E402
 from benchmarks.bench_models import AVX2_TARGET, interleaved_medians, machine_description, ort_session  # noqa: E402
 from tests.audio_models import kws_lstm, speech_ctc  # noqa: E402
 from tests.onnx_models import sample_input  # noqa: E402
-from tests.segmentation_models import unet  # noqa: E402
+from tests.segmentation_models import aspp, unet  # noqa: E402
 from tests.transformer_models import bert_encoder, bert_feeds, convnext_block, swin_block, vit_block  # noqa: E402
 
 # name -> (model builder, inputs for the model)
@@ -40,6 +40,7 @@ MODELS = {
     "bert128": (lambda: bert_encoder(tokens=128, width=64), bert_feeds),
     "bert128_einsum": (lambda: bert_encoder(tokens=128, width=64, einsum=True), bert_feeds),
     "unet": (unet, sample_input),
+    "aspp": (aspp, sample_input),
     "unet128": (lambda: unet(size=128, channels=(16, 32, 64)), sample_input),
     "kws_lstm": (kws_lstm, sample_input),
     "speech_ctc": (speech_ctc, sample_input),

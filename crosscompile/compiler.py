@@ -20,7 +20,7 @@ from .patterns import fuse_attention, fuse_gelu, fuse_layer_norm
 from .quantized import lower_qdq
 from .memory import plan_memory
 from .precision import check_precision, mark_precision
-from .passes import (crop_dead_taps, eliminate_dead_code, fold_batchnorm, fold_channel_affine, fuse_elementwise,
+from .passes import (crop_dead_taps, split_tap_regions, eliminate_dead_code, fold_batchnorm, fold_channel_affine, fuse_elementwise,
                      fuse_matmul_affine, fuse_residual_add, mark_split, pack_conv_weights, pack_matmul_weights,
                      transpose_recurrent_weights)
 from .schedule import assign_tiles, tile_table
@@ -131,7 +131,7 @@ def tiled_graph(model, target: Target, input_shapes, table, precision: str = "fp
     precision.mark_precision has marked the nodes that compute in half."""
     imported = eliminate_dead_code(import_onnx(model, input_shapes))
     folded = fold_channel_affine(fold_batchnorm(lower_qdq(imported, target)))
-    fused = fuse_attention(fuse_matmul_affine(fuse_gelu(fuse_layer_norm(crop_dead_taps(folded)))))
+    fused = fuse_attention(fuse_matmul_affine(fuse_gelu(fuse_layer_norm(split_tap_regions(crop_dead_taps(folded))))))
     marked = mark_precision(fuse_residual_add(fuse_elementwise(fused)), target, precision)
     tiled = assign_tiles(marked, target, table)
     return imported, folded, tiled

@@ -41,10 +41,18 @@ def module_metadata(imported: Graph, graph: Graph, plan: MemoryPlan, target, pro
 def gemm_convs(imported: Graph, graph: Graph) -> list:
     """The GEMM convolutions of a tiled graph (schedule.assign_tiles), in
     model order (a Conv fused with its residual Add stands at the Add's
-    place in the graph)."""
+    place in the graph; a Conv split by passes.split_tap_regions stands,
+    region by region, at its own)."""
     order = {node.name: pos for pos, node in enumerate(imported.nodes)}
-    return sorted((node for node in graph.nodes if "gemm_tile" in node.attrs),
-                  key=lambda node: order[node.name])
+
+    def place(node):
+        name = node.name
+        while name not in order and "/" in name:
+            name = name.rsplit("/", 1)[0]
+        return order[name]
+
+    convs = [node for node in graph.nodes if "gemm_tile" in node.attrs]
+    return sorted(convs, key=lambda node: (place(node), convs.index(node)))
 
 
 def describe_steps(imported: Graph, graph: Graph, plan: MemoryPlan) -> list:
