@@ -678,8 +678,11 @@ def zygote(control: socket.socket, args) -> int:
             except OSError:
                 message = b""
             if not message:
-                # The server is gone; each child sees its own control socket close.
-                return 0
+                # The server closed its end: it stopped, or was killed before
+                # this process was handed to init. Each child sees its own
+                # control socket close; a killed server removes nothing, so
+                # the workspaces go here too.
+                return _after_the_server(children, workspaces)
             _, session_id, workspace_root = message.decode().split(" ", 2)
             pid, door = spare if spare is not None else _fork_spare(own, args)
             uid = uids.take(pid)
