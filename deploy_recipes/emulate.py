@@ -161,13 +161,18 @@ def _run(argv: Sequence[str], what: str, cwd: Optional[str] = None,
     with tempfile.TemporaryFile("w+") as out:
         proc = subprocess.Popen(list(argv), cwd=cwd, env=env, stdout=out,
                                 stderr=subprocess.STDOUT, universal_newlines=True)
-        while True:
-            try:
-                proc.wait(PROGRESS_EVERY_S)
-                break
-            except subprocess.TimeoutExpired:
-                if every is not None:
-                    every()
+        try:
+            while True:
+                try:
+                    proc.wait(PROGRESS_EVERY_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    if every is not None:
+                        every()
+        except BaseException:  # Ctrl-C or a stop: the command ends too
+            proc.kill()
+            proc.wait()
+            raise
         out.seek(0)
         text = out.read()
     if proc.returncode != 0:

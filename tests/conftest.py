@@ -108,7 +108,7 @@ def pytest_collection_modifyitems(config, items):
     if left:
         config.hook.pytest_deselected(items=left)
         items[:] = kept
-    _start_native_warmup(config, items)
+    _start_warmups(config, items)
 
 
 def native_triples(items):
@@ -129,23 +129,56 @@ def native_triples(items):
     return wanted
 
 
-def _start_native_warmup(config, items):
-    triples = native_triples(items)
-    if not triples or len(items) < 50:  # a few tests: build on demand
+def emulated_systems(items):
+    """The emulated Debian systems (RELEASE-ARCH) the selected tests use, in the
+    order they first need them: bookworm's for every emulated test (its arm64
+    one, and its armhf one where a test names 32-bit ARM), and those the
+    tests' system marks name."""
+    wanted = []
+    for item in items:
+        if item.get_closest_marker("emulated") is None:
+            continue
+        systems = [m.name.replace("_", "-") for m in item.iter_markers()
+                   if m.name.endswith(("_arm64", "_armhf"))]
+        if not systems:
+            systems = ["bookworm-armhf" if any(w in item.nodeid for w in ("armhf", "armv7", "rasp3b"))
+                       else "bookworm-arm64"]
+        wanted += [s for s in systems if s not in wanted]
+    return wanted
+
+
+def _start_warmups(config, items):
+    """Builds of the native servers and root filesystems the run needs, each kind
+    in a background process of its own (tests/warmup.py); a run of a few tests
+    builds on demand."""
+    config._warmups = []
+    if len(items) < 50:
         return
-    config._native_warmup = subprocess.Popen(
-        [sys.executable, "-m", "tests.native_warmup", *triples], cwd=ROOT,
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True, preexec_fn=lambda: os.nice(10))
+    for kind, names in (("native", native_triples(items)), ("rootfs", emulated_systems(items))):
+        if names:
+            config._warmups.append(subprocess.Popen(
+                [sys.executable, "-m", "tests.warmup", kind, *names], cwd=ROOT,
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True, preexec_fn=lambda: os.nice(10)))
 
 
 def pytest_unconfigure(config):
-    proc = getattr(config, "_native_warmup", None)
-    if proc is None or proc.poll() is not None:
-        return
-    proc.terminate()
+    """Stop what the warm-ups still build: each one's process group (its tools too)."""
+    warmups = getattr(config, "_warmups", [])
+    for proc in warmups:
+        if proc.poll() is None:
+            _signal_group(proc, signal.SIGTERM)
+    for proc in warmups:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        _signal_group(proc, signal.SIGKILL)  # a tool that outlived its builder
+
+
+def _signal_group(proc, signum):
     try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        os.killpg(proc.pid, signum)
+    except ProcessLookupError:
+        pass
