@@ -373,6 +373,14 @@ def lower_conv(k: Kernel, inputs, outputs, attrs) -> None:
                         lines.append(k.index((n, channels * height * width),
                                              (k.smin(channel, k.i64(channels - 1)), height * width),
                                              (kh * dh - ph, width), (kw * dw - pw, 1)))
+                    if sh == 1 and sw == 1 and ow_count == width and rows == (0, oh_count) \
+                            and cols == (0, ow_count):
+                        # The tap's input rows follow one another without a
+                        # gap: the whole plane is one line, one loop.
+                        with k.loop(plane) as p:
+                            _pack_pixel(k, x, packed, [k.index((line, 1), (p, 1)) for line in lines], valid,
+                                        k.index((group, 1), (p, 4)), pad, dtype)
+                        continue
                     with k.loop(rows[1], start=rows[0]) as oh:
                         row = k.index((group, 1), (oh, ow_count * 4))
                         _fill(k, packed, row, cols[0] * 4, pad)
@@ -384,10 +392,9 @@ def lower_conv(k: Kernel, inputs, outputs, attrs) -> None:
                                           valid, row, cols, pad, dtype)
                         else:
                             with k.loop(cols[1], start=cols[0]) as ow:
-                                for j in range(4):
-                                    value = k.load(x, k.index((lines[j], 1), (oh, sh * width), (ow, sw)))
-                                    value = b.select(valid[j], _as_int8(k, value, dtype), pad)
-                                    k.store(value, packed, k.index((row, 1), (ow, 4), (j, 1)))
+                                _pack_pixel(k, x, packed, [k.index((line, 1), (oh, sh * width), (ow, sw))
+                                                           for line in lines], valid, k.index((row, 1), (ow, 4)),
+                                            pad, dtype)
         kp = depth4 * 4
 
         def vector(g, column):
@@ -405,6 +412,15 @@ def lower_conv(k: Kernel, inputs, outputs, attrs) -> None:
                        lambda row, column: k.index((n, filters * plane), (row, plane), (column, 1)), y, attrs,
                        lanes)
         emit_tiles(k, tile, filters, plane, *attrs["int8_tile"])
+
+
+def _pack_pixel(k: Kernel, x: ir.Value, packed: ir.Value, sources: list, valid: list, at: ir.Value,
+                pad: ir.Value, dtype: str) -> None:
+    """One output pixel's 4 channels at one tap: x at sources (one offset
+    a channel) as int8, pad for a channel past the last, into packed at."""
+    for j, (source, exists) in enumerate(zip(sources, valid)):
+        value = k.builder.select(exists, _as_int8(k, k.load(x, source), dtype), pad)
+        k.store(value, packed, k.index((at, 1), (j, 1)))
 
 
 # Output pixels packed at a time from a convolution's stride-2 rows.
