@@ -163,27 +163,45 @@ def emit_tile(k: Kernel, tile: DotTile, row0: ir.Value, rows: int, column0: ir.V
         step([b.add(b.mul(h, k.i64(unroll)), k.i64(u)) for u in range(unroll)])
     if tile.depth4 % unroll:
         step([k.i64(tile.depth4 - 1)])
-    for i in range(stored):
-        row = b.add(row0, k.i64(i))
-        totals = []
-        for v in range(vectors):
-            sums = [b.load(acc) for acc in accs[i][v]]
-            if parts == 1:
-                totals.append(sums[0])
-                continue
-            total = _intrinsic(k, "llvm.aarch64.neon.addp.v4i32", V4I32, sums)
-            totals.append(b.add(total, tile.bias(row, b.add(column0, k.i64(4 * v)))))
-        multipliers = [tile.multiplier(row, b.add(column0, k.i64(4 * v))) for v in range(vectors)]
+    # Rows of an odd number of vectors are requantized two at a time, so
+    # that the 8-lane narrowing steps have no idle lanes.
+    together = 2 if vectors % 2 else 1
+    for first in range(0, stored, together):
+        rows_here = [b.add(row0, k.i64(i)) for i in range(first, min(first + together, stored))]
+        totals, multipliers = [], []
+        for i, row in enumerate(rows_here, first):
+            for v in range(vectors):
+                sums = [b.load(acc) for acc in accs[i][v]]
+                if parts == 1:
+                    totals.append(sums[0])
+                else:
+                    total = _intrinsic(k, "llvm.aarch64.neon.addp.v4i32", V4I32, sums)
+                    totals.append(b.add(total, tile.bias(row, b.add(column0, k.i64(4 * v)))))
+                multipliers.append(tile.multiplier(row, b.add(column0, k.i64(4 * v))))
         values = _requantize_row(k, totals, multipliers, tile.attrs)
-        at = b.gep(tile.out_ptr, [tile.out(row, column0)])
-        lanes = 4 * (vectors - 1) + last_lanes
-        done = 0
-        for width in (16, 8, 4, 2, 1):
-            while lanes - done >= width:
-                piece = b.shuffle_vector(values, values, ir.Constant(ir.VectorType(I32, width),
-                                                                     list(range(done, done + width))))
-                b.store(piece, b.bitcast(b.gep(at, [k.i64(done)]), piece.type.as_pointer()), align=1)
+        for r, row in enumerate(rows_here):
+            at = b.gep(tile.out_ptr, [tile.out(row, column0)])
+            lanes, start = 4 * (vectors - 1) + last_lanes, 4 * vectors * r
+            done = 0
+            while done < lanes:  # the widest piece that fits and starts on its 8-lane group's boundary
+                width = next(w for w in (16, 8, 4, 2, 1) if w <= lanes - done and (start + done) % min(w, 8) == 0)
+                _store_lanes(k, values, start + done, width, b.gep(at, [k.i64(done)]))
                 done += width
+
+
+def _store_lanes(k: Kernel, values: ir.Value, first: int, width: int, at: ir.Value) -> None:
+    """Stores lanes first..first + width - 1 of values (bytes, a multiple
+    of 8 lanes) at at. 4 lanes go as the 32-bit half of their 8-lane
+    group: LLVM takes a <4 x i8> apart byte by byte."""
+    b = k.builder
+    if width == 4:
+        group = first - first % 8
+        eight = b.shuffle_vector(values, values, ir.Constant(ir.VectorType(I32, 8), list(range(group, group + 8))))
+        piece = b.extract_element(b.bitcast(eight, ir.VectorType(I32, 2)), ir.Constant(I32, first % 8 // 4))
+    else:
+        piece = b.shuffle_vector(values, values, ir.Constant(ir.VectorType(I32, width),
+                                                             list(range(first, first + width))))
+    b.store(piece, b.bitcast(at, piece.type.as_pointer()), align=1)
 
 
 # Reductions (in groups of 4) short enough for LLVM to unroll fully; see _opaque.
