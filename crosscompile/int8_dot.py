@@ -87,10 +87,33 @@ class DotTile:
     element, or a dup): a load for 4 rows rather than one for each.
     """
 
-    def __init__(self, depth4: int, vector, broadcast, bias, multiplier, out, out_ptr, attrs, lanes: bool = False):
+    def __init__(self, depth4: int, vector, broadcast, bias, multiplier, out, out_ptr, attrs, lanes: bool = False,
+                 row_arrays: "tuple | None" = None):
         self.kind, self.lanes = attrs["int8_kernel"], lanes
         self.depth4, self.vector, self.broadcast = depth4, vector, broadcast
         self.bias, self.multiplier, self.out, self.out_ptr, self.attrs = bias, multiplier, out, out_ptr, attrs
+        # (i32* bias, float* multiplier) of one value a row, where bias and
+        # multiplier depend on the row only: a tile of whole quads of rows
+        # then loads them 4 rows a load.
+        self.row_arrays = row_arrays
+
+
+def _row_values(k: Kernel, tile: DotTile, row0: ir.Value, rows: int, stored: int) -> "tuple | None":
+    """(bias(i), multiplier(i)) callables for the tile's rows i, reading
+    4 rows' values a load, or None where the tile cannot (values that
+    depend on the column, or rows short of whole quads)."""
+    if tile.row_arrays is None or stored != rows or rows % 4:
+        return None
+    b = k.builder
+    quads = []
+    for array, vector_type in zip(tile.row_arrays, (V4I32, V4F32)):
+        quads.append([b.load(b.bitcast(b.gep(array, [b.add(row0, k.i64(4 * q))]), vector_type.as_pointer()),
+                             align=4) for q in range(rows // 4)])
+
+    def lane(which):
+        return lambda i: b.shuffle_vector(quads[which][i // 4], ir.Constant(quads[which][0].type, ir.Undefined),
+                                          ir.Constant(V4I32, [i % 4] * 4))
+    return lane(0), lane(1)
 
 
 def emit_tile(k: Kernel, tile: DotTile, row0: ir.Value, rows: int, column0: ir.Value, vectors: int,
@@ -112,7 +135,9 @@ def emit_tile(k: Kernel, tile: DotTile, row0: ir.Value, rows: int, column0: ir.V
     stored = rows if stored_rows is None else stored_rows
     # Each stored row's sums start from its bias (a padding row's from 0;
     # pair sums, added pairwise at the end, take it then).
-    accs = [[[k.variable(tile.bias(b.add(row0, k.i64(i)), b.add(column0, k.i64(4 * v)))
+    by_row = _row_values(k, tile, row0, rows, stored) if parts == 1 else None
+    accs = [[[k.variable((by_row[0](i) if by_row else
+                          tile.bias(b.add(row0, k.i64(i)), b.add(column0, k.i64(4 * v))))
                          if parts == 1 and i < stored else zero) for _ in range(parts)]
              for v in range(vectors)] for i in range(rows)]
 
@@ -177,7 +202,7 @@ def emit_tile(k: Kernel, tile: DotTile, row0: ir.Value, rows: int, column0: ir.V
                 else:
                     total = _intrinsic(k, "llvm.aarch64.neon.addp.v4i32", V4I32, sums)
                     totals.append(b.add(total, tile.bias(row, b.add(column0, k.i64(4 * v)))))
-                multipliers.append(tile.multiplier(row, b.add(column0, k.i64(4 * v))))
+                multipliers.append(by_row[1](i) if by_row else tile.multiplier(row, b.add(column0, k.i64(4 * v))))
         values = _requantize_row(k, totals, multipliers, tile.attrs)
         for r, row in enumerate(rows_here):
             at = b.gep(tile.out_ptr, [tile.out(row, column0)])
@@ -428,7 +453,7 @@ def lower_conv(k: Kernel, inputs, outputs, attrs) -> None:
                        lambda row, column: _splat(k, k.load(bias, row), V4I32),
                        lambda row, column: _splat(k, k.load(k.inputs[3], row), V4F32),
                        lambda row, column: k.index((n, filters * plane), (row, plane), (column, 1)), y, attrs,
-                       lanes)
+                       lanes, (bias, k.typed(k.inputs[3], "float32")))
         emit_tiles(k, tile, filters, plane, *attrs["int8_tile"])
 
 
