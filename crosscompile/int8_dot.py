@@ -87,10 +87,33 @@ class DotTile:
     element, or a dup): a load for 4 rows rather than one for each.
     """
 
-    def __init__(self, depth4: int, vector, broadcast, bias, multiplier, out, out_ptr, attrs, lanes: bool = False):
+    def __init__(self, depth4: int, vector, broadcast, bias, multiplier, out, out_ptr, attrs, lanes: bool = False,
+                 row_arrays: "tuple | None" = None):
         self.kind, self.lanes = attrs["int8_kernel"], lanes
         self.depth4, self.vector, self.broadcast = depth4, vector, broadcast
         self.bias, self.multiplier, self.out, self.out_ptr, self.attrs = bias, multiplier, out, out_ptr, attrs
+        # (i32* bias, float* multiplier) of one value a row, where bias and
+        # multiplier depend on the row only: a tile of whole quads of rows
+        # then loads them 4 rows a load.
+        self.row_arrays = row_arrays
+
+
+def _row_values(k: Kernel, tile: DotTile, row0: ir.Value, rows: int, stored: int) -> "tuple | None":
+    """(bias(i), multiplier(i)) callables for the tile's rows i, reading
+    4 rows' values a load, or None where the tile cannot (values that
+    depend on the column, or rows short of whole quads)."""
+    if tile.row_arrays is None or stored != rows or rows % 4:
+        return None
+    b = k.builder
+    quads = []
+    for array, vector_type in zip(tile.row_arrays, (V4I32, V4F32)):
+        quads.append([b.load(b.bitcast(b.gep(array, [b.add(row0, k.i64(4 * q))]), vector_type.as_pointer()),
+                             align=4) for q in range(rows // 4)])
+
+    def lane(which):
+        return lambda i: b.shuffle_vector(quads[which][i // 4], ir.Constant(quads[which][0].type, ir.Undefined),
+                                          ir.Constant(V4I32, [i % 4] * 4))
+    return lane(0), lane(1)
 
 
 def emit_tile(k: Kernel, tile: DotTile, row0: ir.Value, rows: int, column0: ir.Value, vectors: int,
@@ -112,7 +135,9 @@ def emit_tile(k: Kernel, tile: DotTile, row0: ir.Value, rows: int, column0: ir.V
     stored = rows if stored_rows is None else stored_rows
     # Each stored row's sums start from its bias (a padding row's from 0;
     # pair sums, added pairwise at the end, take it then).
-    accs = [[[k.variable(tile.bias(b.add(row0, k.i64(i)), b.add(column0, k.i64(4 * v)))
+    by_row = _row_values(k, tile, row0, rows, stored) if parts == 1 else None
+    accs = [[[k.variable((by_row[0](i) if by_row else
+                          tile.bias(b.add(row0, k.i64(i)), b.add(column0, k.i64(4 * v))))
                          if parts == 1 and i < stored else zero) for _ in range(parts)]
              for v in range(vectors)] for i in range(rows)]
 
@@ -163,27 +188,45 @@ def emit_tile(k: Kernel, tile: DotTile, row0: ir.Value, rows: int, column0: ir.V
         step([b.add(b.mul(h, k.i64(unroll)), k.i64(u)) for u in range(unroll)])
     if tile.depth4 % unroll:
         step([k.i64(tile.depth4 - 1)])
-    for i in range(stored):
-        row = b.add(row0, k.i64(i))
-        totals = []
-        for v in range(vectors):
-            sums = [b.load(acc) for acc in accs[i][v]]
-            if parts == 1:
-                totals.append(sums[0])
-                continue
-            total = _intrinsic(k, "llvm.aarch64.neon.addp.v4i32", V4I32, sums)
-            totals.append(b.add(total, tile.bias(row, b.add(column0, k.i64(4 * v)))))
-        multipliers = [tile.multiplier(row, b.add(column0, k.i64(4 * v))) for v in range(vectors)]
+    # Rows of an odd number of vectors are requantized two at a time, so
+    # that the 8-lane narrowing steps have no idle lanes.
+    together = 2 if vectors % 2 else 1
+    for first in range(0, stored, together):
+        rows_here = [b.add(row0, k.i64(i)) for i in range(first, min(first + together, stored))]
+        totals, multipliers = [], []
+        for i, row in enumerate(rows_here, first):
+            for v in range(vectors):
+                sums = [b.load(acc) for acc in accs[i][v]]
+                if parts == 1:
+                    totals.append(sums[0])
+                else:
+                    total = _intrinsic(k, "llvm.aarch64.neon.addp.v4i32", V4I32, sums)
+                    totals.append(b.add(total, tile.bias(row, b.add(column0, k.i64(4 * v)))))
+                multipliers.append(by_row[1](i) if by_row else tile.multiplier(row, b.add(column0, k.i64(4 * v))))
         values = _requantize_row(k, totals, multipliers, tile.attrs)
-        at = b.gep(tile.out_ptr, [tile.out(row, column0)])
-        lanes = 4 * (vectors - 1) + last_lanes
-        done = 0
-        for width in (16, 8, 4, 2, 1):
-            while lanes - done >= width:
-                piece = b.shuffle_vector(values, values, ir.Constant(ir.VectorType(I32, width),
-                                                                     list(range(done, done + width))))
-                b.store(piece, b.bitcast(b.gep(at, [k.i64(done)]), piece.type.as_pointer()), align=1)
+        for r, row in enumerate(rows_here):
+            at = b.gep(tile.out_ptr, [tile.out(row, column0)])
+            lanes, start = 4 * (vectors - 1) + last_lanes, 4 * vectors * r
+            done = 0
+            while done < lanes:  # the widest piece that fits and starts on its 8-lane group's boundary
+                width = next(w for w in (16, 8, 4, 2, 1) if w <= lanes - done and (start + done) % min(w, 8) == 0)
+                _store_lanes(k, values, start + done, width, b.gep(at, [k.i64(done)]))
                 done += width
+
+
+def _store_lanes(k: Kernel, values: ir.Value, first: int, width: int, at: ir.Value) -> None:
+    """Stores lanes first..first + width - 1 of values (bytes, a multiple
+    of 8 lanes) at at. 4 lanes go as the 32-bit half of their 8-lane
+    group: LLVM takes a <4 x i8> apart byte by byte."""
+    b = k.builder
+    if width == 4:
+        group = first - first % 8
+        eight = b.shuffle_vector(values, values, ir.Constant(ir.VectorType(I32, 8), list(range(group, group + 8))))
+        piece = b.extract_element(b.bitcast(eight, ir.VectorType(I32, 2)), ir.Constant(I32, first % 8 // 4))
+    else:
+        piece = b.shuffle_vector(values, values, ir.Constant(ir.VectorType(I32, width),
+                                                             list(range(first, first + width))))
+    b.store(piece, b.bitcast(at, piece.type.as_pointer()), align=1)
 
 
 # Reductions (in groups of 4) short enough for LLVM to unroll fully; see _opaque.
@@ -373,6 +416,14 @@ def lower_conv(k: Kernel, inputs, outputs, attrs) -> None:
                         lines.append(k.index((n, channels * height * width),
                                              (k.smin(channel, k.i64(channels - 1)), height * width),
                                              (kh * dh - ph, width), (kw * dw - pw, 1)))
+                    if sh == 1 and sw == 1 and ow_count == width and rows == (0, oh_count) \
+                            and cols == (0, ow_count):
+                        # The tap's input rows follow one another without a
+                        # gap: the whole plane is one line, one loop.
+                        with k.loop(plane) as p:
+                            _pack_pixel(k, x, packed, [k.index((line, 1), (p, 1)) for line in lines], valid,
+                                        k.index((group, 1), (p, 4)), pad, dtype)
+                        continue
                     with k.loop(rows[1], start=rows[0]) as oh:
                         row = k.index((group, 1), (oh, ow_count * 4))
                         _fill(k, packed, row, cols[0] * 4, pad)
@@ -384,10 +435,9 @@ def lower_conv(k: Kernel, inputs, outputs, attrs) -> None:
                                           valid, row, cols, pad, dtype)
                         else:
                             with k.loop(cols[1], start=cols[0]) as ow:
-                                for j in range(4):
-                                    value = k.load(x, k.index((lines[j], 1), (oh, sh * width), (ow, sw)))
-                                    value = b.select(valid[j], _as_int8(k, value, dtype), pad)
-                                    k.store(value, packed, k.index((row, 1), (ow, 4), (j, 1)))
+                                _pack_pixel(k, x, packed, [k.index((line, 1), (oh, sh * width), (ow, sw))
+                                                           for line in lines], valid, k.index((row, 1), (ow, 4)),
+                                            pad, dtype)
         kp = depth4 * 4
 
         def vector(g, column):
@@ -403,8 +453,17 @@ def lower_conv(k: Kernel, inputs, outputs, attrs) -> None:
                        lambda row, column: _splat(k, k.load(bias, row), V4I32),
                        lambda row, column: _splat(k, k.load(k.inputs[3], row), V4F32),
                        lambda row, column: k.index((n, filters * plane), (row, plane), (column, 1)), y, attrs,
-                       lanes)
+                       lanes, (bias, k.typed(k.inputs[3], "float32")))
         emit_tiles(k, tile, filters, plane, *attrs["int8_tile"])
+
+
+def _pack_pixel(k: Kernel, x: ir.Value, packed: ir.Value, sources: list, valid: list, at: ir.Value,
+                pad: ir.Value, dtype: str) -> None:
+    """One output pixel's 4 channels at one tap: x at sources (one offset
+    a channel) as int8, pad for a channel past the last, into packed at."""
+    for j, (source, exists) in enumerate(zip(sources, valid)):
+        value = k.builder.select(exists, _as_int8(k, k.load(x, source), dtype), pad)
+        k.store(value, packed, k.index((at, 1), (j, 1)))
 
 
 # Output pixels packed at a time from a convolution's stride-2 rows.
