@@ -2,7 +2,7 @@
 TVM (relax, llvm target, untuned, its default threads) side by side, then
 GFLOP/s of the main convolution shapes against the machine's peak.
 
-    python benchmarks/bench_models.py [model ...] [--repeat N] [--no-tvm] [--threads 1] [--busy N]
+    python benchmarks/bench_models.py [model ...] [--repeat N] [--no-tvm] [--threads 1] [--busy N] [--int8]
 
 Every model of the onnx package's light zoo (random parameters, as in
 tests/test_zoo.py), or MobileNetV2, EfficientNet-B0 and RegNetX-400MF as
@@ -18,6 +18,10 @@ ours and onnxruntime are timed, as the other work of a busy board would,
 and alternates them one run each rather than in blocks: a block of runs
 back to back lets a spinner's time slice fall in the other side's block.
 The table then also gives ours at 2 threads over ours at 1.
+
+--int8 first quantizes each model (crosscompile.quantizer: QDQ, uint8
+activations, int8 weights per channel, 4 random calibration samples) and
+times ours and onnxruntime on the same quantized model.
 
 The first lines name the machine (CPU model, widest vector extension),
 the target ours is compiled for (the host's by default, or --target's) and
@@ -43,6 +47,7 @@ import tempfile
 import time
 
 import numpy as np
+import onnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -183,6 +188,8 @@ def main() -> int:
                              "hidden from its CPU probe")
     parser.add_argument("--busy", type=int, default=0, metavar="N",
                         help="time ours and onnxruntime while N spinning processes compete for the cores")
+    parser.add_argument("--int8", action="store_true",
+                        help="time the models quantized to int8 (QDQ), ours and onnxruntime alike")
     parser.add_argument("--ghz", type=float, help="core clock (default: /proc/cpuinfo, which in a VM "
                                                    "may be the base clock, below the boost clock)")
     args = parser.parse_args()
@@ -217,6 +224,11 @@ def main() -> int:
         for name in args.models:
             model = zoo_model(name, logits=False) if name in ZOO else ARCHITECTURES[name]()
             feeds = zoo_input(model)
+            if args.int8:
+                from crosscompile.quantizer import quantize_model
+                quantized = os.path.join(tmp, f"{name}-int8.onnx")
+                quantize_model(model, quantized, random=4)
+                model = onnx.load(quantized)
             started = time.perf_counter()
             lib = crosscompile.build(model, target=target)
             compile_s = time.perf_counter() - started
