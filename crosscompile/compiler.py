@@ -88,9 +88,10 @@ def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = 
     CLI draws it as a ticking line.
 
     jobs: how many processes optimise and emit the kernels with LLVM (see
-    crosscompile.backend); default $TETHER_COMPILE_JOBS, else the cores this
-    process may run on; 1 compiles everything in this process. The code is
-    the same either way; only the build time differs.
+    crosscompile.backend); default $TETHER_COMPILE_JOBS, else 1 (everything
+    in this process); 0 takes every core this process may use. Several
+    processes compute the same outputs with slightly different code (LLVM
+    no longer sees the whole module at once).
 
     >>> lib = build("model.onnx", target="rasp4b64")  # doctest: +SKIP
     >>> lib.export_library("net.so")                   # doctest: +SKIP
