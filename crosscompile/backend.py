@@ -12,12 +12,15 @@ are defined, internal, in each part that calls them.
 How many processes: build(jobs=...), else $TETHER_COMPILE_JOBS (0: the
 cores this process may run on, os.sched_getaffinity), else 1, which compiles
 the whole module in this process as one object. One process stays the
-default because a split module is not the same code: a kernel called from
-another part is an external function to LLVM, so what it learns from the
-whole module (constant arguments, a private calling convention, inlining of
-micro-kernels by their number of callers) is lost. The outputs are the same,
-but EfficientNet-B0 counted 221.2 M instructions on the Cortex-A72 against
-215.5 M.
+default because a split module is not quite the same code: a kernel called
+from another part is an external function to LLVM, so what it learns from
+the whole module (constant arguments, a private calling convention, inlining
+of micro-kernels by their number of callers) is lost, and some kernels come
+out a little different on x86 (the outputs are the same, and EfficientNet-B0
+counts the same 221.2 M instructions on the Cortex-A72 either way).
+Workers are forked: in a process whose other threads may be inside LLVM
+at the time (building other modules), keep jobs at 1, since a child could
+inherit a lock one of them holds.
 """
 from __future__ import annotations
 
