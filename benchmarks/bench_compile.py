@@ -1,11 +1,12 @@
 """Compile time per zoo model and host latency against onnxruntime (1 thread).
 
-    python benchmarks/bench_compile.py [model ...] [--repeat N]
+    python benchmarks/bench_compile.py [model ...] [--repeat N] [--jobs N]
 
 For each model of the onnx package's light zoo (with random parameters, as
 in tests/test_zoo.py) prints the compile time, the module's code and
 parameter sizes, the median latency of the compiled module (loaded with
 minirt) and of onnxruntime on one thread, and their ratio (>1: we are slower).
+--jobs is build()'s: the processes LLVM runs in (0: every usable core).
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*", default=ZOO, help=f"default: all of {', '.join(ZOO)}")
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--jobs", type=int, default=None, help="build()'s jobs (default: its default)")
     args = parser.parse_args()
 
     import onnxruntime as ort
@@ -52,7 +54,7 @@ def main() -> int:
             model = zoo_model(name, logits=False)
             feeds = zoo_input(model)
             started = time.perf_counter()
-            lib = crosscompile.build(model, target="host")
+            lib = crosscompile.build(model, target="host", jobs=args.jobs)
             compile_s = time.perf_counter() - started
             module = minirt.load(lib.export_library(os.path.join(tmp, f"{name}.so")))
             ours = median_seconds(lambda: module.run(feeds), args.repeat)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import llvmlite.binding as llvm
 
 from . import codegen
+from .backend import compile_jobs, compile_objects, target_machine
 from .elfdata import data_object
 from .errors import BuildError
 from .frontend import import_onnx
@@ -69,7 +70,7 @@ class CompiledModule:
 
 
 def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = None,
-          schedules=None, precision: str = "fp32", progress=None) -> CompiledModule:
+          schedules=None, precision: str = "fp32", progress=None, jobs: "int | None" = None) -> CompiledModule:
     """Compile an ONNX model (path or onnx.ModelProto) for a target.
 
     precision "fp16" computes convolutions and matrix products in half
@@ -86,6 +87,12 @@ def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = 
     step to step (and from node to node while kernels are generated); the
     CLI draws it as a ticking line.
 
+    jobs: how many processes optimise and emit the kernels with LLVM (see
+    crosscompile.backend); default $TETHER_COMPILE_JOBS, else 1 (everything
+    in this process); 0 takes every core this process may use. Several
+    processes compute the same outputs with slightly different code (LLVM
+    no longer sees the whole module at once).
+
     >>> lib = build("model.onnx", target="rasp4b64")  # doctest: +SKIP
     >>> lib.export_library("net.so")                   # doctest: +SKIP
     >>> build("model.onnx", target="rasp5", precision="fp16")  # doctest: +SKIP
@@ -93,18 +100,18 @@ def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = 
     report = progress or (lambda _what, _done, _total: None)
     target = resolve_target(target)
     check_precision(precision, target)  # before the model is read
+    jobs = compile_jobs(jobs)
     report("importing and rewriting the graph", 0, 1)
     imported, folded, graph = lowered_graph(model, target, input_shapes, tile_table(target, schedules),
                                             precision)
     plan = plan_memory(graph)
     metadata = module_metadata(imported, graph, plan, target, PRODUCER)
-    machine = _target_machine(target)
-    code = codegen.generate(graph, plan, metadata, target, str(machine.target_data), report)
+    code = codegen.generate(graph, plan, metadata, target, str(target_machine(target).target_data), report)
     report(f"optimising and emitting {code.kernels} kernels with LLVM", 0, 1)
-    obj = _compile(code.module, machine)
-    objects = [("module.o", obj)]
+    compiled = compile_objects(code.module, target, jobs)
+    objects = [("module.o" if i == 0 else f"module{i}.o", obj) for i, obj in enumerate(compiled)]
     if code.params:
-        objects.append(("params.o", data_object(obj, list(code.params.items()))))
+        objects.append(("params.o", data_object(compiled[0], list(code.params.items()))))
     soname = re.sub(r"[^A-Za-z0-9_.-]", "_", graph.name) + ".so"
     report("linking", 0, 1)
     summary = {
@@ -115,7 +122,7 @@ def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = 
         "folded_into_conv": len(imported.nodes) - len(folded.nodes),
         "workspace_bytes": plan.workspace_bytes,
         "param_bytes": metadata["param_bytes"],
-        "code_bytes": _code_bytes(obj),
+        "code_bytes": sum(_code_bytes(obj) for obj in compiled),
         "tuned_convs": sum(1 for tile in metadata["gemm_tiles"] if tile["tuned"]),
         "gemm_convs": len(metadata["gemm_tiles"]),
         "fp16_kernels": sum(1 for n in graph.nodes if n.attrs.get("precision") == "fp16"),
@@ -146,28 +153,3 @@ def lowered_graph(model, target: Target, input_shapes, table, precision: str = "
 def _code_bytes(obj: bytes) -> int:
     """Size of the executable sections of an object file."""
     return sum(s.size() for s in llvm.ObjectFileRef.from_data(obj).sections() if s.is_text())
-
-
-def _target_machine(target: Target) -> llvm.TargetMachine:
-    llvm.initialize_all_targets()
-    llvm.initialize_all_asmprinters()
-    try:
-        llvm_target = llvm.Target.from_triple(target.triple)
-    except RuntimeError as exc:
-        raise BuildError(f"LLVM cannot generate code for triple {target.triple!r}: {exc}") from None
-    return llvm_target.create_target_machine(cpu=target.cpu, features=target.features,
-                                             opt=3, reloc="pic", codemodel="default")
-
-
-def _compile(module, machine: llvm.TargetMachine) -> bytes:
-    try:
-        parsed = llvm.parse_assembly(codegen.render(module))
-        parsed.verify()
-    except RuntimeError as exc:  # a bug in an op's lowering, not in the user's model
-        raise BuildError(f"internal error: generated LLVM IR is invalid: {exc}") from None
-    tuning = llvm.create_pipeline_tuning_options(speed_level=3)
-    tuning.loop_vectorization = True
-    tuning.slp_vectorization = True
-    builder = llvm.create_pass_builder(machine, tuning)
-    builder.getModulePassManager().run(parsed, builder)
-    return machine.emit_object(parsed)
