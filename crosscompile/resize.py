@@ -1,9 +1,9 @@
-"""Resize (opsets 10 to 19) and Upsample: nearest and n-linear
+"""Resize (opsets 10 to 19) and Upsample: nearest, n-linear and n-cubic
 interpolation with constant scales or sizes.
 
 The geometry is known at compile time, so for each resized axis the
-source positions of every output position (and, for linear, the two
-neighbours and the weight of the upper one) are computed here and written
+source positions of every output position (and, for linear and cubic, the
+two or four neighbours and their weights) are computed here and written
 into the module as small constant tables; the kernel walks the
 output and reads them. Axes that keep their size read straight through.
 """
@@ -67,6 +67,32 @@ def linear_neighbours(coords: np.ndarray, in_size: int):
     return lower, upper, (coords - lower).astype(np.float32)
 
 
+def cubic_neighbours(coords: np.ndarray, in_size: int, a: float, exclude_outside: bool):
+    """The four neighbours floor(x) - 1 .. floor(x) + 2 of each coordinate
+    x and their weights, from Keys' cubic kernel with coefficient a (ONNX's
+    cubic_coeff_a): neighbours outside the input take the edge's value,
+    or with exclude_outside weigh nothing, the others' weights scaled to
+    sum to 1. Returns ([index arrays], [weight arrays])."""
+    x = coords.astype(np.float64)
+    base = np.floor(x)
+    ratio = x - base
+
+    def kernel(t):
+        t = np.abs(t)
+        near = ((a + 2) * t - (a + 3)) * t * t + 1
+        far = ((a * t - 5 * a) * t + 8 * a) * t - 4 * a
+        return np.where(t <= 1, near, np.where(t < 2, far, 0.0))
+
+    taps = [base + offset for offset in (-1, 0, 1, 2)]
+    weights = [kernel(ratio - offset) for offset in (-1, 0, 1, 2)]
+    if exclude_outside:
+        weights = [np.where((t >= 0) & (t < in_size), w, 0.0) for t, w in zip(taps, weights)]
+        total = sum(weights)
+        weights = [w / total for w in weights]
+    indices = [np.clip(t, 0, in_size - 1).astype(np.int64) for t in taps]
+    return indices, [w.astype(np.float32) for w in weights]
+
+
 def _table(k: Kernel, tag: str, values: np.ndarray, element) -> ir.Value:
     """A constant array of the kernel's module, as a pointer to its first element."""
     ty = ir.ArrayType(element, len(values))
@@ -80,15 +106,16 @@ def _table(k: Kernel, tag: str, values: np.ndarray, element) -> ir.Value:
 
 class Resize(Op):
     """Resize by constant scales or sizes (optionally over `axes`, opset 18).
-    Modes nearest and linear; cubic, antialias, tf_crop_and_resize and a
-    keep_aspect_ratio_policy other than stretch are refused by name."""
+    Modes nearest, linear and cubic (cubic_coeff_a, exclude_outside);
+    antialias, tf_crop_and_resize and a keep_aspect_ratio_policy other
+    than stretch are refused by name."""
 
     op_type = "Resize"
     compile_time_inputs = (1, 2, 3)
 
     def attributes(self, raw, constants, opset):
         mode = raw.get("mode", "nearest")
-        _check_choice("mode", mode, ("nearest", "linear"))
+        _check_choice("mode", mode, ("nearest", "linear") + (("cubic",) if opset >= 11 else ()))
         if opset < 11:
             scales = constants.get(1)
             attrs = {"mode": mode, "coordinates": "asymmetric", "nearest": "floor", "legacy": True,
@@ -106,7 +133,9 @@ class Resize(Op):
             attrs = {"mode": mode, "coordinates": coordinates, "nearest": nearest, "legacy": False,
                      "scales": (None if scales is None or np.asarray(scales).size == 0
                                 else tuple(float(s) for s in np.asarray(scales).reshape(-1))),
-                     "sizes": _const_ints(constants, 3), "axes": _ints_or_none(raw.get("axes"))}
+                     "sizes": _const_ints(constants, 3), "axes": _ints_or_none(raw.get("axes")),
+                     "cubic_coeff_a": float(raw.get("cubic_coeff_a", -0.75)),
+                     "exclude_outside": bool(int(raw.get("exclude_outside", 0)))}
         if attrs["scales"] is None and attrs["sizes"] is None:
             raise BuildError("Resize needs constant scales or sizes")
         return attrs
@@ -147,10 +176,14 @@ class Resize(Op):
             coords = source_coordinates(out[d], x[d], scales[d], attrs["coordinates"])
             if attrs["mode"] == "nearest":
                 tables[d] = (_table(k, f"at{d}", nearest_indices(coords, x[d], attrs["nearest"]) * strides[d], I64),)
-            else:
+                continue
+            if attrs["mode"] == "linear":
                 lower, upper, weight = linear_neighbours(coords, x[d])
-                tables[d] = (_table(k, f"lo{d}", lower * strides[d], I64),
-                             _table(k, f"hi{d}", upper * strides[d], I64), _table(k, f"w{d}", weight, F32))
+                indices, weights = [lower, upper], [1 - weight, weight]
+            else:
+                indices, weights = cubic_neighbours(coords, x[d], attrs["cubic_coeff_a"], attrs["exclude_outside"])
+            tables[d] = [(_table(k, f"at{d}_{t}", index * strides[d], I64), _table(k, f"w{d}_{t}", weight, F32))
+                         for t, (index, weight) in enumerate(zip(indices, weights))]
         bld, X = k.builder, k.inputs[0]
         out_strides = _c_strides(out)
         with k.nested_loops(out) as idx:
@@ -161,14 +194,12 @@ class Resize(Op):
                     offset = bld.add(offset, k.load(at, idx[d]))
                 value = k.load(X, offset)
             else:
-                # Sum over the 2^len(resized) corners of the box around the sample.
+                # Sum over the taps' product: 2 (linear) or 4 (cubic) per resized axis.
                 corners = [(fixed, k.f32(1.0))]
-                for d, (lo, hi, w) in tables.items():
-                    weight = k.load(w, idx[d])
-                    below = (k.load(lo, idx[d]), bld.fsub(k.f32(1.0), weight))
-                    above = (k.load(hi, idx[d]), weight)
+                for d, taps in tables.items():
+                    steps = [(k.load(at, idx[d]), k.load(w, idx[d])) for at, w in taps]
                     corners = [(bld.add(offset, step), bld.fmul(scale, part))
-                               for offset, scale in corners for step, part in (below, above)]
+                               for offset, scale in corners for step, part in steps]
                 value = None
                 for offset, scale in corners:
                     term = bld.fmul(k.load(X, offset), scale)

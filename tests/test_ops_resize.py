@@ -1,5 +1,6 @@
 """Resize and Upsample against onnxruntime: nearest with each coordinate
-and rounding mode, linear (bilinear, trilinear), scales and sizes forms,
+and rounding mode, linear (bilinear, trilinear), cubic (its coefficient,
+exclude_outside), scales and sizes forms,
 axes (opset 18), upsampling and downsampling."""
 import numpy as np
 import pytest
@@ -78,11 +79,24 @@ def test_upsample_opset_9(tmp_path, mode):
 
 
 @pytest.mark.parametrize("attrs,pattern", [
-    ({"mode": "cubic"}, r"node 'the_resize' \(Resize\): attribute mode='cubic' is not supported"),
+    ({"mode": "cubic"}, r"node 'the_resize' \(Resize\): attribute mode='cubic' is not supported"),  # opset 10
     ({"antialias": 1}, r"node 'the_resize' \(Resize\): Resize with antialias=1 is not supported"),
     ({"coordinate_transformation_mode": "tf_crop_and_resize"},
      r"node 'the_resize' \(Resize\): attribute coordinate_transformation_mode='tf_crop_and_resize'"),
 ])
 def test_resize_unsupported_forms_are_refused_by_name(attrs, pattern):
     with pytest.raises(crosscompile.BuildError, match=pattern):
-        crosscompile.build(resize_model((1, 1, 4, 4), [1, 1, 2, 2], **attrs))
+        crosscompile.build(resize_model((1, 1, 4, 4), [1, 1, 2, 2], opset=10 if attrs.get("mode") else 19,
+                                        **attrs))
+
+
+@pytest.mark.parametrize("coordinates", ["half_pixel", "pytorch_half_pixel", "align_corners", "asymmetric"])
+@pytest.mark.parametrize("x_shape,scales,sizes,attrs", [
+    ((1, 3, 6, 5), [1, 1, 2, 2], None, {}),                                         # bicubic upsampling
+    ((2, 2, 9, 8), [1, 1, 0.5, 0.75], None, {"exclude_outside": 1}),
+    ((1, 2, 5, 6), None, [1, 2, 13, 4], {"cubic_coeff_a": -0.5, "exclude_outside": 1}),  # torch's a
+    ((1, 1, 3, 7), [1, 1, 1.5, 0.6], None, {"cubic_coeff_a": -0.5}),
+])
+def test_resize_cubic(tmp_path, coordinates, x_shape, scales, sizes, attrs):
+    model = resize_model(x_shape, scales, sizes, mode="cubic", coordinate_transformation_mode=coordinates, **attrs)
+    run_host(model, tmp_path)
