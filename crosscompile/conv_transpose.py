@@ -28,7 +28,7 @@ from llvmlite import ir
 from .errors import BuildError, ShapeError
 from .gemm import divide, emit_gemm, i32_table, pack_weights, splits_columns
 from .matmul import strided_matmul
-from .op_base import Op, _ints, _prod
+from .op_base import Op, _c_strides, _ints, _prod
 from .vectors import _vector_ptr, interleave, row_pieces, splat, vector_epilogue
 from .window import _window_attributes
 
@@ -480,3 +480,59 @@ def _gather_row(k, geometry, rows, start, out_row, epilogue: bool) -> None:
                         k.store(acc, k.outputs[0], at)
                 else:
                     k.store(acc, k.outputs[0], at)
+
+
+class Col2Im(Op):
+    """The columns of an im2col (N, C x prod(block_shape), L) summed back
+    into the image (N, C, *image_shape): the value of tap t of sliding
+    block l lands at l * stride + t * dilation - pad_begin along each axis,
+    if inside the image (image_shape and block_shape constant inputs)."""
+
+    op_type = "Col2Im"
+    compile_time_inputs = (1, 2)
+
+    def attributes(self, raw, constants, opset):
+        image, block = (tuple(int(v) for v in np.asarray(constants[pos]).reshape(-1)) for pos in (1, 2))
+        n = len(image)
+        if len(block) != n:
+            raise BuildError(f"Col2Im image_shape {image} and block_shape {block} differ in length")
+        strides, dilations = _ints(raw, "strides") or (1,) * n, _ints(raw, "dilations") or (1,) * n
+        pads = _ints(raw, "pads") or (0,) * (2 * n)
+        if len(strides) != n or len(dilations) != n or len(pads) != 2 * n:
+            raise BuildError(f"Col2Im strides {strides}, dilations {dilations} or pads {pads} do not fit "
+                             f"a {n}-D image")
+        if min(strides + dilations + block) < 1 or min(pads, default=0) < 0:
+            raise BuildError(f"Col2Im strides {strides}, dilations {dilations} and block_shape {block} must be "
+                             f">= 1 and pads {pads} >= 0")
+        grid = tuple((size + pads[i] + pads[i + n] - dilations[i] * (block[i] - 1) - 1) // strides[i] + 1
+                     for i, size in enumerate(image))
+        return {"image": image, "block": block, "strides": strides, "dilations": dilations,
+                "begin": pads[:n], "grid": grid}
+
+    def infer(self, inputs, attrs):
+        x, block, grid = inputs[0], attrs["block"], attrs["grid"]
+        if len(x) != 3 or x[1] % _prod(block) or x[2] != _prod(grid) or min(grid) < 1:
+            raise ShapeError(f"Col2Im input {x} must be (N, C x {_prod(block)} taps of block {block}, "
+                             f"{_prod(grid)} blocks over {grid})")
+        return [(x[0], x[1] // _prod(block), *attrs["image"])]
+
+    def lower(self, k, inputs, outputs, attrs):
+        x = inputs[0].shape
+        image, block, grid = attrs["image"], attrs["block"], attrs["grid"]
+        taps, blocks, plane = _prod(block), _prod(grid), _prod(image)
+        bld, X, Y = k.builder, k.inputs[0], k.outputs[0]
+        with k.loop(x[0] * x[1] // taps) as nc:
+            with k.loop(plane) as i:
+                k.store(k.f32(0.0), Y, k.index((nc, plane), (i, 1)))
+            with k.nested_loops(block) as tpos, k.nested_loops(grid) as lpos:
+                ipos = [k.index((l, s), (t, d), (-b, 1))
+                        for l, t, s, d, b in zip(lpos, tpos, attrs["strides"], attrs["dilations"], attrs["begin"])]
+                inside = None
+                for i, size in zip(ipos, image):
+                    ok = k.in_range(i, size)
+                    inside = ok if inside is None else bld.and_(inside, ok)
+                with bld.if_then(inside):
+                    source = k.index((nc, taps * blocks), *zip(tpos, [s * blocks for s in _c_strides(block)]),
+                                     *zip(lpos, _c_strides(grid)))
+                    target = k.index((nc, plane), *zip(ipos, _c_strides(image)))
+                    k.store(bld.fadd(k.load(Y, target), k.load(X, source)), Y, target)

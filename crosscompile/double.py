@@ -12,7 +12,10 @@ float32 again. float64 results then carry float32's rounding (a relative
 error near 1e-7 per op), which is what the module's users get in place of
 float64's; the node suite's float64 cases pass within their tolerances
 so. float16 and bfloat16 results are float32's rounded once more at the
-boundary, as precise as the types hold or more.
+boundary, as precise as the types hold or more. A float16 or bfloat16
+Softmax (opset 13 on) is its definition's steps, Exp(x - max) over their
+ReduceSum, each rounded to the type as ONNX types them (and as onnx's
+reference computes them).
 
 A float64 graph made only of ops that compute float64 themselves
 (FLOAT64_OPS) keeps its float64 arithmetic: its inputs may hold values
@@ -40,6 +43,9 @@ MOVING_OPS = FLOAT64_OPS - {"Add", "Sub", "Mul", "Div"} | {
 TYPE_ATTRIBUTES = ("to", "dtype")
 # Attributes holding a tensor value (Constant's, ConstantOfShape's).
 TENSOR_ATTRIBUTES = ("value",)
+# The longest bfloat16 Softmax axis summed one element at a time (as
+# _narrow_softmax tells); longer ones sum in float32.
+SEQUENTIAL_SUM = 64
 
 
 def other_floats(proto: onnx.ModelProto) -> set:
@@ -70,7 +76,7 @@ def compute_in_float32(proto: onnx.ModelProto) -> onnx.ModelProto:
     model = onnx.ModelProto()
     model.CopyFrom(proto)
     g = model.graph
-    kinds = _element_types(proto) if used & NARROW_FLOATS else {}
+    kinds, shapes = _element_types(proto) if used & NARROW_FLOATS else ({}, {})
     kinds.update((vi.name, vi.type.tensor_type.elem_type) for vi in (*g.input, *g.value_info, *g.output))
     kinds.update((init.name, init.data_type) for init in g.initializer)
     for init in g.initializer:
@@ -91,6 +97,7 @@ def compute_in_float32(proto: onnx.ModelProto) -> onnx.ModelProto:
         renamed.setdefault(name, inner)
         exits.append(helper.make_node("Cast", [inner], [name], to=kind,
                                       name=f"{name}/to_{TensorProto.DataType.Name(kind).lower()}"))
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     nodes = []
     for node in g.node:
         node.input[:] = [renamed.get(n, n) for n in node.input]
@@ -113,6 +120,9 @@ def compute_in_float32(proto: onnx.ModelProto) -> onnx.ModelProto:
         if narrow is not None:
             nodes.extend(_round_trip(node.input[0], node.output[0], narrow))
             continue
+        if node.op_type == "Softmax" and opset >= 13 and rounded:
+            nodes.extend(_narrow_softmax(node, rounded[0][1], opset, shapes.get(node.input[0])))
+            continue
         nodes.append(node)
         for pos, kind in rounded:
             name = node.output[pos]
@@ -126,6 +136,60 @@ def compute_in_float32(proto: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
+def _narrow_softmax(node: onnx.NodeProto, narrow: int, opset: int, shape) -> list:
+    """Nodes computing node, a Softmax of opset 13 or later whose result is
+    of the narrow type, in float32 step by step: x - ReduceMax(x), Exp of
+    it, the sum of that and the quotient, each rounded to narrow (the max
+    only picks an element). A bfloat16 sum over an axis of known length up
+    to SEQUENTIAL_SUM adds one element at a time, rounding each partial sum
+    (bfloat16 has no wider accumulator of its own; onnx's reference sums so);
+    a float16 one, or a longer one, sums in float32 and rounds once."""
+    axis = next((attr.i for attr in node.attribute if attr.name == "axis"), -1)
+    x, y = node.input[0], node.output[0]
+    step = f"{y}/softmax"
+    axes = f"{step}/axes"
+    nodes = [helper.make_node("Constant", [], [axes], name=axes,
+                              value=helper.make_tensor(axes, TensorProto.INT64, [1], [axis]))]
+
+    def reduce(op_type, source, target):
+        if opset >= (18 if op_type == "ReduceMax" else 13):
+            return helper.make_node(op_type, [source, axes], [target], name=target, keepdims=1)
+        return helper.make_node(op_type, [source], [target], name=target, axes=[axis], keepdims=1)
+
+    def rounded(new_node):
+        target = new_node.output[0]
+        new_node.output[0] = f"{target}/unrounded"
+        return [new_node, *_round_trip(new_node.output[0], target, narrow)]
+
+    length = shape[axis] if shape and -len(shape) <= axis < len(shape) else None
+    nodes.append(reduce("ReduceMax", x, f"{step}/max"))
+    nodes += rounded(helper.make_node("Sub", [x, f"{step}/max"], [f"{step}/shifted"], name=f"{step}/shifted"))
+    nodes += rounded(helper.make_node("Exp", [f"{step}/shifted"], [f"{step}/exp"], name=f"{step}/exp"))
+    if narrow == TensorProto.BFLOAT16 and length and length <= SEQUENTIAL_SUM:
+        partial = None
+        for k in range(length):
+            bounds = [f"{step}/at{k}", f"{step}/at{k + 1}"]
+            for position in (k, k + 1):
+                name = f"{step}/at{position}"
+                if not any(n.output[0] == name for n in nodes):
+                    nodes.append(helper.make_node("Constant", [], [name], name=name,
+                                                  value=helper.make_tensor(name, TensorProto.INT64, [1], [position])))
+            term = f"{step}/term{k}"
+            nodes.append(helper.make_node("Slice", [f"{step}/exp", *bounds, axes], [term], name=term))
+            if partial is None:
+                partial = term
+                continue
+            total = f"{step}/sum" if k == length - 1 else f"{step}/partial{k}"
+            nodes += rounded(helper.make_node("Add", [partial, term], [total], name=total))
+            partial = total
+        if length == 1:
+            nodes.append(helper.make_node("Identity", [partial], [f"{step}/sum"], name=f"{step}/sum"))
+    else:
+        nodes += rounded(reduce("ReduceSum", f"{step}/exp", f"{step}/sum"))
+    nodes += rounded(helper.make_node("Div", [f"{step}/exp", f"{step}/sum"], [y], name=f"{y}/divide"))
+    return nodes
+
+
 def _round_trip(source: str, target: str, narrow: int) -> list:
     """Nodes giving target = source (float32) rounded to the narrow type
     and widened back to float32."""
@@ -134,14 +198,18 @@ def _round_trip(source: str, target: str, narrow: int) -> list:
             helper.make_node("Cast", [between], [target], to=FLOAT, name=f"{target}/widen")]
 
 
-def _element_types(proto: onnx.ModelProto) -> dict:
-    """name -> TensorProto element type of proto's tensors, as far as onnx's
-    type inference finds them (nothing where it fails)."""
+def _element_types(proto: onnx.ModelProto) -> tuple:
+    """name -> TensorProto element type of proto's tensors, and name -> shape
+    (a tuple with None for unknown dimensions), as far as onnx's type
+    inference finds them (nothing where it fails)."""
     try:
-        inferred = onnx.shape_inference.infer_shapes(proto).graph
+        inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True).graph
     except Exception:  # noqa: BLE001 - a model onnx cannot infer is rounded at its Casts and boundary only
-        return {}
-    return {vi.name: vi.type.tensor_type.elem_type for vi in inferred.value_info}
+        return {}, {}
+    infos = (*inferred.input, *inferred.value_info, *inferred.output)
+    shapes = {vi.name: tuple(d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim)
+              for vi in infos if vi.type.tensor_type.HasField("shape")}
+    return {vi.name: vi.type.tensor_type.elem_type for vi in inferred.value_info}, shapes
 
 
 def _narrow_cast(node: onnx.NodeProto, kinds: dict):

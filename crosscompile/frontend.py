@@ -57,8 +57,11 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
 
     >>> g = import_onnx("model.onnx", input_shapes={"input": (1, 784)})  # doctest: +SKIP
     """
-    proto = compute_in_float32(expand_operators(load_model(model)))
-    proto = expand_functions(proto, set(OPS) | FRONTEND_OPS | set(EXPANSIONS) | set(control_flow.UNROLLED))
+    # Function ops are expanded at their inputs' own types, so that a
+    # float16 or bfloat16 op's body rounds its steps to that type.
+    proto = expand_functions(expand_operators(load_model(model)),
+                             set(OPS) | FRONTEND_OPS | set(EXPANSIONS) | set(control_flow.UNROLLED))
+    proto = compute_in_float32(proto)
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 1)
     g = proto.graph
     input_shapes = dict(input_shapes or {})

@@ -456,11 +456,15 @@ class Gather(Op):
         if "indices" not in attrs:
             self._lower_runtime(k, inputs, data, out, x[axis], outer, inner)
             return
-        count = len(attrs["indices"])
-        for j, index in enumerate(attrs["indices"]):
-            index %= x[axis]
+        self._lower_constant(k, attrs["indices"], data, out, x[axis], outer, inner)
+
+    @staticmethod
+    def _lower_constant(k, indices, data, out, size, outer, inner):
+        count = len(indices)
+        for j, index in enumerate(indices):
+            index %= size
             with k.loop(outer) as o, k.loop(inner) as i:
-                value = k.load(data, k.index((o, x[axis] * inner), (index, inner), (i, 1)))
+                value = k.load(data, k.index((o, size * inner), (index, inner), (i, 1)))
                 k.store(k.activate(value), out, k.index((o, count * inner), (j, inner), (i, 1)))
         k.activated = True
 
@@ -473,6 +477,44 @@ class Gather(Op):
             with k.loop(inner) as i:
                 value = k.load(data, k.index((o, size * inner), (index, inner), (i, 1)))
                 k.store(k.activate(value), out, k.index((o, count * inner), (j, inner), (i, 1)))
+
+
+
+class Compress(Gather):
+    """The slices along axis whose entry in condition (a constant bool
+    tensor, possibly shorter than the axis) is true; without axis, the
+    elements of the flattened input. It copies them as Gather copies
+    constant indices."""
+
+    op_type = "Compress"
+    compile_time_inputs = (1,)
+
+    def attributes(self, raw, constants, opset):
+        condition = np.asarray(constants[1])  # compile_time_inputs: the output's length depends on it
+        if condition.ndim != 1:
+            raise BuildError(f"Compress condition must be 1-D, got shape {condition.shape}")
+        indices = tuple(int(i) for i in np.flatnonzero(condition))
+        if len(indices) > self.MAX_INDICES:
+            raise BuildError(f"Compress keeping {len(indices)} slices is not supported (at most {self.MAX_INDICES})")
+        return {"axis": int(raw["axis"]) if "axis" in raw else None, "indices": indices,
+                "indices_shape": (len(indices),)}
+
+    def infer(self, inputs, attrs):
+        x = inputs[0]
+        size = _prod(x) if attrs["axis"] is None else x[_axis(attrs["axis"], len(x))]
+        if attrs["indices"] and attrs["indices"][-1] >= size:
+            raise ShapeError(f"Compress condition selects index {attrs['indices'][-1]}, beyond the "
+                             f"{size} slices of its input {x}")
+        if attrs["axis"] is None:
+            return [(len(attrs["indices"]),)]
+        return super().infer(inputs, attrs)
+
+    def lower(self, k, inputs, outputs, attrs):
+        if attrs["axis"] is not None:
+            super().lower(k, inputs, outputs, attrs)
+            return
+        data, out = k.typed(k.inputs[0], inputs[0].dtype), k.typed(k.outputs[0], outputs[0].dtype)
+        self._lower_constant(k, attrs["indices"], data, out, inputs[0].size, 1, 1)
 
 
 def _runtime_index(k: Kernel, index, size: int):

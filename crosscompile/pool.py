@@ -1,5 +1,5 @@
-"""The pooling ops: MaxPool, AveragePool and the global pools, with their
-kernels."""
+"""The pooling ops: MaxPool, AveragePool, LpPool and the global pools,
+with their kernels."""
 from __future__ import annotations
 
 import math
@@ -39,15 +39,22 @@ class _Pool(Op):
         x = inputs[0].shape
         dims, kernel, strides, dilations, begin, end, out = \
             _resolve_window(x, attrs["kernel_shape"], attrs, bool(attrs["ceil_mode"]))
-        is_max = self.op_type == "MaxPool"
-        if tuple(kernel) == tuple(dims) and not any(begin) and not any(end) and set(dilations) == {1}:
+        is_max, p_norm = self.op_type == "MaxPool", attrs.get("p")
+        whole = tuple(kernel) == tuple(dims) and not any(begin) and not any(end) and set(dilations) == {1}
+        if p_norm is None and whole:
             # One window over the whole input (ResNet's 7x7 average): a global pool.
             global_pool(k, x[0] * x[1], _prod(dims), is_max)
             return
-        if dims[0] == 1 and kernel[0] == 1:
+        if p_norm is None and dims[0] == 1 and kernel[0] == 1:
             self._lower_rows(k, x, dims[1:], kernel[1:], strides[1:], dilations[1:], begin[1:], end[1:],
                              out[1:], is_max, bool(attrs["count_include_pad"]))
             return
+        self._lower_windows(k, x, dims, kernel, strides, dilations, begin, end, out, is_max, p_norm, attrs)
+
+    @staticmethod
+    def _lower_windows(k, x, dims, kernel, strides, dilations, begin, end, out, is_max, p_norm, attrs):
+        """Any window, one output element at a time, each tap checked; with
+        p_norm, the p-norm of the window's elements (LpPool)."""
         bld = k.builder
         X, Y = k.inputs[0], k.outputs[0]
         in_strides, out_strides = _c_strides(dims), _c_strides(out)
@@ -74,11 +81,20 @@ class _Pool(Op):
                     v = k.load(X, k.index((nc, _prod(dims)), *zip(ipos, in_strides)))
                     if is_max:
                         bld.store(k.maximum(bld.load(acc), v), acc)
+                    elif p_norm is not None:
+                        magnitude, term = k.maximum(v, bld.fsub(k.f32(0.0), v)), k.f32(1.0)
+                        for _ in range(p_norm):
+                            term = bld.fmul(term, magnitude)
+                        bld.store(bld.fadd(bld.load(acc), term), acc)
                     else:
                         bld.store(bld.fadd(bld.load(acc), v), acc)
                         bld.store(bld.fadd(bld.load(valid), k.f32(1.0)), valid)
             result = bld.load(acc)
-            if not is_max:
+            if p_norm is not None:
+                positive = bld.fcmp_ordered(">", result, k.f32(0.0))
+                result = bld.select(positive, k.power(bld.select(positive, result, k.f32(1.0)), 1.0 / p_norm),
+                                    result)
+            elif not is_max:
                 count = bld.load(padded if attrs["count_include_pad"] else valid)
                 result = bld.fdiv(result, count)
             k.store(k.activate(result), Y, k.index((nc, _prod(out)), *zip(opos, out_strides)))
@@ -184,6 +200,20 @@ class MaxPool(_Pool):
 
 class AveragePool(_Pool):
     op_type = "AveragePool"
+
+
+class LpPool(_Pool):
+    """(sum of |x|^p over the window)^(1/p), p a whole number (2 by
+    default); padding adds nothing."""
+
+    op_type = "LpPool"
+
+    def attributes(self, raw, constants, opset):
+        attrs = super().attributes(raw, constants, opset)
+        attrs["p"] = int(raw.get("p", 2))
+        if attrs["p"] < 1:
+            raise BuildError(f"LpPool p={attrs['p']} must be a whole number of 1 or more")
+        return attrs
 
 
 def global_pool(k: Kernel, planes: int, size: int, is_max: bool) -> None:

@@ -1,11 +1,15 @@
-"""Resize (opsets 10 to 19) and Upsample: nearest and n-linear
+"""Resize (opsets 10 to 19) and Upsample: nearest, n-linear and n-cubic
 interpolation with constant scales or sizes.
 
 The geometry is known at compile time, so for each resized axis the
-source positions of every output position (and, for linear, the two
-neighbours and the weight of the upper one) are computed here and written
+source positions of every output position (and, for linear and cubic, the
+two or four neighbours and their weights) are computed here and written
 into the module as small constant tables; the kernel walks the
 output and reads them. Axes that keep their size read straight through.
+
+GridSample samples at points read at run time: each point's neighbours
+and weights along every axis are computed in the kernel, then summed over
+the channels.
 """
 from __future__ import annotations
 
@@ -67,6 +71,32 @@ def linear_neighbours(coords: np.ndarray, in_size: int):
     return lower, upper, (coords - lower).astype(np.float32)
 
 
+def cubic_neighbours(coords: np.ndarray, in_size: int, a: float, exclude_outside: bool):
+    """The four neighbours floor(x) - 1 .. floor(x) + 2 of each coordinate
+    x and their weights, from Keys' cubic kernel with coefficient a (ONNX's
+    cubic_coeff_a): neighbours outside the input take the edge's value,
+    or with exclude_outside weigh nothing, the others' weights scaled to
+    sum to 1. Returns ([index arrays], [weight arrays])."""
+    x = coords.astype(np.float64)
+    base = np.floor(x)
+    ratio = x - base
+
+    def kernel(t):
+        t = np.abs(t)
+        near = ((a + 2) * t - (a + 3)) * t * t + 1
+        far = ((a * t - 5 * a) * t + 8 * a) * t - 4 * a
+        return np.where(t <= 1, near, np.where(t < 2, far, 0.0))
+
+    taps = [base + offset for offset in (-1, 0, 1, 2)]
+    weights = [kernel(ratio - offset) for offset in (-1, 0, 1, 2)]
+    if exclude_outside:
+        weights = [np.where((t >= 0) & (t < in_size), w, 0.0) for t, w in zip(taps, weights)]
+        total = sum(weights)
+        weights = [w / total for w in weights]
+    indices = [np.clip(t, 0, in_size - 1).astype(np.int64) for t in taps]
+    return indices, [w.astype(np.float32) for w in weights]
+
+
 def _table(k: Kernel, tag: str, values: np.ndarray, element) -> ir.Value:
     """A constant array of the kernel's module, as a pointer to its first element."""
     ty = ir.ArrayType(element, len(values))
@@ -80,15 +110,16 @@ def _table(k: Kernel, tag: str, values: np.ndarray, element) -> ir.Value:
 
 class Resize(Op):
     """Resize by constant scales or sizes (optionally over `axes`, opset 18).
-    Modes nearest and linear; cubic, antialias, tf_crop_and_resize and a
-    keep_aspect_ratio_policy other than stretch are refused by name."""
+    Modes nearest, linear and cubic (cubic_coeff_a, exclude_outside);
+    antialias, tf_crop_and_resize and a keep_aspect_ratio_policy other
+    than stretch are refused by name."""
 
     op_type = "Resize"
     compile_time_inputs = (1, 2, 3)
 
     def attributes(self, raw, constants, opset):
         mode = raw.get("mode", "nearest")
-        _check_choice("mode", mode, ("nearest", "linear"))
+        _check_choice("mode", mode, ("nearest", "linear") + (("cubic",) if opset >= 11 else ()))
         if opset < 11:
             scales = constants.get(1)
             attrs = {"mode": mode, "coordinates": "asymmetric", "nearest": "floor", "legacy": True,
@@ -106,7 +137,9 @@ class Resize(Op):
             attrs = {"mode": mode, "coordinates": coordinates, "nearest": nearest, "legacy": False,
                      "scales": (None if scales is None or np.asarray(scales).size == 0
                                 else tuple(float(s) for s in np.asarray(scales).reshape(-1))),
-                     "sizes": _const_ints(constants, 3), "axes": _ints_or_none(raw.get("axes"))}
+                     "sizes": _const_ints(constants, 3), "axes": _ints_or_none(raw.get("axes")),
+                     "cubic_coeff_a": float(raw.get("cubic_coeff_a", -0.75)),
+                     "exclude_outside": bool(int(raw.get("exclude_outside", 0)))}
         if attrs["scales"] is None and attrs["sizes"] is None:
             raise BuildError("Resize needs constant scales or sizes")
         return attrs
@@ -147,10 +180,14 @@ class Resize(Op):
             coords = source_coordinates(out[d], x[d], scales[d], attrs["coordinates"])
             if attrs["mode"] == "nearest":
                 tables[d] = (_table(k, f"at{d}", nearest_indices(coords, x[d], attrs["nearest"]) * strides[d], I64),)
-            else:
+                continue
+            if attrs["mode"] == "linear":
                 lower, upper, weight = linear_neighbours(coords, x[d])
-                tables[d] = (_table(k, f"lo{d}", lower * strides[d], I64),
-                             _table(k, f"hi{d}", upper * strides[d], I64), _table(k, f"w{d}", weight, F32))
+                indices, weights = [lower, upper], [1 - weight, weight]
+            else:
+                indices, weights = cubic_neighbours(coords, x[d], attrs["cubic_coeff_a"], attrs["exclude_outside"])
+            tables[d] = [(_table(k, f"at{d}_{t}", index * strides[d], I64), _table(k, f"w{d}_{t}", weight, F32))
+                         for t, (index, weight) in enumerate(zip(indices, weights))]
         bld, X = k.builder, k.inputs[0]
         out_strides = _c_strides(out)
         with k.nested_loops(out) as idx:
@@ -161,14 +198,12 @@ class Resize(Op):
                     offset = bld.add(offset, k.load(at, idx[d]))
                 value = k.load(X, offset)
             else:
-                # Sum over the 2^len(resized) corners of the box around the sample.
+                # Sum over the taps' product: 2 (linear) or 4 (cubic) per resized axis.
                 corners = [(fixed, k.f32(1.0))]
-                for d, (lo, hi, w) in tables.items():
-                    weight = k.load(w, idx[d])
-                    below = (k.load(lo, idx[d]), bld.fsub(k.f32(1.0), weight))
-                    above = (k.load(hi, idx[d]), weight)
+                for d, taps in tables.items():
+                    steps = [(k.load(at, idx[d]), k.load(w, idx[d])) for at, w in taps]
                     corners = [(bld.add(offset, step), bld.fmul(scale, part))
-                               for offset, scale in corners for step, part in (below, above)]
+                               for offset, scale in corners for step, part in steps]
                 value = None
                 for offset, scale in corners:
                     term = bld.fmul(k.load(X, offset), scale)
@@ -196,3 +231,142 @@ class Upsample(Resize):
         return {"mode": "nearest" if mode == "nearest" else "linear", "coordinates": "asymmetric",
                 "nearest": "floor", "legacy": True, "sizes": None, "axes": None,
                 "scales": tuple(float(s) for s in np.asarray(scales).reshape(-1))}
+
+
+GRID_MODES = {"bilinear": "linear", "bicubic": "cubic", "linear": "linear", "cubic": "cubic", "nearest": "nearest"}
+# Keys' cubic kernel coefficient GridSample uses (torch's bicubic).
+GRID_CUBIC_A = -0.75
+
+
+class GridSample(Op):
+    """X (N, C, *spatial) sampled at the points of grid (N, *out, rank),
+    each point's coordinates normalised to [-1, 1] and given from the last
+    spatial axis (x, then y, ...): nearest (ties to even), linear or cubic
+    (bilinear, bicubic before opset 20) interpolation; a point or tap
+    outside the input reads zeros, the border, or the input reflected at
+    its edges (padding_mode); align_corners puts -1 and 1 on the centres
+    of the corner elements instead of their outer edges."""
+
+    op_type = "GridSample"
+
+    def attributes(self, raw, constants, opset):
+        mode = raw.get("mode", "bilinear" if opset < 20 else "linear")
+        _check_choice("mode", mode, tuple(GRID_MODES))
+        padding = raw.get("padding_mode", "zeros")
+        _check_choice("padding_mode", padding, ("zeros", "border", "reflection"))
+        return {"mode": GRID_MODES[mode], "padding": padding, "align_corners": bool(int(raw.get("align_corners", 0)))}
+
+    def infer(self, inputs, attrs):
+        x, grid = inputs
+        rank = len(x) - 2
+        if rank < 1 or len(grid) != rank + 2 or grid[0] != x[0] or grid[-1] != rank:
+            raise ShapeError(f"GridSample grid {grid} does not fit input {x}: it must be (N, *out, {rank})")
+        return [(x[0], x[1], *grid[1:-1])]
+
+    def lower(self, k, inputs, outputs, attrs):
+        x, grid = inputs[0].shape, inputs[1].shape
+        dims, out = x[2:], grid[1:-1]
+        rank, points, plane = len(dims), _prod_of(out), _prod_of(dims)
+        bld, X, G, Y = k.builder, k.inputs[0], k.inputs[1], k.outputs[0]
+        strides = _c_strides(dims)
+        with k.loop(x[0]) as n, k.loop(points) as p:
+            taps = []  # per spatial axis: [(offset, weight, inside)]
+            for axis, size in enumerate(dims):
+                g = k.load(G, k.index((n, points * rank), (p, rank), (rank - 1 - axis, 1)))
+                taps.append([(bld.mul(i, k.i64(strides[axis])), w, ok)
+                             for i, w, ok in self._axis_taps(k, g, size, attrs)])
+            corners = [(k.i64(0), k.f32(1.0), None)]
+            for axis_taps in taps:
+                corners = [(bld.add(o, o2), bld.fmul(w, w2), ok2 if ok is None else bld.and_(ok, ok2))
+                           for o, w, ok in corners for o2, w2, ok2 in axis_taps]
+            with k.loop(x[1]) as c:
+                base = k.index((n, x[1] * plane), (c, plane))
+                value = None
+                for offset, weight, ok in corners:
+                    read = k.load(X, bld.add(base, offset))
+                    if ok is not None:
+                        read = bld.select(ok, read, k.f32(0.0))
+                    term = bld.fmul(read, weight)
+                    value = term if value is None else bld.fadd(value, term)
+                k.store(k.activate(value), Y, k.index((n, x[1] * points), (c, points), (p, 1)))
+
+    @staticmethod
+    def _axis_taps(k, g, size, attrs):
+        """[(index in [0, size), weight, inside or None)] of one axis for the
+        normalised coordinate g."""
+        bld = k.builder
+        align, padding = attrs["align_corners"], attrs["padding"]
+        lo, hi = (0.0, size - 1.0) if align else (-0.5, size - 0.5)
+        one = k.f32(1.0)
+        if align:
+            coord = bld.fmul(bld.fmul(bld.fadd(g, one), k.f32(0.5)), k.f32(size - 1))
+        else:
+            coord = bld.fmul(bld.fsub(bld.fmul(bld.fadd(g, one), k.f32(size)), one), k.f32(0.5))
+        if attrs["mode"] == "nearest":
+            coord = _intrinsic(k, "llvm.rint", coord)
+        outside = bld.or_(bld.fcmp_ordered("<", coord, k.f32(lo)), bld.fcmp_ordered(">", coord, k.f32(hi)))
+        if padding == "border":
+            coord = bld.select(outside, k.minimum(k.maximum(coord, k.f32(0.0)), k.f32(size - 1)), coord)
+        elif padding == "reflection":
+            coord = _reflect(k, coord, lo, hi)
+
+        def place(index):  # an integer position (i64) as padding_mode reads it
+            if padding == "zeros":
+                inside = k.in_range(index, size)
+                return bld.select(inside, index, k.i64(0)), inside
+            if padding == "border":
+                return k.smin(k.smax(index, k.i64(0)), k.i64(size - 1)), None
+            reflected = bld.fptosi(_reflect(k, bld.sitofp(index, F32), lo, hi), I64)
+            return k.smin(k.smax(reflected, k.i64(0)), k.i64(size - 1)), None
+
+        if attrs["mode"] == "nearest":
+            index, inside = place(bld.fptosi(coord, I64))
+            return [(index, one, inside)]
+        floor = _intrinsic(k, "llvm.floor", coord)
+        t = bld.fsub(coord, floor)
+        base = bld.fptosi(floor, I64)
+        if attrs["mode"] == "linear":
+            weights = [bld.fsub(one, t), t]
+            offsets = (0, 1)
+        else:
+            weights = [_keys(k, bld.fsub(t, k.f32(o))) for o in (-1, 0, 1, 2)]
+            offsets = (-1, 0, 1, 2)
+        result = []
+        for o, w in zip(offsets, weights):
+            index, inside = place(bld.add(base, k.i64(o)))
+            result.append((index, w, inside))
+        return result
+
+
+def _prod_of(shape) -> int:
+    return int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+
+
+def _intrinsic(k, name, value):
+    fn = k.module.declare_intrinsic(name, [value.type])
+    return k.builder.call(fn, [value])
+
+
+def _keys(k, t):
+    """Keys' cubic kernel with a = GRID_CUBIC_A at distance t."""
+    bld, a = k.builder, GRID_CUBIC_A
+    t = k.maximum(t, bld.fsub(k.f32(0.0), t))
+    near = bld.fadd(bld.fmul(bld.fmul(bld.fsub(bld.fmul(k.f32(a + 2), t), k.f32(a + 3)), t), t), k.f32(1.0))
+    far = bld.fsub(bld.fmul(bld.fadd(bld.fmul(bld.fsub(bld.fmul(k.f32(a), t), k.f32(5 * a)), t), k.f32(8 * a)), t),
+                   k.f32(4 * a))
+    return bld.select(bld.fcmp_ordered("<=", t, k.f32(1.0)), near,
+                      bld.select(bld.fcmp_ordered("<", t, k.f32(2.0)), far, k.f32(0.0)))
+
+
+def _reflect(k, v, lo: float, hi: float):
+    """v reflected at lo and hi until it lies between them."""
+    bld = k.builder
+    span = hi - lo
+    below, above = bld.fcmp_ordered("<", v, k.f32(lo)), bld.fcmp_ordered(">", v, k.f32(hi))
+    dx = bld.select(below, bld.fsub(k.f32(lo), v), bld.fsub(v, k.f32(hi)))
+    turns = bld.fptosi(bld.fdiv(dx, k.f32(span)), I64) if span > 0 else k.i64(0)
+    r = bld.fsub(dx, bld.fmul(bld.sitofp(turns, F32), k.f32(span)))
+    even = bld.icmp_signed("==", bld.and_(turns, k.i64(1)), k.i64(0))
+    from_lo, from_hi = bld.fadd(k.f32(lo), r), bld.fsub(k.f32(hi), r)
+    moved = bld.select(below, bld.select(even, from_lo, from_hi), bld.select(even, from_hi, from_lo))
+    return bld.select(bld.or_(below, above), moved, v)

@@ -127,3 +127,34 @@ def test_conv_transpose_split_between_threads(tmp_path, threads):
     module = minirt.load(lib.export_library(tmp_path / "m.so"), threads=threads)
     (got,) = module.run(feeds)
     np.testing.assert_allclose(got, reference(model, feeds)[0], rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("image,block,attrs", [
+    ((5, 6), (2, 3), {"strides": [1, 2], "pads": [1, 0, 0, 2], "dilations": [2, 1]}),
+    ((4, 3, 5), (2, 2, 3), {"strides": [2, 1, 1], "pads": [0, 1, 1, 1, 0, 0]}),
+    ((9,), (3,), {"dilations": [3]}),
+])
+def test_col2im_matches_the_onnx_reference(tmp_path, image, block, attrs):
+    """Col2Im sums overlapping blocks back into the image, with strides,
+    pads and dilations in 1-D to 3-D; a Relu after it sees the sums."""
+    from onnx import TensorProto
+    from onnx.reference import ReferenceEvaluator
+
+    n = len(image)
+    strides, dilations = attrs.get("strides", [1] * n), attrs.get("dilations", [1] * n)
+    pads = attrs.get("pads", [0] * 2 * n)
+    grid = [(image[i] + pads[i] + pads[i + n] - dilations[i] * (block[i] - 1) - 1) // strides[i] + 1
+            for i in range(n)]
+    x_shape = (2, 3 * int(np.prod(block)), int(np.prod(grid)))
+    nodes = [helper.make_node("Col2Im", ["x", "image", "block"], ["y"], **attrs),
+             helper.make_node("Relu", ["y"], ["z"])]
+    graph = helper.make_graph(nodes, "col2im", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+                              [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(np.array(image, np.int64), "image"),
+                               numpy_helper.from_array(np.array(block, np.int64), "block")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    x = np.random.default_rng(4).standard_normal(x_shape).astype(np.float32)
+    want = ReferenceEvaluator(model).run(None, {"x": x})[0]
+    got = minirt.load(crosscompile.build(model, "host").export_library(str(tmp_path / "m.so"))).run({"x": x})[0]
+    assert got.shape == (2, 3, *image)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -43,3 +43,30 @@ def test_pool_rows_match_onnxruntime_on_1_2_3_threads(tmp_path, op, x_shape, att
         got = module.run({"x": x})[0]
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     module.close()
+
+
+LP_CASES = [
+    ((1, 3, 11, 13), {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 0, 1, 2]}),
+    ((2, 4, 10, 9), {"kernel_shape": [2, 3], "p": 1, "ceil_mode": 1, "strides": [2, 2]}),
+    ((1, 4, 10, 9), {"kernel_shape": [2, 3], "p": 2, "dilations": [2, 1], "pads": [0, 1, 1, 1]}),
+    ((1, 2, 17), {"kernel_shape": [4], "p": 3, "auto_pad": "SAME_UPPER"}),
+    ((1, 2, 5, 6, 7), {"kernel_shape": [2, 2, 3], "auto_pad": "SAME_LOWER", "strides": [1, 2, 2]}),
+]
+
+
+@pytest.mark.parametrize("x_shape,attrs", LP_CASES)
+def test_lp_pool_matches_the_onnx_reference(tmp_path, x_shape, attrs):
+    """LpPool, (sum of |x|^p)^(1/p) over each window, with p 1 to 3, pads,
+    auto_pad, dilations, ceil_mode and 1-D to 3-D windows, on 1 and 2
+    threads (the onnx reference: onnxruntime's LpPool lacks dilations)."""
+    from onnx.reference import ReferenceEvaluator
+
+    model = make_model([helper.make_node("LpPool", ["x"], ["y"], **attrs)], {"x": x_shape}, {"y": None}, {},
+                       opset=18)
+    x = rand(*x_shape, seed=5) - 0.5
+    want = ReferenceEvaluator(model).run(None, {"x": x})[0]
+    module = minirt.load(crosscompile.build(model, target="host").export_library(tmp_path / "m.so"))
+    for threads in (1, 2):
+        module.set_threads(threads)
+        np.testing.assert_allclose(module.run({"x": x})[0], want, rtol=1e-5, atol=1e-6)
+    module.close()

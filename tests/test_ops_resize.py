@@ -1,5 +1,6 @@
 """Resize and Upsample against onnxruntime: nearest with each coordinate
-and rounding mode, linear (bilinear, trilinear), scales and sizes forms,
+and rounding mode, linear (bilinear, trilinear), cubic (its coefficient,
+exclude_outside), scales and sizes forms,
 axes (opset 18), upsampling and downsampling."""
 import numpy as np
 import pytest
@@ -78,11 +79,63 @@ def test_upsample_opset_9(tmp_path, mode):
 
 
 @pytest.mark.parametrize("attrs,pattern", [
-    ({"mode": "cubic"}, r"node 'the_resize' \(Resize\): attribute mode='cubic' is not supported"),
+    ({"mode": "cubic"}, r"node 'the_resize' \(Resize\): attribute mode='cubic' is not supported"),  # opset 10
     ({"antialias": 1}, r"node 'the_resize' \(Resize\): Resize with antialias=1 is not supported"),
     ({"coordinate_transformation_mode": "tf_crop_and_resize"},
      r"node 'the_resize' \(Resize\): attribute coordinate_transformation_mode='tf_crop_and_resize'"),
 ])
 def test_resize_unsupported_forms_are_refused_by_name(attrs, pattern):
     with pytest.raises(crosscompile.BuildError, match=pattern):
-        crosscompile.build(resize_model((1, 1, 4, 4), [1, 1, 2, 2], **attrs))
+        crosscompile.build(resize_model((1, 1, 4, 4), [1, 1, 2, 2], opset=10 if attrs.get("mode") else 19,
+                                        **attrs))
+
+
+@pytest.mark.parametrize("coordinates", ["half_pixel", "pytorch_half_pixel", "align_corners", "asymmetric"])
+@pytest.mark.parametrize("x_shape,scales,sizes,attrs", [
+    ((1, 3, 6, 5), [1, 1, 2, 2], None, {}),                                         # bicubic upsampling
+    ((2, 2, 9, 8), [1, 1, 0.5, 0.75], None, {"exclude_outside": 1}),
+    ((1, 2, 5, 6), None, [1, 2, 13, 4], {"cubic_coeff_a": -0.5, "exclude_outside": 1}),  # torch's a
+    ((1, 1, 3, 7), [1, 1, 1.5, 0.6], None, {"cubic_coeff_a": -0.5}),
+])
+def test_resize_cubic(tmp_path, coordinates, x_shape, scales, sizes, attrs):
+    model = resize_model(x_shape, scales, sizes, mode="cubic", coordinate_transformation_mode=coordinates, **attrs)
+    run_host(model, tmp_path)
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "nearest", "bicubic"])
+@pytest.mark.parametrize("padding,align_corners", [("zeros", 0), ("border", 1), ("reflection", 0), ("reflection", 1)])
+def test_grid_sample_matches_onnxruntime(tmp_path, mode, padding, align_corners):
+    """GridSample (opset 16) at points inside and well outside [-1, 1],
+    and at the exact centres of elements (nearest's ties). bicubic with
+    border padding is checked against the onnx reference: it moves a point
+    outside the input to the border before taking the 4 x 4 taps (as the
+    node suite's cases expect), onnxruntime only clamps each tap."""
+    model = make_model([helper.make_node("GridSample", ["x", "grid"], ["y"], mode=mode, padding_mode=padding,
+                                         align_corners=align_corners)],
+                       {"x": (2, 3, 5, 6), "grid": (2, 4, 7, 2)}, {"y": None}, {}, opset=16)
+    rng = np.random.default_rng(11)
+    grid = rng.uniform(-2.6, 2.6, (2, 4, 7, 2)).astype(np.float32)
+    grid[0, 0, :, 0] = np.linspace(-1, 1, 7)  # on element edges or centres
+    feeds = {"x": rand(2, 3, 5, 6, seed=2), "grid": grid}
+    if (mode, padding) != ("bicubic", "border"):
+        run_host(model, tmp_path, feeds=feeds)
+        return
+    module = minirt.load(crosscompile.build(model, "host").export_library(str(tmp_path / "m.so")))
+    renamed = make_model([helper.make_node("GridSample", ["x", "grid"], ["y"], mode="cubic", padding_mode=padding,
+                                           align_corners=align_corners)],  # the reference's (opset 20) name
+                         {"x": (2, 3, 5, 6), "grid": (2, 4, 7, 2)}, {"y": None}, {}, opset=20)
+    np.testing.assert_allclose(module.run(feeds)[0], ReferenceEvaluator(renamed).run(None, feeds)[0], rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_grid_sample_3d_matches_the_onnx_reference(tmp_path):
+    """Volumetric GridSample (opset 20's linear and cubic names) against
+    the onnx reference (onnxruntime samples 2-D grids only)."""
+    for mode, padding in (("linear", "reflection"), ("cubic", "border"), ("nearest", "zeros")):
+        model = make_model([helper.make_node("GridSample", ["x", "grid"], ["y"], mode=mode, padding_mode=padding)],
+                           {"x": (1, 2, 3, 4, 5), "grid": (1, 2, 3, 2, 3)}, {"y": None}, {}, opset=20)
+        feeds = {"x": rand(1, 2, 3, 4, 5, seed=3),
+                 "grid": np.random.default_rng(12).uniform(-1.8, 1.8, (1, 2, 3, 2, 3)).astype(np.float32)}
+        want = ReferenceEvaluator(model).run(None, feeds)[0]
+        module = minirt.load(crosscompile.build(model, "host").export_library(str(tmp_path / f"{mode}.so")))
+        np.testing.assert_allclose(module.run(feeds)[0], want, rtol=1e-5, atol=1e-5, err_msg=mode)
