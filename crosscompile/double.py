@@ -111,8 +111,8 @@ def compute_in_float32(proto: onnx.ModelProto) -> onnx.ModelProto:
             if kinds.get(name) in NARROW_FLOATS and name not in outputs]
         for attr in node.attribute:
             if attr.name in TYPE_ATTRIBUTES and attr.type == onnx.AttributeProto.INT and attr.i in OTHER_FLOATS:
-                if node.op_type == "Cast" and attr.i in NARROW_FLOATS:
-                    continue
+                if node.op_type == "Cast" and attr.i in NARROW_FLOATS or node.op_type == "BitCast":
+                    continue  # BitCast refuses these types by name
                 attr.i = FLOAT
             elif attr.name in TENSOR_ATTRIBUTES and attr.type == onnx.AttributeProto.TENSOR \
                     and attr.t.data_type in OTHER_FLOATS:

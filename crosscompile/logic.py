@@ -141,6 +141,29 @@ class Cast(Op):
             k.store(k.activate(convert(k, k.load(src, i), source, target)), dst, i)
 
 
+class BitCast(Cast):
+    """The input's bits read as `to`, a type of the same width. float64,
+    float16 and bfloat16 tensors are held as float32 inside
+    (crosscompile.double), so they have no bits of their own to read."""
+
+    op_type = "BitCast"
+
+    def output_dtype(self, inputs, attrs):
+        source, target = inputs[0].dtype, attrs["to"]
+        held = {source, target} & {"float64", "float16", "bfloat16"}
+        if held or np.dtype(source).itemsize != np.dtype(target).itemsize:
+            raise BuildError(f"BitCast from {source} to {attrs['to']} is not supported: only between "
+                             "types of one width, not float64, float16 or bfloat16 (which are computed "
+                             "in float32)")
+        return target
+
+    def lower(self, k, inputs, outputs, attrs):
+        source, target = inputs[0].dtype, outputs[0].dtype
+        src, dst = k.typed(k.inputs[0], source), k.typed(k.outputs[0], target)
+        with k.loop(outputs[0].size) as i:
+            k.store(k.builder.bitcast(k.load(src, i), ELEMENT_TYPES[target]), dst, i)
+
+
 class CastLike(Cast):
     """Cast to the dtype of the second input (only its dtype is read)."""
 

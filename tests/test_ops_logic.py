@@ -150,3 +150,31 @@ def test_wrong_dtypes_are_refused_naming_the_node(nodes, feeds, pattern):
     model = typed_model(nodes, feeds, {"y": np.float32}, {"t": np.zeros((4, 2), np.float32)})
     with pytest.raises(crosscompile.BuildError, match=pattern):
         crosscompile.build(model)
+
+
+@pytest.mark.parametrize("source,target", [("float32", "int32"), ("int32", "float32"), ("uint16", "int16"),
+                                           ("int8", "uint8"), ("bool", "uint8")])
+def test_bitcast_reads_the_bits_as_the_other_type(tmp_path, source, target):
+    """BitCast between types of one width, against numpy's view of the bits."""
+    from onnx.helper import np_dtype_to_tensor_dtype
+    x = np.random.default_rng(0).integers(-100, 100, (3, 5)).astype(source)
+    if source == "float32":
+        x = np.array([[1.5, -0.0, np.inf, -2.25e-39, 3e38]] * 3, np.float32)
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("BitCast", ["x"], ["y"], to=np_dtype_to_tensor_dtype(np.dtype(target)))], "bitcast",
+        [helper.make_tensor_value_info("x", np_dtype_to_tensor_dtype(x.dtype), x.shape)],
+        [helper.make_tensor_value_info("y", np_dtype_to_tensor_dtype(np.dtype(target)), x.shape)]),
+        opset_imports=[helper.make_opsetid("", 26)])
+    path = crosscompile.build(model, "host").export_library(str(tmp_path / "bitcast.so"))
+    got, = minirt.load(path).run({"x": x})
+    np.testing.assert_array_equal(got, x.view(target))
+
+
+def test_bitcast_of_float64_is_refused_by_name():
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("BitCast", ["x"], ["y"], to=TensorProto.DOUBLE)], "bitcast",
+        [helper.make_tensor_value_info("x", TensorProto.INT64, (2,))],
+        [helper.make_tensor_value_info("y", TensorProto.DOUBLE, (2,))]),
+        opset_imports=[helper.make_opsetid("", 26)])
+    with pytest.raises(crosscompile.BuildError, match="BitCast from int64 to float64 is not supported"):
+        crosscompile.build(model, "host")
