@@ -30,7 +30,8 @@ CLAIMED = {"Conv", "Gemm", "MatMul", "BatchNormalization", "Relu", "LeakyRelu", 
            "LpNormalization", "Mod", "Max", "Min", "GatherND", "ScatterND", "ScatterElements", "OneHot",
            "RMSNormalization", "Hardmax", "CumProd", "Swish", "NegativeLogLikelihoodLoss",
            "SoftmaxCrossEntropyLoss", "BitShift", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "BitwiseNot",
-           "Attention", "RotaryEmbedding", "MeanVarianceNormalization", "SwiGLU", "CausalConvWithState"}
+           "Attention", "RotaryEmbedding", "MeanVarianceNormalization", "SwiGLU", "CausalConvWithState",
+           "LpPool", "Compress", "Col2Im", "GridSample", "BitCast"}
 # In-scope cases run per op by default (a case counts for every op it uses).
 CASES_PER_OP = 3
 
