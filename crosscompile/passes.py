@@ -519,15 +519,17 @@ def _tap_runs(size: int, kernel: int, stride: int, dilation: int, begin: int, co
     return runs
 
 
-# A Conv is split by tap regions only when that removes at least this share of
-# its multiplications (a 3x3 convolution with padding 1 loses a few percent at
-# its border: not worth the extra nodes), into at most this many regions.
+# A dilated Conv is split by tap regions only when that removes at least this
+# share of its multiplications, into at most this many regions. Undilated ones
+# stay whole: their border taps read the zeros of a padded copy of the input
+# (a 3x3 with padding 1 on 7 x 7 would lose a third of its products, in nine
+# small convolutions and the copies between them).
 _SPLIT_MIN_SAVING = 0.25
 _SPLIT_MAX_REGIONS = 27
 
 
 def split_tap_regions(graph: Graph) -> Graph:
-    """Split a Conv with constant weights whose outputs read different kernel
+    """Split a dilated Conv with constant weights whose outputs read different kernel
     taps by position into one Conv per region of outputs that read the same
     taps, each on the slice of the input it reads and with only those taps
     and no padding, then concatenate the regions. DeepLabV3's dilation-12 3x3
@@ -563,6 +565,10 @@ def _tap_regions(graph: Graph, node: Node, constants: dict):
     geometry = (part[-axes:] for part in _resolve_window(x, tuple(weight.shape[2:]), node.attrs,
                                                           what="convolution"))
     spatial, kernel, strides, dilations, begin, _end, out = geometry
+    if max(dilations) == 1 or weight.shape[1] == 1 < int(node.attrs.get("group") or 1):
+        # An undilated window's border is the padded copy's zeros (conv.py);
+        # a depthwise kernel tests its taps or pads each plane itself.
+        return None
     runs = [_tap_runs(*args) for args in zip(spatial, kernel, strides, dilations, begin, out)]
     if None in runs or all(len(r) == 1 for r in runs) or int(np.prod([len(r) for r in runs])) > _SPLIT_MAX_REGIONS:
         return None
