@@ -27,7 +27,7 @@ import onnx
 from llvmlite import ir
 from onnx import helper, numpy_helper
 
-from . import int8_depthwise, int8_dot
+from . import int8_depthwise, int8_dot, lowbit
 from .emit import F32, I32, Kernel
 from .int8_dot import ROUNDING_LIMIT, ROUNDING_MAGIC
 from .errors import BuildError, ShapeError
@@ -41,6 +41,9 @@ QUANT_RANGES = {"uint8": (0, 255), "int8": (-128, 127)}
 DEQUANTIZE_DTYPES = ("uint8", "int8", "int32")
 
 TENSOR_DTYPES = {onnx.TensorProto.UINT8: "uint8", onnx.TensorProto.INT8: "int8"}
+# QuantizeLinear also quantizes to the low-bit types, which a module holds in
+# int32 or float32 (crosscompile.lowbit): output_dtype names the type.
+LOW_BIT_OUTPUTS = {number: name for number, name in lowbit.TENSOR_TYPES.items() if name != "float8_e8m0fnu"}
 
 
 def _unsupported_dtype(what: str, dtype: str, allowed) -> BuildError:
@@ -84,6 +87,8 @@ def dequantize_array(x: np.ndarray, scale, zero_point=None, axis: int = 1) -> np
     x = np.asarray(x)
     axis = axis % x.ndim if x.ndim else 0
     zero = np.zeros((), x.dtype) if zero_point is None else np.asarray(zero_point)
+    if x.dtype == np.float32:  # float8 or float4 held in float32: no zero point
+        return (x * _per_axis(np.asarray(scale, np.float32), x.ndim, axis)).astype(np.float32)
     shifted = x.astype(np.int64) - _per_axis(zero, x.ndim, axis).astype(np.int64)
     return (shifted.astype(np.float32) * _per_axis(np.asarray(scale, np.float32), x.ndim, axis)).astype(np.float32)
 
@@ -109,14 +114,12 @@ def _parse_axis(raw: dict, op_type: str) -> dict:
     if int(raw.get("block_size", 0)):
         raise BuildError(f"{op_type} with block_size={raw['block_size']} (blocked quantization) is not "
                          "supported; quantize per tensor or per channel")
-    if "saturate" in raw and not int(raw["saturate"]):
-        raise BuildError(f"{op_type} with saturate=0 applies to float8 only, which is not supported")
     return {"axis": int(raw.get("axis", 1))}
 
 
 def _extend(k: Kernel, value: ir.Value, dtype: str) -> ir.Value:
-    """An integer element of dtype as an i32."""
-    if dtype == "int32":
+    """An integer element of dtype as an i32 (a float32 one as it is)."""
+    if dtype in ("int32", "float32"):
         return value
     return k.builder.zext(value, I32) if dtype == "uint8" else k.builder.sext(value, I32)
 
@@ -146,9 +149,10 @@ class _LinearQuantization(Op):
         """The dtype of the integer side."""
         raise NotImplementedError
 
-    def channel(self, k: Kernel, dtype: str, scale: ir.Value, zero: "ir.Value | None"):
-        """Emit what is per channel (scale, and zero point as an i32) and
-        return element(offset), which emits what is per element."""
+    def channel(self, k: Kernel, dtype: str, scale: ir.Value, zero: "ir.Value | None", attrs: dict):
+        """Emit what is per channel (scale, and zero point as an i32, or a
+        float for a float8 or float4 type held in float32) and return
+        element(offset), which emits what is per element."""
         raise NotImplementedError
 
     def lower(self, k, inputs, outputs, attrs):
@@ -157,14 +161,16 @@ class _LinearQuantization(Op):
         outer, channels, inner = _channel_geometry(inputs[0].shape, inputs[1].shape, attrs["axis"], self.op_type)
         with k.loop(outer) as o, k.loop(channels) as c:
             zero = None if zeros is None else _extend(k, k.load(zeros, c), dtype)
-            element = self.channel(k, dtype, k.load(k.inputs[1], c), zero)
+            element = self.channel(k, dtype, k.load(k.inputs[1], c), zero, attrs)
             with k.loop(inner) as i:
                 element(k.index((o, channels * inner), (c, inner), (i, 1)))
 
 
 class DequantizeLinear(_LinearQuantization):
     """y = (x - zero_point) * scale, per tensor or along `axis`; x is uint8,
-    int8 or int32. Constant weights keep this node until
+    int8 or int32, or a low-bit type held in int32 (int4, int2, ...) or
+    float32 (float8 and float4, whose zero points ONNX fixes at 0;
+    crosscompile.lowbit). Constant weights keep this node until
     quantized.lower_qdq has looked at them (it folds the ones it does
     not lower)."""
 
@@ -180,8 +186,8 @@ class DequantizeLinear(_LinearQuantization):
 
     def output_dtype(self, inputs, attrs):
         x = inputs[0]
-        if x.dtype not in DEQUANTIZE_DTYPES:
-            raise _unsupported_dtype(f"input {x.name!r}", x.dtype, DEQUANTIZE_DTYPES)
+        if x.dtype not in DEQUANTIZE_DTYPES + ("float32",):
+            raise _unsupported_dtype(f"input {x.name!r}", x.dtype, DEQUANTIZE_DTYPES + lowbit.LOW_BIT_DTYPES)
         if inputs[1].dtype != "float32":
             raise BuildError(f"scale {inputs[1].name!r} is {inputs[1].dtype}; only float32 scales are supported")
         if len(inputs) == 3 and inputs[2].dtype != x.dtype:
@@ -191,12 +197,15 @@ class DequantizeLinear(_LinearQuantization):
     def quantized(self, inputs, outputs) -> str:
         return inputs[0].dtype
 
-    def channel(self, k, dtype, scale, zero):
+    def channel(self, k, dtype, scale, zero, attrs):
         x, b = k.typed(k.inputs[0], dtype), k.builder
         offset = ir.Constant(I32, 0) if zero is None else zero
 
         def element(at):
-            value = b.sitofp(b.sub(_extend(k, k.load(x, at), dtype), offset), F32)
+            if dtype == "float32":  # float8 or float4, held in float32: zero points are 0
+                value = k.load(x, at)
+            else:
+                value = b.sitofp(b.sub(_extend(k, k.load(x, at), dtype), offset), F32)
             k.store(k.activate(b.fmul(value, scale)), k.outputs[0], at)
         return element
 
@@ -211,10 +220,12 @@ class QuantizeLinear(_LinearQuantization):
     def attributes(self, raw, constants, opset):
         attrs = super().attributes(raw, constants, opset)
         to = int(raw.get("output_dtype", 0))
-        if to and to not in TENSOR_DTYPES:
+        if to and to not in TENSOR_DTYPES and to not in LOW_BIT_OUTPUTS:
             raise _unsupported_dtype("its output_dtype", onnx.TensorProto.DataType.Name(to).lower(),
-                                     tuple(QUANT_RANGES))
-        attrs["to"] = TENSOR_DTYPES.get(to, "uint8")
+                                     tuple(QUANT_RANGES) + tuple(LOW_BIT_OUTPUTS.values()))
+        attrs["to"] = TENSOR_DTYPES.get(to) or LOW_BIT_OUTPUTS.get(to, "uint8")
+        if attrs["to"] in lowbit.FORMATS:
+            attrs["saturate"] = bool(int(raw.get("saturate", 1)))
         return attrs
 
     def infer(self, inputs, attrs):
@@ -227,6 +238,11 @@ class QuantizeLinear(_LinearQuantization):
         if inputs[0].dtype != "float32" or inputs[1].dtype != "float32":
             raise BuildError(f"QuantizeLinear of {inputs[0].dtype} with a {inputs[1].dtype} scale is not "
                              "supported; x and scale must be float32")
+        if attrs["to"] in lowbit.LOW_BIT_DTYPES:  # its zero point is held as its output is
+            held = lowbit.held_dtype(attrs["to"])
+            if len(inputs) == 3 and inputs[2].dtype != held:
+                raise BuildError(f"zero point {inputs[2].name!r} is {inputs[2].dtype}, not {attrs['to']}")
+            return held
         if len(inputs) == 3:
             if inputs[2].dtype not in QUANT_RANGES:
                 raise _unsupported_dtype(f"zero point {inputs[2].name!r}", inputs[2].dtype, tuple(QUANT_RANGES))
@@ -236,14 +252,38 @@ class QuantizeLinear(_LinearQuantization):
     def quantized(self, inputs, outputs) -> str:
         return outputs[0].dtype
 
-    def channel(self, k, dtype, scale, zero):
+    def channel(self, k, dtype, scale, zero, attrs):
         y, b = k.typed(k.outputs[0], dtype), k.builder
+        to = attrs["to"]
+        if to in lowbit.FORMATS:
+            return _to_minifloat(k, y, scale, zero, to, attrs["saturate"])
         offset = k.f32(0.0) if zero is None else b.sitofp(zero, F32)
 
         def element(at):
             scaled = k.clamp(b.fdiv(k.load(k.inputs[0], at), scale), -ROUNDING_LIMIT, ROUNDING_LIMIT)
-            k.store(saturate(k, b.fadd(round_half_even(k, scaled), offset), dtype), y, at)
+            rounded = b.fadd(round_half_even(k, scaled), offset)
+            if to in lowbit.INTEGERS:  # int4, int2, ...: held in int32
+                lo, hi = lowbit.integer_range(to)
+                k.store(b.fptosi(k.clamp(rounded, lo, hi), I32), y, at)
+            else:
+                k.store(saturate(k, rounded, dtype), y, at)
         return element
+
+
+
+def _to_minifloat(k: Kernel, y: ir.Value, scale: ir.Value, zero: "ir.Value | None", to: str, saturating: bool):
+    """QuantizeLinear's element(at) for a float8 or float4 type: float8 is
+    x / scale rounded to the type (saturating unless saturate=0; its zero
+    point is 0 and onnx's reference ignores it), float4 is x / scale + zero
+    point, rounded. Stored as the type's value, held in float32."""
+    b = k.builder
+
+    def element(at):
+        value = b.fdiv(k.load(k.inputs[0], at), scale)
+        if zero is not None and to == "float4_e2m1fn":
+            value = b.fadd(value, zero)
+        k.store(lowbit.decode(k, lowbit.encode(k, value, "float32", to, saturating), to), y, at)
+    return element
 
 
 class DynamicQuantizeLinear(Op):
