@@ -23,7 +23,8 @@ bytes with decode() and encode() below:
 - float8 and float4 round to nearest even; saturate=1 (the default) clamps
   what is beyond the largest finite value (infinities too) to it;
   saturate=0 gives NaN (E4M3FN, the FNUZ types) or infinity (E5M2). The
-  FNUZ types have one zero and one NaN (0x80). float4 has no NaN nor
+  FNUZ types have one zero and one NaN (0x80); an E5M2 NaN comes out as
+  0x7E or 0xFE, whatever its payload. float4 has no NaN nor
   infinity: it always saturates and a NaN becomes zero (of the other
   sign, as ml_dtypes and so onnx's reference make it).
 - E8M0 (a power of two, 2**-127 ... 2**127, NaN 0xFF) keeps the exponent
@@ -308,7 +309,7 @@ def _cast_and_hold(node: onnx.NodeProto, to: int) -> list:
     """A Cast to the low-bit type `to` (with node's saturate and round_mode)
     and one back to its held type, in place of node."""
     low = f"{node.output[0]}/{TENSOR_TYPES[to]}"
-    cast = helper.make_node("Cast", [node.input[0]], [low], to=to, name=f"{node.name or low}/round")
+    cast = helper.make_node("Cast", [node.input[0]], [low], to=to, name=node.name or low)
     cast.attribute.extend(a for a in node.attribute if a.name in ("saturate", "round_mode"))
     back = helper.make_node("Cast", [low], [node.output[0]], to=_held_type(to), name=f"{node.name or low}/hold")
     return [cast, back]
