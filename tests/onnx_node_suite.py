@@ -126,7 +126,11 @@ def discover(everything: bool = False, op_type: "str | None" = None) -> list:
 # Model output dtypes a module can have (crosscompile.frontend.SUPPORTED_DTYPES).
 OUTPUT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.BOOL,
                 onnx.TensorProto.INT16, onnx.TensorProto.INT8, onnx.TensorProto.UINT64, onnx.TensorProto.UINT32,
-                onnx.TensorProto.UINT16, onnx.TensorProto.UINT8}
+                onnx.TensorProto.UINT16, onnx.TensorProto.UINT8,
+                # the low-bit types (crosscompile.lowbit)
+                onnx.TensorProto.FLOAT8E4M3FN, onnx.TensorProto.FLOAT8E4M3FNUZ, onnx.TensorProto.FLOAT8E5M2,
+                onnx.TensorProto.FLOAT8E5M2FNUZ, onnx.TensorProto.FLOAT8E8M0, onnx.TensorProto.FLOAT4E2M1,
+                onnx.TensorProto.INT4, onnx.TensorProto.UINT4, onnx.TensorProto.INT2, onnx.TensorProto.UINT2}
 RUNTIME_DTYPES = {np.dtype(np.float32), np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.bool_)}
 
 
