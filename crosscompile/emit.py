@@ -23,7 +23,10 @@ I16 = ir.IntType(16)
 # integers carry no sign: a kernel extends uint8 with zext, int8 with sext.
 ELEMENT_TYPES = {"float32": F32, "float16": HALF, "float64": ir.DoubleType(), "int64": I64, "int32": I32, "bool": I8,
                  "uint8": I8, "int8": I8, "int16": I16, "uint16": I16, "uint32": I32, "uint64": I64,
-                 "bfloat16": I16}
+                 "bfloat16": I16,
+                 # the low-bit types, one byte per element (crosscompile.lowbit)
+                 **dict.fromkeys(("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
+                                  "float8_e8m0fnu", "float4_e2m1fn", "int4", "uint4", "int2", "uint2"), I8)}
 
 
 class Kernel:

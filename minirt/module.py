@@ -283,16 +283,24 @@ class Module:
         return arrays
 
 
+# The dtypes numpy lacks, and the unsigned type holding each one's bit
+# patterns: bfloat16 (a float32's upper half) and the low-bit types, one
+# byte per element, the value's bits in the low bits (float8, float4, int4,
+# int2; crosscompile.lowbit).
+BIT_PATTERNS = {"bfloat16": "uint16", **dict.fromkeys((
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn",
+    "int4", "uint4", "int2", "uint2"), "uint8")}
+
+
 def numpy_dtype(name: str) -> np.dtype:
-    """The numpy dtype a module's tensor of dtype name is held in. numpy has
-    no bfloat16: where ml_dtypes (which onnx brings) has given it one, that
-    is used, elsewhere uint16 arrays of bfloat16's bit patterns (a float32's
-    upper half)."""
+    """The numpy dtype a module's tensor of dtype name is held in: for the
+    types numpy lacks (BIT_PATTERNS), ml_dtypes' where it has given numpy
+    them (onnx brings it), elsewhere arrays of their bit patterns."""
     try:
         return np.dtype(name)
     except TypeError:
-        if name == "bfloat16":
-            return np.dtype(np.uint16)
+        if name in BIT_PATTERNS:
+            return np.dtype(BIT_PATTERNS[name])
         raise
 
 

@@ -126,7 +126,11 @@ def discover(everything: bool = False, op_type: "str | None" = None) -> list:
 # Model output dtypes a module can have (crosscompile.frontend.SUPPORTED_DTYPES).
 OUTPUT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.BOOL,
                 onnx.TensorProto.INT16, onnx.TensorProto.INT8, onnx.TensorProto.UINT64, onnx.TensorProto.UINT32,
-                onnx.TensorProto.UINT16, onnx.TensorProto.UINT8}
+                onnx.TensorProto.UINT16, onnx.TensorProto.UINT8,
+                # the low-bit types (crosscompile.lowbit)
+                onnx.TensorProto.FLOAT8E4M3FN, onnx.TensorProto.FLOAT8E4M3FNUZ, onnx.TensorProto.FLOAT8E5M2,
+                onnx.TensorProto.FLOAT8E5M2FNUZ, onnx.TensorProto.FLOAT8E8M0, onnx.TensorProto.FLOAT4E2M1,
+                onnx.TensorProto.INT4, onnx.TensorProto.UINT4, onnx.TensorProto.INT2, onnx.TensorProto.UINT2}
 RUNTIME_DTYPES = {np.dtype(np.float32), np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.bool_)}
 
 
@@ -191,6 +195,7 @@ def run_case(case: Case, workdir: str, rtol=1e-4, atol=1e-5, target: str = "host
     import minirt
     from crosscompile.frontend import FRONTEND_OPS
     from crosscompile.functions import COMPILE_TIME_INPUTS
+    from crosscompile.lowbit import LOW_BIT_DTYPES
     from crosscompile.ops import OPS
 
     model, inputs, expected = case.load()
@@ -236,6 +241,10 @@ def run_case(case: Case, workdir: str, rtol=1e-4, atol=1e-5, target: str = "host
                 return Result(case, "mismatch", f"output {i}: a tensor, expected a sequence")
             if g.shape != w.shape or g.dtype != w.dtype:
                 return Result(case, "mismatch", f"output {i}: {g.dtype}{g.shape}, expected {w.dtype}{w.shape}")
+            if w.dtype.name in LOW_BIT_DTYPES:  # one of the few values of the type: exactly that one
+                if not np.array_equal(g.astype(np.float32), w.astype(np.float32), equal_nan=True):
+                    return Result(case, "mismatch", f"output {i}: {g.reshape(-1)[:8]}..., expected {w.reshape(-1)[:8]}...")
+                continue
             # float16 and bfloat16 results within one unit of their last
             # place: the reference rounds intermediate values to the type in
             # an order of its own, which float32 arithmetic rounded per op

@@ -40,7 +40,10 @@ int64_t dtype_bytes(const std::string& dtype) {
     int64_t bytes;
   } kSizes[] = {{"float32", 4}, {"int64", 8}, {"int32", 4}, {"bool", 1},    {"float16", 2},
                 {"float64", 8}, {"int8", 1},  {"uint8", 1}, {"int16", 2},   {"uint16", 2},
-                {"uint32", 4},  {"uint64", 8}, {"bfloat16", 2}};
+                {"uint32", 4},  {"uint64", 8}, {"bfloat16", 2},
+                // the low-bit types, one byte per element (crosscompile/lowbit.py)
+                {"float8_e4m3fn", 1}, {"float8_e4m3fnuz", 1}, {"float8_e5m2", 1}, {"float8_e5m2fnuz", 1},
+                {"float8_e8m0fnu", 1}, {"float4_e2m1fn", 1}, {"int4", 1}, {"uint4", 1}, {"int2", 1}, {"uint2", 1}};
   for (const auto& size : kSizes) {
     if (dtype == size.name) return size.bytes;
   }

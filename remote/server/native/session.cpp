@@ -95,6 +95,9 @@ int itemsize(const std::string& dtype) {
   static const std::map<std::string, int> sizes = {
       {"bool", 1}, {"int8", 1}, {"uint8", 1}, {"int16", 2}, {"uint16", 2}, {"float16", 2},
       {"bfloat16", 2},
+      // the low-bit types, one byte per element (crosscompile/lowbit.py)
+      {"float8_e4m3fn", 1}, {"float8_e4m3fnuz", 1}, {"float8_e5m2", 1}, {"float8_e5m2fnuz", 1},
+      {"float8_e8m0fnu", 1}, {"float4_e2m1fn", 1}, {"int4", 1}, {"uint4", 1}, {"int2", 1}, {"uint2", 1},
       {"int32", 4}, {"uint32", 4}, {"float32", 4}, {"int64", 8}, {"uint64", 8},
       {"float64", 8}, {"complex64", 8}, {"complex128", 16}};
   auto it = sizes.find(dtype);
@@ -120,7 +123,8 @@ int64_t tensor_bytes(const TensorDesc& desc, const std::string& name, Failure* f
   if (size == 0) {
     *failure = {"InvalidArgument", "tensor " + quote(name) + " has dtype " + quote(desc.dtype) +
                                        "; tensors hold numbers only (bool, int8-64, uint8-64, "
-                                       "bfloat16, float16/32/64, complex)"};
+                                       "bfloat16, float16/32/64, float8, float4, int4, int2, "
+                                       "complex)"};
     return -1;
   }
   int64_t count = 1;
