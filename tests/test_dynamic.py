@@ -1,0 +1,167 @@
+"""Dynamic batch: one module compiled with bounds runs every size within them.
+
+Each model is compiled once for the host with dynamic={"N": (1, 4)} (plans
+for chunks of 4, 2 and 1 rows) and run at sizes 1, 2, 3 and 4 (3 takes two
+plans), compared with onnxruntime on the same model; sizes
+outside the bounds and graphs that mix batch rows are refused by name.
+"""
+import ctypes
+
+import numpy as np
+import pytest
+from onnx import helper
+
+import crosscompile
+import minirt
+from crosscompile.dynamic import chunks, plan_sizes
+from tests.onnx_models import make_model, rand, reference
+from tests.transformer_models import GraphBuilder
+
+BOUNDS = (1, 4)
+SIZES = (1, 2, 3, 4)
+
+
+def conv_net():
+    """Conv -> Relu -> MaxPool -> Conv(+residual-free) -> Relu ->
+    GlobalAveragePool -> Flatten -> Gemm, input "x" (N, 3, 12, 12)."""
+    b = GraphBuilder(13, 0)
+    h = b.op("Relu", [b.op("Conv", ["x", b.weight(8, 3, 3, 3, scale=0.3), b.weight(8, scale=0.1)], pads=[1] * 4)])
+    h = b.op("MaxPool", [h], kernel_shape=[2, 2], strides=[2, 2])
+    h = b.op("Relu", [b.op("Conv", [h, b.weight(16, 8, 3, 3, scale=0.15)], pads=[1] * 4)])
+    h = b.op("Flatten", [b.op("GlobalAveragePool", [h])])
+    out = b.op("Gemm", [h, b.weight(5, 16, scale=0.3), b.weight(5, scale=0.1)], transB=1)
+    return b.model({"x": ("N", 3, 12, 12)}, out, "dynamic_conv")
+
+
+def attention_block(tokens=5, width=16, heads=2):
+    """x + Attention(LN(x)) then + MLP(LN(.)), batch-first throughout
+    (heads split by Reshape [0, tokens, heads, head]), input "x" (N, tokens, width)."""
+    b = GraphBuilder(13, 1)
+    head = width // heads
+
+    def split(t):
+        return b.op("Transpose", [b.op("Reshape", [t, b.ints([0, tokens, heads, head])])], perm=[0, 2, 1, 3])
+
+    h = b.layer_norm("x", width)
+    q, k, v = (split(b.linear(h, width, width)) for _ in range(3))
+    scores = b.op("Mul", [b.op("MatMul", [q, b.op("Transpose", [k], perm=[0, 1, 3, 2])]), b.const(head ** -0.5)])
+    ctx = b.op("MatMul", [b.op("Softmax", [scores], axis=-1), v])
+    ctx = b.op("Reshape", [b.op("Transpose", [ctx], perm=[0, 2, 1, 3]), b.ints([0, tokens, width])])
+    x = b.op("Add", ["x", b.linear(ctx, width, width)])
+    mlp_out = b.linear(b.gelu(b.linear(b.layer_norm(x, width), width, 2 * width)), 2 * width, width)
+    return b.model({"x": ("N", tokens, width)}, b.op("Add", [x, mlp_out]), "dynamic_attention")
+
+
+def one_node(op_type, shape, out_shape=None, **attrs):
+    node = helper.make_node(op_type, ["x"], ["y"], name=f"the_{op_type.lower()}", **attrs)
+    return make_model([node], {"x": shape}, {"y": out_shape})
+
+
+@pytest.fixture(scope="module")
+def modules(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("dynamic")
+    built = {}
+    for name, model in (("conv", conv_net()), ("attention", attention_block())):
+        lib = crosscompile.build(model, "host", dynamic={"N": BOUNDS})
+        built[name] = (model, lib, minirt.load(lib.export_library(folder / f"{name}.so"), threads=1))
+    return built
+
+
+def test_plan_sizes_cover_every_size_greedily():
+    assert plan_sizes(1, 16) == [16, 8, 4, 2, 1]
+    assert plan_sizes(1, 6) == [6, 4, 2, 1]
+    assert plan_sizes(3, 3) == [3, 2, 1]
+    for size in range(1, 17):
+        assert sum(chunks(size, plan_sizes(1, 16))) == size
+    assert chunks(16, plan_sizes(1, 16)) == [16] and chunks(13, plan_sizes(1, 16)) == [8, 4, 1]
+
+
+@pytest.mark.parametrize("name", ["conv", "attention"])
+def test_one_module_matches_onnxruntime_at_every_size(modules, name):
+    model, lib, module = modules[name]
+    assert lib.metadata["dynamic"] == [{"name": "N", "min": 1, "max": 4, "axis": 0, "chunks": [4, 2, 1]}]
+    assert module.dynamic == {"N": BOUNDS}
+    assert module.inputs[0].shape[0] == 4  # the specs give the upper bound
+    feed = module.inputs[0].name
+    for size in SIZES:
+        x = rand(size, *module.inputs[0].shape[1:], seed=size)
+        (got,) = module.run({feed: x})
+        (want,) = reference(model, {feed: x})
+        assert got.shape == want.shape and got.shape[0] == size
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"{name} at N={size}")
+
+
+def test_threads_share_every_chunk(modules):
+    model, _, module = modules["conv"]
+    module.set_threads(2)
+    try:
+        x = rand(3, 3, 12, 12, seed=9)
+        (got,) = module.run([x])
+        np.testing.assert_allclose(got, reference(model, {"x": x})[0], rtol=1e-4, atol=1e-5)
+    finally:
+        module.set_threads(1)
+
+
+def test_old_entry_runs_the_upper_bound(modules):
+    """A loader that knows nothing of dynamic dims calls tether_run with
+    the metadata's (upper-bound) shapes; the module computes all 4 rows."""
+    model, _, module = modules["conv"]
+    x = rand(4, 3, 12, 12, seed=4)
+    outputs = np.empty((4, 5), np.float32)
+    workspace = module._new_workspace()
+    status = module._run((ctypes.c_void_p * 1)(x.ctypes.data), (ctypes.c_void_p * 1)(outputs.ctypes.data),
+                         minirt.module._aligned_address(workspace))
+    assert status == 0
+    np.testing.assert_allclose(outputs, reference(model, {"x": x})[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("size", [0, 5])
+def test_size_outside_the_bounds_names_input_dim_and_range(modules, size):
+    _, _, module = modules["conv"]
+    with pytest.raises(minirt.InputError, match=rf"input 'x': N \(axis 0\) is {size}, outside this "
+                                                r"module's range 1\.\.4"):
+        module.run({"x": np.zeros((size, 3, 12, 12), np.float32)})
+    with pytest.raises(minirt.InputError, match=r"expected shape \(N 1\.\.4, 3, 12, 12\)"):
+        module.run({"x": np.zeros((3, 3, 12, 11), np.float32)})
+
+
+def test_module_checks_the_size_itself(modules):
+    """tether_run_dims refuses a size outside the bounds with its own code,
+    for callers that skip minirt's check."""
+    _, _, module = modules["conv"]
+    x = np.zeros((4, 3, 12, 12), np.float32)
+    out = np.empty((4, 5), np.float32)
+    workspace = module._new_workspace()
+    status = module._run_dims((ctypes.c_void_p * 1)(x.ctypes.data), (ctypes.c_void_p * 1)(out.ctypes.data),
+                              minirt.module._aligned_address(workspace), (ctypes.c_int64 * 1)(5))
+    assert status == 2 and "outside its range" in minirt.module.RUN_ERRORS[status]
+
+
+@pytest.mark.parametrize("model, refusal", [
+    (one_node("Softmax", ("N", 4), axis=0), r"node 'the_softmax' \(Softmax\) is not separable along 'N': "
+                                            r"it works along axis 0"),
+    (one_node("Transpose", ("N", 4, 3), perm=[1, 0, 2]), r"'the_transpose' \(Transpose\) is not separable along "
+                                                         r"'N': it moves axis 0 \(perm \[1, 0, 2\]\)"),
+    (one_node("ReduceSum", ("N", 4), keepdims=1), r"'the_reducesum' \(ReduceSum\) is not separable along 'N': "
+                                                  r"its tensor 'y' has shape \(1, 1\) at N 2 and \(1, 1\) at N 3"),
+])
+def test_a_graph_that_mixes_rows_is_refused_by_name(model, refusal):
+    with pytest.raises(crosscompile.BuildError, match=refusal):
+        crosscompile.build(model, "host", dynamic={"N": (1, 4)})
+
+
+@pytest.mark.parametrize("dynamic, message", [
+    ({"batch": (1, 4)}, r"dynamic names \['batch'\], which no model input has as a symbolic dimension; "
+                        r"the inputs' dimensions are \{'x': \['N', 4\]\}"),
+    ({"N": (0, 4)}, r"dynamic\['N'\] must be \(min, max\) integers with 1 <= min <= max, got \(0, 4\)"),
+    ({"N": (5, 4)}, r"1 <= min <= max, got \(5, 4\)"),
+])
+def test_bad_dynamic_argument_is_named(dynamic, message):
+    with pytest.raises(crosscompile.BuildError, match=message):
+        crosscompile.build(one_node("Relu", ("N", 4)), "host", dynamic=dynamic)
+
+
+def test_a_dimension_that_does_not_lead_is_refused():
+    model = one_node("Relu", (2, "T"))
+    with pytest.raises(crosscompile.BuildError, match=r"dynamic dimension 'T' must lead every model input"):
+        crosscompile.build(model, "host", dynamic={"T": (1, 8)})
