@@ -6,6 +6,9 @@ plans), compared with onnxruntime on the same model; sizes
 outside the bounds and graphs that mix batch rows are refused by name.
 """
 import ctypes
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -14,9 +17,13 @@ from onnx import helper
 import crosscompile
 import minirt
 from crosscompile.dynamic import chunks, plan_sizes
+from remote.cli.localfarm import Child
+from tests import board_servers
 from tests.onnx_models import make_model, rand, reference
 from tests.transformer_models import GraphBuilder
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
 BOUNDS = (1, 4)
 SIZES = (1, 2, 3, 4)
 
@@ -165,3 +172,64 @@ def test_a_dimension_that_does_not_lead_is_refused():
     model = one_node("Relu", (2, "T"))
     with pytest.raises(crosscompile.BuildError, match=r"dynamic dimension 'T' must lead every model input"):
         crosscompile.build(model, "host", dynamic={"T": (1, 8)})
+
+
+@pytest.fixture(params=board_servers.KINDS)
+def board_server(request, tmp_path):
+    """A real board server of each kind (Python, native C++) on loopback."""
+    folder = tmp_path / "server"
+    (folder / "workspaces").mkdir(parents=True)
+    child = Child("server", [*board_servers.command(request.param), "--host", "127.0.0.1", "--port", "0",
+                             "--workspace-dir", str(folder / "workspaces")], str(folder), ENV)
+    yield child
+    child.stop()
+
+
+def test_board_server_runs_every_size_and_refuses_others(board_server, modules, tmp_path):
+    """Through a session with a real board server: one upload, runs at
+    several sizes, a clear remote error outside the bounds, and the session
+    goes on."""
+    from remote import errors, rpc
+    model, lib, _ = modules["conv"]
+    path = lib.export_library(tmp_path / "dynamic_conv.so")
+    with rpc.connect("127.0.0.1", board_server.port) as sess:
+        sess.upload(path)
+        mod = sess.load_module("dynamic_conv.so")
+        assert mod.metadata["dynamic"][0]["max"] == 4
+        for size in (1, 3, 4):
+            x = rand(size, 3, 12, 12, seed=20 + size)
+            (got,) = mod.run({"x": x})
+            np.testing.assert_allclose(got, reference(model, {"x": x})[0], rtol=1e-4, atol=1e-5)
+        with pytest.raises(errors.InputError, match=r"input 'x': N \(axis 0\) is 5, outside this module's "
+                                                    r"range 1\.\.4"):
+            mod.run({"x": np.zeros((5, 3, 12, 12), np.float32)})
+        with pytest.raises(errors.InputError, match=r"input 'x': expected shape \(N 1\.\.4, 3, 12, 12\)"):
+            mod.run({"x": np.zeros((2, 3, 12, 11), np.float32)})
+        (got,) = mod.run({"x": np.zeros((2, 3, 12, 12), np.float32)})
+        assert got.shape == (2, 5)
+        assert len(mod.benchmark(number=2, repeat=1).samples) == 1  # zeros at the upper bound
+
+
+def _tether(*args):
+    return subprocess.run([sys.executable, "-m", "remote.cli", *args], env=ENV, cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_commands_take_dynamic_bounds(farm, tmp_path):
+    """`tether compile --dynamic N=1:4` writes one module; `tether run` runs it
+    on a board at a size of the input file's choosing."""
+    import onnx
+    model = one_node("Softmax", ("N", 7), axis=-1)
+    onnx.save(model, tmp_path / "net.onnx")
+    proc = _tether("compile", str(tmp_path / "net.onnx"), "--dynamic", "N=1:4", "--no-tuning",
+                   "-o", str(tmp_path / "net.so"))
+    assert proc.returncode == 0, proc.stderr
+    assert "dynamic N (axis 0): any size from 1 to 4 (shapes above at 4; plans for chunks of 4, 2, 1)" in proc.stdout
+    x = rand(3, 7, seed=5)
+    np.save(tmp_path / "x.npy", x)
+    proc = _tether("run", str(tmp_path / "net.so"), "--key", "host", "--tracker", "%s:%d" % farm.tracker,
+                   "--input", str(tmp_path / "x.npy"), "--output", str(tmp_path / "y.npz"))
+    assert proc.returncode == 0, proc.stderr
+    np.testing.assert_allclose(np.load(tmp_path / "y.npz")["y"], reference(model, {"x": x})[0], rtol=1e-5, atol=1e-6)
+    proc = _tether("compile", str(tmp_path / "net.onnx"), "--dynamic", "N=4", "-o", str(tmp_path / "bad.so"))
+    assert proc.returncode != 0 and "--dynamic 'N=4' must look like batch=1:16" in proc.stderr
