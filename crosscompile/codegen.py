@@ -236,11 +236,12 @@ def _emit_run_dims(module: ir.Module, compiled: list, dims: dict, params: _Param
     """tether_run_dims(inputs, outputs, workspace, dims), or with parallel
     tether_run_parallel_dims(inputs, outputs, workspace, dims, thread,
     threads, state): dims[0] (an int64) is the actual size of the dynamic
-    leading dimension of every input and output. Out of [min, max] it
-    returns RUN_BAD_DIMS; else it runs the plans, largest first, each as
+    dimension. Out of [min, max] it returns RUN_BAD_DIMS. A chunked
+    (leading, separable) dimension runs the plans, largest first, each as
     often as it fits in what is left (dynamic.chunks), on the rows at the
-    current offset. Every thread takes the same chunks, so the barriers of
-    the parallel form line up as in tether_run_parallel."""
+    current offset; otherwise the plan of that size runs. Every thread
+    takes the same plans, so the barriers of the parallel form line up as
+    in tether_run_parallel."""
     _, graph, plan, _ = compiled[0]
     name = "tether_run_parallel_dims" if parallel else "tether_run_dims"
     workspace_bytes = max(p.workspace_bytes for _, _, p, _ in compiled)
@@ -251,6 +252,14 @@ def _emit_run_dims(module: ir.Module, compiled: list, dims: dict, params: _Param
                     b.icmp_signed(">", size, ir.Constant(i64, dims["max"])))
     with b.if_then(outside, likely=False):
         b.ret(ir.Constant(I32, RUN_BAD_DIMS))
+    if "chunks" not in dims:
+        # One plan per size: run the one of this size on the whole buffers.
+        for plan_size, plan_graph, size_plan, kernels in compiled:
+            with b.if_then(b.icmp_signed("==", size, ir.Constant(i64, plan_size))):
+                _emit_steps(entry, plan_graph, size_plan, kernels, entry.slots, params)
+                b.ret(ir.Constant(I32, RUN_OK))
+        b.ret(ir.Constant(I32, RUN_BAD_DIMS))
+        return
     offset = b.alloca(i64)
     b.store(ir.Constant(i64, 0), offset)
     for chunk, chunk_graph, chunk_plan, kernels in compiled:

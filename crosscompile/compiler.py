@@ -14,7 +14,7 @@ from . import codegen
 from .backend import compile_jobs, compile_objects, target_machine
 from .elfdata import data_object
 from .errors import BuildError
-from .dynamic import CHECK_SIZES, check_separable, dynamic_spec, input_shapes_at
+from .dynamic import CHECK_SIZES, MAX_SPECIALIZED, check_separable, dynamic_spec, input_shapes_at, output_axes
 from .frontend import import_onnx, load_model
 from .link import link_shared
 from .metadata import module_metadata
@@ -147,14 +147,27 @@ def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = 
 
 def _build_dynamic(model, target: Target, input_shapes, table, precision: str, dynamic: dict,
                    data_layout: str, report):
-    """build()'s middle for a dynamic batch: the model proved separable at
-    two sizes, then lowered and planned once per chunk size (largest
-    first) into one module. Returns what build() reads of the largest
-    plan, whose shapes the metadata lists."""
+    """build()'s middle for a dynamic dimension (crosscompile.dynamic): a
+    leading one proved separable at two sizes runs in chunks, any other one
+    plan per size; the graph is lowered and planned once per plan size
+    (largest first) into one module. Returns what build() reads of the
+    largest plan, whose shapes the metadata lists."""
     proto = load_model(model)
     spec = dynamic_spec(proto, dynamic)
-    check_separable({size: eliminate_dead_code(import_onnx(proto, input_shapes_at(proto, spec, size, input_shapes)))
-                     for size in CHECK_SIZES}, spec.name)
+    if spec.chunked:
+        checked = {size: eliminate_dead_code(import_onnx(proto, input_shapes_at(proto, spec, size, input_shapes)))
+                   for size in CHECK_SIZES}
+        try:
+            check_separable(checked, spec.name)
+        except BuildError as mixed:
+            try:
+                spec = spec.specialized()
+            except BuildError:
+                raise BuildError(f"{mixed}, or narrow {spec.name} to at most {MAX_SPECIALIZED} sizes (compiled "
+                                 f"one plan each; {spec.low}..{spec.high} is {spec.high - spec.low + 1})") from None
+    if not spec.chunked and spec.low == spec.high:
+        raise BuildError(f"dynamic[{spec.name!r}] = ({spec.low}, {spec.high}) is one size: give it with "
+                         "input_shapes instead")
     plans = []
     for size in spec.sizes:
         report(f"lowering the plan for {spec.name} {size}", 0, 1)
@@ -164,6 +177,10 @@ def _build_dynamic(model, target: Target, input_shapes, table, precision: str, d
     _, imported, folded, graph, plan = plans[0]
     metadata = module_metadata(imported, graph, plan, target, PRODUCER)
     metadata["dynamic"] = [spec.to_dict()]
+    outputs = ([[0]] * len(graph.outputs) if spec.chunked
+               else output_axes({size: imported for size, imported, *_ in plans}, spec.name))
+    for entry, axes in zip(metadata["inputs"] + metadata["outputs"], list(spec.axes) + outputs):
+        entry["dynamic_axes"] = list(axes)
     # Plans share parameters of equal bytes; one whose kernels read another
     # layout (a batch-1 matrix product reads its weights unpacked) has its own.
     metadata["param_bytes"] = sum(len(data) for data in {

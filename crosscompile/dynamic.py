@@ -1,4 +1,5 @@
-"""Dynamic batch: one module that runs any batch size within bounds.
+"""Dynamic dimensions: one module that runs any size of a symbolic
+dimension within bounds.
 
 A model whose inputs lead with a symbolic dimension (``batch`` in
 ``[batch, 3, 224, 224]``) compiles, when every op maps batch rows to batch
@@ -8,6 +9,10 @@ tether_run_dims takes the actual size and runs the largest plans first
 (greedy, so 13 of at most 16 runs 8 + 4 + 1, and 16 runs the 16-plan once);
 all plans share the parameters, and the workspace is the largest plan's,
 since the chunks run one after another.
+
+Any other symbolic dimension (a sequence length), or a leading one whose
+rows the graph mixes, gets one plan per size instead ("specialized"), for
+at most MAX_SPECIALIZED sizes; tether_run_dims runs the plan of the size.
 
 Plain data and functions only; build() (compiler.py) compiles the plans and
 codegen.generate_dynamic writes the entry points.
@@ -33,30 +38,52 @@ CHECK_SIZES = (2, 3)
 # Ops that step along their input's leading axis when their layout
 # attribute is 0 (ONNX's default: [sequence, batch, ...]).
 SEQUENCE_FIRST = {"LSTM", "GRU", "RNN"}
+# A dimension compiled one plan per size takes at most this many sizes:
+# each is a whole compiled model.
+MAX_SPECIALIZED = 16
 
 
 @dataclass(frozen=True)
 class DynamicSpec:
     """The one dynamic dimension of a module: its name (the model's symbolic
-    dim), its bounds and the chunk sizes compiled for it."""
+    dim), its bounds, the axes holding it in each model input (in order;
+    empty for an input without it), and whether it runs in chunks (a
+    separable leading dimension) or one plan per size."""
 
     name: str
     low: int
     high: int
+    axes: tuple
+    chunked: bool = True
 
     @property
     def sizes(self) -> list:
-        return plan_sizes(self.low, self.high)
+        """The sizes compiled as plans, largest first."""
+        return plan_sizes(self.low, self.high) if self.chunked else list(range(self.high, self.low - 1, -1))
+
+    def specialized(self) -> "DynamicSpec":
+        """The same dimension compiled one plan per size; BuildError when
+        the range has more than MAX_SPECIALIZED sizes."""
+        count = self.high - self.low + 1
+        if count > MAX_SPECIALIZED:
+            raise BuildError(f"dynamic dimension {self.name!r} needs one compiled plan per size here, and "
+                             f"{self.low}..{self.high} is {count} sizes, more than the {MAX_SPECIALIZED} a "
+                             f"module takes; narrow the range to at most {MAX_SPECIALIZED} sizes, or give it a "
+                             "fixed size with input_shapes")
+        return DynamicSpec(self.name, self.low, self.high, self.axes, chunked=False)
 
     def to_dict(self) -> dict:
         """The module metadata's description (docs/module-abi.md, "dynamic")."""
-        return {"name": self.name, "min": self.low, "max": self.high, "axis": 0, "chunks": self.sizes}
+        if self.chunked:
+            return {"name": self.name, "min": self.low, "max": self.high, "axis": 0, "chunks": self.sizes}
+        return {"name": self.name, "min": self.low, "max": self.high, "sizes": self.sizes}
 
 
 def dynamic_spec(proto, dynamic: dict) -> DynamicSpec:
     """Check build()'s dynamic= argument against the model (an
-    onnx.ModelProto): one symbolic dimension, leading every model input,
-    with integer bounds 1 <= low <= high.
+    onnx.ModelProto): one symbolic dimension of its inputs, with integer
+    bounds 1 <= low <= high. It runs in chunks when it leads every input
+    (check_separable decides the rest), else one plan per size.
 
     >>> dynamic_spec(model, {"batch": (1, 16)}).high  # doctest: +SKIP
     16
@@ -72,7 +99,7 @@ def dynamic_spec(proto, dynamic: dict) -> DynamicSpec:
                          f"the inputs' dimensions are {shown}")
     if len(dynamic) > 1:
         raise BuildError(f"dynamic names {sorted(dynamic)}, but a module has at most one dynamic "
-                         "dimension, the leading (batch) one; give the others fixed sizes with input_shapes")
+                         "dimension; give the others fixed sizes with input_shapes")
     (name, bounds), = dynamic.items()
     try:
         low, high = (int(b) for b in bounds)
@@ -81,13 +108,9 @@ def dynamic_spec(proto, dynamic: dict) -> DynamicSpec:
         valid = False
     if not valid:
         raise BuildError(f"dynamic[{name!r}] must be (min, max) integers with 1 <= min <= max, got {bounds!r}")
-    for inp, dims in symbolic.items():
-        if not dims or dims[0] != name:
-            raise BuildError(
-                f"dynamic dimension {name!r} must lead every model input (axis 0, the batch), but input "
-                f"{inp!r} has dimensions {list(dims)}; only a leading dynamic dimension is supported, "
-                "so give this one a fixed size with input_shapes")
-    return DynamicSpec(name, low, high)
+    axes = tuple(tuple(axis for axis, dim in enumerate(dims) if dim == name) for dims in symbolic.values())
+    spec = DynamicSpec(name, low, high, axes)
+    return spec if all(a == (0,) for a in axes) else spec.specialized()
 
 
 def plan_sizes(low: int, high: int) -> list:
@@ -115,15 +138,38 @@ def chunks(size: int, sizes: list) -> list:
 def input_shapes_at(proto, spec: DynamicSpec, size: int, input_shapes: "dict | None") -> dict:
     """input_shapes for importing the model with the dynamic dimension at
     `size`: the user's shapes (for other symbolic dims), or the declared ones,
-    with axis 0 set to size."""
+    with the dimension's axes set to size."""
     given = dict(input_shapes or {})
     shapes = {}
-    for inp, dims in _symbolic_dims(proto).items():
+    for (inp, dims), axes in zip(_symbolic_dims(proto).items(), spec.axes):
         base = list(given.get(inp, dims))
-        shapes[inp] = (size, *base[1:])
+        shapes[inp] = tuple(size if axis in axes else d for axis, d in enumerate(base))
     for inp in given:
         shapes.setdefault(inp, given[inp])  # not an input: import_onnx names it
     return shapes
+
+
+def output_axes(graphs: "dict[int, Graph]", name: str) -> list:
+    """The axes of each graph output that hold the dynamic dimension, from
+    the model imported at every size in `graphs` (two sizes or more): an
+    output's shape must be one shape with those axes set to the size.
+    BuildError for an output whose shape depends on the size otherwise."""
+    sizes = sorted(graphs)
+    first = graphs[sizes[0]]
+    found = []
+    for output in first.outputs:
+        shapes = {size: graphs[size].tensors[output].shape for size in sizes}
+        base = shapes[sizes[-1]]
+        axes = [axis for axis, d in enumerate(base) if all(
+            len(shape) == len(base) and shape[axis] == size for size, shape in shapes.items())]
+        if any(len(shape) != len(base) or any(d != (size if axis in axes else base[axis])
+                                              for axis, d in enumerate(shape))
+               for size, shape in shapes.items()):
+            shown = " and ".join(f"{shape} at {name} {size}" for size, shape in shapes.items())
+            raise BuildError(f"graph output {output!r} has shape {shown}, which is not one shape with {name} "
+                             "in some of its dimensions; compile with fixed shapes instead (input_shapes)")
+        found.append(axes)
+    return found
 
 
 def check_separable(graphs: "dict[int, Graph]", name: str) -> None:

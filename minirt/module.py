@@ -27,8 +27,9 @@ MARK_FUNCTION = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32)
 
 class TensorSpec(NamedTuple):
     name: str
-    shape: tuple
+    shape: tuple  # a dynamic module's at the upper bound
     dtype: str
+    dynamic_axes: tuple = ()  # the axes that hold the module's dynamic dimension
 
 
 def load(path: str | os.PathLike, threads: int | None = None) -> Module:
@@ -213,10 +214,11 @@ class Module:
         if inputs is None:
             inputs = {spec.name: np.zeros(spec.shape, dtype=numpy_dtype(spec.dtype)) for spec in self.inputs}
         arrays = self._check_inputs(inputs)
-        if self._dims(arrays) is not None and tuple(arrays[0].shape) != self.inputs[0].shape:
+        size = self._size(arrays)
+        if size is not None and size != max(self.dynamic.values())[1]:
             (name, (_, high)), = self.dynamic.items()
             raise InputError(f"profiling runs this module at its upper bound {name} {high}; pass inputs "
-                             f"of that size (got {arrays[0].shape[0]})")
+                             f"of that size (got {size})")
         outputs = self._new_outputs(arrays)
         in_ptrs = (ctypes.c_void_p * max(len(arrays), 1))(*[a.ctypes.data for a in arrays])
         out_ptrs = (ctypes.c_void_p * max(len(outputs), 1))(*[a.ctypes.data for a in outputs])
@@ -269,17 +271,26 @@ class Module:
                 self._pool_lock.release()
         return (self._run if dims is None else self._run_dims)(*args)
 
+    def _size(self, arrays: list):
+        """The dynamic dimension's size in checked inputs, or None for a
+        module without one."""
+        for spec, array in zip(self.inputs, arrays):
+            if spec.dynamic_axes:
+                return int(array.shape[spec.dynamic_axes[0]])
+        return None
+
     def _dims(self, arrays: list):
-        """The dims argument of tether_run_dims for checked inputs (the
-        dynamic dimension's size), or None for a module without one."""
-        if not self.dynamic or not arrays:
-            return None
-        return (ctypes.c_int64 * 1)(int(arrays[0].shape[0]))
+        """The dims argument of tether_run_dims for checked inputs, or None
+        for a module without a dynamic dimension."""
+        size = self._size(arrays)
+        return None if size is None else (ctypes.c_int64 * 1)(size)
 
     def _new_outputs(self, arrays: list) -> list:
-        """Output arrays for checked inputs (led by their dynamic size)."""
-        lead = () if self._dims(arrays) is None else (int(arrays[0].shape[0]),)
-        return [np.empty(lead + spec.shape[len(lead):], dtype=numpy_dtype(spec.dtype)) for spec in self.outputs]
+        """Output arrays for checked inputs (at their dynamic size)."""
+        size = self._size(arrays)
+        return [np.empty(tuple(size if axis in spec.dynamic_axes and size is not None else d
+                               for axis, d in enumerate(spec.shape)), dtype=numpy_dtype(spec.dtype))
+                for spec in self.outputs]
 
     def close(self) -> None:
         """Stop the module's worker threads (they also stop with the process)."""
@@ -316,7 +327,7 @@ class Module:
             else:
                 value = np.asarray(value, dtype=numpy_dtype(spec.dtype))
             if self.dynamic:
-                self._check_dynamic_shape(spec, tuple(value.shape), arrays)
+                self._check_dynamic_shape(spec, tuple(value.shape), self._size(arrays))
             elif tuple(value.shape) != spec.shape:
                 raise InputError(f"input {spec.name!r}: expected shape {spec.shape}, "
                                  f"got {tuple(value.shape)}")
@@ -324,20 +335,26 @@ class Module:
         return arrays
 
 
-    def _check_dynamic_shape(self, spec: TensorSpec, shape: tuple, earlier: list) -> None:
-        """An input of a dynamic module: its leading size within the bounds
-        and equal to the earlier inputs', the other dimensions as declared."""
+    def _check_dynamic_shape(self, spec: TensorSpec, shape: tuple, earlier) -> None:
+        """An input of a dynamic module: its size on each dynamic axis within
+        the bounds and equal to the earlier inputs' (`earlier`, None before
+        the first), the other dimensions as declared."""
         (dim, (low, high)), = self.dynamic.items()
-        expected = f"({dim} {low}..{high}{''.join(f', {d}' for d in spec.shape[1:])})"
-        if len(shape) != len(spec.shape) or shape[1:] != spec.shape[1:]:
+        axes = spec.dynamic_axes
+        expected = "(" + ", ".join(f"{dim} {low}..{high}" if axis in axes else str(d)
+                                   for axis, d in enumerate(spec.shape)) + ")"
+        if len(shape) != len(spec.shape) or any(d != s for axis, (d, s) in enumerate(zip(shape, spec.shape))
+                                                if axis not in axes):
             raise InputError(f"input {spec.name!r}: expected shape {expected}, got {shape}")
-        if not low <= shape[0] <= high:
-            raise InputError(f"input {spec.name!r}: {dim} (axis 0) is {shape[0]}, outside this module's "
-                             f"range {low}..{high}; run at most {high} rows at a time, or rebuild the "
-                             f"module with dynamic={{{dim!r}: ({min(low, shape[0])}, {max(high, shape[0])})}}")
-        if earlier and earlier[0].shape[0] != shape[0]:
-            raise InputError(f"input {spec.name!r}: {dim} (axis 0) is {shape[0]}, but input "
-                             f"{self.inputs[0].name!r} has {earlier[0].shape[0]}; every input needs the same {dim}")
+        for axis in axes:
+            if not low <= shape[axis] <= high:
+                raise InputError(f"input {spec.name!r}: {dim} (axis {axis}) is {shape[axis]}, outside this "
+                                 f"module's range {low}..{high}; run at most {high} at a time, or rebuild the "
+                                 f"module with dynamic={{{dim!r}: ({min(low, shape[axis])}, {max(high, shape[axis])})}}")
+            if earlier is not None and shape[axis] != earlier:
+                raise InputError(f"input {spec.name!r}: {dim} (axis {axis}) is {shape[axis]}, but an earlier "
+                                 f"one is {earlier}; every input needs the same {dim}")
+            earlier = shape[axis]
 
 
 def numpy_dtype(name: str) -> np.dtype:
@@ -354,7 +371,8 @@ def numpy_dtype(name: str) -> np.dtype:
 
 
 def _spec(entry: dict) -> TensorSpec:
-    return TensorSpec(entry["name"], tuple(int(d) for d in entry["shape"]), entry["dtype"])
+    return TensorSpec(entry["name"], tuple(int(d) for d in entry["shape"]), entry["dtype"],
+                      tuple(int(a) for a in entry.get("dynamic_axes") or ()))
 
 
 def _aligned_address(buffer: np.ndarray) -> int:

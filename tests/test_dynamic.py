@@ -19,8 +19,9 @@ import minirt
 from crosscompile.dynamic import chunks, plan_sizes
 from remote.cli.localfarm import Child
 from tests import board_servers
-from tests.onnx_models import make_model, rand, reference
+from tests.onnx_models import make_model, mlp, rand, reference
 from tests.dynamic_models import attention_block, conv_net
+from tests.transformer_models import GraphBuilder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -122,8 +123,57 @@ def test_module_checks_the_size_itself(modules):
                                                   r"its tensor 'y' has shape \(1, 1\) at N 2 and \(1, 1\) at N 3"),
 ])
 def test_a_graph_that_mixes_rows_is_refused_by_name(model, refusal):
-    with pytest.raises(crosscompile.BuildError, match=refusal):
-        crosscompile.build(model, "host", dynamic={"N": (1, 4)})
+    """Over more sizes than one plan each can cover (17 > MAX_SPECIALIZED)."""
+    with pytest.raises(crosscompile.BuildError, match=refusal + r".*, or narrow N to at most 16 sizes \(compiled "
+                                                               r"one plan each; 1\.\.17 is 17\)"):
+        crosscompile.build(model, "host", dynamic={"N": (1, 17)})
+
+
+def test_a_graph_that_mixes_rows_gets_one_plan_per_size(tmp_path):
+    model = one_node("Softmax", ("N", 4), axis=0)
+    lib = crosscompile.build(model, "host", dynamic={"N": (1, 3)})
+    assert lib.metadata["dynamic"] == [{"name": "N", "min": 1, "max": 3, "sizes": [3, 2, 1]}]
+    module = minirt.load(lib.export_library(tmp_path / "softmax.so"), threads=1)
+    for size in (1, 2, 3):
+        x = rand(size, 4, seed=size)
+        np.testing.assert_allclose(module.run([x])[0], reference(model, {"x": x})[0], rtol=1e-5, atol=1e-6)
+
+
+def sequence_attention(width=8):
+    """Self-attention over a sequence "T" of 2 rows: x (2, T, width) ->
+    outputs "attn" (2, T, T) and "y" (2, T, width)."""
+    b = GraphBuilder(13, 2)
+    q = b.op("MatMul", ["x", b.weight(width, width)])
+    attn = b.op("Softmax", [b.op("MatMul", [q, b.op("Transpose", ["x"], perm=[0, 2, 1])])], axis=-1)
+    b.nodes.append(helper.make_node("Identity", [attn], ["attn"], name="attn_out"))
+    model = b.model({"x": (2, "T", width)}, b.op("MatMul", [attn, "x"]), "sequence_attention")
+    model.graph.output.insert(0, helper.make_tensor_value_info("attn", 1, None))
+    return model
+
+
+def test_a_sequence_dimension_gets_one_plan_per_size(tmp_path):
+    model = sequence_attention()
+    lib = crosscompile.build(model, "host", dynamic={"T": (1, 5)})
+    assert lib.metadata["dynamic"] == [{"name": "T", "min": 1, "max": 5, "sizes": [5, 4, 3, 2, 1]}]
+    assert [t["dynamic_axes"] for t in lib.metadata["inputs"] + lib.metadata["outputs"]] == [[1], [1, 2], [1]]
+    module = minirt.load(lib.export_library(tmp_path / "seq.so"), threads=1)
+    assert module.inputs[0].dynamic_axes == (1,) and module.outputs[0].shape == (2, 5, 5)
+    for size in (1, 3, 5):
+        x = rand(2, size, 8, seed=size)
+        got, want = module.run([x]), reference(model, {"x": x})
+        assert [g.shape for g in got] == [(2, size, size), (2, size, 8)]
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    with pytest.raises(minirt.InputError, match=r"input 'x': T \(axis 1\) is 6, outside this module's range 1\.\.5"):
+        module.run([rand(2, 6, 8)])
+    with pytest.raises(minirt.InputError, match=r"input 'x': expected shape \(2, T 1\.\.5, 8\), got \(3, 4, 8\)"):
+        module.run([rand(3, 4, 8)])
+
+
+def test_a_wide_sequence_range_is_refused():
+    with pytest.raises(crosscompile.BuildError, match=r"dynamic dimension 'T' needs one compiled plan per size "
+                                                      r"here, and 1\.\.512 is 512 sizes, more than the 16"):
+        crosscompile.build(sequence_attention(), "host", dynamic={"T": (1, 512)})
 
 
 @pytest.mark.parametrize("dynamic, message", [
@@ -137,19 +187,19 @@ def test_bad_dynamic_argument_is_named(dynamic, message):
         crosscompile.build(one_node("Relu", ("N", 4)), "host", dynamic=dynamic)
 
 
-def test_a_dimension_that_does_not_lead_is_refused():
-    model = one_node("Relu", (2, "T"))
-    with pytest.raises(crosscompile.BuildError, match=r"dynamic dimension 'T' must lead every model input"):
-        crosscompile.build(model, "host", dynamic={"T": (1, 8)})
+def start_board_server(kind: str, tmp_path) -> Child:
+    """A real board server of a board_servers kind on loopback."""
+    folder = tmp_path / "server"
+    (folder / "workspaces").mkdir(parents=True)
+    return Child("server", [*board_servers.command(kind), "--host", "127.0.0.1", "--port", "0",
+                            "--workspace-dir", str(folder / "workspaces")],
+                 str(folder), ENV)
 
 
 @pytest.fixture(params=board_servers.KINDS)
 def board_server(request, tmp_path):
     """A real board server of each kind (Python, native C++) on loopback."""
-    folder = tmp_path / "server"
-    (folder / "workspaces").mkdir(parents=True)
-    child = Child("server", [*board_servers.command(request.param), "--host", "127.0.0.1", "--port", "0",
-                             "--workspace-dir", str(folder / "workspaces")], str(folder), ENV)
+    child = start_board_server(request.param, tmp_path)
     yield child
     child.stop()
 
@@ -177,6 +227,26 @@ def test_board_server_runs_every_size_and_refuses_others(board_server, modules, 
         (got,) = mod.run({"x": np.zeros((2, 3, 12, 12), np.float32)})
         assert got.shape == (2, 5)
         assert len(mod.benchmark(number=2, repeat=1).samples) == 1  # zeros at the upper bound
+
+
+@pytest.mark.emulated
+@pytest.mark.parametrize("kind, target", [("native-aarch64", "rasp4b64"), ("native-armv7", "rasp4b")])
+def test_arm_board_runs_every_size(kind, target, tmp_path):
+    """The native server for a 64- and a 32-bit ARM board, under qemu: a
+    small MLP's chunks (3 = 2 + 1) on the board's own code."""
+    from remote import rpc
+    model = mlp(sizes=(16, 8, 4), batch="N")
+    path = crosscompile.build(model, target, dynamic={"N": (1, 3)}).export_library(tmp_path / "mlp.so")
+    server = start_board_server(kind, tmp_path)
+    try:
+        with rpc.connect("127.0.0.1", server.port) as sess:
+            sess.upload(path)
+            mod = sess.load_module("mlp.so")
+            for size in (1, 3):
+                x = rand(size, 16, seed=size)
+                np.testing.assert_allclose(mod.run([x])[0], reference(model, {"input": x})[0], rtol=1e-5, atol=1e-6)
+    finally:
+        server.stop()
 
 
 def _tether(*args):
