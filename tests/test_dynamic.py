@@ -151,9 +151,15 @@ def sequence_attention(width=8):
     return model
 
 
-def test_a_sequence_dimension_gets_one_plan_per_size(tmp_path):
+@pytest.fixture(scope="module")
+def sequence_module(tmp_path_factory):
+    """(model, CompiledModule) of sequence_attention with T from 1 to 5."""
     model = sequence_attention()
-    lib = crosscompile.build(model, "host", dynamic={"T": (1, 5)})
+    return model, crosscompile.build(model, "host", dynamic={"T": (1, 5)})
+
+
+def test_a_sequence_dimension_gets_one_plan_per_size(sequence_module, tmp_path):
+    model, lib = sequence_module
     assert lib.metadata["dynamic"] == [{"name": "T", "min": 1, "max": 5, "sizes": [5, 4, 3, 2, 1]}]
     assert [t["dynamic_axes"] for t in lib.metadata["inputs"] + lib.metadata["outputs"]] == [[1], [1, 2], [1]]
     module = minirt.load(lib.export_library(tmp_path / "seq.so"), threads=1)
@@ -204,7 +210,7 @@ def board_server(request, tmp_path):
     child.stop()
 
 
-def test_board_server_runs_every_size_and_refuses_others(board_server, modules, tmp_path):
+def test_board_server_runs_every_size_and_refuses_others(board_server, modules, sequence_module, tmp_path):
     """Through a session with a real board server: one upload, runs at
     several sizes, a clear remote error outside the bounds, and the session
     goes on."""
@@ -227,6 +233,15 @@ def test_board_server_runs_every_size_and_refuses_others(board_server, modules, 
         (got,) = mod.run({"x": np.zeros((2, 3, 12, 12), np.float32)})
         assert got.shape == (2, 5)
         assert len(mod.benchmark(number=2, repeat=1).samples) == 1  # zeros at the upper bound
+        model, lib = sequence_module
+        sess.upload(lib.export_library(tmp_path / "sequence.so"))
+        mod = sess.load_module("sequence.so")
+        x = rand(2, 3, 8, seed=7)
+        for got, want in zip(mod.run([x]), reference(model, {"x": x})):
+            assert got.shape == want.shape
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        with pytest.raises(errors.InputError, match=r"input 'x': expected shape \(2, T 1\.\.5, 8\), got \(2, 3, 7\)"):
+            mod.run([rand(2, 3, 7)])
 
 
 @pytest.mark.emulated

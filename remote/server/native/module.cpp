@@ -203,6 +203,14 @@ int64_t TensorSpec::bytes() const {
   return n;
 }
 
+std::vector<int64_t> TensorSpec::shape_at(int64_t size) const {
+  std::vector<int64_t> out = shape;
+  if (size >= 0) {
+    for (int64_t axis : dynamic_axes) out[static_cast<size_t>(axis)] = size;
+  }
+  return out;
+}
+
 std::unique_ptr<Module> Module::load(const std::string& path, int threads, std::string* error) {
   std::unique_ptr<SharedObject> object = SharedObject::load(path, error);
   if (!object) return nullptr;
@@ -297,6 +305,16 @@ bool Module::read_metadata(const char* text, std::string* error) {
         }
         spec.shape.push_back(d.integer);
       }
+      const JsonValue* axes = entry.get("dynamic_axes");
+      if (axes && axes->kind == JsonValue::kArray) {
+        for (const JsonValue& a : axes->items) {
+          if (a.kind != JsonValue::kNumber || !a.integral || a.integer < 0 ||
+              a.integer >= static_cast<int64_t>(spec.shape.size())) {
+            return bad(where + " has dynamic_axes that are not axes of its shape");
+          }
+          spec.dynamic_axes.push_back(a.integer);
+        }
+      }
       specs.push_back(spec);
     }
   }
@@ -316,13 +334,18 @@ bool Module::read_metadata(const char* text, std::string* error) {
     if (dynamic->items.size() != 1 || !dim_name || dim_name->kind != JsonValue::kString || !counts) {
       return bad("a \"dynamic\" entry that is not one {name, min, max} with 1 <= min <= max");
     }
+    bool carried = false;
     for (const auto* specs : {&inputs_, &outputs_}) {
       for (const TensorSpec& spec : *specs) {
-        if (spec.shape.empty() || spec.shape[0] != high->integer) {
-          return bad("tensor " + spec.name + " does not lead with the dynamic dimension's upper bound");
+        for (int64_t axis : spec.dynamic_axes) {
+          if (spec.shape[static_cast<size_t>(axis)] != high->integer) {
+            return bad("tensor " + spec.name + " is not at the dynamic dimension's upper bound on its dynamic_axes");
+          }
         }
+        carried = carried || (specs == &inputs_ && !spec.dynamic_axes.empty());
       }
     }
+    if (!carried) return bad("a dynamic dimension that no input's dynamic_axes holds");
     if (!run_dims_) return bad("a dynamic dimension but no function tether_run_dims");
     dynamic_name_ = dim_name->text;
     dynamic_min_ = low->integer;

@@ -27,7 +27,10 @@ struct TensorSpec {
   std::string name;
   std::vector<int64_t> shape;
   std::string dtype;  // numpy name: float32, int64, int32, bool, ...
+  std::vector<int64_t> dynamic_axes;  // a dynamic module's axes holding its dimension (shape: at the maximum)
   int64_t bytes() const;
+  // The shape with the dynamic axes at `size` (size < 0: as declared).
+  std::vector<int64_t> shape_at(int64_t size) const;
 };
 
 struct Step {
@@ -53,9 +56,9 @@ class Module {
   const std::vector<Step>& steps() const { return steps_; }  // empty when the metadata has none
   bool has_parallel() const { return parallel_ != nullptr; }
   bool has_profiled() const { return profiled_ != nullptr; }
-  // A module compiled with a dynamic batch (metadata "dynamic"): every input
-  // and output leads with that dimension, the specs give its upper bound,
-  // and run() takes any size in [dynamic_min(), dynamic_max()].
+  // A module compiled with a dynamic dimension (metadata "dynamic"): the
+  // specs' dynamic_axes hold it, their shapes give its upper bound, and
+  // run() takes any size in [dynamic_min(), dynamic_max()].
   bool dynamic() const { return dynamic_max_ > 0; }
   const std::string& dynamic_name() const { return dynamic_name_; }
   int64_t dynamic_min() const { return dynamic_min_; }
@@ -71,8 +74,8 @@ class Module {
   // each to a contiguous buffer of the tensor's bytes(). Returns 0, or
   // nonzero with *error set ("net.so: tether_run returned 1 (a required
   // pointer was NULL)"). Runs do not overlap: a second caller waits.
-  // size: for a dynamic() module, the leading size of every input and
-  // output (tether_run_dims); -1 runs tether_run (the upper bound).
+  // size: for a dynamic() module, the size of its dynamic dimension
+  // (tether_run_dims); -1 runs tether_run (the upper bound).
   int run(void* const* inputs, void* const* outputs, std::string* error, int64_t size = -1);
   // One single-threaded pass of tether_run_profiled: (*seconds)[i] is the
   // time of step i, one entry per step the module marked (steps().size()

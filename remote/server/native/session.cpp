@@ -764,35 +764,45 @@ class SessionServer {
   // The inputs of a run, benchmark or profile, in the module's order:
   // tensors in the frame's body, tensors left on the board (refs), and,
   // with `zeros`, zeros for any left out.
-  // A dynamic module's input: its leading size within the bounds and equal
-  // to the earlier inputs' (*size, -1 before the first), the rest as declared.
+  // A dynamic module's input: its size on each dynamic axis within the
+  // bounds and equal to the earlier inputs' (*size, -1 before the first),
+  // the other dimensions as declared (minirt's check and texts).
   bool dynamic_shape(const Module& module, const TensorSpec& spec, const std::vector<int64_t>& shape,
                      int64_t* size, Failure* failure) {
-    std::string dim = module.dynamic_name();
+    const std::string& dim = module.dynamic_name();
     std::string range = std::to_string(module.dynamic_min()) + ".." + std::to_string(module.dynamic_max());
-    bool same_rest = shape.size() == spec.shape.size() && std::equal(shape.begin() + (shape.empty() ? 0 : 1),
-                                                                     shape.end(), spec.shape.begin() + 1);
-    if (shape.empty() || !same_rest) {
-      std::string expected = "(" + dim + " " + range;
-      for (size_t i = 1; i < spec.shape.size(); ++i) expected += ", " + std::to_string(spec.shape[i]);
+    auto dynamic = [&](size_t axis) {
+      return std::find(spec.dynamic_axes.begin(), spec.dynamic_axes.end(), static_cast<int64_t>(axis)) !=
+             spec.dynamic_axes.end();
+    };
+    bool same_rest = shape.size() == spec.shape.size();
+    for (size_t i = 0; same_rest && i < shape.size(); ++i) same_rest = dynamic(i) || shape[i] == spec.shape[i];
+    if (!same_rest) {
+      std::string expected = "(";
+      for (size_t i = 0; i < spec.shape.size(); ++i) {
+        expected += (i ? ", " : "") + (dynamic(i) ? dim + " " + range : std::to_string(spec.shape[i]));
+      }
       *failure = {"InputError", "input " + quote(spec.name) + ": expected shape " + expected + "), got " +
                                     shape_text(shape)};
       return false;
     }
-    if (shape[0] < module.dynamic_min() || shape[0] > module.dynamic_max()) {
-      *failure = {"InputError", "input " + quote(spec.name) + ": " + dim + " (axis 0) is " +
-                                    std::to_string(shape[0]) + ", outside this module's range " + range +
-                                    "; run at most " + std::to_string(module.dynamic_max()) +
-                                    " rows at a time, or rebuild the module with a wider dynamic range"};
-      return false;
+    for (int64_t axis : spec.dynamic_axes) {
+      int64_t got = shape[static_cast<size_t>(axis)];
+      std::string where = "input " + quote(spec.name) + ": " + dim + " (axis " + std::to_string(axis) + ") is " +
+                          std::to_string(got);
+      if (got < module.dynamic_min() || got > module.dynamic_max()) {
+        *failure = {"InputError", where + ", outside this module's range " + range + "; run at most " +
+                                      std::to_string(module.dynamic_max()) +
+                                      " at a time, or rebuild the module with a wider dynamic range"};
+        return false;
+      }
+      if (*size >= 0 && got != *size) {
+        *failure = {"InputError", where + ", but an earlier one is " + std::to_string(*size) +
+                                      "; every input needs the same " + dim};
+        return false;
+      }
+      *size = got;
     }
-    if (*size >= 0 && shape[0] != *size) {
-      *failure = {"InputError", "input " + quote(spec.name) + ": " + dim + " (axis 0) is " +
-                                    std::to_string(shape[0]) + ", but an earlier input has " +
-                                    std::to_string(*size) + "; every input needs the same " + dim};
-      return false;
-    }
-    *size = shape[0];
     return true;
   }
 
@@ -879,13 +889,7 @@ class SessionServer {
     std::vector<Tensor> sent;
     std::vector<void*> in, out;
     std::vector<Buffer> outputs;
-    int64_t size = -1;  // a dynamic module's leading size (Module::run)
-    // Output i's shape: its spec's, led by the dynamic size when there is one.
-    std::vector<int64_t> output_shape(const TensorSpec& spec) const {
-      std::vector<int64_t> shape = spec.shape;
-      if (size >= 0) shape[0] = size;
-      return shape;
-    }
+    int64_t size = -1;  // a dynamic module's dimension size (Module::run)
   };
 
   // `sent` is reserved whole before any pointer into it is taken.
@@ -897,8 +901,9 @@ class SessionServer {
     if (!inputs(header, module, zeros, &call->sent, &call->in, &call->size, failure)) return false;
     call->outputs.reserve(module.outputs().size());
     for (const auto& spec : module.outputs()) {
-      int64_t bytes = call->size >= 0 ? spec.bytes() / spec.shape[0] * call->size : spec.bytes();
-      call->outputs.emplace_back(static_cast<size_t>(bytes));
+      TensorSpec actual = spec;
+      actual.shape = spec.shape_at(call->size);
+      call->outputs.emplace_back(static_cast<size_t>(actual.bytes()));
       call->out.push_back(call->outputs.back().data());
     }
     return true;
@@ -933,7 +938,7 @@ class SessionServer {
     std::vector<std::pair<const void*, size_t>> body;
     for (size_t i = 0; i < module.outputs().size(); ++i) {
       const TensorSpec& spec = module.outputs()[i];
-      reply.tensors.push_back({spec.name, spec.dtype, call.output_shape(spec)});
+      reply.tensors.push_back({spec.name, spec.dtype, spec.shape_at(call.size)});
       body.emplace_back(call.outputs[i].data(), call.outputs[i].size());
     }
     conn_.send(reply, body);
