@@ -95,11 +95,12 @@ def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = 
     processes compute the same outputs with slightly different code (LLVM
     no longer sees the whole module at once).
 
-    dynamic {"batch": (min, max)} names the model's symbolic leading
-    dimension and its bounds: the module then runs any size within them
-    (crosscompile.dynamic; tether_run_dims in docs/module-abi.md), if every
-    op keeps the rows of that dimension apart, and refuses with a
-    BuildError naming the node otherwise.
+    dynamic {"batch": (min, max)} names one of the model's symbolic
+    dimensions and its bounds: the module then runs any size within them
+    (crosscompile.dynamic, docs/dynamic-batch.md; tether_run_dims in
+    docs/module-abi.md): a leading one whose rows every op keeps apart in
+    chunks, any other one with a plan per size (at most 16 sizes); a wider
+    range is a BuildError naming why.
 
     >>> lib = build("model.onnx", target="rasp4b64")  # doctest: +SKIP
     >>> lib.export_library("net.so")                   # doctest: +SKIP

@@ -77,7 +77,7 @@ def load(path: str | os.PathLike, threads: int | None = None) -> Module:
     if profiled_fn is not None:
         profiled_fn.restype = ctypes.c_int32
         profiled_fn.argtypes = run_fn.argtypes + [MARK_FUNCTION, ctypes.c_void_p]
-    # Modules with a dynamic batch (metadata "dynamic") take its size here.
+    # Modules with a dynamic dimension (metadata "dynamic") take its size here.
     dims_fns = []
     for name, base in (("tether_run_dims", run_fn), ("tether_run_parallel_dims", parallel_fn)):
         fn = getattr(lib, name, None) if base is not None else None
@@ -128,11 +128,11 @@ class Module:
     many threads through the module's tether_run_parallel; while one run
     uses the threads, a concurrent run() goes single-threaded.
 
-    A module compiled with a dynamic batch (crosscompile.build(...,
-    dynamic={"batch": (1, 16)})) lists its dimension and bounds in
-    `dynamic` ({"batch": (1, 16)}); its inputs and outputs lead with that
-    dimension, their specs give the upper bound, and run() takes any size
-    within the bounds (the same for every input)."""
+    A module compiled with a dynamic dimension (crosscompile.build(...,
+    dynamic={"batch": (1, 16)})) lists it and its bounds in `dynamic`
+    ({"batch": (1, 16)}); the axes of its inputs and outputs that hold it
+    are their specs' dynamic_axes, their shapes give the upper bound, and
+    run() takes any size within the bounds (the same on every such axis)."""
 
     def __init__(self, path: str, lib: ctypes.CDLL, run_fn, metadata: dict, parallel_fn=None,
                  profiled_fn=None, dims_fn=None, parallel_dims_fn=None):
@@ -215,10 +215,10 @@ class Module:
             inputs = {spec.name: np.zeros(spec.shape, dtype=numpy_dtype(spec.dtype)) for spec in self.inputs}
         arrays = self._check_inputs(inputs)
         size = self._size(arrays)
-        if size is not None and size != max(self.dynamic.values())[1]:
-            (name, (_, high)), = self.dynamic.items()
-            raise InputError(f"profiling runs this module at its upper bound {name} {high}; pass inputs "
-                             f"of that size (got {size})")
+        for name, (_, high) in self.dynamic.items():
+            if size != high:
+                raise InputError(f"profiling runs this module at its upper bound {name} {high}; pass inputs "
+                                 f"of that size (got {size})")
         outputs = self._new_outputs(arrays)
         in_ptrs = (ctypes.c_void_p * max(len(arrays), 1))(*[a.ctypes.data for a in arrays])
         out_ptrs = (ctypes.c_void_p * max(len(outputs), 1))(*[a.ctypes.data for a in outputs])
