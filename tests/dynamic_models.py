@@ -21,10 +21,10 @@ def conv_net(size=12, channels=8, classes=5):
     return b.model({"x": ("N", 3, size, size)}, out, "dynamic_conv")
 
 
-def attention_block(tokens=5, width=16, heads=2):
-    """x + Attention(LN(x)) then + MLP(LN(.)), batch-first throughout
-    (heads split by Reshape [0, tokens, heads, head]), input "x" and output
-    "y" (N, tokens, width)."""
+def attention_block(tokens=5, width=16, heads=2, mlp=True):
+    """x + Attention(LN(x)) then (with mlp) + MLP(LN(.)), batch-first
+    throughout (heads split by Reshape [0, tokens, heads, head]), input "x"
+    and output "y" (N, tokens, width)."""
     b = GraphBuilder(13, 1)
     head = width // heads
 
@@ -37,5 +37,6 @@ def attention_block(tokens=5, width=16, heads=2):
     ctx = b.op("MatMul", [b.op("Softmax", [scores], axis=-1), v])
     ctx = b.op("Reshape", [b.op("Transpose", [ctx], perm=[0, 2, 1, 3]), b.ints([0, tokens, width])])
     x = b.op("Add", ["x", b.linear(ctx, width, width)])
-    mlp_out = b.linear(b.gelu(b.linear(b.layer_norm(x, width), width, 2 * width)), 2 * width, width)
-    return b.model({"x": ("N", tokens, width)}, b.op("Add", [x, mlp_out]), "dynamic_attention")
+    if mlp:
+        x = b.op("Add", [x, b.linear(b.gelu(b.linear(b.layer_norm(x, width), width, 2 * width)), 2 * width, width)])
+    return b.model({"x": ("N", tokens, width)}, x, "dynamic_attention")
