@@ -52,19 +52,20 @@ def generate(graph: Graph, plan: MemoryPlan, metadata: dict, target, data_layout
 
 def generate_dynamic(plans: list, dims: dict, metadata: dict, target, data_layout: str,
                      progress=None) -> GeneratedCode:
-    """Build a module with a dynamic leading dimension (crosscompile.dynamic):
-    `plans` holds (size, graph, memory plan) for each chunk size, largest
+    """Build a module with a dynamic dimension (crosscompile.dynamic):
+    `plans` holds (size, graph, memory plan) for each plan size, largest
     first (the upper bound), and `dims` the metadata's "dynamic" entry.
     tether_run, tether_run_parallel and tether_run_profiled run the largest
     plan (the shapes the metadata lists); tether_run_dims and
     tether_run_parallel_dims take the actual size and run the plans chunk
-    by chunk. The plans share kernels of equal shapes and parameters of
-    equal bytes."""
+    by chunk (dims has "chunks") or the plan of that size. The plans share
+    kernels of equal shapes and parameters of equal bytes."""
     _, graph, plan = plans[0]
     module = _new_module(graph.name, metadata, target, data_layout)
     cache, tiles = {}, {}
-    compiled = [(size, graph, plan, _node_kernels(module, graph, plan, target, cache, tiles, f"node{size}x",
-                                                   progress)) for size, graph, plan in plans]
+    compiled = [(size, size_graph, size_plan,
+                 _node_kernels(module, size_graph, size_plan, target, cache, tiles, f"node{size}x", progress))
+                for size, size_graph, size_plan in plans]
     params = _Parameters(module)
     kernels = compiled[0][3]
     for parallel, profiled in ((False, False), (True, False), (False, True)):
