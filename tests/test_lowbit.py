@@ -174,6 +174,27 @@ def test_quantize_and_dequantize_with_low_bit_types(tmp_path):
     _assert_same_bits(got, want, [name for name, *_ in outputs])
 
 
+def test_rounding_to_every_type_is_the_same_on_an_emulated_arm64_core(tmp_path):
+    """Each type's rounding (a Cast to it and back to float32) computed
+    under qemu for rasp4b64, against the reference, bit for bit."""
+    from tests.cross_targets import run_emulated
+
+    x = _edges()
+    casts = [(to, {"saturate": saturate}) for to in FLOAT8 for saturate in (1, 0)]
+    casts += [(T.FLOAT4E2M1, {}), (T.FLOAT8E8M0, {"round_mode": "nearest"})] + [(to, {}) for to in INTEGERS]
+    nodes, parts = [], []
+    for number, (to, attrs) in enumerate(casts):
+        low = f"{TENSOR_TYPES[to]}_{number}"
+        nodes += [helper.make_node("Cast", ["x"], [low], to=to, **attrs),
+                  helper.make_node("Cast", [low], [f"{low}_float"], to=T.FLOAT)]
+        parts.append(f"{low}_float")
+    nodes.append(helper.make_node("Concat", parts, ["y"], axis=0))
+    model = _model(nodes, [("x", T.FLOAT, [x.size])], [("y", T.FLOAT, [x.size * len(parts)])])
+    want = ReferenceEvaluator(model).run(None, {"x": x})[0]
+    got = run_emulated(crosscompile.build(model, target="rasp4b64"), "rasp4b64", x, want.shape, str(tmp_path))
+    _assert_same_bits([got], [want], ["rounded on rasp4b64"])
+
+
 def test_int4_weights_dequantized_into_a_matmul(tmp_path):
     """A constant int4 weight with a per-column scale and zero point, as
     weight-only quantized models carry it."""
