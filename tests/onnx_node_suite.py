@@ -20,9 +20,15 @@ runs a few of those per op by default, and every case with --node-suite.
     python -m tests.onnx_node_suite --op Trilu       # the cases of one op
     python -m tests.onnx_node_suite --shard 1/2 --log a.jsonl &   # a sweep in two processes
     python -m tests.onnx_node_suite --shard 2/2 --log b.jsonl
+    python -m tests.onnx_node_suite --board native-aarch64   # on an emulated arm64 board
+
+With --board the cases are compiled for that board's preset (BOARDS) and
+run on a real native board server under qemu-user, one session per case,
+instead of on this host.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
@@ -37,6 +43,9 @@ from onnx import numpy_helper
 
 DATA = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data")
 SUITES = ("pytorch-converted", "pytorch-operator")
+# --board: a server of tests/board_servers' emulated kinds, and the preset
+# its cases are compiled for (the board that server stands for).
+BOARDS = {"native-aarch64": "rasp4b64", "native-armv7": "rasp4b"}
 
 
 @dataclass
@@ -260,7 +269,40 @@ def run_case(case: Case, workdir: str, rtol=1e-4, atol=1e-5, target: str = "host
     return Result(case, "pass")
 
 
-def run_isolated(case: Case, workdir: str, timeout: float = 300.0) -> Result:
+def board_runner(port: int):
+    """run_module for run_case: a session with the board server on loopback
+    port uploads the module, loads it and runs it; outputs as numpy arrays."""
+    def run_module(path, feeds):
+        from remote import rpc
+        name = os.path.basename(path)
+        with rpc.connect("127.0.0.1", port) as sess:
+            sess.upload(path, target=name)
+            return sess.load_module(name).run(feeds, timeout=240)
+    return run_module
+
+
+@contextlib.contextmanager
+def board_server(kind: str, folder: str):
+    """A real board server of kind (BOARDS) started on loopback, stopped on exit."""
+    from remote.cli.localfarm import Child
+    from tests import board_servers
+    try:
+        argv = board_servers.command(kind)
+    except BaseException as exc:  # pytest's skip: qemu-user or the server's build is missing
+        raise SystemExit(f"cannot start a {kind} board server: {exc}") from None
+    workspaces = os.path.join(folder, "workspaces")
+    os.makedirs(workspaces, exist_ok=True)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    child = Child(kind, [*argv, "--host", "127.0.0.1", "--port", "0", "--workspace-dir", workspaces], folder,
+                  {**os.environ, "PYTHONPATH": root})
+    try:
+        yield child
+    finally:
+        child.stop()
+
+
+def run_isolated(case: Case, workdir: str, timeout: float = 300.0, target: str = "host",
+                 run_module=None) -> Result:
     """run_case in a forked child, so that a module which kills its process
     (a segfault) or never ends is counted as a crash and the sweep goes on."""
     import pickle
@@ -274,7 +316,7 @@ def run_isolated(case: Case, workdir: str, timeout: float = 300.0) -> Result:
         os.close(read_end)
         code = 0
         try:
-            result = run_case(case, workdir)
+            result = run_case(case, workdir, target=target, run_module=run_module)
             payload = pickle.dumps((result.status, result.detail))
         except BaseException as exc:  # noqa: BLE001 - reported as a crash by the parent
             payload = pickle.dumps(("crash", f"{type(exc).__name__}: {exc}"[:300]))
@@ -302,15 +344,21 @@ def run_isolated(case: Case, workdir: str, timeout: float = 300.0) -> Result:
     return Result(case, status_name, detail)
 
 
-def run_all(cases=None, progress=None) -> list:
+def run_all(cases=None, progress=None, board: "str | None" = None) -> list:
+    """Every case's Result, on this host, or with board (a kind of BOARDS)
+    compiled for its preset and run on that board server."""
     import crosscompile  # noqa: F401 - imported once, before the children fork
     import minirt  # noqa: F401
 
     cases = discover() if cases is None else cases
     results = []
-    with tempfile.TemporaryDirectory(prefix="tether-node-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="tether-node-") as tmp, contextlib.ExitStack() as stack:
+        target, run_module = "host", None
+        if board is not None:
+            server = stack.enter_context(board_server(board, tmp))
+            target, run_module = BOARDS[board], board_runner(server.port)
         for number, case in enumerate(cases, 1):
-            results.append(run_isolated(case, tmp))
+            results.append(run_isolated(case, tmp, target=target, run_module=run_module))
             if progress:
                 progress(number, len(cases), results[-1])
     return results
@@ -372,6 +420,9 @@ def main(argv=None) -> int:
                         help="append each case's result to FILE as one JSON line as soon as it is known")
     parser.add_argument("--shard", metavar="I/N", default="1/1",
                         help="run only every N-th case starting at the I-th (to split a sweep between processes)")
+    parser.add_argument("--board", choices=sorted(BOARDS),
+                        help="compile for the board's preset and run every case on that board server, "
+                             "under qemu-user (default: on this host)")
     args = parser.parse_args(argv)
     cases = discover(everything=not args.in_scope, op_type=args.op[0] if len(args.op) == 1 else None)
     if args.op:
@@ -388,7 +439,7 @@ def main(argv=None) -> int:
                                     "status": result.status, "detail": result.detail}) + "\n")
         if tty:
             print(f"\r{number}/{total} {result.case.name[:60]:60}", end="", file=sys.stderr, flush=True)
-    results = run_all(cases, progress)
+    results = run_all(cases, progress, board=args.board)
     if tty:
         print(file=sys.stderr)
     counts = report(results, per_op_table=args.per_op)
