@@ -272,10 +272,10 @@ def test_threads_that_never_ran_hold_nobody_up(tmp_path, preset):
 
 @pytest.mark.parametrize("preset, runs", [("host", 30), ("rasp4b64", 4)])
 def test_workers_held_in_the_middle_of_their_work(tmp_path, preset, runs):
-    """Workers stopped again and again wherever they are, often holding a
-    chunk that thread 0 then waits for (asleep on the futex): such a
-    worker stands down for the rest of the run (emit.shared_range), and
-    every run's outputs are still right."""
+    """Workers stopped again and again wherever they are, at times holding
+    a chunk that thread 0 then waits for (asleep on the futex, woken when
+    the held worker finishes it), or before they took any: every run's
+    outputs are still right."""
     got, want = run_on_emulated_board(tmp_path, preset, threads=3, runs=runs, mode="held")
     for run in got:
         assert_arm_close(run, want)
