@@ -55,7 +55,6 @@ def _poll_seconds() -> float:
 
 
 SPIN_SECONDS = _poll_seconds()
-_yield = getattr(os, "sched_yield", lambda: None)
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 
 
@@ -367,7 +366,8 @@ class FrameSocket:
                 try:
                     return recv_into(view, 0, _DONTWAIT)
                 except BlockingIOError:
-                    _yield()  # a task waiting for this core (perhaps the peer) goes first
+                    # No sched_yield between tries: on a busy machine it
+                    # handed the core to another program for a time slice.
                     now = time.monotonic()
                     if not deadline:
                         deadline = now + self.spin
