@@ -39,12 +39,16 @@ X86_KERNELS = ("madd", "vnni")
 
 
 def tile(kernel: str, target) -> tuple:
-    """(rows, vectors, columns a vector) of a kernel's tile: rows x vectors
-    sum registers, the vectors loaded and one broadcast within the target's
-    16 registers (AVX2, AVX-VNNI) or 32 (AVX-512)."""
-    if kernel == "vnni" and "avx512vnni" in target.feature_flags and target.vector_bits >= 512:
+    """(rows, vectors, columns a vector) of a kernel's tile: its rows x
+    vectors sums, the vectors loaded, a broadcast and (madd) a product
+    before it is added, all in the target's registers: 16 with AVX2 and
+    AVX-VNNI (3 x 3 + 3 + 1 + 1 for madd, 4 x 3 + 3 + 1 for vnni), 32 with
+    AVX-512 (8 x 3 + 3 + 1)."""
+    if kernel == "madd":
+        return (3, 3, 4)
+    if "avx512vnni" in target.feature_flags and target.vector_bits >= 512:
         return (8, 3, 16)
-    return (4, 3, 8 if kernel == "vnni" else 4)
+    return (4, 3, 8)
 
 
 def scratch_bytes(op_type: str, inputs, outputs, attrs) -> int:
