@@ -25,7 +25,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from .conv import _deinterleaved
-from .emit import F32, I8, I32, Kernel
+from .emit import F32, I8, I16, I32, Kernel
 from .op_base import _prod
 from .window import _resolve_window, _valid_range
 
@@ -392,28 +392,33 @@ def input_offset(dtype: str, unsigned: bool = False) -> int:
     return 128 if dtype == "uint8" else 0
 
 
-def packing_buffers(k: Kernel, inputs, attrs, unsigned: bool = False) -> tuple:
-    """(x, packed, pad) for pack_input: the input's typed pointer, the
-    scratch as i8*, and the byte the padding packs as (the input's zero
-    point as the kernel reads it)."""
-    dtype = inputs[0].dtype
-    return (k.typed(k.inputs[0], dtype), k.typed(k.scratch, "int8"),
-            ir.Constant(I8, (attrs["input_zero"] - input_offset(dtype, unsigned)) & 0xFF))
+def packing_buffers(k: Kernel, inputs, attrs, unsigned: bool = False, wide: bool = False) -> tuple:
+    """(x, packed, pad, convert) for pack_input: the input's typed pointer,
+    the scratch, the value the padding packs as (the input's zero point as
+    the kernel reads it) and the conversion of an input value to what is
+    packed: the kernel's 8-bit operand (int8, or uint8 when unsigned), or
+    with wide x - x_zero as int16 (padding 0)."""
+    dtype, b = inputs[0].dtype, k.builder
+    x = k.typed(k.inputs[0], dtype)
+    if wide:
+        extend = b.zext if dtype == "uint8" else b.sext
+        return (x, k.typed(k.scratch, "int16"), ir.Constant(I16, 0),
+                lambda value: b.sub(extend(value, I16), ir.Constant(I16, attrs["input_zero"])))
+    return (x, k.typed(k.scratch, "int8"), ir.Constant(I8, (attrs["input_zero"] - input_offset(dtype, unsigned)) & 0xFF),
+            lambda value: _as_operand(k, value, dtype, unsigned))
 
 
-def pack_input(k: Kernel, buffers: tuple, inputs, attrs, n: ir.Value, groups4: int, step: int,
-               unsigned: bool = False) -> None:
-    """Pack image n of a convolution's input (as the kernel's 8-bit operand:
-    int8, or uint8 when unsigned) into scratch as [kernel row][kernel
-    column][channel / 4] groups of [output pixel][4 channels], each group
-    step pixels apart (the plane rounded up), padding as the input's zero
-    point; buffers are packing_buffers'."""
+def pack_input(k: Kernel, buffers: tuple, inputs, attrs, n: ir.Value, groups4: int, step: int) -> None:
+    """Pack image n of a convolution's input (converted as packing_buffers
+    says) into scratch as [kernel row][kernel column][channel / 4] groups
+    of [output pixel][4 channels], each group step pixels apart (the plane
+    rounded up), padding as the input's zero point."""
     x_shape = inputs[0].shape
     height, width, kh_count, kw_count, sh, sw, dh, dw, ph, pw, oh_count, ow_count = conv_geometry(x_shape, attrs)
     channels = x_shape[1]
     plane = oh_count * ow_count
     b, dtype = k.builder, inputs[0].dtype
-    x, packed, pad = buffers
+    x, packed, pad, convert = buffers
     for kh in range(kh_count):
         rows = _valid_range(kh * dh - ph, sh, height, oh_count)
         for kw in range(kw_count):
@@ -436,7 +441,7 @@ def pack_input(k: Kernel, buffers: tuple, inputs, attrs, n: ir.Value, groups4: i
                     # gap: the whole plane is one line, one loop.
                     with k.loop(plane) as p:
                         _pack_pixel(k, x, packed, [k.index((line, 1), (p, 1)) for line in lines], valid,
-                                    k.index((group, 1), (p, 4)), pad, dtype, unsigned)
+                                    k.index((group, 1), (p, 4)), pad, convert)
                     continue
                 with k.loop(rows[1], start=rows[0]) as oh:
                     row = k.index((group, 1), (oh, ow_count * 4))
@@ -451,7 +456,7 @@ def pack_input(k: Kernel, buffers: tuple, inputs, attrs, n: ir.Value, groups4: i
                         with k.loop(cols[1], start=cols[0]) as ow:
                             _pack_pixel(k, x, packed, [k.index((line, 1), (oh, sh * width), (ow, sw))
                                                        for line in lines], valid, k.index((row, 1), (ow, 4)),
-                                        pad, dtype, unsigned)
+                                        pad, convert)
 
 
 def lower_conv(k: Kernel, inputs, outputs, attrs) -> None:
@@ -497,12 +502,11 @@ def lower_conv(k: Kernel, inputs, outputs, attrs) -> None:
 
 
 def _pack_pixel(k: Kernel, x: ir.Value, packed: ir.Value, sources: list, valid: list, at: ir.Value,
-                pad: ir.Value, dtype: str, unsigned: bool = False) -> None:
+                pad: ir.Value, convert) -> None:
     """One output pixel's 4 channels at one tap: x at sources (one offset
-    a channel) as int8 (uint8 when unsigned), pad for a channel past the
-    last, into packed at."""
+    a channel) converted, pad for a channel past the last, into packed at."""
     for j, (source, exists) in enumerate(zip(sources, valid)):
-        value = k.builder.select(exists, _as_operand(k, k.load(x, source), dtype, unsigned), pad)
+        value = k.builder.select(exists, convert(k.load(x, source)), pad)
         k.store(value, packed, k.index((at, 1), (j, 1)))
 
 

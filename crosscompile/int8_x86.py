@@ -57,7 +57,7 @@ def scratch_bytes(op_type: str, inputs, outputs, attrs) -> int:
     width = attrs["int8_tile"][2]
     if op_type == "IntegerConv":
         plane = _prod(outputs[0].shape[2:])
-        return _prod(inputs[1].shape[1:]) * -(-plane // width) * width
+        return _prod(inputs[1].shape[1:]) * -(-plane // width) * width * (2 if attrs["int8_kernel"] == "madd" else 1)
     depth4 = inputs[1].shape[0]
     return _prod(inputs[0].shape[:-1]) * depth4 * 4 * (2 if attrs["int8_kernel"] == "madd" else 1)
 
@@ -237,7 +237,7 @@ def lower_conv(k: Kernel, inputs, outputs, attrs) -> None:
     step = -(-plane // width) * width
     kp = _prod(inputs[1].shape[1:])  # the weight: (filters, KH, KW, C padded to 4)
     b = k.builder
-    buffers = packing_buffers(k, inputs, attrs, unsigned=kind == "vnni")
+    buffers = packing_buffers(k, inputs, attrs, unsigned=kind == "vnni", wide=kind == "madd")
     packed = buffers[1]
     weight = k.typed(k.inputs[1], "int16" if kind == "madd" else "int8")
     bias, multipliers = k.typed(k.inputs[2], "int32"), k.typed(k.inputs[3], "float32")
@@ -246,10 +246,10 @@ def lower_conv(k: Kernel, inputs, outputs, attrs) -> None:
     # input, read again for each block of filters: the smaller one.
     rows_outer = kp * step <= filters * kp * weight.type.pointee.width // 8
     with k.loop(x_shape[0]) as n:
-        pack_input(k, buffers, inputs, attrs, n, inputs[1].shape[-1] // 4, step, unsigned=kind == "vnni")
+        pack_input(k, buffers, inputs, attrs, n, inputs[1].shape[-1] // 4, step)
         t = Operands(kind, width, kp // 4,
                      lambda g, column: b.gep(packed, [k.index((g, step * 4), (column, 4))]),
-                     ir.VectorType(I8, 4 * width if kind == "vnni" else 16),
+                     ir.VectorType(I8, 4 * width) if kind == "vnni" else V16I16,
                      lambda row, g: b.gep(weight, [k.index((row, kp), (g, 4))]), True,
                      lambda row, column: _splat_of(k, bias, row, width),
                      lambda row, column: _splat_of(k, multipliers, row, width),
