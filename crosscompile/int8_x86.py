@@ -57,7 +57,8 @@ def scratch_bytes(op_type: str, inputs, outputs, attrs) -> int:
     width = attrs["int8_tile"][2]
     if op_type == "IntegerConv":
         plane = _prod(outputs[0].shape[2:])
-        return _prod(inputs[1].shape[1:]) * -(-plane // width) * width * (2 if attrs["int8_kernel"] == "madd" else 1)
+        depth = inputs[1].shape[1] * 4  # the weight: [filters / rows][depth / 4][rows][4]
+        return depth * -(-plane // width) * width * (2 if attrs["int8_kernel"] == "madd" else 1)
     depth4 = inputs[1].shape[0]
     return _prod(inputs[0].shape[:-1]) * depth4 * 4 * (2 if attrs["int8_kernel"] == "madd" else 1)
 
@@ -67,12 +68,16 @@ class Operands(NamedTuple):
 
     vector(g, column) -> pointer to the vector of columns column.. at
     reduction group g (vector_type: <16 x i8> or <16 x i16> for madd, 4
-    columns; <4W x i8> for vnni); broadcast(row, g) -> pointer to row's 4
-    values at group g (int8 for vnni, int16 for madd); bias(row, column)
+    columns; <4W x i8> for vnni); broadcast(row0, i, g) -> pointer to the
+    4 values of row row0 + i at group g (int8 for vnni, int16 for madd),
+    row0 the first row of a tile; bias(row, column)
     and multiplier(row, column) -> <W x i32> / <W x float> for W columns
     from column on; out(row, column) -> element offset in out_ptr of
     (row, column), the next W - 1 columns following it. With vnni,
-    unsigned_vectors says which side is the uint8 operand."""
+    unsigned_vectors says which side is the uint8 operand. padded_rows:
+    the broadcast side has whole tiles of rows (zeros past the last), so
+    the rows left over are computed as a whole tile and the real ones
+    stored."""
 
     kind: str
     width: int
@@ -86,6 +91,7 @@ class Operands(NamedTuple):
     out: Callable
     out_ptr: ir.Value
     attrs: dict
+    padded_rows: bool
 
 
 V8I32 = ir.VectorType(I32, 8)
@@ -104,14 +110,14 @@ def _load_vector(k: Kernel, t: Operands, g: ir.Value, column: ir.Value) -> ir.Va
     return b.bitcast(value, ir.VectorType(I32, t.width))
 
 
-def _load_broadcast(k: Kernel, t: Operands, row: ir.Value, g: ir.Value) -> ir.Value:
+def _load_broadcast(k: Kernel, t: Operands, row0: ir.Value, i: int, g: ir.Value) -> ir.Value:
     """A row's 4 values splat to a whole register: 4 int16 as one i64
     (madd), 4 bytes as one i32 (vnni)."""
     b = k.builder
     if t.kind == "madd":
-        four = b.load(b.bitcast(t.broadcast(row, g), I64.as_pointer()), align=2)
+        four = b.load(b.bitcast(t.broadcast(row0, i, g), I64.as_pointer()), align=2)
         return b.bitcast(_splat(k, four, ir.VectorType(I64, 4)), V16I16)
-    four = b.load(b.bitcast(t.broadcast(row, g), I32.as_pointer()), align=1)
+    four = b.load(b.bitcast(t.broadcast(row0, i, g), I32.as_pointer()), align=1)
     return _splat(k, four, ir.VectorType(I32, t.width))
 
 
@@ -135,9 +141,9 @@ def _sums(k: Kernel, t: Operands, acc: ir.Value) -> ir.Value:
 
 
 def emit_tile(k: Kernel, t: Operands, row0: ir.Value, rows: int, column0: ir.Value, vectors: int,
-              last_lanes: int) -> None:
-    """One tile: rows x (vectors x W) sums from (row0, column0), all stored
-    but the last vector's lanes from last_lanes on."""
+              last_lanes: int, stored: int) -> None:
+    """One tile: rows x (vectors x W) sums from (row0, column0), the first
+    stored rows stored but the last vector's lanes from last_lanes on."""
     b = k.builder
     width = t.width
     zero = ir.Constant(_accumulator_type(t), None)
@@ -147,7 +153,7 @@ def emit_tile(k: Kernel, t: Operands, row0: ir.Value, rows: int, column0: ir.Val
     def step(g: ir.Value) -> None:
         loaded = [_load_vector(k, t, g, column) for column in columns]
         for i in range(rows):
-            splat = _load_broadcast(k, t, b.add(row0, k.i64(i)), g)
+            splat = _load_broadcast(k, t, row0, i, g)
             for v in range(vectors):
                 b.store(_product(k, t, b.load(accs[i][v]), loaded[v], splat), accs[i][v])
 
@@ -159,7 +165,7 @@ def emit_tile(k: Kernel, t: Operands, row0: ir.Value, rows: int, column0: ir.Val
             step(b.add(b.mul(h, k.i64(unroll)), k.i64(u)))
     if t.depth4 % unroll:
         step(k.i64(t.depth4 - 1))
-    for i in range(rows):
+    for i in range(stored):
         row = b.add(row0, k.i64(i))
         for v, column in enumerate(columns):
             sums = b.add(_sums(k, t, b.load(accs[i][v])), t.bias(row, column))
@@ -191,9 +197,10 @@ def emit_tiles(k: Kernel, t: Operands, rows: int, columns: int, rows_outer: bool
     the loop over rows outside the one over columns (the columns' operand
     is then read again for each block of rows: the smaller one should be)."""
     tile_rows, tile_vectors, width = t.attrs["int8_tile"]
-    row_parts = [(rows // tile_rows, tile_rows, 0)] if rows >= tile_rows else []
+    row_parts = [(rows // tile_rows, tile_rows, 0, tile_rows)] if rows >= tile_rows else []
     if rows % tile_rows:
-        row_parts.append((1, rows % tile_rows, rows - rows % tile_rows))
+        left = rows % tile_rows
+        row_parts.append((1, tile_rows if t.padded_rows else left, rows - left, left))
     span = tile_vectors * width
     column_parts = [(columns // span, tile_vectors, width, 0)] if columns >= span else []
     left = columns % span
@@ -201,17 +208,17 @@ def emit_tiles(k: Kernel, t: Operands, rows: int, columns: int, rows_outer: bool
         vectors = -(-left // width)
         column_parts.append((1, vectors, left - (vectors - 1) * width, columns - left))
     if rows_outer:
-        for count, height, start in row_parts:
+        for count, height, start, stored in row_parts:
             with _starts(k, count, height, start) as row0:
                 for c_count, vectors, last, c_start in column_parts:
                     with _starts(k, c_count, vectors * width, c_start) as column0:
-                        emit_tile(k, t, row0, height, column0, vectors, last)
+                        emit_tile(k, t, row0, height, column0, vectors, last, stored)
         return
     for c_count, vectors, last, c_start in column_parts:
         with _starts(k, c_count, vectors * width, c_start) as column0:
-            for count, height, start in row_parts:
+            for count, height, start, stored in row_parts:
                 with _starts(k, count, height, start) as row0:
-                    emit_tile(k, t, row0, height, column0, vectors, last)
+                    emit_tile(k, t, row0, height, column0, vectors, last, stored)
 
 
 def _splat_of(k: Kernel, array: ir.Value, index: ir.Value, lanes: int) -> ir.Value:
@@ -235,26 +242,26 @@ def lower_conv(k: Kernel, inputs, outputs, attrs) -> None:
     kind, (_, _, width) = attrs["int8_kernel"], attrs["int8_tile"]
     filters, plane = attrs["filters"], oh_count * ow_count
     step = -(-plane // width) * width
-    kp = _prod(inputs[1].shape[1:])  # the weight: (filters, KH, KW, C padded to 4)
+    tile_rows, depth4 = attrs["int8_tile"][0], inputs[1].shape[1]  # the weight: [filters / rows][depth4][rows][4]
     b = k.builder
     buffers = packing_buffers(k, inputs, attrs, unsigned=kind == "vnni", wide=kind == "madd")
     packed = buffers[1]
     weight = k.typed(k.inputs[1], "int16" if kind == "madd" else "int8")
     bias, multipliers = k.typed(k.inputs[2], "int32"), k.typed(k.inputs[3], "float32")
     y = k.typed(k.outputs[0], attrs["output_dtype"])
-    # The weights, read again for each block of pixels, or the packed
-    # input, read again for each block of filters: the smaller one.
-    rows_outer = kp * step <= filters * kp * weight.type.pointee.width // 8
     with k.loop(x_shape[0]) as n:
-        pack_input(k, buffers, inputs, attrs, n, inputs[1].shape[-1] // 4, step)
-        t = Operands(kind, width, kp // 4,
+        pack_input(k, buffers, inputs, attrs, n, depth4 // (kh_count * kw_count), step)
+        t = Operands(kind, width, depth4,
                      lambda g, column: b.gep(packed, [k.index((g, step * 4), (column, 4))]),
                      ir.VectorType(I8, 4 * width) if kind == "vnni" else V16I16,
-                     lambda row, g: b.gep(weight, [k.index((row, kp), (g, 4))]), True,
+                     lambda row0, i, g: b.gep(weight, [k.index((row0, depth4 * 4), (g, tile_rows * 4), (i * 4, 1))]),
+                     True,
                      lambda row, column: _splat_of(k, bias, row, width),
                      lambda row, column: _splat_of(k, multipliers, row, width),
-                     lambda row, column: k.index((n, filters * plane), (row, plane), (column, 1)), y, attrs)
-        emit_tiles(k, t, filters, plane, rows_outer)
+                     lambda row, column: k.index((n, filters * plane), (row, plane), (column, 1)), y, attrs, True)
+        # Columns outside: a block of pixels' packed input stays in the
+        # cache while the weights, in the order the tiles read them, stream by.
+        emit_tiles(k, t, filters, plane, rows_outer=False)
 
 
 def lower_matmul(k: Kernel, inputs, outputs, attrs) -> None:
@@ -289,11 +296,11 @@ def lower_matmul(k: Kernel, inputs, outputs, attrs) -> None:
     t = Operands(kind, width, depth4,
                  lambda g, column: b.gep(weight, [k.index((g, columns_padded * 4), (column, 4))]),
                  V16I16 if kind == "madd" else ir.VectorType(I8, 4 * width),
-                 lambda row, g: b.gep(copied, [k.index((row, kp), (g, 4))]), False,
+                 lambda row0, i, g: b.gep(copied, [k.index((row0, kp), (i, kp), (g, 4))]), False,
                  lambda row, column: _vector_at(k, bias, column, width),
                  lambda row, column: _vector_at(k, multipliers, column, width),
                  lambda row, column: k.index((row, columns), (column, 1)),
-                 k.typed(k.outputs[0], attrs["output_dtype"]), attrs)
+                 k.typed(k.outputs[0], attrs["output_dtype"]), attrs, False)
     # The copied rows (read again for each block of columns) against the
     # weight (read again for each block of rows).
     emit_tiles(k, t, rows, columns, rows_outer=rows * kp <= columns_padded * kp)

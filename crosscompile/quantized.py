@@ -296,7 +296,8 @@ def _integer_node(graph: Graph, match: _Match, target: Target, constants: dict, 
         # vpmaddwd takes x - x_zero itself, as int16 (int8_x86.py).
         offset = 0 if kernel == "madd" else input_offset(x_dtype, kernel == "vnni") - match.x_zero
         weight, bias, multipliers = _dot_constants(op.op_type if conv else "MatMul", weight, bias, multipliers, offset,
-                                                   columns=tile[2], dtype=np.int16 if kernel == "madd" else np.int8)
+                                                   lanes=tile[0] if conv else 0, columns=tile[2],
+                                                   dtype=np.int16 if kernel == "madd" else np.int8)
     names = [f"{op.name}/integer_weight", f"{op.name}/integer_bias", f"{op.name}/multipliers"]
     for name, value in zip(names, (weight, bias, multipliers)):
         constants[name] = value
