@@ -70,9 +70,9 @@ class Operands(NamedTuple):
     reduction group g (vector_type: <16 x i8> or <16 x i16> for madd, 4
     columns; <4W x i8> for vnni); broadcast(row0, i, g) -> pointer to the
     4 values of row row0 + i at group g (int8 for vnni, int16 for madd),
-    row0 the first row of a tile; bias(row, column)
-    and multiplier(row, column) -> <W x i32> / <W x float> for W columns
-    from column on; out(row, column) -> element offset in out_ptr of
+    row0 the first row of a tile; bias(row, column, lanes)
+    and multiplier(row, column, lanes) -> <lanes x i32> / <lanes x float>
+    for the columns from column on; out(row, column) -> element offset in out_ptr of
     (row, column), the next W - 1 columns following it. With vnni,
     unsigned_vectors says which side is the uint8 operand. padded_rows:
     the broadcast side has whole tiles of rows (zeros past the last), so
@@ -128,14 +128,17 @@ def _product(k: Kernel, t: Operands, acc: ir.Value, vector: ir.Value, splat: ir.
     return _intrinsic(k, f"llvm.x86.avx512.vpdpbusd.{32 * t.width}", acc.type, [acc, unsigned, signed])
 
 
-def _sums(k: Kernel, t: Operands, acc: ir.Value) -> ir.Value:
-    """The tile's W column sums of one accumulator: madd's two lanes a
-    column added together."""
+def _sums(k: Kernel, t: Operands, accs: list) -> ir.Value:
+    """The column sums of one or two accumulators of consecutive columns
+    (W each): madd's two lanes a column added together, two accumulators'
+    into one vector of 8 (requantized 8 lanes at a time)."""
     if t.kind != "madd":
-        return acc
+        return accs[0]
     b = k.builder
-    undefined = ir.Constant(V8I32, ir.Undefined)
-    even, odd = (b.shuffle_vector(acc, undefined, ir.Constant(ir.VectorType(I32, 4), list(range(first, 8, 2))))
+    other = accs[1] if len(accs) > 1 else ir.Constant(V8I32, ir.Undefined)
+    lanes = 8 * len(accs)
+    even, odd = (b.shuffle_vector(accs[0], other, ir.Constant(ir.VectorType(I32, lanes // 2),
+                                                              list(range(first, lanes, 2))))
                  for first in (0, 1))
     return b.add(even, odd)
 
@@ -165,14 +168,18 @@ def emit_tile(k: Kernel, t: Operands, row0: ir.Value, rows: int, column0: ir.Val
             step(b.add(b.mul(h, k.i64(unroll)), k.i64(u)))
     if t.depth4 % unroll:
         step(k.i64(t.depth4 - 1))
+    # madd's vectors of 4 columns are requantized two at a time.
+    together = 2 if t.kind == "madd" else 1
     for i in range(stored):
         row = b.add(row0, k.i64(i))
-        for v, column in enumerate(columns):
-            sums = b.add(_sums(k, t, b.load(accs[i][v])), t.bias(row, column))
-            values = _requantize_vector(k, sums, t.multiplier(row, column), t.attrs)
+        for v in range(0, vectors, together):
+            parts = list(range(v, min(v + together, vectors)))
+            column, count = columns[v], width * len(parts)
+            sums = b.add(_sums(k, t, [b.load(accs[i][p]) for p in parts]), t.bias(row, column, count))
+            values = _requantize_vector(k, sums, t.multiplier(row, column, count), t.attrs)
             at = b.gep(t.out_ptr, [t.out(row, column)])
-            lanes = width if v < vectors - 1 else last_lanes
-            if lanes == width:
+            lanes = count if parts[-1] < vectors - 1 else count - width + last_lanes
+            if lanes == count:
                 b.store(values, b.bitcast(at, values.type.as_pointer()), align=1)
                 continue
             for lane in range(lanes):
@@ -256,8 +263,8 @@ def lower_conv(k: Kernel, inputs, outputs, attrs) -> None:
                      ir.VectorType(I8, 4 * width) if kind == "vnni" else V16I16,
                      lambda row0, i, g: b.gep(weight, [k.index((row0, depth4 * 4), (g, tile_rows * 4), (i * 4, 1))]),
                      True,
-                     lambda row, column: _splat_of(k, bias, row, width),
-                     lambda row, column: _splat_of(k, multipliers, row, width),
+                     lambda row, column, lanes: _splat_of(k, bias, row, lanes),
+                     lambda row, column, lanes: _splat_of(k, multipliers, row, lanes),
                      lambda row, column: k.index((n, filters * plane), (row, plane), (column, 1)), y, attrs, True)
         # Columns outside: a block of pixels' packed input stays in the
         # cache while the weights, in the order the tiles read them, stream by.
@@ -297,8 +304,8 @@ def lower_matmul(k: Kernel, inputs, outputs, attrs) -> None:
                  lambda g, column: b.gep(weight, [k.index((g, columns_padded * 4), (column, 4))]),
                  V16I16 if kind == "madd" else ir.VectorType(I8, 4 * width),
                  lambda row0, i, g: b.gep(copied, [k.index((row0, kp), (i, kp), (g, 4))]), False,
-                 lambda row, column: _vector_at(k, bias, column, width),
-                 lambda row, column: _vector_at(k, multipliers, column, width),
+                 lambda row, column, lanes: _vector_at(k, bias, column, lanes),
+                 lambda row, column, lanes: _vector_at(k, multipliers, column, lanes),
                  lambda row, column: k.index((row, columns), (column, 1)),
                  k.typed(k.outputs[0], attrs["output_dtype"]), attrs, False)
     # The copied rows (read again for each block of columns) against the
