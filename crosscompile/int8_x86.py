@@ -31,7 +31,7 @@ from typing import Callable, NamedTuple
 from llvmlite import ir
 
 from .emit import F32, I8, I16, I32, I64, Kernel
-from .int8_dot import (_as_operand, _intrinsic, _requantize_vector, _splat, conv_geometry, pack_input,
+from .int8_dot import (_as_operand, _intrinsic, _splat, conv_geometry, pack_input,
                        packing_buffers)
 from .op_base import _prod
 
@@ -176,7 +176,7 @@ def emit_tile(k: Kernel, t: Operands, row0: ir.Value, rows: int, column0: ir.Val
             parts = list(range(v, min(v + together, vectors)))
             column, count = columns[v], width * len(parts)
             sums = b.add(_sums(k, t, [b.load(accs[i][p]) for p in parts]), t.bias(row, column, count))
-            values = _requantize_vector(k, sums, t.multiplier(row, column, count), t.attrs)
+            values = _requantize(k, sums, t.multiplier(row, column, count), t.attrs)
             at = b.gep(t.out_ptr, [t.out(row, column)])
             lanes = count if parts[-1] < vectors - 1 else count - width + last_lanes
             if lanes == count:
@@ -184,6 +184,28 @@ def emit_tile(k: Kernel, t: Operands, row0: ir.Value, rows: int, column0: ir.Val
                 continue
             for lane in range(lanes):
                 b.store(b.extract_element(values, ir.Constant(I32, lane)), b.gep(at, [k.i64(lane)]))
+
+
+# cvtps2dq by register width: float32 to int32 in the current rounding
+# mode (round half to even unless a program changed it, which the other
+# kernels' rounding assumes too).
+_CONVERT = {4: "llvm.x86.sse2.cvtps2dq", 8: "llvm.x86.avx.cvt.ps2dq.256",
+            16: "llvm.x86.avx512.mask.cvtps2dq.512"}
+
+
+def _requantize(k: Kernel, sums: ir.Value, multiplier: ir.Value, attrs) -> ir.Value:
+    """saturate(round_half_even(sums * multiplier) + y_zero) as bytes,
+    the bounds ([lowest, highest] - y_zero) applied in float32 before the
+    rounding (integer bounds: the same as after), then one cvtps2dq and
+    y_zero added in int32."""
+    b = k.builder
+    lanes, zero = sums.type.count, attrs["output_zero"]
+    floats, ints = ir.VectorType(F32, lanes), ir.VectorType(I32, lanes)
+    with k.vector_constants(lanes):
+        value = k.clamp(b.fmul(b.sitofp(sums, floats), multiplier), attrs["lowest"] - zero, attrs["highest"] - zero)
+    extra = [] if lanes < 16 else [ir.Constant(ints, None), ir.Constant(ir.IntType(16), -1), ir.Constant(I32, 4)]
+    rounded = _intrinsic(k, _CONVERT[lanes], ints, [value] + extra)
+    return b.trunc(b.add(rounded, ir.Constant(ints, [zero] * lanes)), ir.VectorType(I8, lanes))
 
 
 @contextmanager
