@@ -46,9 +46,20 @@ def tile(kernel: str, target) -> tuple:
     AVX-512 (8 x 3 + 3 + 1)."""
     if kernel == "madd":
         return (3, 3, 4)
-    if "avx512vnni" in target.feature_flags and target.vector_bits >= 512:
-        return (8, 3, 16)
-    return (4, 3, 8)
+    return (8, 3, 16) if vnni_bits(target) == 512 else (4, 3, 8)
+
+
+def vnni_bits(target) -> int:
+    """The width of the vpdpbusd a target takes: 512 bits with AVX-512
+    VNNI and 512-bit vectors; 256 with AVX-VNNI, or AVX-512 VNNI and its
+    256-bit forms (+avx512vl); 512 again for AVX-512 VNNI alone (the
+    256-bit form needs +avx512vl, the 512-bit one nothing more)."""
+    flags = target.feature_flags
+    if "avx512vnni" in flags and target.vector_bits >= 512:
+        return 512
+    if "avxvnni" in flags or {"avx512vnni", "avx512vl"} <= flags:
+        return 256
+    return 512
 
 
 def scratch_bytes(op_type: str, inputs, outputs, attrs) -> int:

@@ -33,6 +33,8 @@ X86_TARGETS = {
     "avxvnni": ("x86_64-linux-gnu/x86-64-v3/+avx2,+fma,+avxvnni", "vnni", "vpdpbusd", "ymm"),
     "avx512vnni": ("x86_64-linux-gnu/x86-64-v4/+avx512f,+avx512bw,+avx512dq,+avx512vl,+avx2,+fma,+avx512vnni",
                    "vnni", "vpdpbusd", "zmm"),
+    # Named without +avx512f or +avx512vl: 256-bit vectors, but only the 512-bit vpdpbusd.
+    "avx512vnni-alone": ("x86_64-linux-gnu/x86-64-v3/+avx2,+fma,+avx512vnni", "vnni", "vpdpbusd", "zmm"),
 }
 # SSE2 only: the widening kernel, the exact reference.
 REFERENCE = "x86_64-linux-gnu/x86-64"
