@@ -2,7 +2,7 @@
 TVM (relax, llvm target, untuned, its default threads) side by side, then
 GFLOP/s of the main convolution shapes against the machine's peak.
 
-    python benchmarks/bench_models.py [model ...] [--repeat N] [--no-tvm] [--threads 1] [--busy N] [--int8]
+    python benchmarks/bench_models.py [model ...] [--repeat N] [--no-tvm] [--threads 1] [--busy N] [--int8] [--cpu-time]
 
 Every model of the onnx package's light zoo (random parameters, as in
 tests/test_zoo.py), or MobileNetV2, EfficientNet-B0 and RegNetX-400MF as
@@ -21,6 +21,10 @@ ours over onnxruntime compare runs under the same load.
 ours and onnxruntime are timed, as the other work of a busy board would,
 and alternates them one run each rather than in blocks: a block of runs
 back to back lets a spinner's time slice fall in the other side's block.
+
+--cpu-time (with --threads 1) reads the calling thread's CPU time
+around each run instead of the wall clock: both engines run one thread
+in the caller's, so time other processes take from the core is left out.
 
 --int8 first quantizes each model (crosscompile.quantizer: QDQ, uint8
 activations, int8 weights per channel, 4 random calibration samples) and
@@ -90,22 +94,25 @@ def median_seconds(fn, repeat: int) -> float:
     return statistics.median(samples)
 
 
-def interleaved_medians(fns: list, repeat: int, block: int = 5, settle_s: float = 0.05) -> list:
+def interleaved_medians(fns: list, repeat: int, block: int = 5, settle_s: float = 0.05,
+                        clock=time.perf_counter) -> list:
     """Median seconds of each callable over `repeat` timed runs, taken in
     alternating blocks of `block` runs so that machine load hits every
     callable alike. Each block starts with one untimed run after a pause of
     `settle_s`: onnxruntime's pool threads spin for a while after a run, and
     would otherwise take a core from whatever runs next (with 2 threads on 2
-    cores that halved our speed when runs alternated one by one)."""
+    cores that halved our speed when runs alternated one by one). clock
+    is what is read around each run (time.thread_time: the CPU time of
+    this thread, what a one-thread run costs whatever else the machine runs)."""
     samples = [[] for _ in fns]
     while any(len(times) < repeat for times in samples):
         for fn, times in zip(fns, samples):
             time.sleep(settle_s)
             fn()
             for _ in range(min(block, repeat - len(times))):
-                started = time.perf_counter()
+                started = clock()
                 fn()
-                times.append(time.perf_counter() - started)
+                times.append(clock() - started)
     return [statistics.median(times) for times in samples]
 
 
@@ -193,9 +200,14 @@ def main() -> int:
                         help="time ours and onnxruntime while N spinning processes compete for the cores")
     parser.add_argument("--int8", action="store_true",
                         help="time the models quantized to int8 (QDQ), ours and onnxruntime alike")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time the calling thread's CPU time rather than the wall clock (with --threads 1 "
+                             "only: both engines then run in that thread), steadier on a loaded machine")
     parser.add_argument("--ghz", type=float, help="core clock (default: /proc/cpuinfo, which in a VM "
                                                    "may be the base clock, below the boost clock)")
     args = parser.parse_args()
+    if args.cpu_time and args.threads != [1]:
+        parser.error("--cpu-time needs --threads 1: other threads' time is not the calling thread's")
 
     use_tvm = not args.no_tvm
     if use_tvm:
@@ -246,7 +258,8 @@ def main() -> int:
             for module, session in zip(modules, sessions):
                 fns += [lambda module=module: module.run(feeds), lambda session=session: session.run(None, feeds)]
             with CompetingLoad(args.busy):
-                medians = interleaved_medians(fns, args.repeat, **pacing)
+                medians = interleaved_medians(fns, args.repeat, **pacing,
+                                                  clock=time.thread_time if args.cpu_time else time.perf_counter)
             for i, threads in enumerate(thread_counts):
                 ours[threads - 1], peers[threads - 1] = medians[2 * i], medians[2 * i + 1]
             for module in modules:

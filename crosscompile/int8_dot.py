@@ -25,7 +25,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from .conv import _deinterleaved
-from .emit import F32, I8, I32, Kernel
+from .emit import F32, I8, I16, I32, Kernel
 from .op_base import _prod
 from .window import _resolve_window, _valid_range
 
@@ -294,7 +294,7 @@ def _concatenated(k: Kernel, parts: list) -> ir.Value:
 
 
 def _requantize_vector(k: Kernel, acc: ir.Value, multiplier: ir.Value, attrs) -> ir.Value:
-    """saturate(round_half_even(acc * multiplier) + y_zero) of 4 lanes (as
+    """saturate(round_half_even(acc * multiplier) + y_zero) of 4 lanes (8 or 16 off AArch64; as
     quantize_ops._requantize does one)."""
     b = k.builder
     zero = attrs["output_zero"]
@@ -310,12 +310,13 @@ def _requantize_vector(k: Kernel, acc: ir.Value, multiplier: ir.Value, attrs) ->
         return b.trunc(value, V4I8)
     # Clamped to [lowest, highest] - y_zero before rounding (integer bounds,
     # so the same as after): the result is in the output type's range.
-    with k.vector_constants(4):
-        value = b.fmul(b.sitofp(acc, V4F32), multiplier)
+    lanes = acc.type.count  # 4, or the x86 kernels' 8 or 16
+    with k.vector_constants(lanes):
+        value = b.fmul(b.sitofp(acc, ir.VectorType(F32, lanes)), multiplier)
         value = k.clamp(value, attrs["lowest"] - zero, attrs["highest"] - zero)
         value = b.fsub(b.fadd(value, k.f32(ROUNDING_MAGIC)), k.f32(ROUNDING_MAGIC))
         value = b.fadd(value, k.f32(zero))
-    return b.trunc(b.fptosi(value, V4I32), V4I8)
+    return b.trunc(b.fptosi(value, ir.VectorType(I32, lanes)), ir.VectorType(I8, lanes))
 
 
 def emit_tiles(k: Kernel, tile: DotTile, rows: int, columns: int, tile_rows: int, tile_vectors: int) -> None:
@@ -352,7 +353,13 @@ def emit_tiles(k: Kernel, tile: DotTile, rows: int, columns: int, tile_rows: int
 
 def _as_int8(k: Kernel, value: ir.Value, dtype: str) -> ir.Value:
     """An 8-bit activation as the kernel's int8: uint8 less 128 (its top bit flipped)."""
-    if dtype != "uint8":
+    return _as_operand(k, value, dtype)
+
+
+def _as_operand(k: Kernel, value: ir.Value, dtype: str, unsigned: bool = False) -> ir.Value:
+    """An 8-bit activation as the kernel's int8, or its uint8 when unsigned
+    (int8 plus 128): its top bit flipped when the signs differ (see input_offset)."""
+    if input_offset(dtype, unsigned) == 0:
         return value
     flip = ir.Constant(I8, 0x80)
     if isinstance(value.type, ir.VectorType):
@@ -376,6 +383,82 @@ def conv_geometry(x_shape, attrs) -> tuple:
             *out[1:])
 
 
+def input_offset(dtype: str, unsigned: bool = False) -> int:
+    """x less the 8-bit value the kernel reads for it: 128 for uint8 read as
+    int8 (its top bit flipped), -128 for int8 read as uint8 (x86's
+    vpdpbusd), else 0."""
+    if unsigned:
+        return -128 if dtype == "int8" else 0
+    return 128 if dtype == "uint8" else 0
+
+
+def packing_buffers(k: Kernel, inputs, attrs, unsigned: bool = False, wide: bool = False) -> tuple:
+    """(x, packed, pad, convert) for pack_input: the input's typed pointer,
+    the scratch, the value the padding packs as (the input's zero point as
+    the kernel reads it) and the conversion of an input value to what is
+    packed: the kernel's 8-bit operand (int8, or uint8 when unsigned), or
+    with wide x - x_zero as int16 (padding 0)."""
+    dtype, b = inputs[0].dtype, k.builder
+    x = k.typed(k.inputs[0], dtype)
+    if wide:
+        extend = b.zext if dtype == "uint8" else b.sext
+        return (x, k.typed(k.scratch, "int16"), ir.Constant(I16, 0),
+                lambda value: b.sub(extend(value, I16), ir.Constant(I16, attrs["input_zero"])))
+    return (x, k.typed(k.scratch, "int8"), ir.Constant(I8, (attrs["input_zero"] - input_offset(dtype, unsigned)) & 0xFF),
+            lambda value: _as_operand(k, value, dtype, unsigned))
+
+
+def pack_input(k: Kernel, buffers: tuple, inputs, attrs, n: ir.Value, groups4: int, step: int) -> None:
+    """Pack image n of a convolution's input (converted as packing_buffers
+    says) into scratch as [kernel row][kernel column][channel / 4] groups
+    of [output pixel][4 channels], each group step pixels apart (the plane
+    rounded up), padding as the input's zero point."""
+    x_shape = inputs[0].shape
+    height, width, kh_count, kw_count, sh, sw, dh, dw, ph, pw, oh_count, ow_count = conv_geometry(x_shape, attrs)
+    channels = x_shape[1]
+    plane = oh_count * ow_count
+    b, dtype = k.builder, inputs[0].dtype
+    x, packed, pad, convert = buffers
+    for kh in range(kh_count):
+        rows = _valid_range(kh * dh - ph, sh, height, oh_count)
+        for kw in range(kw_count):
+            cols = _valid_range(kw * dw - pw, sw, width, ow_count)
+            with k.loop(groups4) as c4:
+                group = k.index((c4, step * 4), ((kh * kw_count + kw) * groups4, step * 4))
+                _fill(k, packed, group, rows[0] * ow_count * 4, pad)
+                _fill(k, packed, k.index((group, 1), (rows[1] * ow_count * 4, 1)),
+                      (oh_count - rows[1]) * ow_count * 4, pad)
+                lines, valid = [], []
+                for j in range(4):
+                    channel = b.add(b.mul(c4, k.i64(4)), k.i64(j))
+                    valid.append(b.icmp_signed("<", channel, k.i64(channels)))
+                    lines.append(k.index((n, channels * height * width),
+                                         (k.smin(channel, k.i64(channels - 1)), height * width),
+                                         (kh * dh - ph, width), (kw * dw - pw, 1)))
+                if sh == 1 and sw == 1 and ow_count == width and rows == (0, oh_count) \
+                        and cols == (0, ow_count):
+                    # The tap's input rows follow one another without a
+                    # gap: the whole plane is one line, one loop.
+                    with k.loop(plane) as p:
+                        _pack_pixel(k, x, packed, [k.index((line, 1), (p, 1)) for line in lines], valid,
+                                    k.index((group, 1), (p, 4)), pad, convert)
+                    continue
+                with k.loop(rows[1], start=rows[0]) as oh:
+                    row = k.index((group, 1), (oh, ow_count * 4))
+                    _fill(k, packed, row, cols[0] * 4, pad)
+                    _fill(k, packed, k.index((row, 1), (cols[1] * 4, 1)), (ow_count - cols[1]) * 4, pad)
+                    tail_shift = kw * dw - pw + (cols[1] - PACK_LANES) * sw - 1
+                    if (sw == 2 and k.target.arch == "aarch64" and cols[1] - cols[0] >= PACK_LANES
+                            and tail_shift >= 0):
+                        _pack_stride2(k, x, packed, [k.index((line, 1), (oh, sh * width)) for line in lines],
+                                      valid, row, cols, pad, dtype)
+                    else:
+                        with k.loop(cols[1], start=cols[0]) as ow:
+                            _pack_pixel(k, x, packed, [k.index((line, 1), (oh, sh * width), (ow, sw))
+                                                       for line in lines], valid, k.index((row, 1), (ow, 4)),
+                                        pad, convert)
+
+
 def lower_conv(k: Kernel, inputs, outputs, attrs) -> None:
     """IntegerConv with the dot-product kernel: per image, the input packed
     (as int8) into scratch as [kernel row][kernel column][channel / 4]
@@ -383,8 +466,8 @@ def lower_conv(k: Kernel, inputs, outputs, attrs) -> None:
     quantized._dot_constants), padding as the input's zero point; then the
     tiles of filters x output pixels."""
     x_shape = inputs[0].shape
-    height, width, kh_count, kw_count, sh, sw, dh, dw, ph, pw, oh_count, ow_count = conv_geometry(x_shape, attrs)
-    batch, channels = x_shape[:2]
+    _, _, kh_count, kw_count, *_, oh_count, ow_count = conv_geometry(x_shape, attrs)
+    batch = x_shape[0]
     filters = attrs["filters"]
     lanes = attrs["int8_kernel"] in ("dot", "quads")
     block = attrs["int8_tile"][0]  # rows of the weight's blocks, with lanes
@@ -392,52 +475,13 @@ def lower_conv(k: Kernel, inputs, outputs, attrs) -> None:
     plane = oh_count * ow_count
     plane4 = -(-plane // 4) * 4
     depth4 = kh_count * kw_count * groups4
-    b, dtype = k.builder, inputs[0].dtype
-    x = k.typed(k.inputs[0], dtype)
-    packed = k.typed(k.scratch, "int8")
-    offset = 128 if dtype == "uint8" else 0
-    pad = ir.Constant(I8, (attrs["input_zero"] - offset) & 0xFF)
+    b = k.builder
+    buffers = packing_buffers(k, inputs, attrs)
+    packed = buffers[1]
     weight, bias = k.typed(k.inputs[1], "int8"), k.typed(k.inputs[2], "int32")
     y = k.typed(k.outputs[0], attrs["output_dtype"])
     with k.loop(batch) as n:
-        for kh in range(kh_count):
-            rows = _valid_range(kh * dh - ph, sh, height, oh_count)
-            for kw in range(kw_count):
-                cols = _valid_range(kw * dw - pw, sw, width, ow_count)
-                with k.loop(groups4) as c4:
-                    group = k.index((c4, plane4 * 4), ((kh * kw_count + kw) * groups4, plane4 * 4))
-                    _fill(k, packed, group, rows[0] * ow_count * 4, pad)
-                    _fill(k, packed, k.index((group, 1), (rows[1] * ow_count * 4, 1)),
-                          (oh_count - rows[1]) * ow_count * 4, pad)
-                    lines, valid = [], []
-                    for j in range(4):
-                        channel = b.add(b.mul(c4, k.i64(4)), k.i64(j))
-                        valid.append(b.icmp_signed("<", channel, k.i64(channels)))
-                        lines.append(k.index((n, channels * height * width),
-                                             (k.smin(channel, k.i64(channels - 1)), height * width),
-                                             (kh * dh - ph, width), (kw * dw - pw, 1)))
-                    if sh == 1 and sw == 1 and ow_count == width and rows == (0, oh_count) \
-                            and cols == (0, ow_count):
-                        # The tap's input rows follow one another without a
-                        # gap: the whole plane is one line, one loop.
-                        with k.loop(plane) as p:
-                            _pack_pixel(k, x, packed, [k.index((line, 1), (p, 1)) for line in lines], valid,
-                                        k.index((group, 1), (p, 4)), pad, dtype)
-                        continue
-                    with k.loop(rows[1], start=rows[0]) as oh:
-                        row = k.index((group, 1), (oh, ow_count * 4))
-                        _fill(k, packed, row, cols[0] * 4, pad)
-                        _fill(k, packed, k.index((row, 1), (cols[1] * 4, 1)), (ow_count - cols[1]) * 4, pad)
-                        tail_shift = kw * dw - pw + (cols[1] - PACK_LANES) * sw - 1
-                        if (sw == 2 and k.target.arch == "aarch64" and cols[1] - cols[0] >= PACK_LANES
-                                and tail_shift >= 0):
-                            _pack_stride2(k, x, packed, [k.index((line, 1), (oh, sh * width)) for line in lines],
-                                          valid, row, cols, pad, dtype)
-                        else:
-                            with k.loop(cols[1], start=cols[0]) as ow:
-                                _pack_pixel(k, x, packed, [k.index((line, 1), (oh, sh * width), (ow, sw))
-                                                           for line in lines], valid, k.index((row, 1), (ow, 4)),
-                                            pad, dtype)
+        pack_input(k, buffers, inputs, attrs, n, groups4, plane4)
         kp = depth4 * 4
 
         def vector(g, column):
@@ -458,11 +502,11 @@ def lower_conv(k: Kernel, inputs, outputs, attrs) -> None:
 
 
 def _pack_pixel(k: Kernel, x: ir.Value, packed: ir.Value, sources: list, valid: list, at: ir.Value,
-                pad: ir.Value, dtype: str) -> None:
+                pad: ir.Value, convert) -> None:
     """One output pixel's 4 channels at one tap: x at sources (one offset
-    a channel) as int8, pad for a channel past the last, into packed at."""
+    a channel) converted, pad for a channel past the last, into packed at."""
     for j, (source, exists) in enumerate(zip(sources, valid)):
-        value = k.builder.select(exists, _as_int8(k, k.load(x, source), dtype), pad)
+        value = k.builder.select(exists, convert(k.load(x, source)), pad)
         k.store(value, packed, k.index((at, 1), (j, 1)))
 
 

@@ -27,7 +27,7 @@ import onnx
 from llvmlite import ir
 from onnx import helper, numpy_helper
 
-from . import int8_depthwise, int8_dot, lowbit
+from . import int8_depthwise, int8_dot, int8_x86, lowbit
 from .emit import ELEMENT_TYPES, F32, I32, Kernel
 from .int8_dot import ROUNDING_LIMIT, ROUNDING_MAGIC
 from .errors import BuildError, ShapeError
@@ -429,6 +429,8 @@ class IntegerConv(_IntegerOp):
         plane = _prod(outputs[0].shape[2:])
         if attrs["int8_kernel"] == "depthwise":
             return int8_depthwise.scratch_bytes(inputs[0].shape, attrs)
+        if attrs["int8_kernel"] in int8_x86.X86_KERNELS:
+            return int8_x86.scratch_bytes(self.op_type, inputs, outputs, attrs)
         if attrs["int8_kernel"] in ("dot", "quads"):  # the packed input: depth4 groups of 4 per output pixel
             return inputs[1].shape[1] * 4 * -(-plane // 4) * 4
         if attrs["int8_kernel"] != "widening":
@@ -438,6 +440,9 @@ class IntegerConv(_IntegerOp):
     def lower(self, k, inputs, outputs, attrs):
         if attrs["int8_kernel"] == "depthwise":
             int8_depthwise.lower(k, inputs, outputs, attrs)
+            return
+        if attrs["int8_kernel"] in int8_x86.X86_KERNELS:
+            int8_x86.lower_conv(k, inputs, outputs, attrs)
             return
         if attrs["int8_kernel"] != "widening":
             int8_dot.lower_conv(k, inputs, outputs, attrs)
@@ -479,11 +484,16 @@ class IntegerMatMul(_IntegerOp):
         return [(*inputs[0][:-1], attrs["columns"])]
 
     def scratch_bytes(self, inputs, outputs, attrs):
+        if attrs["int8_kernel"] in int8_x86.X86_KERNELS:
+            return int8_x86.scratch_bytes(self.op_type, inputs, outputs, attrs)
         if attrs["int8_kernel"] != "widening":
             return _prod(inputs[0].shape[:-1]) * inputs[1].shape[0] * 4
         return 4 * attrs["columns"]
 
     def lower(self, k, inputs, outputs, attrs):
+        if attrs["int8_kernel"] in int8_x86.X86_KERNELS:
+            int8_x86.lower_matmul(k, inputs, outputs, attrs)
+            return
         if attrs["int8_kernel"] != "widening":
             int8_dot.lower_matmul(k, inputs, outputs, attrs)
             return

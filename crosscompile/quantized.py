@@ -31,6 +31,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .int8_dot import input_offset
+from .int8_x86 import X86_KERNELS, tile as x86_tile
 from .ir import Graph, Node, Tensor
 from .op_base import _axis
 from .passes import eliminate_dead_code
@@ -57,13 +59,25 @@ def int8_kernel(target: Target, weight: np.ndarray, group: int) -> str:
       target (int8_depthwise.py: int16 products summed into int32 lanes,
       8 outputs of a row at a time; 3 x 3 layers with sdot on cores that
       have it);
+    - "vnni": x86's vpdpbusd (uint8 x int8 groups of 4 into int32, exact;
+      int8_x86.py), where the core has AVX-512 VNNI or AVX-VNNI, the
+      weights less their zero point fit int8 and the convolution has one
+      group;
+    - "madd": AVX2's vpmaddwd (int16 x int16 pairs into int32, exact for
+      any 8-bit weights and zero points) on the other x86 cores with AVX2,
+      for products and convolutions of one group;
     - "widening": 8-bit values widened and multiplied into 32-bit sums
-      along output rows, on every target (x86, 32-bit ARM, and the other
-      grouped convolutions everywhere).
+      along output rows, on every target (x86 without AVX2, 32-bit ARM,
+      and the other grouped convolutions everywhere).
     """
     if group > 1 and weight.ndim == 4 and weight.shape[0] == group and weight.shape[1] == 1:
         return "depthwise"
     fits = weight.size == 0 or (weight.min() >= -128 and weight.max() <= 127)
+    if target.arch == "x86_64" and group == 1:
+        if target.has_vnni and fits:
+            return "vnni"
+        if target.has_avx2:
+            return "madd"
     if target.arch != "aarch64" or not fits or group != 1:
         return "widening"
     if target.has_dot_product:
@@ -71,10 +85,13 @@ def int8_kernel(target: Target, weight: np.ndarray, group: int) -> str:
     return "quads" if weight.size == 0 or weight.min() >= -127 else "pairs"
 
 
-def int8_tile(kernel: str) -> tuple:
+def int8_tile(kernel: str, target: Target) -> tuple:
     """(rows, vectors of 4 columns) of a dot-product tile in AArch64's 32
     registers: 16 sum registers, the loaded vectors and a broadcast ("pairs"
-    and "quads" keep two registers per sum, so half the columns)."""
+    and "quads" keep two registers per sum, so half the columns); for the
+    x86 kernels (rows, vectors, columns a vector), see int8_x86.tile."""
+    if kernel in X86_KERNELS:
+        return x86_tile(kernel, target)
     if kernel == "dot":  # 24 sums, 3 loaded vectors and 2 of 4 rows' weights (sdot by element)
         return (8, 3)
     return (4, 2)
@@ -85,14 +102,15 @@ def _round_up(value: int, step: int) -> int:
 
 
 def _dot_constants(op: str, weight: np.ndarray, bias: np.ndarray, multipliers: np.ndarray, offset: int,
-                   lanes: int = 0):
+                   lanes: int = 0, columns: int = 4, dtype=np.int8):
     """(weight, bias, multipliers) in the dot-product kernel's layouts, the
     bias corrected for activations entering as x - offset (see int8_dot.py):
     a convolution's weight as (M, KH, KW, C padded to 4) rows, or with
     lanes (a tile's rows, read 4 at a time: sdot by element, or dup) as
     [M / lanes][KH * KW * C / 4][lanes][4], M padded with zero filters; a
-    product's as [K / 4][N padded to 4][4], its bias and multipliers padded
-    to N."""
+    product's as [K / 4][N padded to a multiple of columns][4], its bias
+    and multipliers padded to N. The weights in dtype (int16 for
+    vpmaddwd)."""
     if op == "Conv":
         sums = weight.reshape(weight.shape[0], -1).astype(np.int64).sum(axis=1)
         rows = np.moveaxis(weight, 1, -1)
@@ -103,14 +121,14 @@ def _dot_constants(op: str, weight: np.ndarray, bias: np.ndarray, multipliers: n
             rows = rows.reshape(rows.shape[0], -1, 4)
             rows = np.pad(rows, [(0, _round_up(rows.shape[0], lanes) - rows.shape[0]), (0, 0), (0, 0)])
             rows = rows.reshape(-1, lanes, rows.shape[1], 4).transpose(0, 2, 1, 3)
-        return np.ascontiguousarray(rows.astype(np.int8)), corrected.astype(np.int32), multipliers
-    depth, columns = weight.shape
+        return np.ascontiguousarray(rows.astype(dtype)), corrected.astype(np.int32), multipliers
+    depth, count = weight.shape
     sums = weight.astype(np.int64).sum(axis=0)
-    padded = np.pad(weight, [(0, _round_up(depth, 4) - depth), (0, _round_up(columns, 4) - columns)])
+    padded = np.pad(weight, [(0, _round_up(depth, 4) - depth), (0, _round_up(count, columns) - count)])
     packed = padded.reshape(-1, 4, padded.shape[1]).transpose(0, 2, 1)
-    extra = padded.shape[1] - columns
+    extra = padded.shape[1] - count
     corrected = np.pad(bias.astype(np.int64) + offset * sums, (0, extra))
-    return (np.ascontiguousarray(packed.astype(np.int8)), corrected.astype(np.int32),
+    return (np.ascontiguousarray(packed.astype(dtype)), corrected.astype(np.int32),
             np.pad(multipliers, (0, extra)).astype(np.float32))
 
 
@@ -270,16 +288,23 @@ def _integer_node(graph: Graph, match: _Match, target: Target, constants: dict, 
     columns = weight.shape[1]
     kernel = int8_kernel(target, weight, group)
     x_dtype = graph.tensors[match.x].dtype
+    tile = int8_tile(kernel, target)
     if kernel in ("dot", "pairs", "quads"):
         offset = (128 if x_dtype == "uint8" else 0) - match.x_zero
         weight, bias, multipliers = _dot_constants(op.op_type if conv else "MatMul", weight, bias, multipliers, offset,
-                                                   lanes=int8_tile(kernel)[0] if conv and kernel != "pairs" else 0)
+                                                   lanes=tile[0] if conv and kernel != "pairs" else 0)
+    elif kernel in X86_KERNELS:
+        # vpmaddwd takes x - x_zero itself, as int16 (int8_x86.py).
+        offset = 0 if kernel == "madd" else input_offset(x_dtype, kernel == "vnni") - match.x_zero
+        weight, bias, multipliers = _dot_constants(op.op_type if conv else "MatMul", weight, bias, multipliers, offset,
+                                                   lanes=tile[0] if conv else 0, columns=tile[2],
+                                                   dtype=np.int16 if kernel == "madd" else np.int8)
     names = [f"{op.name}/integer_weight", f"{op.name}/integer_bias", f"{op.name}/multipliers"]
     for name, value in zip(names, (weight, bias, multipliers)):
         constants[name] = value
         tensors[name] = Tensor(name, value.shape, value.dtype.name)
     attrs = _Output(match.quantize, match.y_scale, match.y_zero, match.y_dtype, match.relu).attrs()
-    attrs.update({"input_zero": match.x_zero, "int8_kernel": kernel, "int8_tile": int8_tile(kernel)})
+    attrs.update({"input_zero": match.x_zero, "int8_kernel": kernel, "int8_tile": tile})
     if kernel == "depthwise":  # whether sdot can take the weights (int8_depthwise.lower_dot)
         attrs["int8_weights"] = bool(weight.size == 0 or (weight.min() >= -128 and weight.max() <= 127))
     if conv:

@@ -107,6 +107,12 @@ class Target:
         return self.arch in ("x86_64", "i386") and bool({"avx512vnni", "avxvnni"} & self.feature_flags)
 
     @property
+    def has_avx2(self) -> bool:
+        """Whether an x86 core has AVX2's 256-bit integer instructions
+        (vpmaddwd on ymm registers): +avx2, or +avx512f, which implies it."""
+        return self.arch in ("x86_64", "i386") and bool({"avx2", "avx512f"} & self.feature_flags)
+
+    @property
     def lanes(self) -> int:
         """float32 lanes in one vector register.
 
