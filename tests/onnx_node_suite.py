@@ -8,9 +8,10 @@ Every case ends in one of four states: it passes, it is refused with a named
 reason (a BuildError: an op, a dtype or a domain crosscompile does not take),
 it computes a wrong result (mismatch), or something else fails (crash).
 Inputs an op needs at compile time (shapes, axes, pads) and every input of
-the ops evaluated at compile time are given to the compiler as constants:
-crosscompile specialises a module on them, as it does for an exporter's
-initializers. Every other input stays a runtime input.
+the ops evaluated at compile time, and the graph inputs such values are
+computed from, are given to the compiler as constants: crosscompile
+specialises a module on them, as it does for an exporter's initializers.
+Every other input stays a runtime input.
 
 A case is in scope when every op in its model is one crosscompile supports
 and its floating-point tensors are float32; tests/test_onnx_node_suite.py
@@ -202,6 +203,7 @@ def run_case(case: Case, workdir: str, rtol=1e-4, atol=1e-5, target: str = "host
     compile_time |= {name for node in model.graph.node if node.op_type in FRONTEND_OPS for name in node.input}
     compile_time |= {node.input[pos] for node in model.graph.node for pos in COMPILE_TIME_INPUTS.get(node.op_type, ())
                      if pos < len(node.input)}
+    compile_time = _computed_from(model.graph, compile_time)
     graph_inputs = [vi for vi in model.graph.input if vi.name not in {i.name for i in model.graph.initializer}]
     feeds = {}
     for vi, value in zip(graph_inputs, inputs):
@@ -249,6 +251,21 @@ def run_case(case: Case, workdir: str, rtol=1e-4, atol=1e-5, target: str = "host
     except Exception as exc:  # noqa: BLE001 - a module that fails to load or run
         return Result(case, "crash", f"{type(exc).__name__}: {exc}"[:300])
     return Result(case, "pass")
+
+
+def _computed_from(graph, names: set) -> set:
+    """names and every tensor they are computed from, up to the graph's
+    inputs: an input that a compile-time value is computed from (a window's
+    size, through the Cast and Sub of its expanded body, to Range) is needed
+    at compile time too. Shape and Size read only their input's shape, so
+    the search stops there."""
+    from crosscompile.folding import SHAPE_OPS
+
+    names = set(names)
+    for node in reversed(graph.node):  # a graph's nodes come in topological order
+        if node.op_type not in SHAPE_OPS and names.intersection(node.output):
+            names.update(n for n in node.input if n)
+    return names
 
 
 def run_isolated(case: Case, workdir: str, timeout: float = 300.0) -> Result:
