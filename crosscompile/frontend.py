@@ -11,6 +11,7 @@ import onnx.defs
 from onnx import helper, numpy_helper
 
 from . import control_flow, folding
+from .decompositions import DECOMPOSED, decompose
 from .double import compute_in_float32
 from .errors import BuildError, ShapeError, UnsupportedOpError
 from .functions import expand_functions, function_ops
@@ -35,7 +36,8 @@ def supported_ops() -> list[str]:
     >>> "Conv" in supported_ops()
     True
     """
-    lowered = {op for op in OPS if onnx.defs.has(op)} | FRONTEND_OPS | set(EXPANSIONS) | set(control_flow.UNROLLED)
+    lowered = ({op for op in OPS if onnx.defs.has(op)} | FRONTEND_OPS | set(EXPANSIONS) | set(control_flow.UNROLLED)
+               | set(DECOMPOSED))
     return sorted(lowered | function_ops(lowered))
 
 
@@ -60,7 +62,7 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
     # Function ops are expanded at their inputs' own types, so that a
     # float16 or bfloat16 op's body rounds its steps to that type.
     proto = expand_functions(expand_operators(load_model(model)),
-                             set(OPS) | FRONTEND_OPS | set(EXPANSIONS) | set(control_flow.UNROLLED))
+                             set(OPS) | FRONTEND_OPS | set(EXPANSIONS) | set(control_flow.UNROLLED) | set(DECOMPOSED))
     proto = compute_in_float32(proto)
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 1)
     g = proto.graph
@@ -99,7 +101,8 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
             unknown.update(np_node.output)
             continue
         if unknown.intersection(np_node.input):
-            if np_node.op_type not in OPS and np_node.op_type not in FRONTEND_OPS | set(control_flow.UNROLLED):
+            if np_node.op_type not in OPS and np_node.op_type not in FRONTEND_OPS | set(control_flow.UNROLLED) | set(
+                    DECOMPOSED):
                 unsupported.setdefault(np_node.op_type, []).append(name)
             unknown.update(np_node.output)
             continue
@@ -143,6 +146,13 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
             for out, value in zip(np_node.output, folding.evaluate(np_node, constants, opset, where)):
                 if out:
                     _add_constant(constants, tensors, out, value)
+            continue
+        if np_node.op_type in DECOMPOSED:
+            try:
+                pending.extend(reversed(decompose(np_node, raw, name, opset, tensors, constants, add_constant)))
+            except BuildError as exc:
+                refused.append(exc)
+                unknown.update(np_node.output)
             continue
         op = OPS.get(np_node.op_type)
         if op is None:

@@ -1,0 +1,379 @@
+"""Ops written out at import as nodes of ops that crosscompile lowers,
+once their inputs' shapes (and the inputs that set output shapes) are
+known: DFT and STFT as a MatMul with a constant matrix of the transform,
+Det as the sum of signed products over permutations, MaxUnpool as a
+ScatterElements into zeros, ReverseSequence as a GatherElements with
+indices computed from the lengths, EyeLike as the constant it is.
+
+Each entry of DECOMPOSED is one op: the function that writes its nodes,
+the inputs it needs at compile time, and what it takes. The nodes it
+returns compute the op's outputs under their own names; the tensors they
+make in between are named after the node, so that two nodes never
+collide.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from .errors import BuildError
+
+
+@dataclass
+class Site:
+    """One node being decomposed: its name, the model's opset, the known
+    shapes and dtypes of tensors and constants, and a way to add constants."""
+
+    node: onnx.NodeProto
+    raw: dict
+    name: str
+    opset: int
+    tensors: dict    # name -> ir.Tensor
+    constants: dict  # name -> np.ndarray
+    add_constant: Callable
+
+    @property
+    def where(self) -> str:
+        return f"node {self.name!r} ({self.node.op_type})"
+
+    def input(self, pos: int) -> str:
+        return self.node.input[pos] if pos < len(self.node.input) else ""
+
+    def shape(self, pos: int) -> tuple:
+        return self.tensors[self.input(pos)].shape
+
+    def constant(self, pos: int, what: str):
+        """Input pos's value, None when it is left out; refused when it is
+        computed at run time."""
+        name = self.input(pos)
+        if not name:
+            return None
+        if name not in self.constants:
+            raise BuildError(f"{self.where}: input {name!r} ({what}) must be a constant (an initializer or "
+                             "Constant node): it sets the output's shape")
+        return np.asarray(self.constants[name])
+
+    def const(self, label: str, value) -> str:
+        """A new constant named after the node."""
+        name = f"{self.name}/{label}"
+        self.add_constant(name, np.asarray(value))
+        return name
+
+    def tensor(self, label: str) -> str:
+        return f"{self.name}/{label}"
+
+    def make(self, op_type: str, inputs: list, outputs: list, **attrs) -> onnx.NodeProto:
+        return helper.make_node(op_type, inputs, outputs, name=f"{self.name}/{outputs[0].rsplit('/', 1)[-1]}",
+                                **attrs)
+
+
+# --- DFT and STFT -------------------------------------------------------
+
+def paired_rows(length: int) -> "tuple[list, int]":
+    """How a full-length transform arranges its input's points: the points
+    standing alone (0, and length/2 when even), then p pairs (n, length-n)
+    as their sums, then as their differences. Real input points then meet
+    their mirror images before any multiplication, so a spectrum with
+    Hermitian symmetry gives imaginary parts of exactly zero (and a real
+    one real parts), not float32's rounding of a cancellation."""
+    pairs = (length - 1) // 2 if length > 2 else 0
+    return [0] + ([length // 2] if length % 2 == 0 and pairs else []) + \
+        (list(range(1, length)) if not pairs else []), pairs
+
+
+def transform_matrix(length_in: int, channels: int, dft_length: int, *, inverse: bool, onesided: bool) -> np.ndarray:
+    """The matrix W with rows @ W = the transform, for rows holding the
+    input's points (as paired_rows arranges them when length_in equals
+    dft_length) of `channels` (1: real, 2: real and imaginary) interleaved,
+    and the result K points of (real, imaginary) interleaved, or for the
+    inverse of a one-sided spectrum (numpy's irfft) dft_length real points.
+
+    >>> x = np.random.rand(3, 2); W = transform_matrix(3, 2, 5, inverse=False, onesided=False)
+    >>> np.allclose((x.reshape(1, 6) @ W).reshape(5, 2) @ [1, 1j], np.fft.fft(x @ [1, 1j], 5))
+    True
+    """
+    if inverse and onesided:
+        # The full spectrum is Hermitian: each point between 0 and the
+        # Nyquist one stands for itself and its mirror image.
+        k = np.arange(length_in)[:, None]
+        m = np.arange(dft_length)[None, :]
+        theta = 2 * np.pi * ((k * m) % dft_length) / dft_length
+        weight = np.where((k == 0) | (2 * k == dft_length), 1.0, 2.0) / dft_length
+        weight = np.where(k < min(length_in, dft_length // 2 + 1), weight, 0.0)
+        w = np.zeros((length_in, channels, dft_length, 1))
+        w[:, 0, :, 0] = weight * np.cos(theta)
+        if channels == 2:
+            w[:, 1, :, 0] = -weight * np.sin(theta)
+        return w.reshape(length_in * channels, dft_length).astype(np.float32)
+    outputs = dft_length // 2 + 1 if onesided else dft_length
+    sign, scale = (1.0, 1.0 / dft_length) if inverse else (-1.0, 1.0)
+    k = np.arange(outputs)[None, :]
+
+    def angle(n):
+        return 2 * np.pi * ((np.asarray(n)[:, None] * k) % dft_length) / dft_length
+
+    if length_in == dft_length:
+        alone, pairs = paired_rows(length_in)
+        p = np.arange(1, pairs + 1)
+        weights = np.concatenate([np.exp(1j * sign * angle(alone)),   # x_n e^{i s theta}
+                                  np.cos(angle(p)) + 0j,              # x_p + x_-p: their cos part
+                                  1j * sign * np.sin(angle(p))])      # x_p - x_-p: their sin part
+    else:
+        weights = np.exp(1j * sign * angle(np.arange(length_in)))
+        weights[dft_length:] = 0  # points beyond dft_length are cut off
+    weights = scale * weights
+    weights.real[np.abs(weights.real) < 1e-12] = 0
+    weights.imag[np.abs(weights.imag) < 1e-12] = 0
+    # (a + ib)(wr + i wi) = (a wr - b wi) + i (a wi + b wr)
+    w = np.zeros((length_in, channels, outputs, 2))
+    w[:, 0, :, 0], w[:, 0, :, 1] = weights.real, weights.imag
+    if channels == 2:
+        w[:, 1, :, 0], w[:, 1, :, 1] = -weights.imag, weights.real
+    return w.reshape(length_in * channels, outputs * 2).astype(np.float32)
+
+
+def _transform_along(site: Site, x: str, shape: tuple, axis: int, dft_length: int, *, inverse: bool,
+                     onesided: bool, out: str) -> list:
+    """Nodes computing the transform of x (shape, its last axis the
+    channels) along axis into out."""
+    rank, channels = len(shape), shape[-1]
+    if channels not in (1, 2):
+        raise BuildError(f"{site.where}: the last axis of the input has {channels} elements; it must be 1 (real) "
+                         "or 2 (real and imaginary)")
+    if not 0 <= axis < rank - 1:
+        raise BuildError(f"{site.where}: axis {axis} is out of range for a rank-{rank} input (the last axis holds "
+                         "the real and imaginary parts)")
+    length = shape[axis]
+    w = transform_matrix(length, channels, dft_length, inverse=inverse, onesided=onesided)
+    out_channels = 1 if inverse and onesided else 2
+    points = w.shape[1] // out_channels
+    others = [d for d in range(rank - 1) if d != axis]
+    perm = others + [axis, rank - 1]
+    moved = [shape[d] for d in others]
+    nodes = [site.make("Transpose", [x], [site.tensor("moved")], perm=perm)]
+    rows = site.tensor("moved")
+    alone, pairs = paired_rows(length)
+    if length == dft_length and pairs and not (inverse and onesided):
+        lead = len(moved)
+        p = np.arange(1, pairs + 1)
+        nodes += [site.make("Gather", [rows, site.const("alone_index", np.array(alone, np.int64))], [site.tensor("alone")],
+                            axis=lead),
+                  site.make("Gather", [rows, site.const("first_index", p)], [site.tensor("first")], axis=lead),
+                  site.make("Gather", [rows, site.const("mirror_index", length - p)], [site.tensor("mirror")], axis=lead),
+                  site.make("Add", [site.tensor("first"), site.tensor("mirror")], [site.tensor("sums")]),
+                  site.make("Sub", [site.tensor("first"), site.tensor("mirror")], [site.tensor("differences")]),
+                  site.make("Concat", [site.tensor("alone"), site.tensor("sums"), site.tensor("differences")],
+                            [site.tensor("paired")], axis=lead)]
+        rows = site.tensor("paired")
+    nodes += [site.make("Reshape", [rows, site.const("rows_shape", moved + [w.shape[0]])], [site.tensor("rows")]),
+              site.make("MatMul", [site.tensor("rows"), site.const("transform", w)], [site.tensor("transformed")]),
+              site.make("Reshape", [site.tensor("transformed"), site.const("points_shape", moved + [points, out_channels])],
+                        [site.tensor("points")]),
+              site.make("Transpose", [site.tensor("points")], [out], perm=[int(v) for v in np.argsort(perm)])]
+    return nodes
+
+
+def _dft(site: Site) -> list:
+    shape = site.shape(0)
+    if site.opset >= 20:
+        axis_value = site.constant(2, "axis")
+        axis = -2 if axis_value is None else int(axis_value.reshape(-1)[0])
+    else:
+        axis = int(site.raw.get("axis", 1))
+    if not -len(shape) <= axis < len(shape):
+        raise BuildError(f"{site.where}: axis {axis} is out of range for a rank-{len(shape)} input")
+    axis %= len(shape)
+    inverse, onesided = bool(site.raw.get("inverse", 0)), bool(site.raw.get("onesided", 0))
+    length = site.constant(1, "dft_length")
+    if length is not None:
+        dft_length = int(length.reshape(-1)[0])
+    elif inverse and onesided:
+        dft_length = 2 * (shape[axis] - 1)
+    else:
+        dft_length = shape[axis] if axis < len(shape) else 0
+    if dft_length < 1:
+        raise BuildError(f"{site.where}: dft_length {dft_length} must be at least 1")
+    return _transform_along(site, site.input(0), shape, axis, dft_length, inverse=inverse, onesided=onesided,
+                            out=site.node.output[0])
+
+
+def _stft(site: Site) -> list:
+    shape = site.shape(0)
+    if len(shape) != 3:
+        raise BuildError(f"{site.where}: the signal has shape {shape}; it must be [batch, length, 1 or 2]")
+    step = int(site.constant(1, "frame_step").reshape(-1)[0])
+    window = site.input(2)
+    given_length = site.constant(3, "frame_length")
+    if given_length is not None:
+        frame_length = int(given_length.reshape(-1)[0])
+    elif window:
+        frame_length = site.tensors[window].shape[0]
+    else:
+        frame_length = shape[1]
+    if step < 1 or not 1 <= frame_length <= shape[1]:
+        raise BuildError(f"{site.where}: frame_step {step} and frame_length {frame_length} do not fit a signal of "
+                         f"{shape[1]} points")
+    if window and site.tensors[window].shape != (frame_length,):
+        raise BuildError(f"{site.where}: the window has shape {site.tensors[window].shape}; it must be "
+                         f"({frame_length},), the frame length")
+    frames = 1 + (shape[1] - frame_length) // step
+    starts = np.arange(frames)[:, None] * step + np.arange(frame_length)[None, :]
+    framed = site.tensor("frames")
+    nodes = [site.make("Gather", [site.input(0), site.const("frame_points", starts.astype(np.int64))], [framed],
+                       axis=1)]
+    if window:
+        nodes += [site.make("Reshape", [window, site.const("window_shape", [frame_length, 1])],
+                            [site.tensor("window")]),
+                  site.make("Mul", [framed, site.tensor("window")], [site.tensor("windowed")])]
+        framed = site.tensor("windowed")
+    onesided = bool(site.raw.get("onesided", 1))
+    return nodes + _transform_along(site, framed, (shape[0], frames, frame_length, shape[2]), 2, frame_length,
+                                    inverse=False, onesided=onesided, out=site.node.output[0])
+
+
+# --- the rest -------------------------------------------------------------
+
+# Det's sum over permutations grows as n!; beyond this size it is refused.
+MAX_DET_SIZE = 5
+
+
+def _det(site: Site) -> list:
+    shape = site.shape(0)
+    if len(shape) < 2 or shape[-1] != shape[-2]:
+        raise BuildError(f"{site.where}: the input has shape {shape}; it must end in a square matrix")
+    n, batch = shape[-1], list(shape[:-2])
+    if n > MAX_DET_SIZE:
+        raise BuildError(f"{site.where}: a {n}x{n} determinant is not supported (up to "
+                         f"{MAX_DET_SIZE}x{MAX_DET_SIZE}, computed as a sum over permutations)")
+    perms = list(itertools.permutations(range(n)))
+    signs = [1.0 if _even(p) else -1.0 for p in perms]
+    flat = site.tensor("entries")
+    nodes = [site.make("Reshape", [site.input(0), site.const("entries_shape", batch + [n * n])], [flat])]
+    product = ""
+    for row in range(n):
+        picked = site.tensor(f"row_{row}")
+        index = site.const(f"row_{row}_index", np.array([row * n + p[row] for p in perms], dtype=np.int64))
+        nodes.append(site.make("Gather", [flat, index], [picked], axis=len(batch)))
+        if product:
+            nodes.append(site.make("Mul", [product, picked], [site.tensor(f"product_{row}")]))
+            product = site.tensor(f"product_{row}")
+        else:
+            product = picked
+    nodes.append(site.make("MatMul", [product, site.const("signs", np.array(signs, np.float32)[:, None])],
+                           [site.tensor("sum")]))
+    nodes.append(site.make("Reshape", [site.tensor("sum"), site.const("out_shape", np.array(batch, np.int64))],
+                           [site.node.output[0]]))
+    return nodes
+
+
+def _even(perm) -> bool:
+    inversions = sum(a > b for a, b in itertools.combinations(perm, 2))
+    return inversions % 2 == 0
+
+
+def _max_unpool(site: Site) -> list:
+    shape = site.shape(0)
+    if site.shape(1) != shape:
+        raise BuildError(f"{site.where}: the indices have shape {site.shape(1)}, the input {shape}; they must match")
+    kernel = [int(v) for v in site.raw.get("kernel_shape", ())]
+    spatial = len(shape) - 2
+    if len(kernel) != spatial:
+        raise BuildError(f"{site.where}: kernel_shape {kernel} must have one entry per spatial axis ({spatial})")
+    strides = [int(v) for v in site.raw.get("strides", [1] * spatial)]
+    pads = [int(v) for v in site.raw.get("pads", [0] * 2 * spatial)]
+    inferred = list(shape[:2]) + [(shape[2 + d] - 1) * strides[d] - pads[d] - pads[spatial + d] + kernel[d]
+                                  for d in range(spatial)]
+    given = site.constant(2, "output_shape")
+    wanted = inferred if given is None else [int(v) for v in given.reshape(-1)]
+    if len(wanted) != len(shape) or any(w < i for w, i in zip(wanted, inferred)) or wanted[:2] != inferred[:2]:
+        raise BuildError(f"{site.where}: output_shape {wanted} must keep the batch and channels and be at least "
+                         f"the unpooled shape {inferred}")
+    flat = site.tensor("scattered")
+    nodes = [site.make("Reshape", [site.input(0), site.const("flat", [-1])], [site.tensor("values")]),
+             site.make("Reshape", [site.input(1), site.const("flat_index", [-1])], [site.tensor("index")]),
+             site.make("ScatterElements", [site.const("zeros", np.zeros(math.prod(inferred), np.float32)),
+                                           site.tensor("index"), site.tensor("values")], [flat], axis=0)]
+    if wanted == inferred:
+        return nodes + [site.make("Reshape", [flat, site.const("shape", inferred)], [site.node.output[0]])]
+    # The indices address the unpooled shape; a larger output_shape adds
+    # zeros after it along each axis.
+    nodes.append(site.make("Reshape", [flat, site.const("shape", inferred)], [site.tensor("unpooled")]))
+    ends = [0] * len(shape) + [w - i for w, i in zip(wanted, inferred)]
+    return nodes + [site.make("Pad", [site.tensor("unpooled"), site.const("pads", ends)], [site.node.output[0]])]
+
+
+def _reverse_sequence(site: Site) -> list:
+    shape = site.shape(0)
+    time_axis, batch_axis = int(site.raw.get("time_axis", 0)), int(site.raw.get("batch_axis", 1))
+    if {time_axis, batch_axis} != {0, 1} or len(shape) < 2:
+        raise BuildError(f"{site.where}: time_axis {time_axis} and batch_axis {batch_axis} must be 0 and 1 in some "
+                         f"order, of an input of rank 2 or more (it has shape {shape})")
+    steps, batch = shape[time_axis], shape[batch_axis]
+    if site.shape(1) != (batch,):
+        raise BuildError(f"{site.where}: sequence_lens has shape {site.shape(1)}; it must be ({batch},)")
+    # Along the time axis, element t of row b comes from lens[b] - 1 - t
+    # while t < lens[b], and from t itself after.
+    grid = [1, 1] + [1] * (len(shape) - 2)
+    grid[time_axis] = steps
+    lens_shape = [1, 1] + [1] * (len(shape) - 2)
+    lens_shape[batch_axis] = batch
+    t = site.const("time", np.arange(steps, dtype=np.int64).reshape(grid))
+    lens, last, index = site.tensor("lens"), site.tensor("last"), site.tensor("index")
+    return [site.make("Reshape", [site.input(1), site.const("lens_shape", lens_shape)], [lens]),
+            site.make("Sub", [lens, site.const("one", np.array(1, np.int64))], [last]),
+            site.make("Sub", [last, t], [site.tensor("reversed")]),
+            site.make("Less", [t, lens], [site.tensor("inside")]),
+            site.make("Where", [site.tensor("inside"), site.tensor("reversed"), t], [site.tensor("picked")]),
+            site.make("Expand", [site.tensor("picked"), site.const("shape", list(shape))], [index]),
+            site.make("GatherElements", [site.input(0), index], [site.node.output[0]], axis=time_axis)]
+
+
+def _eye_like(site: Site) -> list:
+    shape = site.shape(0)
+    if len(shape) != 2:
+        raise BuildError(f"{site.where}: the input has shape {shape}; EyeLike takes a 2-D one")
+    dtype = site.raw.get("dtype")
+    np_dtype = np.dtype(site.tensors[site.input(0)].dtype) if dtype is None else \
+        helper.tensor_dtype_to_np_dtype(int(dtype))
+    site.add_constant(site.node.output[0], np.eye(*shape, k=int(site.raw.get("k", 0)), dtype=np_dtype))
+    return []
+
+
+@dataclass(frozen=True)
+class Decomposition:
+    write: Callable            # Site -> list of NodeProto
+    compile_time_inputs: tuple  # input positions that must be constants
+    note: str                  # what it takes, for the operator table
+
+
+DECOMPOSED = {
+    "DFT": Decomposition(_dft, (1, 2), "a MatMul with the transform's matrix; constant dft_length and axis"),
+    "STFT": Decomposition(_stft, (1, 3), "frames gathered, windowed and transformed by a MatMul; constant "
+                                         "frame_step and frame_length"),
+    "Det": Decomposition(_det, (), f"sum of signed products over permutations; matrices up to "
+                                   f"{MAX_DET_SIZE}x{MAX_DET_SIZE}"),
+    "MaxUnpool": Decomposition(_max_unpool, (2,), "a ScatterElements into zeros; constant output_shape"),
+    "ReverseSequence": Decomposition(_reverse_sequence, (), "a GatherElements with indices from the lengths"),
+    "EyeLike": Decomposition(_eye_like, (), "the constant it is, from the input's shape"),
+}
+
+
+def decompose(node: onnx.NodeProto, raw: dict, name: str, opset: int, tensors: dict, constants: dict,
+              add_constant) -> list:
+    """The nodes computing node (an op of DECOMPOSED) from ops crosscompile
+    lowers; raises BuildError naming the node when it cannot."""
+    site = Site(node, raw, name, opset, tensors, constants, add_constant)
+    for pos, tensor_name in enumerate(node.input):
+        if tensor_name and tensor_name not in tensors:
+            raise BuildError(f"{site.where}: input {tensor_name!r} is not produced by any node")
+    try:
+        return DECOMPOSED[node.op_type].write(site)
+    except BuildError as exc:
+        message = str(exc)
+        raise BuildError(message if message.startswith("node ") else f"{site.where}: {message}") from None

@@ -1,0 +1,147 @@
+"""The ops written out as other ops at import (crosscompile/decompositions.py):
+DFT, STFT, Det, MaxUnpool, ReverseSequence and EyeLike, compiled for the
+host and run, against onnx's reference evaluator (numpy's FFT, linalg.det)
+over their attributes; and the clear errors for what they refuse."""
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+import crosscompile
+import minirt
+
+
+def one_node(op_type, runtime: dict, constants: dict, opset: int, output_type=TensorProto.FLOAT, **attrs):
+    """A model of one node: runtime inputs {name: array} (their dtypes kept)
+    and constants {name: array}, in the node's input order as given, with
+    "" for an input left out."""
+    names = [n for n in list(runtime) + list(constants)]
+    order = attrs.pop("order", names)
+    node = helper.make_node(op_type, order, ["y"], name=f"the_{op_type.lower()}", **attrs)
+    graph = helper.make_graph(
+        [node], op_type.lower(),
+        [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+         for n, v in runtime.items()],
+        [helper.make_tensor_value_info("y", output_type, None)],
+        [numpy_helper.from_array(np.asarray(v), n) for n, v in constants.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def compiled_and_reference(model, feeds, tmp_path):
+    got = minirt.load(crosscompile.build(model, "host").export_library(str(tmp_path / "m.so"))).run(feeds)[0]
+    want = ReferenceEvaluator(model).run(None, feeds)[0]
+    assert got.shape == want.shape and got.dtype == want.dtype
+    return got, want
+
+
+def signal(*shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("shape,attrs,length,axis,opset", [
+    ((2, 12, 1), {}, None, 1, 17),                                  # real input, full spectrum
+    ((2, 12, 2), {"inverse": 1}, None, 1, 17),                      # inverse of a complex signal
+    ((3, 9, 1), {"onesided": 1}, None, 1, 17),                      # rfft of an odd length
+    ((2, 7, 2), {}, 10, 1, 17),                                     # dft_length past the input: zeros after
+    ((2, 5, 6, 2), {}, 4, -2, 20),                                  # cut short, opset 20's axis input
+    ((4, 3, 5, 1), {"onesided": 1}, None, 1, 20),                   # a middle axis
+    ((2, 6, 2), {"inverse": 1, "onesided": 1}, None, 1, 20),        # irfft: one-sided in, 10 real points out
+    ((2, 6, 2), {"inverse": 1, "onesided": 1}, 9, 1, 20),           # irfft to an odd length
+])
+def test_dft_matches_the_onnx_reference(tmp_path, shape, attrs, length, axis, opset):
+    constants = {}
+    order = ["x", ""]
+    if length is not None:
+        constants["dft_length"] = np.array(length, np.int64)
+        order[1] = "dft_length"
+    if opset >= 20:
+        constants["axis"] = np.array(axis, np.int64)
+        order.append("axis")
+    else:
+        attrs = {**attrs, "axis": axis}
+    x = signal(*shape)
+    model = one_node("DFT", {"x": x}, constants, opset, order=order, **attrs)
+    got, want = compiled_and_reference(model, {"x": x}, tmp_path)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5)
+
+
+def test_inverse_of_a_real_signal_spectrum_is_exactly_real(tmp_path):
+    # The sums of mirrored points cancel before any multiplication, so the
+    # imaginary parts are zeros, not float32's rounding.
+    x = signal(3, 16, 1)
+    spectrum = np.fft.fft(x[..., 0], axis=1)
+    feeds = {"x": np.stack([spectrum.real, spectrum.imag], -1).astype(np.float32)}
+    model = one_node("DFT", feeds, {}, 17, inverse=1, axis=1)
+    got, _ = compiled_and_reference(model, feeds, tmp_path)
+    assert np.all(got[..., 1] == 0)
+    np.testing.assert_allclose(got[..., 0], x[..., 0], atol=1e-5)
+
+
+@pytest.mark.parametrize("window,frame_length,onesided", [(True, None, 1), (False, 8, 0)])
+def test_stft_matches_the_onnx_reference(tmp_path, window, frame_length, onesided):
+    x = signal(2, 40, 1, seed=3)
+    runtime = {"x": x}
+    order = ["x", "step", "", ""]
+    constants = {"step": np.array(6, np.int64)}
+    if window:
+        runtime["window"] = (0.5 - 0.5 * np.cos(2 * np.pi * np.arange(10) / 10)).astype(np.float32)
+        order[2] = "window"
+    if frame_length:
+        constants["frame_length"] = np.array(frame_length, np.int64)
+        order[3] = "frame_length"
+    model = one_node("STFT", runtime, constants, 17, order=order, onesided=onesided)
+    got, want = compiled_and_reference(model, runtime, tmp_path)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (3, 3, 3), (2, 1, 4, 4), (1, 1)])
+def test_det_matches_the_onnx_reference(tmp_path, shape):
+    x = signal(*shape, seed=5)
+    got, want = compiled_and_reference(one_node("Det", {"x": x}, {}, 13), {"x": x}, tmp_path)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("output_shape", [None, (1, 2, 7, 6)])
+def test_max_unpool_puts_values_where_max_pool_found_them(tmp_path, output_shape):
+    # Indices as MaxPool gives them for a 2x2 window of stride 2 on 6x4;
+    # a larger output_shape adds zeros after the unpooled 6x4.
+    image = signal(1, 2, 6, 4, seed=7)
+    pooled = ReferenceEvaluator(helper.make_model(helper.make_graph(
+        [helper.make_node("MaxPool", ["x"], ["v", "i"], kernel_shape=[2, 2], strides=[2, 2])], "pool",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, image.shape)],
+        [helper.make_tensor_value_info("v", TensorProto.FLOAT, None),
+         helper.make_tensor_value_info("i", TensorProto.INT64, None)]),
+        opset_imports=[helper.make_opsetid("", 13)])).run(None, {"x": image})
+    feeds = {"x": pooled[0], "i": pooled[1]}
+    constants = {} if output_shape is None else {"shape": np.array(output_shape, np.int64)}
+    model = one_node("MaxUnpool", feeds, constants, 11, kernel_shape=[2, 2], strides=[2, 2])
+    got, want = compiled_and_reference(model, feeds, tmp_path)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("time_axis,batch_axis", [(0, 1), (1, 0)])
+def test_reverse_sequence_matches_the_onnx_reference(tmp_path, time_axis, batch_axis):
+    shape = [0, 0, 3]
+    shape[time_axis], shape[batch_axis] = 5, 4
+    x = signal(*shape, seed=9)
+    feeds = {"x": x, "lens": np.array([5, 1, 0, 3], np.int64)}
+    model = one_node("ReverseSequence", feeds, {}, 10, time_axis=time_axis, batch_axis=batch_axis)
+    got, want = compiled_and_reference(model, feeds, tmp_path)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_eye_like_is_the_constant_of_its_input_shape(tmp_path):
+    feeds = {"x": np.zeros((3, 5), np.float32)}
+    model = one_node("EyeLike", feeds, {}, 9, output_type=TensorProto.INT32, k=2, dtype=TensorProto.INT32)
+    got, want = compiled_and_reference(model, feeds, tmp_path)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_refusals_name_the_node_and_the_reason():
+    runtime_length = one_node("DFT", {"x": signal(2, 8, 1), "n": np.array(8, np.int64)}, {}, 17)
+    with pytest.raises(crosscompile.BuildError, match=r"node 'the_dft' \(DFT\): input 'n' \(dft_length\) must be a "
+                                                      "constant"):
+        crosscompile.build(runtime_length, "host")
+    big = one_node("Det", {"x": signal(6, 6)}, {}, 13)
+    with pytest.raises(crosscompile.BuildError, match=r"node 'the_det' \(Det\): a 6x6 determinant is not supported"):
+        crosscompile.build(big, "host")
