@@ -14,7 +14,7 @@ from . import control_flow, folding
 from .decompositions import DECOMPOSED, decompose
 from .double import compute_in_float32
 from .errors import BuildError, ShapeError, UnsupportedOpError
-from .functions import expand_functions, function_ops
+from .functions import COMPILE_TIME_INPUTS, expand_functions, function_ops
 from .ir import Graph, Node, Tensor
 from .ops import OPS
 from .quantize_ops import EXPANSIONS, expand_operators
@@ -39,6 +39,25 @@ def supported_ops() -> list[str]:
     lowered = ({op for op in OPS if onnx.defs.has(op)} | FRONTEND_OPS | set(EXPANSIONS) | set(control_flow.UNROLLED)
                | set(DECOMPOSED))
     return sorted(lowered | function_ops(lowered))
+
+
+def compile_time_inputs(node: onnx.NodeProto) -> list:
+    """The inputs of node whose values a compiled module is specialised
+    on: those its op needs at compile time (shapes, axes, pads, a Loop's
+    trip count) and every input of the ops evaluated at compile time.
+
+    >>> compile_time_inputs(helper.make_node("Reshape", ["x", "shape"], ["y"]))
+    ['shape']
+    """
+    if node.op_type in FRONTEND_OPS:
+        return [name for name in node.input if name]
+    positions = set(control_flow.COMPILE_TIME_INPUTS.get(node.op_type, ()))
+    positions |= set(COMPILE_TIME_INPUTS.get(node.op_type, ()))
+    if node.op_type in DECOMPOSED:
+        positions |= set(DECOMPOSED[node.op_type].compile_time_inputs)
+    if node.op_type in OPS:
+        positions |= set(OPS[node.op_type].compile_time_inputs)
+    return [name for pos, name in enumerate(node.input) if pos in positions and name]
 
 
 def load_model(model: "str | os.PathLike | onnx.ModelProto") -> onnx.ModelProto:
@@ -114,11 +133,18 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
             branch = raw["then_branch" if np.asarray(constants[np_node.input[0]]).reshape(-1)[0] else "else_branch"]
             pending.extend(reversed(control_flow.branch_nodes(branch, np_node, name, add_constant)))
             continue
-        if np_node.op_type == "If":
-            refused.append(BuildError(f"{where}: its condition {np_node.input[0]!r} is computed at run time; "
-                                      "only an If whose condition is a constant is supported (it is written out "
-                                      "as its branch)"))
-            unknown.update(np_node.output)
+        if np_node.op_type in ("If", "Loop"):
+            try:
+                if np_node.op_type == "Loop":
+                    written = control_flow.loop_iteration(np_node, raw, name, constants, opset, add_constant)
+                elif raw.get(control_flow.SELECTING):
+                    written = control_flow.select_outputs(np_node, name, tensors)
+                else:
+                    written = control_flow.both_branches(np_node, raw, name, add_constant)
+                pending.extend(reversed(written))
+            except BuildError as exc:
+                refused.append(exc)
+                unknown.update(np_node.output)
             continue
         if np_node.op_type == "Scan":
             shapes = {x: tensors[x].shape for x in np_node.input if x in tensors}
@@ -211,6 +237,10 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
         raise type(refused[0])(f"{refused[0]}{also}")
     outputs = []
     for vi in g.output:
+        kind = vi.type.WhichOneof("value")
+        if kind not in (None, "tensor_type"):
+            raise BuildError(f"graph output {vi.name!r} is a {kind.replace('_type', '')}, not a tensor; a module's "
+                             "outputs are tensors")
         if vi.name in dropped:
             raise BuildError(f"graph output {vi.name!r} is {dropped[vi.name]}, which is not supported")
         if vi.name not in tensors:

@@ -198,10 +198,7 @@ def run_case(case: Case, workdir: str, rtol=1e-4, atol=1e-5, target: str = "host
     run_module(path, feeds) -> outputs (by default loaded here with minirt)."""
     import crosscompile
     import minirt
-    from crosscompile.decompositions import DECOMPOSED
-    from crosscompile.frontend import FRONTEND_OPS
-    from crosscompile.functions import COMPILE_TIME_INPUTS
-    from crosscompile.ops import OPS
+    from crosscompile.frontend import compile_time_inputs
 
     model, inputs, expected = case.load()
     if case.generated is not None:
@@ -209,13 +206,7 @@ def run_case(case: Case, workdir: str, rtol=1e-4, atol=1e-5, target: str = "host
     if case.name in FLOAT32_TRANSFORMS:
         atol = max(atol, 4 * float(np.finfo(np.float32).eps) * max(float(np.abs(w).max()) for w in expected))
     # Inputs an op needs at compile time (Clip's bounds, Pad's value).
-    compile_time = {name for node in model.graph.node if node.op_type in OPS
-                    for pos, name in enumerate(node.input) if pos in OPS[node.op_type].compile_time_inputs}
-    compile_time |= {name for node in model.graph.node if node.op_type in FRONTEND_OPS for name in node.input}
-    compile_time |= {node.input[pos] for node in model.graph.node for pos in COMPILE_TIME_INPUTS.get(node.op_type, ())
-                     if pos < len(node.input)}
-    compile_time |= {node.input[pos] for node in model.graph.node if node.op_type in DECOMPOSED
-                     for pos in DECOMPOSED[node.op_type].compile_time_inputs if pos < len(node.input)}
+    compile_time = {name for node in model.graph.node for name in compile_time_inputs(node)}
     compile_time = _computed_from(model.graph, compile_time)
     graph_inputs = [vi for vi in model.graph.input if vi.name not in {i.name for i in model.graph.initializer}]
     feeds = {}
