@@ -3,7 +3,8 @@ once their inputs' shapes (and the inputs that set output shapes) are
 known: DFT and STFT as a MatMul with a constant matrix of the transform,
 Det as the sum of signed products over permutations, MaxUnpool as a
 ScatterElements into zeros, ReverseSequence as a GatherElements with
-indices computed from the lengths, EyeLike as the constant it is.
+indices computed from the lengths, EyeLike as the constant it is, the
+Optional ops on tensors (which are never absent) as what they give.
 
 Each entry of DECOMPOSED is one op: the function that writes its nodes,
 the inputs it needs at compile time, and what it takes. The nodes it
@@ -345,6 +346,18 @@ def _eye_like(site: Site) -> list:
     return []
 
 
+def _optional_has_element(site: Site) -> list:
+    # A module's tensors are never absent: only a left-out input is.
+    site.add_constant(site.node.output[0], np.array(bool(site.input(0))))
+    return []
+
+
+def _optional_get_element(site: Site) -> list:
+    if not site.input(0):
+        raise BuildError(f"{site.where}: its input is left out, and an absent optional has no element")
+    return [site.make("Identity", [site.input(0)], [site.node.output[0]])]
+
+
 @dataclass(frozen=True)
 class Decomposition:
     write: Callable            # Site -> list of NodeProto
@@ -361,6 +374,8 @@ DECOMPOSED = {
     "MaxUnpool": Decomposition(_max_unpool, (2,), "a ScatterElements into zeros; constant output_shape"),
     "ReverseSequence": Decomposition(_reverse_sequence, (), "a GatherElements with indices from the lengths"),
     "EyeLike": Decomposition(_eye_like, (), "the constant it is, from the input's shape"),
+    "OptionalHasElement": Decomposition(_optional_has_element, (), "true for a tensor, false for a left-out input"),
+    "OptionalGetElement": Decomposition(_optional_get_element, (), "a tensor is its own element"),
 }
 
 

@@ -1,5 +1,5 @@
 """The ops written out as other ops at import (crosscompile/decompositions.py):
-DFT, STFT, Det, MaxUnpool, ReverseSequence and EyeLike, compiled for the
+DFT, STFT, Det, MaxUnpool, ReverseSequence, EyeLike and the Optional ops, compiled for the
 host and run, against onnx's reference evaluator (numpy's FFT, linalg.det)
 over their attributes; and the clear errors for what they refuse."""
 import numpy as np
@@ -145,3 +145,21 @@ def test_refusals_name_the_node_and_the_reason():
     big = one_node("Det", {"x": signal(6, 6)}, {}, 13)
     with pytest.raises(crosscompile.BuildError, match=r"node 'the_det' \(Det\): a 6x6 determinant is not supported"):
         crosscompile.build(big, "host")
+
+
+def test_optional_ops_on_tensors(tmp_path):
+    # A tensor is an optional that has its element; a left-out input is not.
+    x = signal(2, 3)
+    nodes = [helper.make_node("OptionalHasElement", ["x"], ["has"]),
+             helper.make_node("OptionalHasElement", [""], ["has_not"]),
+             helper.make_node("OptionalGetElement", ["x"], ["element"]),
+             helper.make_node("Relu", ["element"], ["y"])]
+    graph = helper.make_graph(nodes, "optional", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)],
+                              [helper.make_tensor_value_info("has", TensorProto.BOOL, []),
+                               helper.make_tensor_value_info("has_not", TensorProto.BOOL, []),
+                               helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    got = minirt.load(crosscompile.build(model, "host").export_library(str(tmp_path / "m.so"))).run({"x": x})
+    want = ReferenceEvaluator(model).run(None, {"x": x})
+    assert [bool(got[0]), bool(got[1])] == [bool(want[0]), bool(want[1])] == [True, False]
+    np.testing.assert_array_equal(got[2], want[2])
