@@ -221,8 +221,11 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
         # An output left unnamed (LSTM's Y when only Y_h is wanted) is still
         # computed, into a tensor of its own.
         outputs = [out or f"{name}/unused_output_{pos}" for pos, out in enumerate(np_node.output[:len(shapes)])]
+        known_outputs = op.constant_outputs([tensors[t].shape for t in runtime], attrs)
         for pos, extra in enumerate(np_node.output[len(shapes):], start=len(shapes)):
-            if extra:
+            if extra and pos in known_outputs:
+                _add_constant(constants, tensors, extra, known_outputs[pos])
+            elif extra:
                 dropped[extra] = f"output {pos} ({extra!r}) of {where}"
         if isinstance(dtypes, str):
             dtypes = [dtypes] * len(shapes)

@@ -312,19 +312,26 @@ class Identity(AliasOp):
 
 
 class Dropout(AliasOp):
-    """Inference-mode Dropout is the identity; only output 0 is computed."""
+    """Inference-mode Dropout (or training with ratio 0) is the identity,
+    and its mask all true."""
 
     op_type = "Dropout"
     compile_time_inputs = (1, 2)
 
     def attributes(self, raw, constants, opset):
         training = constants.get(2)
-        if training is not None and bool(np.asarray(training).reshape(-1)[0]):
-            raise BuildError("Dropout with training_mode=True is not supported (inference only)")
-        return {}
+        ratio = constants.get(1)
+        ratio = float(np.asarray(ratio).reshape(-1)[0]) if ratio is not None else float(raw.get("ratio", 0.5))
+        if training is not None and bool(np.asarray(training).reshape(-1)[0]) and ratio != 0:
+            raise BuildError(f"Dropout with training_mode=True and ratio {ratio:g} is not supported: it drops "
+                             "random elements (inference, or a ratio of 0, is the identity)")
+        return {"mask_dtype": "bool" if opset >= 10 else "float32"}  # before opset 10 the mask has x's type
 
     def infer(self, inputs, attrs):
         return [inputs[0]]
+
+    def constant_outputs(self, inputs, attrs):
+        return {1: np.ones(inputs[0], dtype=attrs["mask_dtype"])}
 
 
 class BatchNormalization(Op):

@@ -392,3 +392,29 @@ def test_falls_back_to_ziglang_lld(monkeypatch, tmp_path):
     monkeypatch.delenv("TETHER_LD", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))  # no ld.lld on PATH
     run_host(mlp(sizes=(17, 3)), tmp_path)
+
+
+@pytest.mark.parametrize("training", [None, np.array(True)])
+def test_dropout_mask_is_all_true_in_inference_and_at_ratio_zero(tmp_path, training):
+    import minirt
+    from onnx import numpy_helper
+    inits = {"ratio": np.array(0.0 if training is not None else 0.4, np.float32)}
+    names = ["x", "ratio"]
+    if training is not None:
+        inits["training"], names = training, names + ["training"]
+    graph = helper.make_graph([helper.make_node("Dropout", names, ["y", "mask"])], "dropout",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+                               helper.make_tensor_value_info("mask", TensorProto.BOOL, None)],
+                              [numpy_helper.from_array(v, n) for n, v in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    y, mask = minirt.load(crosscompile.build(model).export_library(tmp_path / "m.so")).run({"x": x})
+    np.testing.assert_array_equal(y, x)
+    assert mask.dtype == np.bool_ and mask.shape == (3, 4) and mask.all()
+    training_model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    training_model.graph.initializer[0].CopyFrom(numpy_helper.from_array(np.array(0.5, np.float32), "ratio"))
+    if training is not None:
+        with pytest.raises(crosscompile.BuildError, match=r"Dropout with training_mode=True and ratio 0.5 is not "
+                                                          "supported: it drops random elements"):
+            crosscompile.build(training_model)
