@@ -3,7 +3,8 @@ once their inputs' shapes (and the inputs that set output shapes) are
 known: DFT and STFT as a MatMul with a constant matrix of the transform,
 Det as the sum of signed products over permutations, MaxUnpool as a
 ScatterElements into zeros, ReverseSequence as a GatherElements with
-indices computed from the lengths, EyeLike as the constant it is, the
+indices computed from the lengths, TensorScatter as a GatherElements from
+the update and a Where, EyeLike as the constant it is, the
 Optional ops on tensors (which are never absent) as what they give.
 
 Each entry of DECOMPOSED is one op: the function that writes its nodes,
@@ -335,6 +336,55 @@ def _reverse_sequence(site: Site) -> list:
             site.make("GatherElements", [site.input(0), index], [site.node.output[0]], axis=time_axis)]
 
 
+def _tensor_scatter(site: Site) -> list:
+    cache, update = site.shape(0), site.shape(1)
+    rank = len(cache)
+    axis = int(site.raw.get("axis", -2))
+    if not -rank <= axis < rank or axis % rank == 0:
+        raise BuildError(f"{site.where}: axis {axis} must name a sequence axis after the batch axis of the "
+                         f"rank-{rank} cache")
+    axis %= rank
+    mode = site.raw.get("mode", "linear")
+    if mode not in ("linear", "circular"):
+        raise BuildError(f"attribute mode={mode!r} is not supported; supported: 'linear', 'circular'")
+    if len(update) != rank or any(u != c for d, (u, c) in enumerate(zip(update, cache)) if d != axis) \
+            or update[axis] > cache[axis]:
+        raise BuildError(f"{site.where}: the update's shape {update} does not fit the cache's {cache} along axis "
+                         f"{axis}")
+    length, steps = cache[axis], update[axis]
+    # Position p of row b along the axis takes update element p - write_indices[b]
+    # (modulo the cache's length when circular) when that is within the update.
+    grid = [1] * rank
+    grid[axis] = length
+    position = site.const("position", np.arange(length, dtype=np.int64).reshape(grid))
+    nodes = []
+    if site.input(2):
+        nodes.append(site.make("Reshape", [site.input(2), site.const("start_shape", [cache[0]] + [1] * (rank - 1))],
+                               [site.tensor("start")]))
+        nodes.append(site.make("Sub", [position, site.tensor("start")], [site.tensor("offset")]))
+        offset = site.tensor("offset")
+    else:
+        offset = position
+    if mode == "circular":
+        nodes.append(site.make("Mod", [offset, site.const("length", np.array(length, np.int64))],
+                               [site.tensor("wrapped")]))
+        offset = site.tensor("wrapped")
+    pads = [0] * (2 * rank)
+    pads[rank + axis] = length - steps
+    nodes += [site.make("GreaterOrEqual", [offset, site.const("zero", np.array(0, np.int64))], [site.tensor("after")]),
+              site.make("Less", [offset, site.const("steps", np.array(steps, np.int64))], [site.tensor("before")]),
+              site.make("And", [site.tensor("after"), site.tensor("before")], [site.tensor("written")]),
+              site.make("Where", [site.tensor("written"), offset, site.const("first", np.array(0, np.int64))],
+                        [site.tensor("picked")]),
+              site.make("Expand", [site.tensor("picked"), site.const("cache_shape", list(cache))],
+                        [site.tensor("index")]),
+              site.make("Pad", [site.input(1), site.const("pads", pads)], [site.tensor("padded")]),
+              site.make("GatherElements", [site.tensor("padded"), site.tensor("index")], [site.tensor("moved")],
+                        axis=axis),
+              site.make("Where", [site.tensor("written"), site.tensor("moved"), site.input(0)], [site.node.output[0]])]
+    return nodes
+
+
 def _eye_like(site: Site) -> list:
     shape = site.shape(0)
     if len(shape) != 2:
@@ -374,6 +424,7 @@ DECOMPOSED = {
     "MaxUnpool": Decomposition(_max_unpool, (2,), "a ScatterElements into zeros; constant output_shape"),
     "ReverseSequence": Decomposition(_reverse_sequence, (), "a GatherElements with indices from the lengths"),
     "EyeLike": Decomposition(_eye_like, (), "the constant it is, from the input's shape"),
+    "TensorScatter": Decomposition(_tensor_scatter, (), "a GatherElements of the update and a Where into the cache"),
     "OptionalHasElement": Decomposition(_optional_has_element, (), "true for a tensor, false for a left-out input"),
     "OptionalGetElement": Decomposition(_optional_get_element, (), "a tensor is its own element"),
 }

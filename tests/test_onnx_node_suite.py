@@ -32,7 +32,8 @@ CLAIMED = {"Conv", "Gemm", "MatMul", "BatchNormalization", "Relu", "LeakyRelu", 
            "SoftmaxCrossEntropyLoss", "BitShift", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "BitwiseNot",
            "Attention", "RotaryEmbedding", "MeanVarianceNormalization", "SwiGLU", "CausalConvWithState",
            "LpPool", "Compress", "Col2Im", "GridSample", "BitCast", "DFT", "STFT", "Det", "MaxUnpool",
-           "ReverseSequence", "EyeLike", "If", "Loop", "OptionalHasElement", "OptionalGetElement"}
+           "ReverseSequence", "EyeLike", "If", "Loop", "OptionalHasElement", "OptionalGetElement",
+           "TensorScatter"}
 # In-scope cases run per op by default (a case counts for every op it uses).
 CASES_PER_OP = 3
 

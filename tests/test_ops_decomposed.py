@@ -1,5 +1,5 @@
 """The ops written out as other ops at import (crosscompile/decompositions.py):
-DFT, STFT, Det, MaxUnpool, ReverseSequence, EyeLike and the Optional ops, compiled for the
+DFT, STFT, Det, MaxUnpool, ReverseSequence, TensorScatter, EyeLike and the Optional ops, compiled for the
 host and run, against onnx's reference evaluator (numpy's FFT, linalg.det)
 over their attributes; and the clear errors for what they refuse."""
 import numpy as np
@@ -163,3 +163,21 @@ def test_optional_ops_on_tensors(tmp_path):
     want = ReferenceEvaluator(model).run(None, {"x": x})
     assert [bool(got[0]), bool(got[1])] == [bool(want[0]), bool(want[1])] == [True, False]
     np.testing.assert_array_equal(got[2], want[2])
+
+
+@pytest.mark.parametrize("mode,axis,starts", [
+    ("linear", -2, [0, 3]),
+    ("circular", 2, [5, 6]),          # wraps past the cache's end
+    ("linear", 1, None),              # no write_indices: from position 0
+])
+def test_tensor_scatter_writes_the_update_into_the_cache(tmp_path, mode, axis, starts):
+    cache, update = [2, 5, 7, 4], [2, 5, 7, 4]
+    update[axis] = 3
+    runtime = {"cache": signal(*cache, seed=10), "update": signal(*update, seed=11)}
+    order = ["cache", "update"]
+    if starts is not None:
+        runtime["starts"] = np.array(starts, np.int64)
+        order.append("starts")
+    model = one_node("TensorScatter", runtime, {}, 24, order=order, mode=mode, axis=axis)
+    got, want = compiled_and_reference(model, runtime, tmp_path)
+    np.testing.assert_array_equal(got, want)
