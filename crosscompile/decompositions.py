@@ -4,7 +4,8 @@ known: DFT and STFT as a MatMul with a constant matrix of the transform,
 Det as the sum of signed products over permutations, MaxUnpool as a
 ScatterElements into zeros, ReverseSequence as a GatherElements with
 indices computed from the lengths, TensorScatter as a GatherElements from
-the update and a Where, EyeLike as the constant it is, the
+the update and a Where, BatchNormalization in training mode by the
+batch's own statistics, EyeLike as the constant it is, the
 Optional ops on tensors (which are never absent) as what they give.
 
 Each entry of DECOMPOSED is one op: the function that writes its nodes,
@@ -385,6 +386,48 @@ def _tensor_scatter(site: Site) -> list:
     return nodes
 
 
+def _batch_norm_training(site: Site) -> list:
+    """training_mode=1: normalised by the batch's own mean and (population)
+    variance per channel, and the running statistics moved towards them."""
+    shape = site.shape(0)
+    if len(shape) < 2:
+        raise BuildError(f"{site.where}: the input has shape {shape}; it needs a channel axis")
+    channels, axes = shape[1], [0] + list(range(2, len(shape)))
+    eps, momentum = float(site.raw.get("epsilon", 1e-5)), float(site.raw.get("momentum", 0.9))
+    x, per_channel = site.input(0), site.const("per_channel", [channels] + [1] * (len(shape) - 2))
+
+    def mean(source, out):
+        if site.opset >= 18:
+            return site.make("ReduceMean", [source, site.const("axes", axes)], [out], keepdims=1)
+        return site.make("ReduceMean", [source], [out], axes=axes, keepdims=1)
+
+    def t(label):
+        return site.tensor(label)
+
+    nodes = [mean(x, t("mean")),
+             site.make("Sub", [x, t("mean")], [t("centred")]),
+             site.make("Mul", [t("centred"), t("centred")], [t("squares")]),
+             mean(t("squares"), t("var")),
+             site.make("Add", [t("var"), site.const("epsilon", np.array(eps, np.float32))], [t("var_eps")]),
+             site.make("Sqrt", [t("var_eps")], [t("deviation")]),
+             site.make("Div", [t("centred"), t("deviation")], [t("normalised")]),
+             site.make("Reshape", [site.input(1), per_channel], [t("scale")]),
+             site.make("Reshape", [site.input(2), per_channel], [t("bias")]),
+             site.make("Mul", [t("normalised"), t("scale")], [t("scaled")]),
+             site.make("Add", [t("scaled"), t("bias")], [site.node.output[0]])]
+    kept = site.const("momentum", np.array(momentum, np.float32))
+    moved = site.const("moved", np.array(1 - momentum, np.float32))
+    for pos, stat, label in ((1, "mean", "running_mean"), (2, "var", "running_var")):
+        out = site.node.output[pos] if len(site.node.output) > pos else ""
+        if not out:
+            continue
+        nodes += [site.make("Reshape", [t(stat), site.const(f"{label}_shape", [channels])], [t(f"{stat}_c")]),
+                  site.make("Mul", [t(f"{stat}_c"), moved], [t(f"{label}_new")]),
+                  site.make("Mul", [site.input(2 + pos), kept], [t(f"{label}_old")]),
+                  site.make("Add", [t(f"{label}_old"), t(f"{label}_new")], [out])]
+    return nodes
+
+
 def _eye_like(site: Site) -> list:
     shape = site.shape(0)
     if len(shape) != 2:
@@ -413,6 +456,9 @@ class Decomposition:
     write: Callable            # Site -> list of NodeProto
     compile_time_inputs: tuple  # input positions that must be constants
     note: str                  # what it takes, for the operator table
+    # Whether a node (its raw attributes) is written out here; the others
+    # go to the op's lowering (BatchNormalization's inference form).
+    applies: Callable = lambda raw: True
 
 
 DECOMPOSED = {
@@ -424,6 +470,8 @@ DECOMPOSED = {
     "MaxUnpool": Decomposition(_max_unpool, (2,), "a ScatterElements into zeros; constant output_shape"),
     "ReverseSequence": Decomposition(_reverse_sequence, (), "a GatherElements with indices from the lengths"),
     "EyeLike": Decomposition(_eye_like, (), "the constant it is, from the input's shape"),
+    "BatchNormalization": Decomposition(_batch_norm_training, (), "training_mode=1: the batch's statistics",
+                                        applies=lambda raw: bool(int(raw.get("training_mode", 0)))),
     "TensorScatter": Decomposition(_tensor_scatter, (), "a GatherElements of the update and a Where into the cache"),
     "OptionalHasElement": Decomposition(_optional_has_element, (), "true for a tensor, false for a left-out input"),
     "OptionalGetElement": Decomposition(_optional_get_element, (), "a tensor is its own element"),

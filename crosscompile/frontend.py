@@ -173,7 +173,7 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
                 if out:
                     _add_constant(constants, tensors, out, value)
             continue
-        if np_node.op_type in DECOMPOSED:
+        if np_node.op_type in DECOMPOSED and DECOMPOSED[np_node.op_type].applies(raw):
             try:
                 pending.extend(reversed(decompose(np_node, raw, name, opset, tensors, constants, add_constant)))
             except BuildError as exc:

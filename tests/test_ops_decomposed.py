@@ -181,3 +181,20 @@ def test_tensor_scatter_writes_the_update_into_the_cache(tmp_path, mode, axis, s
     model = one_node("TensorScatter", runtime, {}, 24, order=order, mode=mode, axis=axis)
     got, want = compiled_and_reference(model, runtime, tmp_path)
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("opset,shape,attrs", [(15, (2, 3, 4, 5), {}), (18, (4, 2, 6), {"epsilon": 1e-2,
+                                                                                   "momentum": 0.7})])
+def test_batch_norm_in_training_mode_uses_the_batch_statistics(tmp_path, opset, shape, attrs):
+    channels = shape[1]
+    feeds = {"x": signal(*shape, seed=12), "scale": signal(channels, seed=13), "bias": signal(channels, seed=14),
+             "mean": signal(channels, seed=15), "var": np.abs(signal(channels, seed=16)) + 0.5}
+    node = helper.make_node("BatchNormalization", list(feeds), ["y", "running_mean", "running_var"], training_mode=1,
+                            **attrs)
+    graph = helper.make_graph([node], "bn", [helper.make_tensor_value_info(n, TensorProto.FLOAT, v.shape)
+                                             for n, v in feeds.items()],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in node.output])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    got = minirt.load(crosscompile.build(model, "host").export_library(str(tmp_path / "m.so"))).run(feeds)
+    for g, w in zip(got, ReferenceEvaluator(model).run(None, feeds)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
