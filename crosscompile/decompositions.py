@@ -5,7 +5,8 @@ Det as the sum of signed products over permutations, MaxUnpool as a
 ScatterElements into zeros, ReverseSequence as a GatherElements with
 indices computed from the lengths, TensorScatter as a GatherElements from
 the update and a Where, BatchNormalization in training mode by the
-batch's own statistics, EyeLike as the constant it is, the
+batch's own statistics, the training optimizers as element-wise ops,
+EyeLike as the constant it is, the
 Optional ops on tensors (which are never absent) as what they give.
 
 Each entry of DECOMPOSED is one op: the function that writes its nodes,
@@ -428,6 +429,95 @@ def _batch_norm_training(site: Site) -> list:
     return nodes
 
 
+class _Formula:
+    """The nodes of an element-wise formula, one named tensor per step."""
+
+    def __init__(self, site: Site):
+        self.site, self.nodes = site, []
+
+    def __call__(self, op_type: str, *inputs: str, out: str = "", **attrs) -> str:
+        out = out or self.site.tensor(f"step_{len(self.nodes)}")
+        self.nodes.append(self.site.make(op_type, list(inputs), [out], **attrs))
+        return out
+
+    def number(self, value: float) -> str:
+        return self.site.const(f"number_{len(self.nodes)}_{len(self.site.node.input)}_{value!r}",
+                               np.array(value, np.float32))
+
+
+def _optimizer(site: Site, kinds: int) -> "tuple[_Formula, list, list]":
+    """(formula, groups, outputs) of an ai.onnx.preview.training optimizer
+    node: inputs R, T, then `kinds` lists of n tensors (X, G, and the
+    optimizer's states); groups[i] holds the i-th tensor of each list."""
+    tensors = list(site.node.input[2:])
+    if not tensors or len(tensors) % kinds:
+        raise BuildError(f"{site.where}: it takes R, T and {kinds} lists of tensors of one length; got "
+                         f"{len(site.node.input)} inputs")
+    n = len(tensors) // kinds
+    groups = [[tensors[k * n + i] for k in range(kinds)] for i in range(n)]
+    return _Formula(site), groups, list(site.node.output)
+
+
+def _regularised(f: _Formula, norm: float, x: str, g: str) -> str:
+    return f("Add", f("Mul", f.number(norm), x), g)
+
+
+def _adagrad(site: Site) -> list:
+    f, groups, outs = _optimizer(site, 3)
+    raw, n = site.raw, len(groups)
+    decay, eps, norm = (float(raw.get(k, d)) for k, d in (("decay_factor", 0.0), ("epsilon", 0.0),
+                                                           ("norm_coefficient", 0.0)))
+    steps = f("Cast", site.input(1), to=onnx.TensorProto.FLOAT)
+    rate = f("Div", site.input(0), f("Add", f.number(1.0), f("Mul", steps, f.number(decay))))
+    for i, (x, g, h) in enumerate(groups):
+        g_reg = _regularised(f, norm, x, g)
+        h_new = f("Add", h, f("Mul", g_reg, g_reg), out=outs[n + i] if len(outs) > n + i else "")
+        scaled = f("Div", f("Mul", rate, g_reg), f("Add", f("Sqrt", h_new), f.number(eps)))
+        f("Sub", x, scaled, out=outs[i])
+    return f.nodes
+
+
+def _adam(site: Site) -> list:
+    f, groups, outs = _optimizer(site, 4)
+    raw, n = site.raw, len(groups)
+    alpha, beta, eps, norm, post = (float(raw.get(k, d)) for k, d in (
+        ("alpha", 0.9), ("beta", 0.999), ("epsilon", 0.0), ("norm_coefficient", 0.0), ("norm_coefficient_post", 0.0)))
+    steps = f("Cast", site.input(1), to=onnx.TensorProto.FLOAT)
+    started = f("Greater", site.input(1), site.const("no_steps", np.array(0, np.int64)))
+    # With steps taken, the rate is corrected for the moments' bias.
+    correction = f("Div", f("Sqrt", f("Sub", f.number(1.0), f("Pow", f.number(beta), steps))),
+                   f("Sub", f.number(1.0), f("Pow", f.number(alpha), steps)))
+    rate = f("Where", started, f("Mul", site.input(0), correction), site.input(0))
+    for i, (x, g, v, h) in enumerate(groups):
+        g_reg = _regularised(f, norm, x, g)
+        v_new = f("Add", f("Mul", f.number(alpha), v), f("Mul", f.number(1 - alpha), g_reg),
+                  out=outs[n + i] if len(outs) > n + i else "")
+        h_new = f("Add", f("Mul", f.number(beta), h), f("Mul", f.number(1 - beta), f("Mul", g_reg, g_reg)),
+                  out=outs[2 * n + i] if len(outs) > 2 * n + i else "")
+        step = f("Mul", rate, f("Div", v_new, f("Add", f("Sqrt", h_new), f.number(eps))))
+        f("Mul", f.number(1 - post), f("Sub", x, step), out=outs[i])
+    return f.nodes
+
+
+def _momentum(site: Site) -> list:
+    f, groups, outs = _optimizer(site, 3)
+    raw, n = site.raw, len(groups)
+    alpha, beta, norm = (float(raw.get(k, d)) for k, d in (("alpha", 0.0), ("beta", 0.0), ("norm_coefficient", 0.0)))
+    mode = raw.get("mode", "standard")
+    if mode not in ("standard", "nesterov"):
+        raise BuildError(f"attribute mode={mode!r} is not supported; supported: 'standard', 'nesterov'")
+    started = f("Greater", site.input(1), site.const("no_steps", np.array(0, np.int64)))
+    # The gradient's coefficient is 1 at the first step.
+    beta_now = f("Where", started, f.number(beta), f.number(1.0))
+    for i, (x, g, v) in enumerate(groups):
+        g_reg = _regularised(f, norm, x, g)
+        v_new = f("Add", f("Mul", f.number(alpha), v), f("Mul", beta_now, g_reg),
+                  out=outs[n + i] if len(outs) > n + i else "")
+        direction = v_new if mode == "standard" else f("Add", g_reg, f("Mul", f.number(alpha), v_new))
+        f("Sub", x, f("Mul", site.input(0), direction), out=outs[i])
+    return f.nodes
+
+
 def _eye_like(site: Site) -> list:
     shape = site.shape(0)
     if len(shape) != 2:
@@ -472,10 +562,19 @@ DECOMPOSED = {
     "EyeLike": Decomposition(_eye_like, (), "the constant it is, from the input's shape"),
     "BatchNormalization": Decomposition(_batch_norm_training, (), "training_mode=1: the batch's statistics",
                                         applies=lambda raw: bool(int(raw.get("training_mode", 0)))),
+    "ai.onnx.preview.training.Adagrad": Decomposition(_adagrad, (), "element-wise ops"),
+    "ai.onnx.preview.training.Adam": Decomposition(_adam, (), "element-wise ops"),
+    "ai.onnx.preview.training.Momentum": Decomposition(_momentum, (), "element-wise ops (standard and nesterov)"),
     "TensorScatter": Decomposition(_tensor_scatter, (), "a GatherElements of the update and a Where into the cache"),
     "OptionalHasElement": Decomposition(_optional_has_element, (), "true for a tensor, false for a left-out input"),
     "OptionalGetElement": Decomposition(_optional_get_element, (), "a tensor is its own element"),
 }
+
+
+def decomposed_name(node: onnx.NodeProto) -> str:
+    """node's key in DECOMPOSED: its op type, qualified by its domain
+    outside the default one."""
+    return node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}"
 
 
 def decompose(node: onnx.NodeProto, raw: dict, name: str, opset: int, tensors: dict, constants: dict,
@@ -487,7 +586,7 @@ def decompose(node: onnx.NodeProto, raw: dict, name: str, opset: int, tensors: d
         if tensor_name and tensor_name not in tensors:
             raise BuildError(f"{site.where}: input {tensor_name!r} is not produced by any node")
     try:
-        return DECOMPOSED[node.op_type].write(site)
+        return DECOMPOSED[decomposed_name(node)].write(site)
     except BuildError as exc:
         message = str(exc)
         raise BuildError(message if message.startswith("node ") else f"{site.where}: {message}") from None

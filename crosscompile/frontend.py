@@ -11,7 +11,7 @@ import onnx.defs
 from onnx import helper, numpy_helper
 
 from . import control_flow, folding
-from .decompositions import DECOMPOSED, decompose
+from .decompositions import DECOMPOSED, decompose, decomposed_name
 from .double import compute_in_float32
 from .errors import BuildError, ShapeError, UnsupportedOpError
 from .functions import COMPILE_TIME_INPUTS, expand_functions, function_ops
@@ -53,8 +53,8 @@ def compile_time_inputs(node: onnx.NodeProto) -> list:
         return [name for name in node.input if name]
     positions = set(control_flow.COMPILE_TIME_INPUTS.get(node.op_type, ()))
     positions |= set(COMPILE_TIME_INPUTS.get(node.op_type, ()))
-    if node.op_type in DECOMPOSED:
-        positions |= set(DECOMPOSED[node.op_type].compile_time_inputs)
+    if decomposed_name(node) in DECOMPOSED:
+        positions |= set(DECOMPOSED[decomposed_name(node)].compile_time_inputs)
     if node.op_type in OPS:
         positions |= set(OPS[node.op_type].compile_time_inputs)
     return [name for pos, name in enumerate(node.input) if pos in positions and name]
@@ -115,13 +115,13 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
         np_node = pending.pop()
         index += 1
         name = np_node.name or f"{np_node.op_type}_{index}"
-        if np_node.domain not in ("", "ai.onnx"):
+        if np_node.domain not in ("", "ai.onnx") and decomposed_name(np_node) not in DECOMPOSED:
             unsupported.setdefault(f"{np_node.domain}.{np_node.op_type}", []).append(name)
             unknown.update(np_node.output)
             continue
         if unknown.intersection(np_node.input):
-            if np_node.op_type not in OPS and np_node.op_type not in FRONTEND_OPS | set(control_flow.UNROLLED) | set(
-                    DECOMPOSED):
+            if np_node.op_type not in OPS and np_node.op_type not in FRONTEND_OPS | set(control_flow.UNROLLED) \
+                    and decomposed_name(np_node) not in DECOMPOSED:
                 unsupported.setdefault(np_node.op_type, []).append(name)
             unknown.update(np_node.output)
             continue
@@ -173,7 +173,7 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
                 if out:
                     _add_constant(constants, tensors, out, value)
             continue
-        if np_node.op_type in DECOMPOSED and DECOMPOSED[np_node.op_type].applies(raw):
+        if decomposed_name(np_node) in DECOMPOSED and DECOMPOSED[decomposed_name(np_node)].applies(raw):
             try:
                 pending.extend(reversed(decompose(np_node, raw, name, opset, tensors, constants, add_constant)))
             except BuildError as exc:

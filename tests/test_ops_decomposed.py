@@ -1,7 +1,9 @@
 """The ops written out as other ops at import (crosscompile/decompositions.py):
-DFT, STFT, Det, MaxUnpool, ReverseSequence, TensorScatter, EyeLike and the Optional ops, compiled for the
-host and run, against onnx's reference evaluator (numpy's FFT, linalg.det)
-over their attributes; and the clear errors for what they refuse."""
+DFT, STFT, Det, MaxUnpool, ReverseSequence, TensorScatter, EyeLike, the
+Optional ops, BatchNormalization in training mode and the training
+optimizers (Adagrad, Adam, Momentum), compiled for the host and run,
+against onnx's reference evaluator (numpy's FFT, linalg.det) over their
+attributes; and the clear errors for what they refuse."""
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
@@ -198,3 +200,33 @@ def test_batch_norm_in_training_mode_uses_the_batch_statistics(tmp_path, opset, 
     got = minirt.load(crosscompile.build(model, "host").export_library(str(tmp_path / "m.so"))).run(feeds)
     for g, w in zip(got, ReferenceEvaluator(model).run(None, feeds)):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op_type,states,attrs", [
+    ("Adagrad", 1, {"decay_factor": 0.1, "epsilon": 1e-5, "norm_coefficient": 0.01}),
+    ("Adam", 2, {"alpha": 0.9, "beta": 0.8, "epsilon": 1e-3, "norm_coefficient": 0.01, "norm_coefficient_post": 0.1}),
+    ("Momentum", 1, {"alpha": 0.9, "beta": 0.5, "mode": "nesterov", "norm_coefficient": 0.02}),
+])
+def test_training_optimizers_update_every_tensor(tmp_path, op_type, states, attrs):
+    # Two tensors of different shapes; the step count is read at run time,
+    # and its first step (0) takes another form than the later ones.
+    shapes = [(3,), (2, 4)]
+    feeds = {"R": np.array(0.1, np.float32), "T": np.array(0, np.int64)}
+    names = [f"{kind}{i}" for kind in ["X", "G"] + [f"S{k}" for k in range(states)] for i in range(len(shapes))]
+    for seed, name in enumerate(names):
+        values = signal(*shapes[int(name[-1])], seed=20 + seed)
+        feeds[name] = np.abs(values) if name.startswith("S") else values
+    outputs = [f"{name}_new" for name in names if not name.startswith("G")]
+    node = helper.make_node(op_type, list(feeds), outputs, domain="ai.onnx.preview.training", **attrs)
+    graph = helper.make_graph([node], "optimizer", [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(
+        v.dtype), v.shape) for n, v in feeds.items()], [helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
+                                                        for n in outputs])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                    helper.make_opsetid("ai.onnx.preview.training", 1)])
+    module = minirt.load(crosscompile.build(model, "host").export_library(str(tmp_path / "m.so")))
+    for step in (0, 3):
+        feeds["T"] = np.array(step, np.int64)
+        got, want = module.run(feeds), ReferenceEvaluator(model).run(None, feeds)
+        assert [g.shape for g in got] == [w.shape for w in want] and len(got) == len(outputs)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
