@@ -24,7 +24,7 @@ SUPPORTED_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32
                     "uint32", "uint16", "uint8")
 # Ops the frontend evaluates itself instead of lowering (any other standard
 # op also folds when all its inputs are constants).
-FRONTEND_OPS = {"Constant", "ConstantOfShape", "Shape", "Size", "Range"}
+FRONTEND_OPS = {"Constant", "ConstantOfShape", "Shape", "Size", "Range", "MelWeightMatrix"}
 
 
 def supported_ops() -> list[str]:

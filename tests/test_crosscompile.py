@@ -418,3 +418,24 @@ def test_dropout_mask_is_all_true_in_inference_and_at_ratio_zero(tmp_path, train
         with pytest.raises(crosscompile.BuildError, match=r"Dropout with training_mode=True and ratio 0.5 is not "
                                                           "supported: it drops random elements"):
             crosscompile.build(training_model)
+
+
+def test_mel_weight_matrix_of_constants_is_a_constant_and_of_runtime_inputs_refused(tmp_path):
+    import minirt
+    from onnx import numpy_helper
+    from onnx.reference import ReferenceEvaluator
+    values = {"bins": np.array(8, np.int64), "dft": np.array(64, np.int64), "rate": np.array(8000, np.int64),
+              "low": np.array(100.0, np.float32), "high": np.array(3000.0, np.float32)}
+    node = helper.make_node("MelWeightMatrix", list(values), ["w"])
+    scale = helper.make_node("Mul", ["w", "x"], ["y"])
+    graph = helper.make_graph([node, scale], "mel", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(v, n) for n, v in values.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = np.array([2.0], np.float32)
+    got = minirt.load(crosscompile.build(model).export_library(tmp_path / "m.so")).run({"x": x})[0]
+    np.testing.assert_allclose(got, ReferenceEvaluator(model).run(None, {"x": x})[0], rtol=1e-6)
+    del model.graph.initializer[0]
+    model.graph.input.append(helper.make_tensor_value_info("bins", TensorProto.INT64, []))
+    with pytest.raises(BuildError, match=r"\(MelWeightMatrix\): its inputs must be constants"):
+        crosscompile.build(model)
