@@ -245,6 +245,30 @@ def test_pad(tmp_path, mode, pads):
     run_host(model, tmp_path)
 
 
+@pytest.mark.parametrize("mode,dtype", [("wrap", np.float32), ("wrap", np.int32), ("reflect", np.int64),
+                                        ("constant", np.uint8), ("edge", np.bool_)])
+def test_pad_of_every_mode_and_dtype_matches_the_onnx_reference(tmp_path, mode, dtype):
+    # wrap repeats the input, here further than its own length on axis 1.
+    from onnx import numpy_helper
+    from onnx.reference import ReferenceEvaluator
+    x = (np.arange(24).reshape(2, 3, 4) % 7).astype(dtype)
+    pads = [0, 4, 1, 1, 1, 2] if mode != "reflect" else [1, 2, 0, 0, 0, 3]
+    inits = [numpy_helper.from_array(np.array(pads, np.int64), "p")]
+    names = ["x", "p"]
+    if mode == "constant":
+        inits.append(numpy_helper.from_array(np.array(5, dtype), "v"))
+        names.append("v")
+    kind = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    graph = helper.make_graph([helper.make_node("Pad", names, ["y"], mode=mode)], "pad",
+                              [helper.make_tensor_value_info("x", kind, x.shape)],
+                              [helper.make_tensor_value_info("y", kind, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    got = minirt.load(crosscompile.build(model).export_library(tmp_path / "m.so")).run({"x": x})[0]
+    want = ReferenceEvaluator(model).run(None, {"x": x})[0]
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+
+
 def test_pad_attribute_form_larger_than_input(tmp_path):
     model = single_op("Pad", {"x": (1, 2, 2, 2)}, opset=2, pads=[0, 0, 3, 4, 0, 0, 5, 1], value=-1.0)
     run_host(model, tmp_path)
