@@ -8,7 +8,7 @@ from onnx import helper
 import crosscompile
 import minirt
 
-from tests.onnx_models import assert_zoo_close, conv_relu_model, make_model, rand, run_host, single_op
+from tests.onnx_models import assert_zoo_close, conv_relu_model, make_model, rand, reference, run_host, single_op
 
 
 def conv_model(x_shape, w_shape, bias=True, opset=13, **attrs):
@@ -141,6 +141,26 @@ POOLS = [
 @pytest.mark.parametrize("x_shape,attrs", POOLS)
 def test_max_pool(tmp_path, x_shape, attrs):
     run_host(single_op("MaxPool", {"x": x_shape}, opset=12, **attrs), tmp_path)
+
+
+@pytest.mark.parametrize("x_shape,attrs", [
+    ((2, 3, 7, 8), {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 0, 1, 1]}),
+    ((1, 2, 6, 9), {"kernel_shape": [2, 3], "storage_order": 1, "dilations": [2, 1]}),  # column-major indices
+    ((2, 2, 11), {"kernel_shape": [4], "strides": [3], "pads": [2, 1]}),
+])
+def test_max_pool_indices_match_onnxruntime(tmp_path, x_shape, attrs):
+    from onnx import TensorProto
+    node = helper.make_node("MaxPool", ["x"], ["y", "i"], **attrs)
+    graph = helper.make_graph([node], "pool", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+                               helper.make_tensor_value_info("i", TensorProto.INT64, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 12)])
+    feeds = {"x": rand(*x_shape)}
+    got = minirt.load(crosscompile.build(model).export_library(tmp_path / "m.so")).run(feeds)
+    want = reference(model, feeds)
+    np.testing.assert_array_equal(got[0], want[0])
+    assert got[1].dtype == np.int64
+    np.testing.assert_array_equal(got[1], want[1])
 
 
 def test_max_pool_dilated(tmp_path):
