@@ -13,11 +13,14 @@ on a shared machine hits both alike. TVM is timed on one run after
 a warm-up (untuned it takes seconds per image); it is skipped with a note
 when `import tvm` fails.
 
+Ours and onnxruntime at 1 and at 2 threads take turns in one window of
+time, so that ours at 2 threads over ours at 1 (the last column) and
+ours over onnxruntime compare runs under the same load.
+
 --busy N runs N spinning processes (started and stopped by pid) while
 ours and onnxruntime are timed, as the other work of a busy board would,
 and alternates them one run each rather than in blocks: a block of runs
 back to back lets a spinner's time slice fall in the other side's block.
-The table then also gives ours at 2 threads over ours at 1.
 
 --int8 first quantizes each model (crosscompile.quantizer: QDQ, uint8
 activations, int8 weights per channel, 4 random calibration samples) and
@@ -234,13 +237,19 @@ def main() -> int:
             compile_s = time.perf_counter() - started
             path = lib.export_library(os.path.join(tmp, f"{name}.so"))
             ours, peers = [float("nan")] * 2, [float("nan")] * 2
-            for threads in thread_counts:
-                module = minirt.load(path, threads=threads)
-                session = ort_session(model, threads)
-                with CompetingLoad(args.busy):
-                    mine, peer = interleaved_medians([lambda: module.run(feeds), lambda: session.run(None, feeds)],
-                                                     args.repeat, **pacing)
-                ours[threads - 1], peers[threads - 1] = mine, peer
+            # Every thread count of ours and onnxruntime in turn, in one
+            # window of load, so that ours2/ours1 compares runs under the
+            # same load as ours2/ort2 does.
+            modules = [minirt.load(path, threads=threads) for threads in thread_counts]
+            sessions = [ort_session(model, threads) for threads in thread_counts]
+            fns = []
+            for module, session in zip(modules, sessions):
+                fns += [lambda module=module: module.run(feeds), lambda session=session: session.run(None, feeds)]
+            with CompetingLoad(args.busy):
+                medians = interleaved_medians(fns, args.repeat, **pacing)
+            for i, threads in enumerate(thread_counts):
+                ours[threads - 1], peers[threads - 1] = medians[2 * i], medians[2 * i + 1]
+            for module in modules:
                 module.close()
             tvm_s = float("nan")
             if use_tvm:

@@ -14,7 +14,8 @@ from . import codegen
 from .backend import compile_jobs, compile_objects, target_machine
 from .elfdata import data_object
 from .errors import BuildError
-from .frontend import import_onnx
+from .dynamic import CHECK_SIZES, MAX_SPECIALIZED, check_separable, dynamic_spec, input_shapes_at, output_axes
+from .frontend import import_onnx, load_model
 from .link import link_shared
 from .metadata import module_metadata
 from .patterns import fuse_attention, fuse_gelu, fuse_layer_norm
@@ -70,7 +71,8 @@ class CompiledModule:
 
 
 def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = None,
-          schedules=None, precision: str = "fp32", progress=None, jobs: "int | None" = None) -> CompiledModule:
+          schedules=None, precision: str = "fp32", progress=None, jobs: "int | None" = None,
+          dynamic: "dict | None" = None) -> CompiledModule:
     """Compile an ONNX model (path or onnx.ModelProto) for a target.
 
     precision "fp16" computes convolutions and matrix products in half
@@ -93,20 +95,33 @@ def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = 
     processes compute the same outputs with slightly different code (LLVM
     no longer sees the whole module at once).
 
+    dynamic {"batch": (min, max)} names one of the model's symbolic
+    dimensions and its bounds: the module then runs any size within them
+    (crosscompile.dynamic, docs/dynamic-batch.md; tether_run_dims in
+    docs/module-abi.md): a leading one whose rows every op keeps apart in
+    chunks, any other one with a plan per size (at most 16 sizes); a wider
+    range is a BuildError naming why.
+
     >>> lib = build("model.onnx", target="rasp4b64")  # doctest: +SKIP
     >>> lib.export_library("net.so")                   # doctest: +SKIP
     >>> build("model.onnx", target="rasp5", precision="fp16")  # doctest: +SKIP
+    >>> build("model.onnx", dynamic={"batch": (1, 16)})  # doctest: +SKIP
     """
     report = progress or (lambda _what, _done, _total: None)
     target = resolve_target(target)
     check_precision(precision, target)  # before the model is read
     jobs = compile_jobs(jobs)
     report("importing and rewriting the graph", 0, 1)
-    imported, folded, graph = lowered_graph(model, target, input_shapes, tile_table(target, schedules),
-                                            precision)
-    plan = plan_memory(graph)
-    metadata = module_metadata(imported, graph, plan, target, PRODUCER)
-    code = codegen.generate(graph, plan, metadata, target, str(target_machine(target).target_data), report)
+    table = tile_table(target, schedules)
+    data_layout = str(target_machine(target).target_data)
+    if dynamic is None:
+        imported, folded, graph = lowered_graph(model, target, input_shapes, table, precision)
+        plan = plan_memory(graph)
+        metadata = module_metadata(imported, graph, plan, target, PRODUCER)
+        code = codegen.generate(graph, plan, metadata, target, data_layout, report)
+    else:
+        imported, folded, graph, plan, metadata, code = _build_dynamic(
+            model, target, input_shapes, table, precision, dynamic, data_layout, report)
     report(f"optimising and emitting {code.kernels} kernels with LLVM", 0, 1)
     compiled = compile_objects(code.module, target, jobs)
     objects = [("module.o" if i == 0 else f"module{i}.o", obj) for i, obj in enumerate(compiled)]
@@ -120,7 +135,7 @@ def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = 
         "fused_ops": len(folded.nodes) - len(graph.nodes),
         "fused_kernels": sum(1 for n in graph.nodes if n.attrs.get("epilogue")),
         "folded_into_conv": len(imported.nodes) - len(folded.nodes),
-        "workspace_bytes": plan.workspace_bytes,
+        "workspace_bytes": metadata["workspace_bytes"],
         "param_bytes": metadata["param_bytes"],
         "code_bytes": sum(_code_bytes(obj) for obj in compiled),
         "tuned_convs": sum(1 for tile in metadata["gemm_tiles"] if tile["tuned"]),
@@ -129,6 +144,59 @@ def build(model, target: "str | Target" = "host", input_shapes: "dict | None" = 
     }
     return CompiledModule(link_shared([o for _, o in objects], soname), metadata, target,
                           tuple(objects), summary)
+
+
+def _build_dynamic(model, target: Target, input_shapes, table, precision: str, dynamic: dict,
+                   data_layout: str, report):
+    """build()'s middle for a dynamic dimension (crosscompile.dynamic): a
+    leading one proved separable at two sizes runs in chunks, any other one
+    plan per size; the graph is lowered and planned once per plan size
+    (largest first) into one module. Returns what build() reads of the
+    largest plan, whose shapes the metadata lists."""
+    proto = load_model(model)
+    spec = dynamic_spec(proto, dynamic)
+    if spec.chunked:
+        checked = {size: eliminate_dead_code(import_onnx(proto, input_shapes_at(proto, spec, size, input_shapes)))
+                   for size in CHECK_SIZES}
+        try:
+            check_separable(checked, spec.name)
+        except BuildError as mixed:
+            try:
+                spec = spec.specialized()
+            except BuildError:
+                raise BuildError(f"{mixed}, or narrow {spec.name} to at most {MAX_SPECIALIZED} sizes (compiled "
+                                 f"one plan each; {spec.low}..{spec.high} is {spec.high - spec.low + 1})") from None
+    if not spec.chunked and spec.low == spec.high:
+        raise BuildError(f"dynamic[{spec.name!r}] = ({spec.low}, {spec.high}) is one size: give it with "
+                         "input_shapes instead")
+    plans = []
+    for size in spec.sizes:
+        report(f"lowering the plan for {spec.name} {size}", 0, 1)
+        imported, folded, graph = lowered_graph(proto, target, input_shapes_at(proto, spec, size, input_shapes),
+                                                table, precision)
+        plans.append((size, imported, folded, graph, plan_memory(graph)))
+    _, imported, folded, graph, plan = plans[0]
+    metadata = module_metadata(imported, graph, plan, target, PRODUCER)
+    metadata["dynamic"] = [spec.to_dict()]
+    outputs = ([[0]] * len(graph.outputs) if spec.chunked
+               else output_axes({size: imported for size, imported, *_ in plans}, spec.name))
+    for entry, axes in zip(metadata["inputs"] + metadata["outputs"], list(spec.axes) + outputs):
+        entry["dynamic_axes"] = list(axes)
+    # Plans share parameters of equal bytes; one whose kernels read another
+    # layout (a batch-1 matrix product reads its weights unpacked) has its own.
+    metadata["param_bytes"] = sum(len(data) for data in {
+        _constant_bytes(g, loc.name) for *_, g, p in plans for node in g.nodes if node.name not in p.aliased_nodes
+        for loc in (p.locations[t] for t in node.inputs) if loc.kind == "constant"})
+    # The chunks run one after another in the same workspace: the largest
+    # plan's (the upper bound's) is enough for every size.
+    metadata["workspace_bytes"] = max(p.workspace_bytes for *_, p in plans)
+    code = codegen.generate_dynamic([(size, g, p) for size, _, _, g, p in plans], spec.to_dict(), metadata,
+                                    target, data_layout, report)
+    return imported, folded, graph, plan, metadata, code
+
+
+def _constant_bytes(graph, name: str) -> bytes:
+    return graph.constants[name].tobytes()
 
 
 def tiled_graph(model, target: Target, input_shapes, table, precision: str = "fp32"):

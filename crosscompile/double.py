@@ -51,16 +51,44 @@ SEQUENTIAL_SUM = 64
 def other_floats(proto: onnx.ModelProto) -> set:
     """The float types other than float32 (TensorProto numbers) that proto's
     inputs, outputs, initializers, Casts and constants use."""
+    return used_types(proto, TYPE_ATTRIBUTES) & OTHER_FLOATS
+
+
+def used_types(proto: onnx.ModelProto, type_attributes) -> set:
+    """The element types (TensorProto numbers) of proto's inputs, outputs,
+    initializers and constants, and those its nodes' type_attributes name."""
     g = proto.graph
     used = {vi.type.tensor_type.elem_type for vi in (*g.input, *g.output)}
     used |= {init.data_type for init in g.initializer}
     for node in g.node:
         for attr in node.attribute:
-            if attr.name in TYPE_ATTRIBUTES and attr.type == onnx.AttributeProto.INT:
+            if attr.name in type_attributes and attr.type == onnx.AttributeProto.INT:
                 used.add(attr.i)
             elif attr.name in TENSOR_ATTRIBUTES and attr.type == onnx.AttributeProto.TENSOR:
                 used.add(attr.t.data_type)
-    return used & OTHER_FLOATS
+    return used
+
+
+def boundary_casts(g: onnx.GraphProto, held: dict, suffix: str, **exit_attributes) -> tuple:
+    """For the inputs and outputs of g whose types are keys of held (a
+    TensorProto number -> the one it is held in inside): (renamed: name ->
+    the held tensor's name, outputs: name -> type, the Casts in, the Casts
+    out, which carry exit_attributes)."""
+    initialized = {init.name for init in g.initializer}
+    renamed, entry = {}, []
+    for vi in g.input:
+        kind = vi.type.tensor_type.elem_type
+        if vi.name not in initialized and kind in held:
+            renamed[vi.name] = f"{vi.name}/{suffix}"
+            entry.append(helper.make_node("Cast", [vi.name], [renamed[vi.name]], to=held[kind],
+                                          name=f"{vi.name}/to_{suffix}"))
+    outputs = {vi.name: vi.type.tensor_type.elem_type for vi in g.output if vi.type.tensor_type.elem_type in held}
+    exits = []
+    for name, kind in outputs.items():
+        renamed.setdefault(name, f"{name}/{suffix}")
+        exits.append(helper.make_node("Cast", [renamed[name]], [name], to=kind, **exit_attributes,
+                                      name=f"{name}/to_{helper.tensor_dtype_to_np_dtype(kind).name}"))
+    return renamed, outputs, entry, exits
 
 
 def compute_in_float32(proto: onnx.ModelProto) -> onnx.ModelProto:
@@ -82,27 +110,13 @@ def compute_in_float32(proto: onnx.ModelProto) -> onnx.ModelProto:
     for init in g.initializer:
         if init.data_type in OTHER_FLOATS:
             init.CopyFrom(_in_float32(init, init.name))
-    initialized = {init.name for init in g.initializer}
-    renamed, entry = {}, []
-    for vi in g.input:
-        if vi.name not in initialized and vi.type.tensor_type.elem_type in OTHER_FLOATS:
-            renamed[vi.name] = f"{vi.name}/float32"
-            entry.append(helper.make_node("Cast", [vi.name], [renamed[vi.name]], to=FLOAT,
-                                          name=f"{vi.name}/to_float32"))
-    outputs = {vi.name: vi.type.tensor_type.elem_type for vi in g.output
-               if vi.type.tensor_type.elem_type in OTHER_FLOATS}
-    exits = []
-    for name, kind in outputs.items():
-        inner = f"{name}/float32"
-        renamed.setdefault(name, inner)
-        exits.append(helper.make_node("Cast", [inner], [name], to=kind,
-                                      name=f"{name}/to_{TensorProto.DataType.Name(kind).lower()}"))
+    renamed, outputs, entry, exits = boundary_casts(g, dict.fromkeys(OTHER_FLOATS, FLOAT), "float32")
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     nodes = []
     for node in g.node:
         node.input[:] = [renamed.get(n, n) for n in node.input]
         node.output[:] = [renamed.get(n, n) if n in outputs else n for n in node.output]
-        narrow = _narrow_cast(node, kinds)
+        narrow = cast_target(node, kinds, NARROW_FLOATS)
         # Every op's float16 or bfloat16 result is rounded to its type, as
         # ONNX's semantics (and onnxruntime's kernels) have it; the
         # boundary's Cast rounds the graph's outputs.
@@ -128,12 +142,18 @@ def compute_in_float32(proto: onnx.ModelProto) -> onnx.ModelProto:
             name = node.output[pos]
             node.output[pos] = f"{name}/unrounded"
             nodes.extend(_round_trip(node.output[pos], name, kind))
+    replace_nodes(g, entry + nodes + exits, OTHER_FLOATS)
+    return model
+
+
+def replace_nodes(g: onnx.GraphProto, nodes: list, held) -> None:
+    """Give g these nodes, and drop the value infos of the types in held
+    (their tensors are held in other types now)."""
     del g.node[:]
-    g.node.extend(entry + nodes + exits)
-    kept = [vi for vi in g.value_info if vi.type.tensor_type.elem_type not in OTHER_FLOATS]
+    g.node.extend(nodes)
+    kept = [vi for vi in g.value_info if vi.type.tensor_type.elem_type not in held]
     del g.value_info[:]
     g.value_info.extend(kept)
-    return model
 
 
 def _narrow_softmax(node: onnx.NodeProto, narrow: int, opset: int, shape) -> list:
@@ -212,8 +232,8 @@ def _element_types(proto: onnx.ModelProto) -> tuple:
     return {vi.name: vi.type.tensor_type.elem_type for vi in inferred.value_info}, shapes
 
 
-def _narrow_cast(node: onnx.NodeProto, kinds: dict):
-    """The narrow float type (TensorProto number) that node, a Cast or a
+def cast_target(node: onnx.NodeProto, kinds: dict, among) -> "int | None":
+    """The type (TensorProto number) among `among` that node, a Cast or a
     CastLike, converts to; None for any other node or type."""
     if node.op_type == "Cast":
         to = next((attr.i for attr in node.attribute if attr.name == "to"), None)
@@ -221,7 +241,7 @@ def _narrow_cast(node: onnx.NodeProto, kinds: dict):
         to = kinds.get(node.input[1])
     else:
         return None
-    return to if to in NARROW_FLOATS else None
+    return to if to in among else None
 
 
 def _in_float32(tensor: onnx.TensorProto, name: str) -> onnx.TensorProto:

@@ -23,7 +23,10 @@ I16 = ir.IntType(16)
 # integers carry no sign: a kernel extends uint8 with zext, int8 with sext.
 ELEMENT_TYPES = {"float32": F32, "float16": HALF, "float64": ir.DoubleType(), "int64": I64, "int32": I32, "bool": I8,
                  "uint8": I8, "int8": I8, "int16": I16, "uint16": I16, "uint32": I32, "uint64": I64,
-                 "bfloat16": I16}
+                 "bfloat16": I16,
+                 # the low-bit types, one byte per element (crosscompile.lowbit)
+                 **dict.fromkeys(("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
+                                  "float8_e8m0fnu", "float4_e2m1fn", "int4", "uint4", "int2", "uint2"), I8)}
 
 
 class Kernel:
@@ -486,15 +489,16 @@ def barrier_function(module: ir.Module, target) -> ir.Function:
     the chunks before it, since chunks after it are only taken by threads
     that passed it.
 
-    A waiter waits in three stages: it spins briefly with the CPU's
-    spin-wait hint (most barriers of a run on idle cores end there), then
-    asks the system to run something else (sched_yield) between looks,
-    which costs a system call when nothing else wants the core but hands
-    it over at once when something does (the thread finishing a chunk,
-    on a busy board), then sleeps on the done word with futex. A thread
-    about to sleep first sets the word's bit 0 (SLEEPING), and the thread
-    that finishes the range makes the wake-up system call only when it
-    finds that bit, since the call would cost microseconds each time.
+    A waiter spins briefly with the CPU's spin-wait hint (most barriers of
+    a run on idle cores end there), then sleeps on the done word with
+    futex. A thread about to sleep first sets the word's bit 0 (SLEEPING),
+    and the thread that finishes the range makes the wake-up system call
+    only when it finds that bit, since the call would cost microseconds
+    each time. A waiter does not call sched_yield between the two: on a
+    busy board that hands the core to another program for its time slice
+    (and not to the thread holding the chunk, which waits on another
+    core's queue), while a sleeper is woken as soon as the chunk is done
+    (docs/kernels.md has the measurements).
     """
     existing = module.globals.get("tether.barrier")
     if existing is not None:
@@ -527,17 +531,8 @@ def barrier_function(module: ir.Module, target) -> ir.Function:
     next_look = b.add(looks, ir.Constant(I32, 1))
     looks.add_incoming(next_look, again)
     if syscall is not None:
-        spun = target.spins_before_yield
-        stage = fn.append_basic_block("yield")
-        b.cbranch(b.icmp_signed(">", next_look, ir.Constant(I32, spun)), stage, wait)
-        b.position_at_end(stage)
         sleep = fn.append_basic_block("sleep")
-        give = fn.append_basic_block("give")
-        b.cbranch(b.icmp_signed(">", next_look, ir.Constant(I32, spun + YIELDS_BEFORE_SLEEP)), sleep, give)
-        b.position_at_end(give)
-        syscall(target.sched_yield_syscall)
-        looks.add_incoming(next_look, b.block)
-        b.branch(wait)
+        b.cbranch(b.icmp_signed(">", next_look, ir.Constant(I32, target.spins_before_sleep)), sleep, wait)
         b.position_at_end(sleep)
         seen = b.atomic_rmw("or", done_ptr, ir.Constant(I32, SLEEPING), "acquire")
         asleep = fn.append_basic_block("asleep")
@@ -563,13 +558,6 @@ WORK_LIMIT = 1 << 22
 MAX_THREADS = 255
 # Chunks per thread a shared range is split into (see shared_range).
 CHUNKS_PER_THREAD = 4
-# sched_yield calls a barrier's waiter makes, after its spin, before it
-# sleeps: each hands the core to another runnable thread if there is one,
-# on a busy board often for a whole time slice, while a sleeper is woken
-# as soon as the chunk it waits for is done (MobileNetV2 with two
-# spinners, docs/kernels.md: 200 yields 1.22 and 1.18x onnxruntime, 4
-# yields 1.06 and 1.06x, runs alternated).
-YIELDS_BEFORE_SLEEP = 4
 # Bit 0 of the done word: a waiter is (about to be) asleep on the futex.
 SLEEPING = 1
 FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE = 128, 129

@@ -16,12 +16,13 @@ from .double import compute_in_float32
 from .errors import BuildError, ShapeError, UnsupportedOpError
 from .functions import COMPILE_TIME_INPUTS, expand_functions, function_ops
 from .ir import Graph, Node, Tensor
+from .lowbit import LOW_BIT_DTYPES, hold_low_bit_types
 from .ops import OPS
 from .quantize_ops import EXPANSIONS, expand_operators
 
 # Model inputs and outputs: float32 data, integer ids and indices, masks.
 SUPPORTED_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "bool", "int16", "int8", "uint64",
-                    "uint32", "uint16", "uint8")
+                    "uint32", "uint16", "uint8", *LOW_BIT_DTYPES)
 # Ops the frontend evaluates itself instead of lowering (any other standard
 # op also folds when all its inputs are constants).
 FRONTEND_OPS = {"Constant", "ConstantOfShape", "Shape", "Size", "Range", "MelWeightMatrix"}
@@ -82,7 +83,7 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
     # float16 or bfloat16 op's body rounds its steps to that type.
     proto = expand_functions(expand_operators(load_model(model)),
                              set(OPS) | FRONTEND_OPS | set(EXPANSIONS) | set(control_flow.UNROLLED) | set(DECOMPOSED))
-    proto = compute_in_float32(proto)
+    proto = compute_in_float32(hold_low_bit_types(proto))
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 1)
     g = proto.graph
     input_shapes = dict(input_shapes or {})

@@ -13,6 +13,7 @@ import numpy as np
 from llvmlite import ir
 from onnx import TensorProto
 
+from . import lowbit
 from .elementwise import Elementwise
 from .emit import F32, I8, I16, I32, I64, ELEMENT_TYPES
 from .errors import BuildError
@@ -21,7 +22,9 @@ from .op_base import INTEGER_DTYPES, NARROW_INTEGERS, Op, UNSIGNED_DTYPES
 INTEGERS = INTEGER_DTYPES
 # TensorProto data type number -> dtype name, for Cast's `to`.
 CAST_TARGETS = {1: "float32", 11: "float64", 10: "float16", 16: "bfloat16", 6: "int32", 7: "int64", 9: "bool", 2: "uint8", 3: "int8", 5: "int16",
-                4: "uint16", 12: "uint32", 13: "uint64"}
+                4: "uint16", 12: "uint32", 13: "uint64", **lowbit.TENSOR_TYPES}
+# The float types a Cast's source may be (the rest are integers and bool).
+FLOAT_SOURCES = ("float32", "float64", "float16", "bfloat16")
 
 
 def _same_dtype(op_type, inputs, allowed) -> str:
@@ -116,7 +119,8 @@ class Where(Elementwise):
 class Cast(Op):
     """Cast between float32, the integer types and bool as numpy's astype does:
     floats to integers round toward zero, anything to bool is `!= 0` (NaN
-    is true). Casts of constants fold at import."""
+    is true). Casts of constants fold at import. To and from the low-bit
+    types, as crosscompile.lowbit says (with saturate and round_mode)."""
 
     op_type = "Cast"
 
@@ -126,7 +130,10 @@ class Cast(Op):
             name = TensorProto.DataType.Name(to) if to in TensorProto.DataType.values() else to
             raise BuildError(f"Cast of a runtime tensor to {name} is not supported; supported: "
                              + ", ".join(TensorProto.DataType.Name(t) for t in CAST_TARGETS))
-        return {"to": CAST_TARGETS[to]}
+        attrs = {"to": CAST_TARGETS[to]}
+        if attrs["to"] in lowbit.LOW_BIT_DTYPES:
+            attrs.update(_rounding(raw))
+        return attrs
 
     def infer(self, inputs, attrs):
         return [inputs[0]]
@@ -138,7 +145,25 @@ class Cast(Op):
         source, target = inputs[0].dtype, outputs[0].dtype
         src, dst = _bits_or_typed(k, k.inputs[0], source), _bits_or_typed(k, k.outputs[0], target)
         with k.loop(outputs[0].size) as i:
-            k.store(k.activate(convert(k, k.load(src, i), source, target)), dst, i)
+            value = k.load(src, i)
+            if source in lowbit.LOW_BIT_DTYPES:
+                value, source = lowbit.decode(k, value, source), lowbit.held_dtype(source)
+            if target in lowbit.LOW_BIT_DTYPES:
+                # Through float32 from a float, through int32 from an integer.
+                step = "float32" if source in FLOAT_SOURCES or target in lowbit.FORMATS else "int32"
+                value = lowbit.encode(k, convert(k, value, source, step), step, target,
+                                      attrs["saturate"], attrs["round_mode"])
+            else:
+                value = k.activate(convert(k, value, source, target))
+            k.store(value, dst, i)
+
+
+def _rounding(raw: dict) -> dict:
+    """Cast's saturate and round_mode, which only casts to low-bit types read."""
+    mode = raw.get("round_mode", "up")
+    if mode not in lowbit.ROUND_MODES:
+        raise BuildError(f"attribute round_mode={mode!r} must be one of {', '.join(lowbit.ROUND_MODES)}")
+    return {"saturate": bool(int(raw.get("saturate", 1))), "round_mode": mode}
 
 
 class BitCast(Cast):

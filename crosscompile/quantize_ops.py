@@ -27,8 +27,8 @@ import onnx
 from llvmlite import ir
 from onnx import helper, numpy_helper
 
-from . import int8_depthwise, int8_dot
-from .emit import F32, I32, Kernel
+from . import int8_depthwise, int8_dot, lowbit
+from .emit import ELEMENT_TYPES, F32, I32, Kernel
 from .int8_dot import ROUNDING_LIMIT, ROUNDING_MAGIC
 from .errors import BuildError, ShapeError
 from .op_base import Op, _axis, _prod
@@ -36,11 +36,19 @@ from .window import _resolve_window, _valid_range
 
 # The integer types a quantized tensor may have, with their ranges.
 QUANT_RANGES = {"uint8": (0, 255), "int8": (-128, 127)}
+# ... and those only QuantizeLinear and DequantizeLinear take (the integer
+# kernels of quantized.lower_qdq are 8-bit).
+SIXTEEN_BIT_RANGES = {"uint16": (0, 65535), "int16": (-32768, 32767)}
+QUANTIZE_RANGES = {**QUANT_RANGES, **SIXTEEN_BIT_RANGES}
 # ... and what DequantizeLinear also takes: int32 (a bias quantized with
 # scale x_scale * w_scale, as quantize_static writes it).
-DEQUANTIZE_DTYPES = ("uint8", "int8", "int32")
+DEQUANTIZE_DTYPES = (*QUANTIZE_RANGES, "int32")
 
-TENSOR_DTYPES = {onnx.TensorProto.UINT8: "uint8", onnx.TensorProto.INT8: "int8"}
+TENSOR_DTYPES = {onnx.TensorProto.UINT8: "uint8", onnx.TensorProto.INT8: "int8",
+                 onnx.TensorProto.UINT16: "uint16", onnx.TensorProto.INT16: "int16"}
+# QuantizeLinear also quantizes to the low-bit types, which a module holds in
+# int32 or float32 (crosscompile.lowbit): output_dtype names the type.
+LOW_BIT_OUTPUTS = {number: name for number, name in lowbit.TENSOR_TYPES.items() if name != "float8_e8m0fnu"}
 
 
 def _unsupported_dtype(what: str, dtype: str, allowed) -> BuildError:
@@ -51,8 +59,13 @@ def _unsupported_dtype(what: str, dtype: str, allowed) -> BuildError:
 
 # -- the arithmetic, in numpy: the reference the kernels and tests follow ---------------
 
-def _per_axis(value: np.ndarray, rank: int, axis: int) -> np.ndarray:
+def _per_axis(value: np.ndarray, rank: int, axis: int, block_size: int = 0, length: int = 0) -> np.ndarray:
+    """value (a scale or zero point) shaped to broadcast over a tensor of
+    rank `rank` along axis: one value per index, or with block_size one per
+    block of that many (the axis is `length` long)."""
     value = np.asarray(value)
+    if block_size and value.ndim:
+        return np.take(np.repeat(value, block_size, axis=axis), range(length), axis=axis)
     if value.ndim == 0 or rank == 0:
         return value.reshape(()) if value.size == 1 else value
     shape = [1] * rank
@@ -75,7 +88,7 @@ def quantize_array(x: np.ndarray, scale, zero_point, axis: int = 1) -> np.ndarra
     return np.clip(value, lo, hi).astype(zero_point.dtype)
 
 
-def dequantize_array(x: np.ndarray, scale, zero_point=None, axis: int = 1) -> np.ndarray:
+def dequantize_array(x: np.ndarray, scale, zero_point=None, axis: int = 1, block_size: int = 0) -> np.ndarray:
     """ONNX DequantizeLinear: (x - zero_point) * scale in float32.
 
     >>> dequantize_array(np.array([0, 255], np.uint8), np.float32(0.5), np.uint8(128))
@@ -83,22 +96,34 @@ def dequantize_array(x: np.ndarray, scale, zero_point=None, axis: int = 1) -> np
     """
     x = np.asarray(x)
     axis = axis % x.ndim if x.ndim else 0
+    length = x.shape[axis] if x.ndim else 0
+    scale = _per_axis(np.asarray(scale, np.float32), x.ndim, axis, block_size, length)
+    if x.dtype == np.float32:  # float8 or float4 held in float32: no zero point
+        return (x * scale).astype(np.float32)
     zero = np.zeros((), x.dtype) if zero_point is None else np.asarray(zero_point)
-    shifted = x.astype(np.int64) - _per_axis(zero, x.ndim, axis).astype(np.int64)
-    return (shifted.astype(np.float32) * _per_axis(np.asarray(scale, np.float32), x.ndim, axis)).astype(np.float32)
+    shifted = x.astype(np.int64) - _per_axis(zero, x.ndim, axis, block_size, length).astype(np.int64)
+    return (shifted.astype(np.float32) * scale).astype(np.float32)
 
 
 # -- the ops -------------------------------------------------------------------------
 
-def _channel_geometry(shape, scale_shape, axis_attr: int, what: str):
-    """(outer, channels, inner) of a per-tensor (channels == 1) or per-axis
-    scale over a tensor of `shape`."""
+def _channel_geometry(shape, scale_shape, axis_attr: int, what: str, block_size: int = 0):
+    """(outer, channels, inner) of a per-tensor (channels == 1), per-axis
+    or blocked scale over a tensor of `shape`."""
     count = _prod(scale_shape)
+    if block_size:
+        axis = _axis(axis_attr, len(shape))
+        blocks = -(-shape[axis] // block_size)
+        wanted = (*shape[:axis], blocks, *shape[axis + 1:])
+        if tuple(scale_shape) != wanted:
+            raise ShapeError(f"{what}'s scale has shape {tuple(scale_shape)}; blocks of {block_size} along axis "
+                             f"{axis} of {tuple(shape)} take one of shape {wanted}")
+        return _prod(shape[:axis]), shape[axis], _prod(shape[axis + 1:])
     if len(scale_shape) == 0 or count == 1 and len(scale_shape) <= 1:
         return _prod(shape), 1, 1
     if len(scale_shape) != 1:
-        raise ShapeError(f"{what}'s scale has shape {tuple(scale_shape)}; a scalar or a 1-D per-axis "
-                         "scale is supported (blocked quantization is not)")
+        raise ShapeError(f"{what}'s scale has shape {tuple(scale_shape)}; a scalar, a 1-D per-axis "
+                         "scale or a blocked one (block_size) is supported")
     axis = _axis(axis_attr, len(shape))
     if shape[axis] != count:
         raise ShapeError(f"{what}'s scale has {count} values but axis {axis} of {tuple(shape)} has {shape[axis]}")
@@ -106,19 +131,17 @@ def _channel_geometry(shape, scale_shape, axis_attr: int, what: str):
 
 
 def _parse_axis(raw: dict, op_type: str) -> dict:
-    if int(raw.get("block_size", 0)):
-        raise BuildError(f"{op_type} with block_size={raw['block_size']} (blocked quantization) is not "
-                         "supported; quantize per tensor or per channel")
-    if "saturate" in raw and not int(raw["saturate"]):
-        raise BuildError(f"{op_type} with saturate=0 applies to float8 only, which is not supported")
-    return {"axis": int(raw.get("axis", 1))}
+    block_size = int(raw.get("block_size", 0))
+    if block_size < 0:
+        raise BuildError(f"{op_type} with block_size={block_size}: it must be positive (or 0, not blocked)")
+    return {"axis": int(raw.get("axis", 1)), **({"block_size": block_size} if block_size else {})}
 
 
 def _extend(k: Kernel, value: ir.Value, dtype: str) -> ir.Value:
-    """An integer element of dtype as an i32."""
-    if dtype == "int32":
+    """An integer element of dtype as an i32 (a float32 one as it is)."""
+    if dtype in ("int32", "float32"):
         return value
-    return k.builder.zext(value, I32) if dtype == "uint8" else k.builder.sext(value, I32)
+    return k.builder.zext(value, I32) if dtype in ("uint8", "uint16") else k.builder.sext(value, I32)
 
 
 def round_half_even(k: Kernel, value: ir.Value) -> ir.Value:
@@ -131,8 +154,8 @@ def round_half_even(k: Kernel, value: ir.Value) -> ir.Value:
 def saturate(k: Kernel, value: ir.Value, dtype: str) -> ir.Value:
     """A float value already rounded, clamped to dtype's range and converted
     to its element type."""
-    lo, hi = QUANT_RANGES[dtype]
-    return k.builder.trunc(k.builder.fptosi(k.clamp(value, lo, hi), I32), ir.IntType(8))
+    lo, hi = QUANTIZE_RANGES[dtype]
+    return k.builder.trunc(k.builder.fptosi(k.clamp(value, lo, hi), I32), ELEMENT_TYPES[dtype])
 
 
 class _LinearQuantization(Op):
@@ -146,25 +169,39 @@ class _LinearQuantization(Op):
         """The dtype of the integer side."""
         raise NotImplementedError
 
-    def channel(self, k: Kernel, dtype: str, scale: ir.Value, zero: "ir.Value | None"):
-        """Emit what is per channel (scale, and zero point as an i32) and
-        return element(offset), which emits what is per element."""
+    def channel(self, k: Kernel, dtype: str, scale: ir.Value, zero: "ir.Value | None", attrs: dict):
+        """Emit what is per channel (scale, and zero point as an i32, or a
+        float for a float8 or float4 type held in float32) and return
+        element(offset), which emits what is per element."""
         raise NotImplementedError
 
     def lower(self, k, inputs, outputs, attrs):
         dtype = self.quantized(inputs, outputs)
         zeros = k.typed(k.inputs[2], dtype) if len(inputs) == 3 else None
-        outer, channels, inner = _channel_geometry(inputs[0].shape, inputs[1].shape, attrs["axis"], self.op_type)
+        block_size = attrs.get("block_size", 0)
+        outer, channels, inner = _channel_geometry(inputs[0].shape, inputs[1].shape, attrs["axis"], self.op_type,
+                                                   block_size)
+        if block_size:  # a scale and zero point per element of the blocked axis's block
+            blocks = -(-channels // block_size)
+            with k.loop(outer) as o, k.loop(channels) as c, k.loop(inner) as i:
+                at = k.index((o, blocks * inner), (k.builder.udiv(c, k.i64(block_size)), inner), (i, 1))
+                zero = None if zeros is None else _extend(k, k.load(zeros, at), dtype)
+                self.channel(k, dtype, k.load(k.inputs[1], at), zero, attrs)(
+                    k.index((o, channels * inner), (c, inner), (i, 1)))
+            return
         with k.loop(outer) as o, k.loop(channels) as c:
             zero = None if zeros is None else _extend(k, k.load(zeros, c), dtype)
-            element = self.channel(k, dtype, k.load(k.inputs[1], c), zero)
+            element = self.channel(k, dtype, k.load(k.inputs[1], c), zero, attrs)
             with k.loop(inner) as i:
                 element(k.index((o, channels * inner), (c, inner), (i, 1)))
 
 
 class DequantizeLinear(_LinearQuantization):
-    """y = (x - zero_point) * scale, per tensor or along `axis`; x is uint8,
-    int8 or int32. Constant weights keep this node until
+    """y = (x - zero_point) * scale, per tensor, along `axis` or per block
+    of `block_size` along it; x is uint8, int8, uint16, int16 or int32, or
+    a low-bit type held in int32 (int4, int2, ...) or float32 (float8 and
+    float4, whose zero points ONNX ignores; crosscompile.lowbit). Constant
+    weights keep this node until
     quantized.lower_qdq has looked at them (it folds the ones it does
     not lower)."""
 
@@ -173,15 +210,15 @@ class DequantizeLinear(_LinearQuantization):
     def infer(self, inputs, attrs):
         if len(inputs) not in (2, 3):
             raise ShapeError(f"DequantizeLinear takes x, scale and an optional zero point, got {len(inputs)} inputs")
-        _channel_geometry(inputs[0], inputs[1], attrs["axis"], "DequantizeLinear")
+        _channel_geometry(inputs[0], inputs[1], attrs["axis"], "DequantizeLinear", attrs.get("block_size", 0))
         if len(inputs) == 3 and tuple(inputs[2]) != tuple(inputs[1]) and _prod(inputs[2]) != _prod(inputs[1]):
             raise ShapeError(f"DequantizeLinear's zero point {tuple(inputs[2])} and scale {tuple(inputs[1])} differ")
         return [inputs[0]]
 
     def output_dtype(self, inputs, attrs):
         x = inputs[0]
-        if x.dtype not in DEQUANTIZE_DTYPES:
-            raise _unsupported_dtype(f"input {x.name!r}", x.dtype, DEQUANTIZE_DTYPES)
+        if x.dtype not in DEQUANTIZE_DTYPES + ("float32",):
+            raise _unsupported_dtype(f"input {x.name!r}", x.dtype, DEQUANTIZE_DTYPES + lowbit.LOW_BIT_DTYPES)
         if inputs[1].dtype != "float32":
             raise BuildError(f"scale {inputs[1].name!r} is {inputs[1].dtype}; only float32 scales are supported")
         if len(inputs) == 3 and inputs[2].dtype != x.dtype:
@@ -191,59 +228,99 @@ class DequantizeLinear(_LinearQuantization):
     def quantized(self, inputs, outputs) -> str:
         return inputs[0].dtype
 
-    def channel(self, k, dtype, scale, zero):
+    def channel(self, k, dtype, scale, zero, attrs):
         x, b = k.typed(k.inputs[0], dtype), k.builder
         offset = ir.Constant(I32, 0) if zero is None else zero
 
         def element(at):
-            value = b.sitofp(b.sub(_extend(k, k.load(x, at), dtype), offset), F32)
+            if dtype == "float32":  # float8 or float4, held in float32: zero points are 0
+                value = k.load(x, at)
+            else:
+                value = b.sitofp(b.sub(_extend(k, k.load(x, at), dtype), offset), F32)
             k.store(k.activate(b.fmul(value, scale)), k.outputs[0], at)
         return element
 
 
 class QuantizeLinear(_LinearQuantization):
-    """y = saturate(round_half_even(x / scale) + zero_point) into uint8 or
-    int8 (the zero point's type; uint8 without one), per tensor or along
-    `axis`."""
+    """y = saturate(round_half_even(x / scale) + zero_point) into the zero
+    point's type (else output_dtype's, else uint8), per tensor, along `axis`
+    or per block of `block_size` along it.
+
+    The type may be uint8, int8, uint16, int16, or a low-bit one (int4,
+    uint4, int2, uint2, held in int32, and float8 and float4, held in
+    float32; crosscompile.lowbit): float8 is x / scale rounded to the type,
+    saturating unless saturate=0, and float4 adds its zero point."""
 
     op_type = "QuantizeLinear"
 
     def attributes(self, raw, constants, opset):
         attrs = super().attributes(raw, constants, opset)
         to = int(raw.get("output_dtype", 0))
-        if to and to not in TENSOR_DTYPES:
+        if to and to not in TENSOR_DTYPES and to not in LOW_BIT_OUTPUTS:
             raise _unsupported_dtype("its output_dtype", onnx.TensorProto.DataType.Name(to).lower(),
-                                     tuple(QUANT_RANGES))
-        attrs["to"] = TENSOR_DTYPES.get(to, "uint8")
+                                     tuple(QUANTIZE_RANGES) + tuple(LOW_BIT_OUTPUTS.values()))
+        attrs["to"] = TENSOR_DTYPES.get(to) or LOW_BIT_OUTPUTS.get(to, "uint8")
+        if attrs["to"] in lowbit.FORMATS:
+            attrs["saturate"] = bool(int(raw.get("saturate", 1)))
         return attrs
 
     def infer(self, inputs, attrs):
         if len(inputs) not in (2, 3):
             raise ShapeError(f"QuantizeLinear takes x, scale and an optional zero point, got {len(inputs)} inputs")
-        _channel_geometry(inputs[0], inputs[1], attrs["axis"], "QuantizeLinear")
+        _channel_geometry(inputs[0], inputs[1], attrs["axis"], "QuantizeLinear", attrs.get("block_size", 0))
         return [inputs[0]]
 
     def output_dtype(self, inputs, attrs):
         if inputs[0].dtype != "float32" or inputs[1].dtype != "float32":
             raise BuildError(f"QuantizeLinear of {inputs[0].dtype} with a {inputs[1].dtype} scale is not "
                              "supported; x and scale must be float32")
+        if attrs["to"] in lowbit.LOW_BIT_DTYPES:  # its zero point is held as its output is
+            held = lowbit.held_dtype(attrs["to"])
+            if len(inputs) == 3 and inputs[2].dtype != held:
+                raise BuildError(f"zero point {inputs[2].name!r} is {inputs[2].dtype}, not {attrs['to']}")
+            return held
         if len(inputs) == 3:
-            if inputs[2].dtype not in QUANT_RANGES:
-                raise _unsupported_dtype(f"zero point {inputs[2].name!r}", inputs[2].dtype, tuple(QUANT_RANGES))
+            if inputs[2].dtype not in QUANTIZE_RANGES:
+                raise _unsupported_dtype(f"zero point {inputs[2].name!r}", inputs[2].dtype,
+                                         tuple(QUANTIZE_RANGES) + tuple(LOW_BIT_OUTPUTS.values()))
             return inputs[2].dtype
         return attrs["to"]
 
     def quantized(self, inputs, outputs) -> str:
         return outputs[0].dtype
 
-    def channel(self, k, dtype, scale, zero):
+    def channel(self, k, dtype, scale, zero, attrs):
         y, b = k.typed(k.outputs[0], dtype), k.builder
+        to = attrs["to"]
+        if to in lowbit.FORMATS:
+            return _to_minifloat(k, y, scale, zero, to, attrs["saturate"])
         offset = k.f32(0.0) if zero is None else b.sitofp(zero, F32)
 
         def element(at):
             scaled = k.clamp(b.fdiv(k.load(k.inputs[0], at), scale), -ROUNDING_LIMIT, ROUNDING_LIMIT)
-            k.store(saturate(k, b.fadd(round_half_even(k, scaled), offset), dtype), y, at)
+            rounded = b.fadd(round_half_even(k, scaled), offset)
+            if to in lowbit.INTEGERS:  # int4, int2, ...: held in int32
+                lo, hi = lowbit.integer_range(to)
+                k.store(b.fptosi(k.clamp(rounded, lo, hi), I32), y, at)
+            else:
+                k.store(saturate(k, rounded, dtype), y, at)
         return element
+
+
+
+def _to_minifloat(k: Kernel, y: ir.Value, scale: ir.Value, zero: "ir.Value | None", to: str, saturating: bool):
+    """QuantizeLinear's element(at) for a float8 or float4 type: float8 is
+    x / scale rounded to the type (saturating unless saturate=0; its zero
+    point is 0 and onnx's reference ignores it), float4 is x / scale + zero
+    point, rounded. Stored as the type's value, held in float32."""
+    b = k.builder
+
+    def element(at):
+        value = b.fdiv(k.load(k.inputs[0], at), scale)
+        if zero is not None and to == "float4_e2m1fn":
+            value = b.fadd(value, zero)
+        k.store(lowbit.decode(k, lowbit.encode(k, value, "float32", to, saturating), to), y, at)
+    return element
 
 
 class DynamicQuantizeLinear(Op):

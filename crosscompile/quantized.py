@@ -153,7 +153,7 @@ def _dequantized_weight(graph: Graph, node: "Node | None", channel_axis: int):
     """(integer weight, zero points, scales) of a constant DequantizeLinear,
     zero points and scales as one value per output channel (along
     channel_axis of the weight), else None."""
-    if (node is None or node.op_type != "DequantizeLinear"
+    if (node is None or node.op_type != "DequantizeLinear" or node.attrs.get("block_size")
             or not all(t in graph.constants for t in node.inputs)):
         return None
     weight = graph.constants[node.inputs[0]]
@@ -179,7 +179,8 @@ def _bias(graph: Graph, producer: dict, name: "str | None"):
     if node is None or node.op_type != "DequantizeLinear" or not all(t in graph.constants for t in node.inputs):
         return None, False
     values = [graph.constants[t] for t in node.inputs]
-    return dequantize_array(values[0], *values[1:], axis=node.attrs["axis"]), True
+    return dequantize_array(values[0], *values[1:], axis=node.attrs["axis"],
+                            block_size=node.attrs.get("block_size", 0)), True
 
 
 def _match(graph: Graph, op: Node, producer: dict, readers: dict) -> "_Match | None":
@@ -500,7 +501,8 @@ def fold_constant_dequantize(graph: Graph) -> Graph:
     for node in graph.nodes:
         if node.op_type == "DequantizeLinear" and all(t in constants for t in node.inputs):
             values = [constants[t] for t in node.inputs]
-            constants[node.outputs[0]] = dequantize_array(values[0], *values[1:], axis=node.attrs["axis"])
+            constants[node.outputs[0]] = dequantize_array(values[0], *values[1:], axis=node.attrs["axis"],
+                                                          block_size=node.attrs.get("block_size", 0))
         else:
             kept.append(node)
     if len(kept) == len(graph.nodes):

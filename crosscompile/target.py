@@ -205,19 +205,14 @@ class Target:
         return _FUTEX_NUMBER.get(self.arch)
 
     @property
-    def sched_yield_syscall(self) -> "int | None":
-        """Linux system call number of sched_yield, where futex's is known."""
-        return _SCHED_YIELD_NUMBER.get(self.arch)
+    def spins_before_sleep(self) -> int:
+        """Spin-wait rounds before a barrier's waiter sleeps on a futex
+        (see emit.barrier_function).
 
-    @property
-    def spins_before_yield(self) -> int:
-        """Spin-wait rounds before a barrier's waiter starts giving its core
-        away (sched_yield, then futex; see emit.barrier_function).
-
-        >>> resolve_target("rasp4b64").spins_before_yield
+        >>> resolve_target("rasp4b64").spins_before_sleep
         10000
         """
-        return _SPINS_BEFORE_YIELD.get(self.arch, _SPINS_BEFORE_YIELD_DEFAULT)
+        return _SPINS_BEFORE_SLEEP.get(self.arch, _SPINS_BEFORE_SLEEP_DEFAULT)
 
     @property
     def spin_hint(self) -> "tuple[str, tuple[int, ...]] | None":
@@ -239,16 +234,15 @@ _DOTPROD_CORES = {"cortex-a55", "cortex-a65", "cortex-a75", "cortex-a76", "corte
 
 # Linux system call numbers of futex.
 _FUTEX_NUMBER = {"x86_64": 202, "aarch64": 98, "arm": 240, "i386": 240}
-_SCHED_YIELD_NUMBER = {"x86_64": 24, "aarch64": 124, "arm": 158, "i386": 158}
-# Spin-wait rounds before a barrier's waiter yields its core: tens of
+# Spin-wait rounds before a barrier's waiter sleeps: tens of
 # microseconds, which most waits between the kernels of a run on idle
 # cores end within. Spinning longer took the core from the thread
 # everybody waited for on a busy machine; sleeping at once cost a kernel
 # wake-up per barrier (tens of microseconds to milliseconds on a virtual
-# machine), so the waiter yields for a while between the two. x86's pause
-# takes tens of cycles, ARM's yield about one, hence more rounds there.
-_SPINS_BEFORE_YIELD = {"x86_64": 2000, "i386": 2000}
-_SPINS_BEFORE_YIELD_DEFAULT = 10000
+# machine). x86's pause takes tens of cycles, ARM's yield about one,
+# hence more rounds there.
+_SPINS_BEFORE_SLEEP = {"x86_64": 2000, "i386": 2000}
+_SPINS_BEFORE_SLEEP_DEFAULT = 10000
 # The spin-wait hint per architecture: x86-64's pause, ARM's yield (hint #1).
 _SPIN_HINT = {"x86_64": ("llvm.x86.sse2.pause", ()), "aarch64": ("llvm.aarch64.hint", (1,)),
               "arm": ("llvm.arm.hint", (1,))}

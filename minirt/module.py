@@ -20,15 +20,16 @@ ABI_VERSION = 1
 MAX_THREADS = 255
 WORKSPACE_ALIGNMENT = 64
 # tether_run return codes (docs/module-abi.md).
-RUN_ERRORS = {1: "a required pointer was NULL"}
+RUN_ERRORS = {1: "a required pointer was NULL", 2: "a dynamic dimension's size is outside its range"}
 # void mark(void *ctx, int32_t step), called by tether_run_profiled.
 MARK_FUNCTION = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32)
 
 
 class TensorSpec(NamedTuple):
     name: str
-    shape: tuple
+    shape: tuple  # a dynamic module's at the upper bound
     dtype: str
+    dynamic_axes: tuple = ()  # the axes that hold the module's dynamic dimension
 
 
 def load(path: str | os.PathLike, threads: int | None = None) -> Module:
@@ -76,7 +77,18 @@ def load(path: str | os.PathLike, threads: int | None = None) -> Module:
     if profiled_fn is not None:
         profiled_fn.restype = ctypes.c_int32
         profiled_fn.argtypes = run_fn.argtypes + [MARK_FUNCTION, ctypes.c_void_p]
-    module = Module(path, lib, run_fn, metadata, parallel_fn, profiled_fn)
+    # Modules with a dynamic dimension (metadata "dynamic") take its size here.
+    dims_fns = []
+    for name, base in (("tether_run_dims", run_fn), ("tether_run_parallel_dims", parallel_fn)):
+        fn = getattr(lib, name, None) if base is not None else None
+        if fn is not None:
+            fn.restype = ctypes.c_int32
+            fn.argtypes = base.argtypes[:3] + [ctypes.POINTER(ctypes.c_int64)] + base.argtypes[3:]
+        dims_fns.append(fn)
+    if metadata.get("dynamic") and dims_fns[0] is None:
+        raise ModuleLoadError(f"{path} declares a dynamic dimension but exports no tether_run_dims; "
+                              "rebuild it with a matching crosscompile")
+    module = Module(path, lib, run_fn, metadata, parallel_fn, profiled_fn, *dims_fns)
     module.set_threads(threads)
     return module
 
@@ -114,10 +126,16 @@ class Module:
 
     With threads > 1 (set_threads) a run spreads its large ops over that
     many threads through the module's tether_run_parallel; while one run
-    uses the threads, a concurrent run() goes single-threaded."""
+    uses the threads, a concurrent run() goes single-threaded.
+
+    A module compiled with a dynamic dimension (crosscompile.build(...,
+    dynamic={"batch": (1, 16)})) lists it and its bounds in `dynamic`
+    ({"batch": (1, 16)}); the axes of its inputs and outputs that hold it
+    are their specs' dynamic_axes, their shapes give the upper bound, and
+    run() takes any size within the bounds (the same on every such axis)."""
 
     def __init__(self, path: str, lib: ctypes.CDLL, run_fn, metadata: dict, parallel_fn=None,
-                 profiled_fn=None):
+                 profiled_fn=None, dims_fn=None, parallel_dims_fn=None):
         self.path = path
         self.metadata = metadata
         self.inputs = [_spec(t) for t in metadata["inputs"]]
@@ -128,6 +146,9 @@ class Module:
         self._idle_workspaces = [self._new_workspace()]
         self._parallel = parallel_fn
         self._profiled = profiled_fn
+        self._run_dims = dims_fn
+        self._parallel_dims = parallel_dims_fn
+        self.dynamic = {d["name"]: (int(d["min"]), int(d["max"])) for d in metadata.get("dynamic") or ()}
         self._pool: "_ThreadPool | None" = None
         self._pool_lock = threading.Lock()
         self.threads = 1
@@ -155,7 +176,7 @@ class Module:
         """Run the module on a dict {name: array} or a list in input order;
         returns one numpy array per output."""
         arrays = self._check_inputs(inputs)
-        outputs = [np.empty(spec.shape, dtype=numpy_dtype(spec.dtype)) for spec in self.outputs]
+        outputs = self._new_outputs(arrays)
         in_ptrs = (ctypes.c_void_p * max(len(arrays), 1))(*[a.ctypes.data for a in arrays])
         out_ptrs = (ctypes.c_void_p * max(len(outputs), 1))(*[a.ctypes.data for a in outputs])
         try:
@@ -163,7 +184,7 @@ class Module:
         except IndexError:
             workspace = self._new_workspace()
         try:
-            status = self._call(in_ptrs, out_ptrs, _aligned_address(workspace))
+            status = self._call(in_ptrs, out_ptrs, _aligned_address(workspace), self._dims(arrays))
         finally:
             self._idle_workspaces.append(workspace)
         if status != 0:
@@ -193,7 +214,12 @@ class Module:
         if inputs is None:
             inputs = {spec.name: np.zeros(spec.shape, dtype=numpy_dtype(spec.dtype)) for spec in self.inputs}
         arrays = self._check_inputs(inputs)
-        outputs = [np.empty(spec.shape, dtype=numpy_dtype(spec.dtype)) for spec in self.outputs]
+        size = self._size(arrays)
+        for name, (_, high) in self.dynamic.items():
+            if size != high:
+                raise InputError(f"profiling runs this module at its upper bound {name} {high}; pass inputs "
+                                 f"of that size (got {size})")
+        outputs = self._new_outputs(arrays)
         in_ptrs = (ctypes.c_void_p * max(len(arrays), 1))(*[a.ctypes.data for a in arrays])
         out_ptrs = (ctypes.c_void_p * max(len(outputs), 1))(*[a.ctypes.data for a in outputs])
         workspace = self._new_workspace()
@@ -230,17 +256,41 @@ class Module:
                          "mean_s": total / number, "share": total / whole})
         return rows
 
-    def _call(self, in_ptrs, out_ptrs, workspace: int) -> int:
+    def _call(self, in_ptrs, out_ptrs, workspace: int, dims=None) -> int:
+        """Run once; dims (a ctypes int64 array, see _dims) for a dynamic module."""
+        args = (in_ptrs, out_ptrs, workspace) + ((dims,) if dims is not None else ())
+        parallel = self._parallel if dims is None else self._parallel_dims
         # One parallel run at a time owns the pool; a concurrent run() from
         # another Python thread goes single-threaded instead of waiting.
-        if self.threads > 1 and self._pool_lock.acquire(blocking=False):
+        if self.threads > 1 and parallel is not None and self._pool_lock.acquire(blocking=False):
             try:
                 if self._pool is None or self._pool.size != self.threads:
                     self._pool = _ThreadPool(self.threads)
-                return self._pool.run(self._parallel, (in_ptrs, out_ptrs, workspace))
+                return self._pool.run(parallel, args)
             finally:
                 self._pool_lock.release()
-        return self._run(in_ptrs, out_ptrs, workspace)
+        return (self._run if dims is None else self._run_dims)(*args)
+
+    def _size(self, arrays: list):
+        """The dynamic dimension's size in checked inputs, or None for a
+        module without one."""
+        for spec, array in zip(self.inputs, arrays):
+            if spec.dynamic_axes:
+                return int(array.shape[spec.dynamic_axes[0]])
+        return None
+
+    def _dims(self, arrays: list):
+        """The dims argument of tether_run_dims for checked inputs, or None
+        for a module without a dynamic dimension."""
+        size = self._size(arrays)
+        return None if size is None else (ctypes.c_int64 * 1)(size)
+
+    def _new_outputs(self, arrays: list) -> list:
+        """Output arrays for checked inputs (at their dynamic size)."""
+        size = self._size(arrays)
+        return [np.empty(tuple(size if axis in spec.dynamic_axes and size is not None else d
+                               for axis, d in enumerate(spec.shape)), dtype=numpy_dtype(spec.dtype))
+                for spec in self.outputs]
 
     def close(self) -> None:
         """Stop the module's worker threads (they also stop with the process)."""
@@ -276,28 +326,60 @@ class Module:
                     raise InputError(f"input {spec.name!r}: expected dtype {spec.dtype}, got {value.dtype}")
             else:
                 value = np.asarray(value, dtype=numpy_dtype(spec.dtype))
-            if tuple(value.shape) != spec.shape:
+            if self.dynamic:
+                self._check_dynamic_shape(spec, tuple(value.shape), self._size(arrays))
+            elif tuple(value.shape) != spec.shape:
                 raise InputError(f"input {spec.name!r}: expected shape {spec.shape}, "
                                  f"got {tuple(value.shape)}")
             arrays.append(np.ascontiguousarray(value).reshape(value.shape))  # 0-d stays 0-d
         return arrays
 
+    def _check_dynamic_shape(self, spec: TensorSpec, shape: tuple, earlier) -> None:
+        """An input of a dynamic module: its size on each dynamic axis within
+        the bounds and equal to the earlier inputs' (`earlier`, None before
+        the first), the other dimensions as declared."""
+        (dim, (low, high)), = self.dynamic.items()
+        axes = spec.dynamic_axes
+        expected = "(" + ", ".join(f"{dim} {low}..{high}" if axis in axes else str(d)
+                                   for axis, d in enumerate(spec.shape)) + ")"
+        if len(shape) != len(spec.shape) or any(d != s for axis, (d, s) in enumerate(zip(shape, spec.shape))
+                                                if axis not in axes):
+            raise InputError(f"input {spec.name!r}: expected shape {expected}, got {shape}")
+        for axis in axes:
+            if not low <= shape[axis] <= high:
+                raise InputError(f"input {spec.name!r}: {dim} (axis {axis}) is {shape[axis]}, outside this "
+                                 f"module's range {low}..{high}; run at most {high} at a time, or rebuild the "
+                                 f"module with dynamic={{{dim!r}: ({min(low, shape[axis])}, {max(high, shape[axis])})}}")
+            if earlier is not None and shape[axis] != earlier:
+                raise InputError(f"input {spec.name!r}: {dim} (axis {axis}) is {shape[axis]}, but an earlier "
+                                 f"one is {earlier}; every input needs the same {dim}")
+            earlier = shape[axis]
+
+
+# The dtypes numpy lacks, and the unsigned type holding each one's bit
+# patterns: bfloat16 (a float32's upper half) and the low-bit types, one
+# byte per element, the value's bits in the low bits (float8, float4, int4,
+# int2; crosscompile.lowbit).
+BIT_PATTERNS = {"bfloat16": "uint16", **dict.fromkeys((
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn",
+    "int4", "uint4", "int2", "uint2"), "uint8")}
+
 
 def numpy_dtype(name: str) -> np.dtype:
-    """The numpy dtype a module's tensor of dtype name is held in. numpy has
-    no bfloat16: where ml_dtypes (which onnx brings) has given it one, that
-    is used, elsewhere uint16 arrays of bfloat16's bit patterns (a float32's
-    upper half)."""
+    """The numpy dtype a module's tensor of dtype name is held in: for the
+    types numpy lacks (BIT_PATTERNS), ml_dtypes' where it has given numpy
+    them (onnx brings it), elsewhere arrays of their bit patterns."""
     try:
         return np.dtype(name)
     except TypeError:
-        if name == "bfloat16":
-            return np.dtype(np.uint16)
+        if name in BIT_PATTERNS:
+            return np.dtype(BIT_PATTERNS[name])
         raise
 
 
 def _spec(entry: dict) -> TensorSpec:
-    return TensorSpec(entry["name"], tuple(int(d) for d in entry["shape"]), entry["dtype"])
+    return TensorSpec(entry["name"], tuple(int(d) for d in entry["shape"]), entry["dtype"],
+                      tuple(int(a) for a in entry.get("dynamic_axes") or ()))
 
 
 def _aligned_address(buffer: np.ndarray) -> int:

@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Tuple
 import numpy as np
 
 from .errors import RunError
-from .module import RUN_ERRORS, Module, _aligned_address, numpy_dtype
+from .module import RUN_ERRORS, Module, _aligned_address
 
 # Growing `number` stops here even if a run is too fast to reach min_repeat_ms.
 MAX_NUMBER = 1 << 30
@@ -34,16 +34,17 @@ def bound_call(module: Module, inputs) -> Callable[[], None]:
     tether_run_parallel, so a benchmark times what run() does.
     """
     arrays = module._check_inputs(inputs)
-    outputs = [np.empty(spec.shape, dtype=numpy_dtype(spec.dtype)) for spec in module.outputs]
+    outputs = module._new_outputs(arrays)
+    dims = module._dims(arrays)
     workspace = module._new_workspace()
     in_ptrs = (ctypes.c_void_p * max(len(arrays), 1))(*[a.ctypes.data for a in arrays])
     out_ptrs = (ctypes.c_void_p * max(len(outputs), 1))(*[a.ctypes.data for a in outputs])
     ws = _aligned_address(workspace)
     run = module._call
-    keep = (arrays, outputs, workspace)  # the pointers above point into these
+    keep = (arrays, outputs, workspace, dims)  # the pointers above point into these
 
     def call():
-        status = run(in_ptrs, out_ptrs, ws)
+        status = run(in_ptrs, out_ptrs, ws, dims)
         if status != 0:
             raise RunError(f"{module.path}: tether_run returned {status} "
                            f"({RUN_ERRORS.get(status, 'unknown error code')})")

@@ -21,9 +21,15 @@ runs a few of those per op by default, and every case with --node-suite.
     python -m tests.onnx_node_suite --op Trilu       # the cases of one op
     python -m tests.onnx_node_suite --shard 1/2 --log a.jsonl &   # a sweep in two processes
     python -m tests.onnx_node_suite --shard 2/2 --log b.jsonl
+    python -m tests.onnx_node_suite --board native-aarch64   # on an emulated arm64 board
+
+With --board the cases are compiled for that board's preset (BOARDS) and
+run on a real native board server under qemu-user, one session per case,
+instead of on this host.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
@@ -38,6 +44,9 @@ from onnx import numpy_helper
 
 DATA = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data")
 SUITES = ("pytorch-converted", "pytorch-operator")
+# --board: a server of tests/board_servers' emulated kinds, and the preset
+# its cases are compiled for (the board that server stands for).
+BOARDS = {"native-aarch64": "rasp4b64", "native-armv7": "rasp4b"}
 
 
 @dataclass
@@ -127,7 +136,11 @@ def discover(everything: bool = False, op_type: "str | None" = None) -> list:
 # Model output dtypes a module can have (crosscompile.frontend.SUPPORTED_DTYPES).
 OUTPUT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.BOOL,
                 onnx.TensorProto.INT16, onnx.TensorProto.INT8, onnx.TensorProto.UINT64, onnx.TensorProto.UINT32,
-                onnx.TensorProto.UINT16, onnx.TensorProto.UINT8}
+                onnx.TensorProto.UINT16, onnx.TensorProto.UINT8,
+                # the low-bit types (crosscompile.lowbit)
+                onnx.TensorProto.FLOAT8E4M3FN, onnx.TensorProto.FLOAT8E4M3FNUZ, onnx.TensorProto.FLOAT8E5M2,
+                onnx.TensorProto.FLOAT8E5M2FNUZ, onnx.TensorProto.FLOAT8E8M0, onnx.TensorProto.FLOAT4E2M1,
+                onnx.TensorProto.INT4, onnx.TensorProto.UINT4, onnx.TensorProto.INT2, onnx.TensorProto.UINT2}
 RUNTIME_DTYPES = {np.dtype(np.float32), np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.bool_)}
 
 
@@ -199,6 +212,7 @@ def run_case(case: Case, workdir: str, rtol=1e-4, atol=1e-5, target: str = "host
     import crosscompile
     import minirt
     from crosscompile.frontend import compile_time_inputs
+    from crosscompile.lowbit import LOW_BIT_DTYPES
 
     model, inputs, expected = case.load()
     if case.generated is not None:
@@ -242,6 +256,10 @@ def run_case(case: Case, workdir: str, rtol=1e-4, atol=1e-5, target: str = "host
                 return Result(case, "mismatch", f"output {i}: a tensor, expected a sequence")
             if g.shape != w.shape or g.dtype != w.dtype:
                 return Result(case, "mismatch", f"output {i}: {g.dtype}{g.shape}, expected {w.dtype}{w.shape}")
+            if w.dtype.name in LOW_BIT_DTYPES:  # one of the few values of the type: exactly that one
+                if not np.array_equal(g.astype(np.float32), w.astype(np.float32), equal_nan=True):
+                    return Result(case, "mismatch", f"output {i}: {g.reshape(-1)[:8]}..., expected {w.reshape(-1)[:8]}...")
+                continue
             # float16 and bfloat16 results within one unit of their last
             # place: the reference rounds intermediate values to the type in
             # an order of its own, which float32 arithmetic rounded per op
@@ -273,6 +291,7 @@ def _computed_from(graph, names: set) -> set:
 
 
 def run_isolated(case: Case, workdir: str, timeout: float = 300.0) -> Result:
+    from crosscompile.lowbit import LOW_BIT_DTYPES
     """run_case in a forked child, so that a module which kills its process
     (a segfault) or never ends is counted as a crash and the sweep goes on."""
     import pickle
@@ -286,7 +305,7 @@ def run_isolated(case: Case, workdir: str, timeout: float = 300.0) -> Result:
         os.close(read_end)
         code = 0
         try:
-            result = run_case(case, workdir)
+            result = run_case(case, workdir, target=target, run_module=run_module)
             payload = pickle.dumps((result.status, result.detail))
         except BaseException as exc:  # noqa: BLE001 - reported as a crash by the parent
             payload = pickle.dumps(("crash", f"{type(exc).__name__}: {exc}"[:300]))
@@ -314,15 +333,21 @@ def run_isolated(case: Case, workdir: str, timeout: float = 300.0) -> Result:
     return Result(case, status_name, detail)
 
 
-def run_all(cases=None, progress=None) -> list:
+def run_all(cases=None, progress=None, board: "str | None" = None) -> list:
+    """Every case's Result, on this host, or with board (a kind of BOARDS)
+    compiled for its preset and run on that board server."""
     import crosscompile  # noqa: F401 - imported once, before the children fork
     import minirt  # noqa: F401
 
     cases = discover() if cases is None else cases
     results = []
-    with tempfile.TemporaryDirectory(prefix="tether-node-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="tether-node-") as tmp, contextlib.ExitStack() as stack:
+        target, run_module = "host", None
+        if board is not None:
+            server = stack.enter_context(board_server(board, tmp))
+            target, run_module = BOARDS[board], board_runner(server.port)
         for number, case in enumerate(cases, 1):
-            results.append(run_isolated(case, tmp))
+            results.append(run_isolated(case, tmp, target=target, run_module=run_module))
             if progress:
                 progress(number, len(cases), results[-1])
     return results
@@ -384,6 +409,9 @@ def main(argv=None) -> int:
                         help="append each case's result to FILE as one JSON line as soon as it is known")
     parser.add_argument("--shard", metavar="I/N", default="1/1",
                         help="run only every N-th case starting at the I-th (to split a sweep between processes)")
+    parser.add_argument("--board", choices=sorted(BOARDS),
+                        help="compile for the board's preset and run every case on that board server, "
+                             "under qemu-user (default: on this host)")
     args = parser.parse_args(argv)
     cases = discover(everything=not args.in_scope, op_type=args.op[0] if len(args.op) == 1 else None)
     if args.op:
@@ -400,7 +428,7 @@ def main(argv=None) -> int:
                                     "status": result.status, "detail": result.detail}) + "\n")
         if tty:
             print(f"\r{number}/{total} {result.case.name[:60]:60}", end="", file=sys.stderr, flush=True)
-    results = run_all(cases, progress)
+    results = run_all(cases, progress, board=args.board)
     if tty:
         print(file=sys.stderr)
     counts = report(results, per_op_table=args.per_op)

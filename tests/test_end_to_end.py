@@ -162,3 +162,39 @@ def test_float16_and_bfloat16_tensors_go_and_come_back_on_either_server(kind, tm
     assert hh.dtype == np.float16 and bb.dtype == ml_dtypes.bfloat16
     np.testing.assert_array_equal(hh, h * h)  # numpy rounds each product to float16 too
     np.testing.assert_array_equal(bb.astype(np.float32), (b + b).astype(np.float32))
+
+
+@pytest.mark.parametrize("kind", board_servers.KINDS)
+def test_float8_and_int4_tensors_go_and_come_back_on_either_server(kind, tmp_path):
+    """A module with float8 and int4 inputs and outputs (one byte each)
+    runs on either board server, which has no ml_dtypes: the client sends
+    ml_dtypes' arrays and gets them back as such, with onnx's values."""
+    import ml_dtypes
+    from onnx import TensorProto, helper
+    from onnx.reference import ReferenceEvaluator
+
+    import crosscompile
+    graph = helper.make_graph(
+        [helper.make_node("Cast", ["f"], ["f_e5m2"], to=TensorProto.FLOAT8E5M2),
+         helper.make_node("Cast", ["f"], ["f_float"], to=TensorProto.FLOAT),
+         helper.make_node("Transpose", ["q"], ["q_t"], perm=[1, 0])],
+        "low_bit",
+        [helper.make_tensor_value_info("f", TensorProto.FLOAT8E4M3FN, [5]),
+         helper.make_tensor_value_info("q", TensorProto.INT4, [2, 3])],
+        [helper.make_tensor_value_info("f_e5m2", TensorProto.FLOAT8E5M2, [5]),
+         helper.make_tensor_value_info("f_float", TensorProto.FLOAT, [5]),
+         helper.make_tensor_value_info("q_t", TensorProto.INT4, [3, 2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    so_path = crosscompile.build(model, target="host").export_library(tmp_path / "low_bit.so")
+    feeds = {"f": np.array([0.1, -448.0, 3.5, np.nan, 2.0 ** -9], ml_dtypes.float8_e4m3fn),
+             "q": np.array([[-8, 7, 0], [1, -1, 5]], ml_dtypes.int4)}
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    with LocalFarm(keys=["host"], env=env, server_command=board_servers.command(kind)) as farm, \
+            rpc.connect_tracker(*farm.tracker).request("host", timeout=30) as sess:
+        sess.upload(str(so_path))
+        got = sess.load_module("low_bit.so").run(feeds)
+    want = ReferenceEvaluator(model).run(None, feeds)
+    assert [g.dtype for g in got] == [w.dtype for w in want] == [
+        np.dtype(ml_dtypes.float8_e5m2), np.float32, np.dtype(ml_dtypes.int4)]
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.tobytes() == w.tobytes(), (g, w)

@@ -7,10 +7,14 @@ within its time budget. The full sweep of all 2,001 cases runs with
 --node-suite (tests marked node_suite):
 
     python -m pytest --node-suite tests/test_onnx_node_suite.py
+
+The same cases also run compiled for rasp4b64 on the native board server
+under qemu-aarch64 (--board native-aarch64): a few by default, every one
+with --node-suite.
 """
 import pytest
 
-from tests.onnx_node_suite import discover, per_op, run_all
+from tests.onnx_node_suite import BOARDS, discover, per_op, run_all
 
 # Ops the compiler claims: each must pass at least one of onnx's own cases.
 CLAIMED = {"Conv", "Gemm", "MatMul", "BatchNormalization", "Relu", "LeakyRelu", "PRelu", "Clip",
@@ -31,9 +35,9 @@ CLAIMED = {"Conv", "Gemm", "MatMul", "BatchNormalization", "Relu", "LeakyRelu", 
            "RMSNormalization", "Hardmax", "CumProd", "Swish", "NegativeLogLikelihoodLoss",
            "SoftmaxCrossEntropyLoss", "BitShift", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "BitwiseNot",
            "Attention", "RotaryEmbedding", "MeanVarianceNormalization", "SwiGLU", "CausalConvWithState",
-           "LpPool", "Compress", "Col2Im", "GridSample", "BitCast", "DFT", "STFT", "Det", "MaxUnpool",
-           "ReverseSequence", "EyeLike", "If", "Loop", "OptionalHasElement", "OptionalGetElement",
-           "TensorScatter"}
+           "LpPool", "Compress", "Col2Im", "GridSample", "BitCast", "QuantizeLinear", "DequantizeLinear", "DFT",
+           "STFT", "Det", "MaxUnpool", "ReverseSequence", "EyeLike", "If", "Loop", "OptionalHasElement",
+           "OptionalGetElement", "TensorScatter"}
 # In-scope cases run per op by default (a case counts for every op it uses).
 CASES_PER_OP = 3
 
@@ -84,6 +88,40 @@ def test_refusals_are_clear_build_errors(results):
 def test_every_case_onnx_ships_passes_or_is_refused_with_a_reason():
     from tests.onnx_node_suite import report
     results = run_all(discover(everything=True))
+    counts = report(results)
+    _assert_no_wrong_result_or_crash(results)
+    assert all(r.reason for r in results if r.status == "refused")
+    assert sum(counts.values()) == len(results) > 0
+
+
+# Cases the default run takes on an emulated arm64 board: convolutions, a
+# recurrent layer, float8 and int4 casts, a reduction, an attention and a
+# gather: kernels whose ARM code differs from the host's, in a few seconds.
+BOARD_SAMPLE = ("test_conv_with_strides_padding", "test_lstm_defaults", "test_cast_FLOAT_to_FLOAT8E4M3FN",
+                "test_cast_FLOAT_to_INT4", "test_reduce_sum_square_default_axes_keepdims_random",
+                "test_attention_4d", "test_gather_elements_1", "test_softmax_axis_1")
+
+
+@pytest.mark.emulated
+def test_sampled_cases_pass_on_an_emulated_arm64_board():
+    """A few cases compiled for rasp4b64 and run on the native board server
+    under qemu-aarch64, through sessions: what the --board sweep does."""
+    from tests import board_servers
+    board_servers.command("native-aarch64")  # skips without qemu-user or the server's build
+    cases = [c for c in discover() if c.name in BOARD_SAMPLE]
+    assert sorted(c.name for c in cases) == sorted(BOARD_SAMPLE)
+    results = run_all(cases, board="native-aarch64")
+    assert [(r.case.name, r.status, r.detail) for r in results if r.status != "pass"] == []
+
+
+@pytest.mark.node_suite
+@pytest.mark.emulated
+@pytest.mark.parametrize("board", sorted(BOARDS))
+def test_every_case_onnx_ships_passes_or_is_refused_on_an_emulated_board(board):
+    from tests import board_servers
+    from tests.onnx_node_suite import report
+    board_servers.command(board)
+    results = run_all(discover(everything=True), board=board)
     counts = report(results)
     _assert_no_wrong_result_or_crash(results)
     assert all(r.reason for r in results if r.status == "refused")

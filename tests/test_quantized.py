@@ -101,28 +101,40 @@ def _dequantized_matmul(dtype: int, values) -> onnx.ModelProto:
     return model
 
 
-def test_int4_weights_are_refused_naming_the_node():
-    model = _dequantized_matmul(TensorProto.INT4, [1, -2, 3, 0, 1, 1, -1, 7])
-    with pytest.raises(crosscompile.BuildError, match=r"'weight_dq'.*int4.*not supported.*8 bits"):
-        crosscompile.build(model)
+@pytest.mark.parametrize("dtype", [TensorProto.INT16, TensorProto.UINT16], ids=["int16", "uint16"])
+def test_sixteen_bit_weights_dequantized_into_a_matmul(dtype, tmp_path):
+    # (int4, int2, float8 and float4 ones: tests/test_lowbit.py)
+    model = _dequantized_matmul(dtype, [1, 2, 3, 0, 1, 1, 300, 65000 if dtype == TensorProto.UINT16 else -32000])
+    x = np.array([[0.5, -1.0, 2.0, 0.25]], np.float32)
+    _assert_matches_reference(model, {"x": x}, tmp_path / "sixteen.so")
 
 
-def test_float8_quantization_is_refused_naming_the_node():
-    zero = helper.make_tensor("z", TensorProto.FLOAT8E4M3FN, [], [0.0])
-    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"], name="to_float8"),
-             helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"], name="from_float8")]
-    model = make_model(nodes, {"x": (1, 4)}, {"y": None}, {"s": np.float32(0.1)}, opset=21)
-    model.graph.initializer.append(zero)
-    with pytest.raises(crosscompile.BuildError, match=r"'to_float8'.*float8_e4m3fn.*not supported"):
-        crosscompile.build(model)
+def _assert_matches_reference(model, feeds, path):
+    from onnx.reference import ReferenceEvaluator
+    got = minirt.load(str(crosscompile.build(model).export_library(path))).run(feeds)
+    for g, w in zip(got, ReferenceEvaluator(model).run(None, feeds)):
+        assert g.dtype == w.dtype
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
 
 
-def test_blocked_quantization_is_refused_naming_the_node():
-    nodes = [helper.make_node("DequantizeLinear", ["w_q", "w_scale"], ["w"], name="blocked", axis=0, block_size=2),
-             helper.make_node("MatMul", ["x", "w"], ["y"])]
-    inits = {"w_q": np.arange(8, dtype=np.int8).reshape(4, 2), "w_scale": np.ones((2, 2), np.float32)}
-    with pytest.raises(crosscompile.BuildError, match=r"'blocked'.*block_size=2.*per tensor or per channel"):
-        crosscompile.build(make_model(nodes, {"x": (1, 4)}, {"y": (1, 2)}, inits, opset=21))
+def test_blocked_quantization_matches_the_reference(tmp_path):
+    """A scale (and zero point) per block of 2 along an axis of 5: the last
+    block is short. QuantizeLinear and DequantizeLinear of a runtime
+    tensor, and a constant weight dequantized into a MatMul."""
+    rng = np.random.default_rng(4)
+    scale = rng.uniform(0.05, 0.5, (3, 3)).astype(np.float32)
+    zero = rng.integers(-20, 20, (3, 3)).astype(np.int8)
+    w_scale = rng.uniform(0.01, 0.1, (2, 3)).astype(np.float32)
+    nodes = [helper.make_node("QuantizeLinear", ["x", "scale", "zero"], ["q"], axis=1, block_size=2),
+             helper.make_node("DequantizeLinear", ["q", "scale", "zero"], ["y"], axis=1, block_size=2),
+             helper.make_node("DequantizeLinear", ["w_q", "w_scale"], ["w"], axis=0, block_size=3),
+             helper.make_node("MatMul", ["y", "w"], ["z"])]
+    inits = {"scale": scale, "zero": zero, "w_scale": w_scale,
+             "w_q": rng.integers(-128, 128, (5, 3)).astype(np.int8)}
+    model = make_model(nodes, {"x": (3, 5)}, {"q": (3, 5), "y": (3, 5), "z": (3, 3)}, inits, opset=21)
+    model.graph.output[0].type.tensor_type.elem_type = TensorProto.INT8
+    x = (rng.standard_normal((3, 5)) * 4).astype(np.float32)
+    _assert_matches_reference(model, {"x": x}, tmp_path / "blocked.so")
 
 
 def test_quantize_rounds_half_to_even_and_saturates(tmp_path):

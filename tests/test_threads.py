@@ -1,5 +1,6 @@
 """Modules split large ops across threads (tether_run_parallel): the same
 results for any thread count, and old modules still run on one thread."""
+import functools
 import os
 import shutil
 import subprocess
@@ -102,10 +103,12 @@ PARALLEL_DRIVER_C = r"""
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 struct tether_sync { int32_t arrived, generation; long (*syscall)(long, ...); };
@@ -122,7 +125,28 @@ static void *work(void *arg) {
     return NULL;
 }
 
-/* driver MODULE.so WORKSPACE_BYTES IN.bin N_IN OUT.bin N_OUT THREADS [RUNS [late]]:
+/* "held": a thread of the driver's own stops the workers again and again
+   in the middle of the run, as a busy board's scheduler does: a signal
+   whose handler sleeps for 3 ms wherever the worker is (often inside a
+   chunk of work it took), then 0.3 ms to run before the next one. */
+static pthread_t ids[16];
+static volatile int running;
+static void hold(int sig) {
+    (void)sig;
+    struct timespec pause = {0, 3000000};
+    nanosleep(&pause, NULL);
+}
+static void *holder(void *arg) {
+    (void)arg;
+    struct timespec gap = {0, 3300000};
+    while (running) {
+        for (int t = 1; t < threads; t++) pthread_kill(ids[t], SIGUSR1);
+        nanosleep(&gap, NULL);
+    }
+    return NULL;
+}
+
+/* driver MODULE.so WORKSPACE_BYTES IN.bin N_IN OUT.bin N_OUT THREADS [RUNS [late|held]]:
    OUT.bin gets the outputs of RUNS runs (default 1) one after another.
    With "late", thread 0 runs alone and the other threads only call in
    after it has returned, as threads the system never ran in time: they
@@ -131,6 +155,11 @@ int main(int argc, char **argv) {
     if (argc < 8 || argc > 10) { fprintf(stderr, "usage\n"); return 2; }
     int runs = argc >= 9 ? atoi(argv[8]) : 1;
     int late = argc == 10 && strcmp(argv[9], "late") == 0;
+    int held = argc == 10 && strcmp(argv[9], "held") == 0;
+    struct sigaction action;
+    memset(&action, 0, sizeof action);
+    action.sa_handler = hold;
+    sigaction(SIGUSR1, &action, NULL);
     void *lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
     if (!lib) { fprintf(stderr, "dlopen: %s\n", dlerror()); return 3; }
     run = (run_parallel_fn)dlsym(lib, "tether_run_parallel");
@@ -148,7 +177,6 @@ int main(int argc, char **argv) {
         sync_state.arrived = sync_state.generation = 0;
         sync_state.syscall = syscall;
         memset(out, 0, n_out * sizeof(float));
-        pthread_t ids[16];
         if (late) {
             work((void *)0);
             fwrite(out, sizeof(float), n_out, f);
@@ -161,8 +189,13 @@ int main(int argc, char **argv) {
             if (memcmp(before, workspace, ws) != 0) { fprintf(stderr, "a late thread wrote to the workspace\n"); return 8; }
             free(before);
         } else {
+            pthread_t holding;
+            running = 1;
             for (int t = 1; t < threads; t++) pthread_create(&ids[t], NULL, work, (void *)(intptr_t)t);
+            if (held) pthread_create(&holding, NULL, holder, NULL);
             work((void *)0);
+            running = 0;
+            if (held) pthread_join(holding, NULL);
             for (int t = 1; t < threads; t++) pthread_join(ids[t], NULL);
         }
         for (int t = 0; t < threads; t++)
@@ -175,30 +208,39 @@ int main(int argc, char **argv) {
 """
 
 
-def run_on_emulated_board(tmp_path, preset, threads: int, runs: int = 1, late: bool = False):
+@functools.lru_cache(maxsize=None)
+def built_for(preset: str):
+    """small_cnn compiled for preset: (the module's bytes, its workspace
+    size), built once for every test that runs it."""
+    lib = crosscompile.build(small_cnn(), target=preset)
+    return lib.so_bytes, lib.metadata["workspace_bytes"]
+
+
+def run_on_emulated_board(tmp_path, preset, threads: int, runs: int = 1, mode: str = ""):
     """small_cnn's outputs of `runs` runs on `threads` threads, through
     tether_run_parallel under qemu (the host's C compiler and no qemu for
-    preset "host"), and onnxruntime's. With late, the other threads call
-    in only after thread 0 has returned (see PARALLEL_DRIVER_C)."""
+    preset "host"), and onnxruntime's. With mode "late", the other threads
+    call in only after thread 0 has returned; with "held", they are stopped
+    for 3 ms after every 0.3 ms they run (see PARALLEL_DRIVER_C)."""
     if preset == "host":
         gcc = shutil.which("cc") or pytest.skip("no C compiler (cc) on this host")
         launch = []
     else:
         qemu, gcc, sysroot = emulated_tools(preset)
         launch = [qemu, "-L", sysroot]
-    model = small_cnn()
     x = rand(2, 3, 37, 41, seed=9)
-    want = reference(model, {"x": x})[0]
-    lib = crosscompile.build(model, target=preset)
-    so = lib.export_library(tmp_path / "cnn.so")
+    want = reference(small_cnn(), {"x": x})[0]
+    so_bytes, workspace_bytes = built_for(preset)
+    so = tmp_path / "cnn.so"
+    so.write_bytes(so_bytes)
     (tmp_path / "driver.c").write_text(PARALLEL_DRIVER_C)
     subprocess.run([gcc, "-O1", "-pthread", "-o", str(tmp_path / "driver"), str(tmp_path / "driver.c"), "-ldl"],
                    check=True, capture_output=True)
     x.tofile(tmp_path / "in.bin")
-    proc = subprocess.run(launch + [str(tmp_path / "driver"), so,
-                           str(lib.metadata["workspace_bytes"]), str(tmp_path / "in.bin"),
+    proc = subprocess.run(launch + [str(tmp_path / "driver"), str(so),
+                           str(workspace_bytes), str(tmp_path / "in.bin"),
                            str(x.size), str(tmp_path / "out.bin"), str(want.size), str(threads), str(runs)]
-                          + (["late"] if late else []),
+                          + ([mode] if mode else []),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     got = np.fromfile(tmp_path / "out.bin", dtype=np.float32).reshape((runs,) + want.shape)
@@ -223,7 +265,18 @@ def test_threads_that_never_ran_hold_nobody_up(tmp_path, preset):
     started (descheduled all along) and its outputs are right; when they
     call in afterwards they find every step done and return without
     writing to the outputs or the workspace."""
-    got, want = run_on_emulated_board(tmp_path, preset, threads=3, runs=2, late=True)
+    got, want = run_on_emulated_board(tmp_path, preset, threads=3, runs=2, mode="late")
+    for run in got:
+        assert_arm_close(run, want)
+
+
+@pytest.mark.parametrize("preset, runs", [("host", 30), ("rasp4b64", 4)])
+def test_workers_held_in_the_middle_of_their_work(tmp_path, preset, runs):
+    """Workers stopped again and again wherever they are, at times holding
+    a chunk that thread 0 then waits for (asleep on the futex, woken when
+    the held worker finishes it), or before they took any: every run's
+    outputs are still right."""
+    got, want = run_on_emulated_board(tmp_path, preset, threads=3, runs=runs, mode="held")
     for run in got:
         assert_arm_close(run, want)
 

@@ -497,7 +497,8 @@ def run_bench(args, tracker_address) -> int:
     _check_options(args)
     old = load_report(args.vs) if args.vs else None
     options = dict(input_shapes=modelfile.parse_input_shapes(args.input_shape),
-                   tuned=not args.no_tuning, say=say, precision=args.precision)
+                   tuned=not args.no_tuning, say=say, precision=args.precision,
+                   dynamic=modelfile.parse_dynamic(args.dynamic))
     modules = modelfile.ModuleChoice(args.model, args.target, **options)
     try:
         baselines = (modelfile.ModuleChoice(args.baseline_module, args.target, **options)
@@ -648,6 +649,7 @@ def add_arguments(p) -> None:
     p.add_argument("--cooldown-ms", type=float, default=0.0, help="pause between samples")
     p.add_argument("--input-shape", action="append", default=[], metavar="NAME=D0,D1,...",
                    help="fix an ONNX input's unknown dimensions")
+    modelfile.add_dynamic_argument(p)  # a dynamic module is timed at its upper bound
     p.add_argument("--no-tuning", action="store_true",
                    help="compile with the default register tiles, not those `tether tune` "
                         "cached for --target")

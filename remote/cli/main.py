@@ -57,14 +57,15 @@ def cmd_token(args):
 
 def cmd_compile(args):
     import crosscompile
-    from remote.cli.modelfile import parse_input_shapes
+    from remote.cli.modelfile import parse_dynamic, parse_input_shapes
     from remote.cli.progress import stage
     from remote.client.tuning import default_cache
     shapes = parse_input_shapes(args.input_shape)
     schedules = None if args.no_tuning else default_cache()
     with stage(f"compiling {os.path.basename(args.model)} for {args.target}") as ticker:
         lib = crosscompile.build(args.model, target=args.target, input_shapes=shapes,
-                                 schedules=schedules, progress=ticker.step, precision=args.precision)
+                                 schedules=schedules, progress=ticker.step, precision=args.precision,
+                                 dynamic=parse_dynamic(args.dynamic))
     out = args.output or os.path.splitext(os.path.basename(args.model))[0] + ".so"
     lib.export_library(out)
     meta = lib.metadata
@@ -73,6 +74,9 @@ def cmd_compile(args):
     for kind in ("inputs", "outputs"):
         for t in meta[kind]:
             print(f"  {kind[:-1]:6} {t['name']}: {t['dtype']}{list(t['shape'])}")
+    for dim in meta.get("dynamic", ()):
+        print(f"  dynamic {dim['name']} (axis 0): any size from {dim['min']} to {dim['max']} "
+              f"(shapes above at {dim['max']}; plans for chunks of {', '.join(map(str, dim['chunks']))})")
     s = lib.summary
     print(f"  ops {s['ops']} ({', '.join(meta['ops'])}); kernels {s['kernels']}; "
           f"fused kernels {s['fused_kernels']} ({s['fused_ops']} element-wise ops fused, "
@@ -210,10 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="preset (host, rasp3b, rasp4b, rasp4b64, rasp5, android-arm64, "
                         "android-armv7) or triple[/cpu[/features]]")
     p.add_argument("-o", "--output", help="output .so (default: MODEL.so)")
-    from remote.cli.modelfile import add_precision_argument
+    from remote.cli.modelfile import add_dynamic_argument, add_precision_argument
     add_precision_argument(p)
     p.add_argument("--input-shape", action="append", default=[], metavar="NAME=D0,D1,...",
                    help="fix an input's unknown dimensions")
+    add_dynamic_argument(p)
     p.add_argument("--no-tuning", action="store_true",
                    help="use the default register tiles, not those `tether tune` cached")
     p.set_defaults(func=cmd_compile)

@@ -56,11 +56,37 @@ def parse_input_shapes(specs) -> Optional[Dict[str, Tuple[int, ...]]]:
     return shapes or None
 
 
+def parse_dynamic(specs) -> Optional[Dict[str, Tuple[int, int]]]:
+    """--dynamic NAME=MIN:MAX options as build()'s dynamic argument.
+
+    >>> parse_dynamic(["batch=1:16"])
+    {'batch': (1, 16)}
+    """
+    dims = {}
+    for spec in specs or ():
+        name, _, bounds = spec.partition("=")
+        low, _, high = bounds.partition(":")
+        try:
+            dims[name] = (int(low), int(high))
+        except ValueError:
+            raise ValueError(f"--dynamic {spec!r} must look like batch=1:16 (the model's symbolic "
+                             "dimension, its smallest and largest size)") from None
+    return dims or None
+
+
+def add_dynamic_argument(p) -> None:
+    """--dynamic of the commands that compile an ONNX model."""
+    p.add_argument("--dynamic", action="append", default=[], metavar="NAME=MIN:MAX",
+                   help="compile once for every size of the model's leading symbolic dimension "
+                        "NAME from MIN to MAX, e.g. batch=1:16 (see docs/module-abi.md)")
+
+
 def prepare(model: str, target: str, input_shapes=None, tuned: bool = True,
-            precision: str = "fp32") -> ModuleFile:
+            precision: str = "fp32", dynamic=None) -> ModuleFile:
     """Compile ``model`` for ``target`` when it is ONNX (with the register
     tiles `tether tune` cached for the target, unless not ``tuned``, in
-    ``precision``: see crosscompile.precision); take a built module as it is."""
+    ``precision``: see crosscompile.precision; with ``dynamic`` bounds, see
+    parse_dynamic); take a built module as it is."""
     if not os.path.isfile(model):
         raise FileNotFoundError(f"{model!r}: no such file; give an .onnx model or a module "
                                 f"built with `tether compile`")
@@ -77,7 +103,7 @@ def prepare(model: str, target: str, input_shapes=None, tuned: bool = True,
                + (f" in {precision}" if precision != "fp32" else "")) as ticker:
         lib = crosscompile.build(model, target=target, input_shapes=input_shapes,
                                  schedules=default_cache() if tuned else None, precision=precision,
-                                 progress=ticker.step)
+                                 progress=ticker.step, dynamic=dynamic)
     folder = tempfile.mkdtemp(prefix="tether-module-")
     # The command removes the folder with ModuleFile.cleanup() when it is done; this
     # covers a command that fails or is interrupted before it gets there.
@@ -111,10 +137,10 @@ class ModuleChoice:
     made the first time a board of it is leased)."""
 
     def __init__(self, model: str, target: Optional[str], input_shapes=None, tuned: bool = True,
-                 say=lambda message: None, precision: str = "fp32"):
+                 say=lambda message: None, precision: str = "fp32", dynamic=None):
         self.model = model
         self.target = target
-        self._options = dict(input_shapes=input_shapes, tuned=tuned, precision=precision)
+        self._options = dict(input_shapes=input_shapes, tuned=tuned, precision=precision, dynamic=dynamic)
         self._say = say
         self._built: Dict[str, ModuleFile] = {}
         self._lock = threading.Lock()

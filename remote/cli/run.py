@@ -97,7 +97,7 @@ def run_once(args, tracker_address) -> int:
         raise ValueError("give the inputs: --input x.npy (or NAME=x.npy, or a .npz) or --random")
     modules = modelfile.ModuleChoice(args.model, args.target,
                                      modelfile.parse_input_shapes(args.input_shape), say=say,
-                                     precision=args.precision)
+                                     precision=args.precision, dynamic=modelfile.parse_dynamic(args.dynamic))
     try:
         with TrackerClient(*tracker_address, tls_ca=args.tls_ca) as tracker:
             with tracker.request(args.key, timeout=args.wait) as sess:
@@ -146,4 +146,5 @@ def add_arguments(p) -> None:
     p.add_argument("--output", metavar="FILE.npz", help="save the outputs here")
     p.add_argument("--input-shape", action="append", default=[], metavar="NAME=D0,D1,...",
                    help="fix an ONNX input's unknown dimensions")
+    modelfile.add_dynamic_argument(p)
     add_farm_arguments(p, "seconds the run may take on the board (default 60)")

@@ -10,6 +10,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
+try:  # gives numpy the types it lacks (bfloat16, float8, int4, ...), which some modules take and give
+    import ml_dtypes  # noqa: F401
+except ImportError:  # their tensors then come back as unsigned integers of their bits
+    pass
+
 from remote import errors, tls
 from remote.client import display
 from remote.address import split_address

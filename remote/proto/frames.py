@@ -55,7 +55,6 @@ def _poll_seconds() -> float:
 
 
 SPIN_SECONDS = _poll_seconds()
-_yield = getattr(os, "sched_yield", lambda: None)
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 
 
@@ -367,7 +366,8 @@ class FrameSocket:
                 try:
                     return recv_into(view, 0, _DONTWAIT)
                 except BlockingIOError:
-                    _yield()  # a task waiting for this core (perhaps the peer) goes first
+                    # No sched_yield between tries: on a busy machine it
+                    # handed the core to another program for a time slice.
                     now = time.monotonic()
                     if not deadline:
                         deadline = now + self.spin
@@ -444,20 +444,32 @@ def tensor_header(name: str, array, dtype: str = ""):
 TENSOR_KINDS = "biufc"
 
 
+# The number types numpy lacks and the unsigned type of their bit patterns
+# (minirt.module.BIT_PATTERNS): bfloat16, and the low-bit types a byte each.
+BIT_PATTERNS = {"bfloat16": "uint16", **{text: "uint8" for text in (
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn",
+    "int4", "uint4", "int2", "uint2")}}
+
+
 def tensor_dtype(name: str, text: str):
     """The little-endian numpy dtype a Tensor message names, or ValueError."""
     import numpy as np
 
+    if text in BIT_PATTERNS:
+        # numpy knows these once ml_dtypes is imported; elsewhere their bit
+        # patterns travel as unsigned integers (minirt.module.numpy_dtype)
+        try:
+            return np.dtype(text).newbyteorder("<")
+        except TypeError:
+            return np.dtype(BIT_PATTERNS[text]).newbyteorder("<")
     try:
         dtype = np.dtype(text)
     except TypeError:
-        # numpy knows bfloat16 once ml_dtypes is imported; elsewhere its bit
-        # patterns travel as uint16 (minirt.module.numpy_dtype)
-        dtype = np.dtype(np.uint16) if text == "bfloat16" else None
-    if text != "bfloat16" and (dtype is None or dtype.kind not in TENSOR_KINDS
-                               or dtype.fields or dtype.subdtype):
+        dtype = None
+    if dtype is None or dtype.kind not in TENSOR_KINDS or dtype.fields or dtype.subdtype:
         raise ValueError(f"tensor {name!r} has dtype {text!r}; tensors hold numbers only "
-                         "(bool, int8-64, uint8-64, bfloat16, float16/32/64, complex)")
+                         "(bool, int8-64, uint8-64, bfloat16, float16/32/64, float8, float4, int4, "
+                         "int2, complex)")
     return dtype.newbyteorder("<")
 
 
@@ -604,7 +616,7 @@ def byte_view(data) -> memoryview:
     """
     try:
         view = memoryview(data)
-    except ValueError:  # a dtype the buffer protocol cannot name (ml_dtypes' bfloat16)
+    except ValueError:  # a dtype the buffer protocol cannot name (ml_dtypes' bfloat16, float8, int4, ...)
         import numpy as np
         view = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
     if view.nbytes == 0:

@@ -30,6 +30,7 @@ constexpr size_t kWorkerStackBytes = 8 << 20;
 const char* run_error_reason(int status) {
   switch (status) {
     case 1: return "a required pointer was NULL";
+    case 2: return "a dynamic dimension's size is outside its range";
     default: return "unknown error code";
   }
 }
@@ -40,7 +41,10 @@ int64_t dtype_bytes(const std::string& dtype) {
     int64_t bytes;
   } kSizes[] = {{"float32", 4}, {"int64", 8}, {"int32", 4}, {"bool", 1},    {"float16", 2},
                 {"float64", 8}, {"int8", 1},  {"uint8", 1}, {"int16", 2},   {"uint16", 2},
-                {"uint32", 4},  {"uint64", 8}, {"bfloat16", 2}};
+                {"uint32", 4},  {"uint64", 8}, {"bfloat16", 2},
+                // the low-bit types, one byte per element (crosscompile/lowbit.py)
+                {"float8_e4m3fn", 1}, {"float8_e4m3fnuz", 1}, {"float8_e5m2", 1}, {"float8_e5m2fnuz", 1},
+                {"float8_e8m0fnu", 1}, {"float4_e2m1fn", 1}, {"int4", 1}, {"uint4", 1}, {"int2", 1}, {"uint2", 1}};
   for (const auto& size : kSizes) {
     if (dtype == size.name) return size.bytes;
   }
@@ -85,6 +89,8 @@ void mark(void* ctx, int32_t step) {
 class WorkerPool {
  public:
   typedef int32_t (*Function)(void* const*, void* const*, void*, int32_t, int32_t, void*);
+  // tether_run_parallel_dims: the same with the dims array before thread.
+  typedef int32_t (*DimsFunction)(void* const*, void* const*, void*, const int64_t*, int32_t, int32_t, void*);
 
   explicit WorkerPool(int size) : size_(size) {}
 
@@ -122,8 +128,9 @@ class WorkerPool {
     return true;
   }
 
-  int32_t run(Function fn, void* const* inputs, size_t n_inputs, void* const* outputs, size_t n_outputs,
-              void* workspace) {
+  // With dims_fn (and size) the run calls it instead of fn.
+  int32_t run(Function fn, DimsFunction dims_fn, int64_t size, void* const* inputs, size_t n_inputs,
+              void* const* outputs, size_t n_outputs, void* workspace) {
     {
       std::unique_lock<std::mutex> lock(mutex_);
       done_.wait(lock, [this] { return busy_ == 0; });
@@ -135,12 +142,14 @@ class WorkerPool {
       outputs_.push_back(nullptr);
       sync_ = TetherSync{0, 0, &::syscall};
       fn_ = fn;
+      dims_fn_ = dims_fn;
+      dims_ = size;
       workspace_ = workspace;
       busy_ = size_ - 1;
       ++generation_;
     }
     start_.notify_all();
-    return fn_(inputs_.data(), outputs_.data(), workspace_, 0, size_, &sync_);
+    return call(0);
   }
 
  private:
@@ -164,10 +173,15 @@ class WorkerPool {
       seen = generation_;
       lock.unlock();
       // All threads return the same status; thread 0's is the one reported.
-      fn_(inputs_.data(), outputs_.data(), workspace_, thread, size_, &sync_);
+      call(thread);
       lock.lock();
       if (--busy_ == 0) done_.notify_all();
     }
+  }
+
+  int32_t call(int thread) {
+    if (dims_fn_) return dims_fn_(inputs_.data(), outputs_.data(), workspace_, &dims_, thread, size_, &sync_);
+    return fn_(inputs_.data(), outputs_.data(), workspace_, thread, size_, &sync_);
   }
 
   const int size_;
@@ -179,6 +193,8 @@ class WorkerPool {
   uint64_t generation_ = 0;
   int busy_ = 0;  // workers that have not yet returned from the current run
   Function fn_ = nullptr;
+  DimsFunction dims_fn_ = nullptr;
+  int64_t dims_ = 0;
   std::vector<void*> inputs_, outputs_;
   void* workspace_ = nullptr;
   TetherSync sync_ = {0, 0, nullptr};
@@ -188,6 +204,14 @@ int64_t TensorSpec::bytes() const {
   int64_t n = dtype_bytes(dtype);
   for (int64_t d : shape) n *= d;
   return n;
+}
+
+std::vector<int64_t> TensorSpec::shape_at(int64_t size) const {
+  std::vector<int64_t> out = shape;
+  if (size >= 0) {
+    for (int64_t axis : dynamic_axes) out[static_cast<size_t>(axis)] = size;
+  }
+  return out;
 }
 
 std::unique_ptr<Module> Module::load(const std::string& path, int threads, std::string* error) {
@@ -218,6 +242,8 @@ std::unique_ptr<Module> Module::load(const std::string& path, int threads, std::
   // Optional (docs/module-abi.md): modules from before them lack them.
   module->parallel_ = reinterpret_cast<ParallelFunction>(object->function("tether_run_parallel"));
   module->profiled_ = reinterpret_cast<ProfiledFunction>(object->function("tether_run_profiled"));
+  module->run_dims_ = reinterpret_cast<DimsFunction>(object->function("tether_run_dims"));
+  module->parallel_dims_ = reinterpret_cast<ParallelDimsFunction>(object->function("tether_run_parallel_dims"));
   const char* text = metadata();
   size_t room = object->readable_bytes(text);
   size_t length = room ? strnlen(text, room) : 0;
@@ -282,6 +308,16 @@ bool Module::read_metadata(const char* text, std::string* error) {
         }
         spec.shape.push_back(d.integer);
       }
+      const JsonValue* axes = entry.get("dynamic_axes");
+      if (axes && axes->kind == JsonValue::kArray) {
+        for (const JsonValue& a : axes->items) {
+          if (a.kind != JsonValue::kNumber || !a.integral || a.integer < 0 ||
+              a.integer >= static_cast<int64_t>(spec.shape.size())) {
+            return bad(where + " has dynamic_axes that are not axes of its shape");
+          }
+          spec.dynamic_axes.push_back(a.integer);
+        }
+      }
       specs.push_back(spec);
     }
   }
@@ -290,6 +326,34 @@ bool Module::read_metadata(const char* text, std::string* error) {
     return bad("no \"workspace_bytes\" count");
   }
   workspace_bytes_ = workspace->integer;
+  const JsonValue* dynamic = doc.get("dynamic");
+  if (dynamic && dynamic->kind == JsonValue::kArray && !dynamic->items.empty()) {
+    const JsonValue& dim = dynamic->items[0];
+    const JsonValue* dim_name = dim.get("name");
+    const JsonValue* low = dim.get("min");
+    const JsonValue* high = dim.get("max");
+    bool counts = low && high && low->kind == JsonValue::kNumber && high->kind == JsonValue::kNumber &&
+                  low->integral && high->integral && 1 <= low->integer && low->integer <= high->integer;
+    if (dynamic->items.size() != 1 || !dim_name || dim_name->kind != JsonValue::kString || !counts) {
+      return bad("a \"dynamic\" entry that is not one {name, min, max} with 1 <= min <= max");
+    }
+    bool carried = false;
+    for (const auto* specs : {&inputs_, &outputs_}) {
+      for (const TensorSpec& spec : *specs) {
+        for (int64_t axis : spec.dynamic_axes) {
+          if (spec.shape[static_cast<size_t>(axis)] != high->integer) {
+            return bad("tensor " + spec.name + " is not at the dynamic dimension's upper bound on its dynamic_axes");
+          }
+        }
+        carried = carried || (specs == &inputs_ && !spec.dynamic_axes.empty());
+      }
+    }
+    if (!carried) return bad("a dynamic dimension that no input's dynamic_axes holds");
+    if (!run_dims_) return bad("a dynamic dimension but no function tether_run_dims");
+    dynamic_name_ = dim_name->text;
+    dynamic_min_ = low->integer;
+    dynamic_max_ = high->integer;
+  }
   const JsonValue* steps = doc.get("steps");
   if (steps && steps->kind == JsonValue::kArray) {
     for (const JsonValue& entry : steps->items) {
@@ -325,10 +389,11 @@ std::string Module::run_error(const char* function, int status) const {
                        run_error_reason(status));
 }
 
-int Module::run(void* const* inputs, void* const* outputs, std::string* error) {
+int Module::run(void* const* inputs, void* const* outputs, std::string* error, int64_t size) {
+  bool dims = size >= 0 && dynamic();
   std::lock_guard<std::mutex> lock(running_);
   int status;
-  if (threads_ > 1) {
+  if (threads_ > 1 && (!dims || parallel_dims_)) {
     if (!pool_) {
       std::unique_ptr<WorkerPool> pool(new WorkerPool(threads_));
       std::string why;
@@ -338,12 +403,13 @@ int Module::run(void* const* inputs, void* const* outputs, std::string* error) {
       }
       pool_ = std::move(pool);
     }
-    status = pool_->run(parallel_, inputs, inputs_.size(), outputs, outputs_.size(), workspace_);
+    status = pool_->run(parallel_, dims ? parallel_dims_ : nullptr, size, inputs, inputs_.size(), outputs,
+                        outputs_.size(), workspace_);
   } else {
-    status = run_(inputs, outputs, workspace_);
+    status = dims ? run_dims_(inputs, outputs, workspace_, &size) : run_(inputs, outputs, workspace_);
   }
   if (status != 0) {
-    *error = run_error("tether_run", status);
+    *error = run_error(dims ? "tether_run_dims" : "tether_run", status);
     return status;
   }
   return 0;

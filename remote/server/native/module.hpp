@@ -27,7 +27,10 @@ struct TensorSpec {
   std::string name;
   std::vector<int64_t> shape;
   std::string dtype;  // numpy name: float32, int64, int32, bool, ...
+  std::vector<int64_t> dynamic_axes;  // a dynamic module's axes holding its dimension (shape: at the maximum)
   int64_t bytes() const;
+  // The shape with the dynamic axes at `size` (size < 0: as declared).
+  std::vector<int64_t> shape_at(int64_t size) const;
 };
 
 struct Step {
@@ -53,6 +56,13 @@ class Module {
   const std::vector<Step>& steps() const { return steps_; }  // empty when the metadata has none
   bool has_parallel() const { return parallel_ != nullptr; }
   bool has_profiled() const { return profiled_ != nullptr; }
+  // A module compiled with a dynamic dimension (metadata "dynamic"): the
+  // specs' dynamic_axes hold it, their shapes give its upper bound, and
+  // run() takes any size in [dynamic_min(), dynamic_max()].
+  bool dynamic() const { return dynamic_max_ > 0; }
+  const std::string& dynamic_name() const { return dynamic_name_; }
+  int64_t dynamic_min() const { return dynamic_min_; }
+  int64_t dynamic_max() const { return dynamic_max_; }
 
   int threads() const { return threads_; }
   // Threads per run: n <= 0 means one per online core; always 1 for a module
@@ -64,7 +74,9 @@ class Module {
   // each to a contiguous buffer of the tensor's bytes(). Returns 0, or
   // nonzero with *error set ("net.so: tether_run returned 1 (a required
   // pointer was NULL)"). Runs do not overlap: a second caller waits.
-  int run(void* const* inputs, void* const* outputs, std::string* error);
+  // size: for a dynamic() module, the size of its dynamic dimension
+  // (tether_run_dims); -1 runs tether_run (the upper bound).
+  int run(void* const* inputs, void* const* outputs, std::string* error, int64_t size = -1);
   // One single-threaded pass of tether_run_profiled: (*seconds)[i] is the
   // time of step i, one entry per step the module marked (steps().size()
   // for a module whose metadata lists them). -1 with *error for a module
@@ -75,6 +87,9 @@ class Module {
  private:
   typedef int32_t (*RunFunction)(void* const*, void* const*, void*);
   typedef int32_t (*ParallelFunction)(void* const*, void* const*, void*, int32_t, int32_t, void*);
+  typedef int32_t (*DimsFunction)(void* const*, void* const*, void*, const int64_t*);
+  typedef int32_t (*ParallelDimsFunction)(void* const*, void* const*, void*, const int64_t*, int32_t, int32_t,
+                                          void*);
   typedef int32_t (*ProfiledFunction)(void* const*, void* const*, void*, void (*)(void*, int32_t),
                                       void*);
   Module() = default;
@@ -91,6 +106,10 @@ class Module {
   RunFunction run_ = nullptr;
   ParallelFunction parallel_ = nullptr;
   ProfiledFunction profiled_ = nullptr;
+  DimsFunction run_dims_ = nullptr;
+  ParallelDimsFunction parallel_dims_ = nullptr;
+  std::string dynamic_name_;
+  int64_t dynamic_min_ = 0, dynamic_max_ = 0;
   int threads_ = 1;
   std::unique_ptr<WorkerPool> pool_;
   std::mutex running_;  // one run at a time owns the workspace and the pool

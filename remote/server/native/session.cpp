@@ -95,6 +95,9 @@ int itemsize(const std::string& dtype) {
   static const std::map<std::string, int> sizes = {
       {"bool", 1}, {"int8", 1}, {"uint8", 1}, {"int16", 2}, {"uint16", 2}, {"float16", 2},
       {"bfloat16", 2},
+      // the low-bit types, one byte per element (crosscompile/lowbit.py)
+      {"float8_e4m3fn", 1}, {"float8_e4m3fnuz", 1}, {"float8_e5m2", 1}, {"float8_e5m2fnuz", 1},
+      {"float8_e8m0fnu", 1}, {"float4_e2m1fn", 1}, {"int4", 1}, {"uint4", 1}, {"int2", 1}, {"uint2", 1},
       {"int32", 4}, {"uint32", 4}, {"float32", 4}, {"int64", 8}, {"uint64", 8},
       {"float64", 8}, {"complex64", 8}, {"complex128", 16}};
   auto it = sizes.find(dtype);
@@ -120,7 +123,8 @@ int64_t tensor_bytes(const TensorDesc& desc, const std::string& name, Failure* f
   if (size == 0) {
     *failure = {"InvalidArgument", "tensor " + quote(name) + " has dtype " + quote(desc.dtype) +
                                        "; tensors hold numbers only (bool, int8-64, uint8-64, "
-                                       "bfloat16, float16/32/64, complex)"};
+                                       "bfloat16, float16/32/64, float8, float4, int4, int2, "
+                                       "complex)"};
     return -1;
   }
   int64_t count = 1;
@@ -764,8 +768,50 @@ class SessionServer {
   // The inputs of a run, benchmark or profile, in the module's order:
   // tensors in the frame's body, tensors left on the board (refs), and,
   // with `zeros`, zeros for any left out.
+  // A dynamic module's input: its size on each dynamic axis within the
+  // bounds and equal to the earlier inputs' (*size, -1 before the first),
+  // the other dimensions as declared (minirt's check and texts).
+  bool dynamic_shape(const Module& module, const TensorSpec& spec, const std::vector<int64_t>& shape,
+                     int64_t* size, Failure* failure) {
+    const std::string& dim = module.dynamic_name();
+    std::string range = std::to_string(module.dynamic_min()) + ".." + std::to_string(module.dynamic_max());
+    auto dynamic = [&](size_t axis) {
+      return std::find(spec.dynamic_axes.begin(), spec.dynamic_axes.end(), static_cast<int64_t>(axis)) !=
+             spec.dynamic_axes.end();
+    };
+    bool same_rest = shape.size() == spec.shape.size();
+    for (size_t i = 0; same_rest && i < shape.size(); ++i) same_rest = dynamic(i) || shape[i] == spec.shape[i];
+    if (!same_rest) {
+      std::string expected = "(";
+      for (size_t i = 0; i < spec.shape.size(); ++i) {
+        expected += (i ? ", " : "") + (dynamic(i) ? dim + " " + range : std::to_string(spec.shape[i]));
+      }
+      *failure = {"InputError", "input " + quote(spec.name) + ": expected shape " + expected + "), got " +
+                                    shape_text(shape)};
+      return false;
+    }
+    for (int64_t axis : spec.dynamic_axes) {
+      int64_t got = shape[static_cast<size_t>(axis)];
+      std::string where = "input " + quote(spec.name) + ": " + dim + " (axis " + std::to_string(axis) + ") is " +
+                          std::to_string(got);
+      if (got < module.dynamic_min() || got > module.dynamic_max()) {
+        *failure = {"InputError", where + ", outside this module's range " + range + "; run at most " +
+                                      std::to_string(module.dynamic_max()) +
+                                      " at a time, or rebuild the module with a wider dynamic range"};
+        return false;
+      }
+      if (*size >= 0 && got != *size) {
+        *failure = {"InputError", where + ", but an earlier one is " + std::to_string(*size) +
+                                      "; every input needs the same " + dim};
+        return false;
+      }
+      *size = got;
+    }
+    return true;
+  }
+
   bool inputs(const Frame& header, const Module& module, bool zeros, std::vector<Tensor>* sent,
-              std::vector<void*>* pointers, Failure* failure) {
+              std::vector<void*>* pointers, int64_t* size, Failure* failure) {
     for (const auto& desc : header.tensors) {
       int64_t bytes = tensor_bytes(desc, desc.name, failure);
       if (bytes < 0) return false;
@@ -823,7 +869,9 @@ class SessionServer {
         *failure = {"InputError", "input " + quote(spec.name) + ": expected dtype " + spec.dtype + ", got " + desc.dtype};
         return false;
       }
-      if (desc.shape != spec.shape) {
+      if (module.dynamic()) {
+        if (!dynamic_shape(module, spec, desc.shape, size, failure)) return false;
+      } else if (desc.shape != spec.shape) {
         *failure = {"InputError", "input " + quote(spec.name) + ": expected shape " + shape_text(spec.shape) +
                                       ", got " + shape_text(desc.shape)};
         return false;
@@ -845,6 +893,7 @@ class SessionServer {
     std::vector<Tensor> sent;
     std::vector<void*> in, out;
     std::vector<Buffer> outputs;
+    int64_t size = -1;  // a dynamic module's dimension size (Module::run)
   };
 
   // `sent` is reserved whole before any pointer into it is taken.
@@ -853,19 +902,21 @@ class SessionServer {
     if (call->entry == nullptr) return false;
     const Module& module = *call->entry->module;
     call->sent.reserve(header.tensors.size() + module.inputs().size());
-    if (!inputs(header, module, zeros, &call->sent, &call->in, failure)) return false;
+    if (!inputs(header, module, zeros, &call->sent, &call->in, &call->size, failure)) return false;
     call->outputs.reserve(module.outputs().size());
     for (const auto& spec : module.outputs()) {
-      call->outputs.emplace_back(static_cast<size_t>(spec.bytes()));
+      TensorSpec actual = spec;
+      actual.shape = spec.shape_at(call->size);
+      call->outputs.emplace_back(static_cast<size_t>(actual.bytes()));
       call->out.push_back(call->outputs.back().data());
     }
     return true;
   }
 
   bool run_once(Module& module, std::vector<void*>& in, std::vector<void*>& out, Failure* failure,
-                const std::string& what) {
+                const std::string& what, int64_t size) {
     std::string error;
-    if (module.run(in.data(), out.data(), &error) != 0) {
+    if (module.run(in.data(), out.data(), &error, size) != 0) {
       *failure = {"RemoteError", what + " failed on the device: " + error};
       return false;
     }
@@ -881,7 +932,7 @@ class SessionServer {
     Module& module = *entry->module;
     watchdog_.arm(header.timeout_s, "run of " + header.name);
     double start = monotonic_s();
-    bool done = run_once(module, in, out, failure, "run");
+    bool done = run_once(module, in, out, failure, "run", call.size);
     double run_s = monotonic_s() - start;
     watchdog_.disarm();
     if (!done) return false;
@@ -891,7 +942,7 @@ class SessionServer {
     std::vector<std::pair<const void*, size_t>> body;
     for (size_t i = 0; i < module.outputs().size(); ++i) {
       const TensorSpec& spec = module.outputs()[i];
-      reply.tensors.push_back({spec.name, spec.dtype, spec.shape});
+      reply.tensors.push_back({spec.name, spec.dtype, spec.shape_at(call.size)});
       body.emplace_back(call.outputs[i].data(), call.outputs[i].size());
     }
     conn_.send(reply, body);
@@ -918,8 +969,8 @@ class SessionServer {
     Module& module = *entry->module;
     watchdog_.arm(header.timeout_s, "benchmark of " + header.name);
     std::vector<double> samples;
-    bool done = time_runs(module, in, out, &number, repeat, header.min_repeat_ms, header.cooldown_ms,
-                          &samples, failure);
+    bool done = time_runs(module, in, out, call.size, &number, repeat, header.min_repeat_ms,
+                          header.cooldown_ms, &samples, failure);
     watchdog_.disarm();
     if (!done) return false;
     std::string text = "{\"samples\": [";
@@ -937,15 +988,15 @@ class SessionServer {
   // The timing loop of remote/server's benchmark (minirt/timing.py): one
   // warm-up run, `number` grown until a sample lasts min_repeat_ms, then
   // `repeat` samples of the mean of `number` runs.
-  bool time_runs(Module& module, std::vector<void*>& in, std::vector<void*>& out, int64_t* number,
+  bool time_runs(Module& module, std::vector<void*>& in, std::vector<void*>& out, int64_t size, int64_t* number,
                  int repeat, double min_repeat_ms, double cooldown_ms, std::vector<double>* samples,
                  Failure* failure) {
-    if (!run_once(module, in, out, failure, "benchmark")) return false;
+    if (!run_once(module, in, out, failure, "benchmark", size)) return false;
     if (min_repeat_ms > 0) {
       while (*number < kMaxNumber) {
         double start = monotonic_s();
         for (int64_t i = 0; i < *number; ++i) {
-          if (!run_once(module, in, out, failure, "benchmark")) return false;
+          if (!run_once(module, in, out, failure, "benchmark", size)) return false;
         }
         double elapsed_ms = (monotonic_s() - start) * 1e3;
         if (elapsed_ms >= min_repeat_ms) break;
@@ -962,7 +1013,7 @@ class SessionServer {
       }
       double start = monotonic_s();
       for (int64_t k = 0; k < *number; ++k) {
-        if (!run_once(module, in, out, failure, "benchmark")) return false;
+        if (!run_once(module, in, out, failure, "benchmark", size)) return false;
       }
       samples->push_back((monotonic_s() - start) / *number);
     }
@@ -980,6 +1031,12 @@ class SessionServer {
     if (!module.has_profiled()) {
       *failure = {"ModuleLoadError", header.name + " has no tether_run_profiled, so it cannot be profiled "
                                                    "per layer; rebuild it with this crosscompile"};
+      return false;
+    }
+    if (call.size >= 0 && call.size != module.dynamic_max()) {
+      *failure = {"InputError", "profiling runs this module at its upper bound " + module.dynamic_name() + " " +
+                                    std::to_string(module.dynamic_max()) + "; pass inputs of that size (got " +
+                                    std::to_string(call.size) + ")"};
       return false;
     }
     watchdog_.arm(header.timeout_s, "profile of " + header.name);

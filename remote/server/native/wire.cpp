@@ -3,7 +3,6 @@
 #include <errno.h>
 #include <limits.h>
 #include <poll.h>
-#include <sched.h>
 #include <sys/sendfile.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -494,7 +493,8 @@ bool FrameConn::fill(size_t count, int64_t deadline_ms, ReadStatus* status) {
         continue;
       }
       if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) break;  // the read below says why
-      sched_yield();  // a task waiting for this core (perhaps the client) goes first
+      // No sched_yield between tries: on a busy machine it handed the core
+      // to another program for a time slice (docs/sessions.md).
       int64_t now = monotonic_us();
       if (!until) until = now + poll_us_;
       else if (now > until) break;

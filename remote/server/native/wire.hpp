@@ -95,7 +95,7 @@ class FrameConn {
   explicit FrameConn(int fd);
   int fd() const { return fd_; }
   // A read with no deadline first polls for up to `us` microseconds (a
-  // non-blocking recv, yielding the core between tries), then sleeps.
+  // non-blocking recv again and again), then sleeps.
   void set_poll_us(int us) { poll_us_ = us; }
   // Reads the next frame's header (skipping what is left of the last body).
   // deadline_ms: absolute CLOCK_MONOTONIC milliseconds, or 0 for none.
