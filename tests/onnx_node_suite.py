@@ -290,8 +290,40 @@ def _computed_from(graph, names: set) -> set:
     return names
 
 
-def run_isolated(case: Case, workdir: str, timeout: float = 300.0) -> Result:
-    from crosscompile.lowbit import LOW_BIT_DTYPES
+def board_runner(port: int):
+    """run_module for run_case: a session with the board server on loopback
+    port uploads the module, loads it and runs it; outputs as numpy arrays."""
+    def run_module(path, feeds):
+        from remote import rpc
+        name = os.path.basename(path)
+        with rpc.connect("127.0.0.1", port) as sess:
+            sess.upload(path, target=name)
+            return sess.load_module(name).run(feeds, timeout=240)
+    return run_module
+
+
+@contextlib.contextmanager
+def board_server(kind: str, folder: str):
+    """A real board server of kind (BOARDS) started on loopback, stopped on exit."""
+    from remote.cli.localfarm import Child
+    from tests import board_servers
+    try:
+        argv = board_servers.command(kind)
+    except BaseException as exc:  # pytest's skip: qemu-user or the server's build is missing
+        raise SystemExit(f"cannot start a {kind} board server: {exc}") from None
+    workspaces = os.path.join(folder, "workspaces")
+    os.makedirs(workspaces, exist_ok=True)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    child = Child(kind, [*argv, "--host", "127.0.0.1", "--port", "0", "--workspace-dir", workspaces], folder,
+                  {**os.environ, "PYTHONPATH": root})
+    try:
+        yield child
+    finally:
+        child.stop()
+
+
+def run_isolated(case: Case, workdir: str, timeout: float = 300.0, target: str = "host",
+                 run_module=None) -> Result:
     """run_case in a forked child, so that a module which kills its process
     (a segfault) or never ends is counted as a crash and the sweep goes on."""
     import pickle
