@@ -59,4 +59,8 @@ def evaluate(np_node: onnx.NodeProto, constants: dict, opset: int, where: str) -
     except Exception as exc:  # the reference raises whatever numpy raises
         raise BuildError(f"{where}: evaluating it on its constant inputs failed "
                          f"({type(exc).__name__}: {exc})") from None
+    for out, value in zip([o for o in np_node.output if o], values):
+        if value is None or isinstance(value, (list, tuple, dict)):
+            raise BuildError(f"{where}: its output {out!r} is a sequence, map or optional, not a tensor; "
+                             "only tensors are supported")
     return [np.asarray(v) for v in values]

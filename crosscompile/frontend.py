@@ -11,9 +11,10 @@ import onnx.defs
 from onnx import helper, numpy_helper
 
 from . import control_flow, folding
+from .decompositions import DECOMPOSED, decompose, decomposed_name
 from .double import compute_in_float32
 from .errors import BuildError, ShapeError, UnsupportedOpError
-from .functions import expand_functions, function_ops
+from .functions import COMPILE_TIME_INPUTS, expand_functions, function_ops
 from .ir import Graph, Node, Tensor
 from .lowbit import LOW_BIT_DTYPES, hold_low_bit_types
 from .ops import OPS
@@ -24,7 +25,7 @@ SUPPORTED_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32
                     "uint32", "uint16", "uint8", *LOW_BIT_DTYPES)
 # Ops the frontend evaluates itself instead of lowering (any other standard
 # op also folds when all its inputs are constants).
-FRONTEND_OPS = {"Constant", "ConstantOfShape", "Shape", "Size", "Range"}
+FRONTEND_OPS = {"Constant", "ConstantOfShape", "Shape", "Size", "Range", "MelWeightMatrix"}
 
 
 def supported_ops() -> list[str]:
@@ -36,8 +37,28 @@ def supported_ops() -> list[str]:
     >>> "Conv" in supported_ops()
     True
     """
-    lowered = {op for op in OPS if onnx.defs.has(op)} | FRONTEND_OPS | set(EXPANSIONS) | set(control_flow.UNROLLED)
+    lowered = ({op for op in OPS if onnx.defs.has(op)} | FRONTEND_OPS | set(EXPANSIONS) | set(control_flow.UNROLLED)
+               | set(DECOMPOSED))
     return sorted(lowered | function_ops(lowered))
+
+
+def compile_time_inputs(node: onnx.NodeProto) -> list:
+    """The inputs of node whose values a compiled module is specialised
+    on: those its op needs at compile time (shapes, axes, pads, a Loop's
+    trip count) and every input of the ops evaluated at compile time.
+
+    >>> compile_time_inputs(helper.make_node("Reshape", ["x", "shape"], ["y"]))
+    ['shape']
+    """
+    if node.op_type in FRONTEND_OPS:
+        return [name for name in node.input if name]
+    positions = set(control_flow.COMPILE_TIME_INPUTS.get(node.op_type, ()))
+    positions |= set(COMPILE_TIME_INPUTS.get(node.op_type, ()))
+    if decomposed_name(node) in DECOMPOSED:
+        positions |= set(DECOMPOSED[decomposed_name(node)].compile_time_inputs)
+    if node.op_type in OPS:
+        positions |= set(OPS[node.op_type].compile_time_inputs)
+    return [name for pos, name in enumerate(node.input) if pos in positions and name]
 
 
 def load_model(model: "str | os.PathLike | onnx.ModelProto") -> onnx.ModelProto:
@@ -61,7 +82,7 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
     # Function ops are expanded at their inputs' own types, so that a
     # float16 or bfloat16 op's body rounds its steps to that type.
     proto = expand_functions(expand_operators(load_model(model)),
-                             set(OPS) | FRONTEND_OPS | set(EXPANSIONS) | set(control_flow.UNROLLED))
+                             set(OPS) | FRONTEND_OPS | set(EXPANSIONS) | set(control_flow.UNROLLED) | set(DECOMPOSED))
     proto = compute_in_float32(hold_low_bit_types(proto))
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 1)
     g = proto.graph
@@ -95,12 +116,13 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
         np_node = pending.pop()
         index += 1
         name = np_node.name or f"{np_node.op_type}_{index}"
-        if np_node.domain not in ("", "ai.onnx"):
+        if np_node.domain not in ("", "ai.onnx") and decomposed_name(np_node) not in DECOMPOSED:
             unsupported.setdefault(f"{np_node.domain}.{np_node.op_type}", []).append(name)
             unknown.update(np_node.output)
             continue
         if unknown.intersection(np_node.input):
-            if np_node.op_type not in OPS and np_node.op_type not in FRONTEND_OPS | set(control_flow.UNROLLED):
+            if np_node.op_type not in OPS and np_node.op_type not in FRONTEND_OPS | set(control_flow.UNROLLED) \
+                    and decomposed_name(np_node) not in DECOMPOSED:
                 unsupported.setdefault(np_node.op_type, []).append(name)
             unknown.update(np_node.output)
             continue
@@ -112,11 +134,18 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
             branch = raw["then_branch" if np.asarray(constants[np_node.input[0]]).reshape(-1)[0] else "else_branch"]
             pending.extend(reversed(control_flow.branch_nodes(branch, np_node, name, add_constant)))
             continue
-        if np_node.op_type == "If":
-            refused.append(BuildError(f"{where}: its condition {np_node.input[0]!r} is computed at run time; "
-                                      "only an If whose condition is a constant is supported (it is written out "
-                                      "as its branch)"))
-            unknown.update(np_node.output)
+        if np_node.op_type in ("If", "Loop"):
+            try:
+                if np_node.op_type == "Loop":
+                    written = control_flow.loop_iteration(np_node, raw, name, constants, opset, add_constant)
+                elif raw.get(control_flow.SELECTING):
+                    written = control_flow.select_outputs(np_node, name, tensors)
+                else:
+                    written = control_flow.both_branches(np_node, raw, name, add_constant)
+                pending.extend(reversed(written))
+            except BuildError as exc:
+                refused.append(exc)
+                unknown.update(np_node.output)
             continue
         if np_node.op_type == "Scan":
             shapes = {x: tensors[x].shape for x in np_node.input if x in tensors}
@@ -144,6 +173,13 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
             for out, value in zip(np_node.output, folding.evaluate(np_node, constants, opset, where)):
                 if out:
                     _add_constant(constants, tensors, out, value)
+            continue
+        if decomposed_name(np_node) in DECOMPOSED and DECOMPOSED[decomposed_name(np_node)].applies(raw):
+            try:
+                pending.extend(reversed(decompose(np_node, raw, name, opset, tensors, constants, add_constant)))
+            except BuildError as exc:
+                refused.append(exc)
+                unknown.update(np_node.output)
             continue
         op = OPS.get(np_node.op_type)
         if op is None:
@@ -186,8 +222,11 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
         # An output left unnamed (LSTM's Y when only Y_h is wanted) is still
         # computed, into a tensor of its own.
         outputs = [out or f"{name}/unused_output_{pos}" for pos, out in enumerate(np_node.output[:len(shapes)])]
+        known_outputs = op.constant_outputs([tensors[t].shape for t in runtime], attrs)
         for pos, extra in enumerate(np_node.output[len(shapes):], start=len(shapes)):
-            if extra:
+            if extra and pos in known_outputs:
+                _add_constant(constants, tensors, extra, known_outputs[pos])
+            elif extra:
                 dropped[extra] = f"output {pos} ({extra!r}) of {where}"
         if isinstance(dtypes, str):
             dtypes = [dtypes] * len(shapes)
@@ -202,6 +241,10 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
         raise type(refused[0])(f"{refused[0]}{also}")
     outputs = []
     for vi in g.output:
+        kind = vi.type.WhichOneof("value")
+        if kind not in (None, "tensor_type"):
+            raise BuildError(f"graph output {vi.name!r} is a {kind.replace('_type', '')}, not a tensor; a module's "
+                             "outputs are tensors")
         if vi.name in dropped:
             raise BuildError(f"graph output {vi.name!r} is {dropped[vi.name]}, which is not supported")
         if vi.name not in tensors:

@@ -1,6 +1,7 @@
 """Ops that ONNX defines as a function of other ops (Attention,
-RotaryEmbedding, Celu, Mish, ...), replaced by that definition before
-import when crosscompile has no lowering of its own for them.
+RotaryEmbedding, Celu, Mish, ai.onnx.preview's FlexAttention, ...),
+replaced by that definition before import when crosscompile has no
+lowering of its own for them.
 
 The body comes from the op's schema at the model's opset: a fixed body, or
 one ONNX builds from the node and its input types (a context-dependent
@@ -31,6 +32,8 @@ MAX_DEPTH = 4
 # Ops whose body ONNX builds per node (from its attributes and input
 # types) and whose bodies, as the node suite makes them, use supported ops.
 CONTEXT_BODIES = ("Attention", "CausalConvWithState", "LinearAttention", "RotaryEmbedding")
+# Ops of ONNX's other domains expanded the same way, by domain.
+OTHER_DOMAINS = {"ai.onnx.preview": ("FlexAttention",)}
 
 
 # Inputs of expanded ops that set their output's shape, and so must be
@@ -53,7 +56,8 @@ def function_ops(lowered) -> set:
 
 @functools.lru_cache(maxsize=4)
 def _function_ops(lowered: frozenset) -> frozenset:
-    found, bodies = set(CONTEXT_BODIES), {}
+    found = set(CONTEXT_BODIES) | {f"{domain}.{op}" for domain, ops in OTHER_DOMAINS.items() for op in ops}
+    bodies = {}
     for schema in onnx.defs.get_all_schemas():
         if schema.domain == "" and schema.name not in lowered and schema.has_function:
             bodies[schema.name] = {node.op_type for node in _static_body(schema, None).node}
@@ -90,7 +94,8 @@ def expand_functions(proto: onnx.ModelProto, lowered) -> onnx.ModelProto:
     for _ in range(MAX_DEPTH):
         wanted = [i for i, node in enumerate(proto.graph.node)
                   if node.domain in ("", "ai.onnx") and node.op_type not in lowered
-                  and defined_as_function(node.op_type, opset)]
+                  and defined_as_function(node.op_type, opset)
+                  or node.op_type in OTHER_DOMAINS.get(node.domain, ())]
         if not wanted:
             return proto
         proto = _inline(proto, wanted, opset)
@@ -101,15 +106,17 @@ def _inline(proto: onnx.ModelProto, wanted: list, opset: int) -> onnx.ModelProto
     model = onnx.ModelProto()
     model.CopyFrom(proto)
     types = _value_types(model) if any(
-        not _static_body(_schema(model.graph.node[i].op_type, opset), opset) for i in wanted) else {}
+        not _static_body(_schema(model.graph.node[i].op_type, opset), opset)
+        or model.graph.node[i].domain not in ("", "ai.onnx") for i in wanted) else {}
     for number, index in enumerate(wanted):
         node = model.graph.node[index]
         where = f"node {node.name or node.op_type + '_' + str(index)!r} ({node.op_type})"
-        schema = _schema(node.op_type, opset)
+        version = _domain_opset(model, node.domain)
+        schema = _schema(node.op_type, version, node.domain)
         _add_defaults(node, schema)
-        body = _static_body(schema, opset)
+        body = _static_body(schema, version)
         if body is None:
-            body = _context_body(node, schema, opset, types, where)
+            body = _context_body(node, schema, version, types, where)
         body.name = f"{node.op_type}_{number}"
         body.domain = CALL_DOMAIN
         del body.attribute[:]
@@ -133,11 +140,18 @@ def _default_opset(proto: onnx.ModelProto) -> int:
     return next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 1)
 
 
-def _schema(op_type: str, opset: "int | None"):
+def _domain_opset(proto: onnx.ModelProto, domain: str) -> int:
+    if domain in ("", "ai.onnx"):
+        return _default_opset(proto)
+    return next((o.version for o in proto.opset_import if o.domain == domain), 1)
+
+
+def _schema(op_type: str, opset: "int | None", domain: str = ""):
+    domain = "" if domain == "ai.onnx" else domain
     try:
         if opset is None:
-            return onnx.defs.get_schema(op_type)
-        return onnx.defs.get_schema(op_type, opset)
+            return onnx.defs.get_schema(op_type, domain=domain)
+        return onnx.defs.get_schema(op_type, opset, domain)
     except onnx.defs.SchemaError:
         return None
 

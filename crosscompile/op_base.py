@@ -117,6 +117,11 @@ class Op:
     def infer(self, inputs: list[Shape], attrs: dict) -> list[Shape]:
         raise NotImplementedError
 
+    def constant_outputs(self, inputs: list[Shape], attrs: dict) -> dict:
+        """Outputs past those infer() gives whose values are known at
+        compile time (inference Dropout's mask), by output position."""
+        return {}
+
     def output_dtype(self, inputs: list[Tensor], attrs: dict) -> str:
         """The dtype of every output, from the runtime inputs, or a list of
         one dtype per output (TopK's values and int64 indices); raising

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from .frontend import FRONTEND_OPS, supported_ops
 from .control_flow import UNROLLED
+from .decompositions import DECOMPOSED
 from .functions import function_ops
 from .ops import OPS
 
@@ -24,7 +25,7 @@ END = "<!-- end: generated -->"
 @dataclass(frozen=True)
 class OperatorRow:
     op_type: str
-    evaluated: str  # "run time", "compile time", "unrolled", "expanded" or "rewritten"
+    evaluated: str  # "run time", "compile time", "unrolled", "decomposed", "expanded" or "rewritten"
     defined_in: str
     note: str
 
@@ -35,7 +36,7 @@ def operator_rows() -> list[OperatorRow]:
     >>> next(r for r in operator_rows() if r.op_type == "Conv").evaluated
     'run time'
     """
-    rows, expanded = [], function_ops(set(OPS) | FRONTEND_OPS | set(UNROLLED))
+    rows, expanded = [], function_ops(set(OPS) | FRONTEND_OPS | set(UNROLLED) | set(DECOMPOSED))
     for op_type in supported_ops():
         if op_type in OPS:
             cls = type(OPS[op_type])
@@ -44,6 +45,9 @@ def operator_rows() -> list[OperatorRow]:
         elif op_type in UNROLLED:
             rows.append(OperatorRow(op_type, "unrolled", "crosscompile/control_flow.py",
                                     f"written out as plain nodes at import: {UNROLLED[op_type]}"))
+        elif op_type in DECOMPOSED:
+            rows.append(OperatorRow(op_type, "decomposed", "crosscompile/decompositions.py",
+                                    f"written out as other ops at import: {DECOMPOSED[op_type].note}"))
         elif op_type in expanded:
             rows.append(OperatorRow(op_type, "expanded", "crosscompile/functions.py",
                                     "replaced by ONNX's definition of it by other ops"))

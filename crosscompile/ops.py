@@ -11,9 +11,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from llvmlite import ir
 
 from . import attention, conv, conv_transpose, einsum, elementwise, indexing, layout, logic, losses, normalization, pool, quantize_ops, ranking, recurrent, reduce, resize, scan, trigonometry  # noqa: F401 (their op classes register themselves)
-from .emit import I64, Kernel
+from .emit import ELEMENT_TYPES, I64, Kernel
 from .errors import BuildError, ShapeError
 from .elementwise import safe_log
 from .gemm import emit_dot_rows
@@ -312,19 +313,26 @@ class Identity(AliasOp):
 
 
 class Dropout(AliasOp):
-    """Inference-mode Dropout is the identity; only output 0 is computed."""
+    """Inference-mode Dropout (or training with ratio 0) is the identity,
+    and its mask all true."""
 
     op_type = "Dropout"
     compile_time_inputs = (1, 2)
 
     def attributes(self, raw, constants, opset):
         training = constants.get(2)
-        if training is not None and bool(np.asarray(training).reshape(-1)[0]):
-            raise BuildError("Dropout with training_mode=True is not supported (inference only)")
-        return {}
+        ratio = constants.get(1)
+        ratio = float(np.asarray(ratio).reshape(-1)[0]) if ratio is not None else float(raw.get("ratio", 0.5))
+        if training is not None and bool(np.asarray(training).reshape(-1)[0]) and ratio != 0:
+            raise BuildError(f"Dropout with training_mode=True and ratio {ratio:g} is not supported: it drops "
+                             "random elements (inference, or a ratio of 0, is the identity)")
+        return {"mask_dtype": "bool" if opset >= 10 else "float32"}  # before opset 10 the mask has x's type
 
     def infer(self, inputs, attrs):
         return [inputs[0]]
+
+    def constant_outputs(self, inputs, attrs):
+        return {1: np.ones(inputs[0], dtype=attrs["mask_dtype"])}
 
 
 class BatchNormalization(Op):
@@ -711,15 +719,17 @@ class Slice(Op):
 
 
 class Pad(Op):
-    """constant / reflect / edge padding; pads (and value, axes) are
-    attributes before opset 11 and constant inputs after."""
+    """constant / reflect / edge / wrap padding of a tensor of any dtype;
+    pads (and value, axes) are attributes before opset 11 and constant
+    inputs after."""
 
     op_type = "Pad"
     compile_time_inputs = (1, 2, 3)
+    data_dtypes = ALL_DTYPES
 
     def attributes(self, raw, constants, opset):
         mode = raw.get("mode", "constant")
-        _check_choice("mode", mode, ("constant", "reflect", "edge"))
+        _check_choice("mode", mode, ("constant", "reflect", "edge") + (("wrap",) if opset >= 19 else ()))
         if opset < 11:
             pads, value, axes = _ints(raw, "pads" if opset >= 2 else "paddings"), float(raw.get("value", 0.0)), None
         else:
@@ -759,10 +769,13 @@ class Pad(Op):
         strides = _c_strides(x)
         out_strides = _c_strides(out)
         bld = k.builder
-        mode = attrs["mode"]
+        mode, dtype = attrs["mode"], inputs[0].dtype
         if not out or _prod(out) == 0:
             k.activated = True
             return
+        element = ELEMENT_TYPES[dtype]
+        fill = ir.Constant(element, attrs["value"] if dtype in ("float32", "float64") else int(attrs["value"]))
+        src, dst = k.typed(k.inputs[0], dtype), k.typed(k.outputs[0], dtype)
         with k.nested_loops(out) as idx:
             inside = None
             offset = k.i64(0)
@@ -775,14 +788,17 @@ class Pad(Op):
                 elif mode == "edge":
                     i = bld.select(bld.icmp_signed("<", i, k.i64(0)), k.i64(0), i)
                     i = bld.select(bld.icmp_signed(">", i, k.i64(d - 1)), k.i64(d - 1), i)
+                elif mode == "wrap":  # the input repeated: i modulo d, taken positive
+                    r = bld.srem(i, k.i64(d))
+                    i = bld.select(bld.icmp_signed("<", r, k.i64(0)), bld.add(r, k.i64(d)), r)
                 else:
                     i = bld.select(bld.icmp_signed("<", i, k.i64(0)), bld.sub(k.i64(0), i), i)
                     i = bld.select(bld.icmp_signed(">", i, k.i64(d - 1)), bld.sub(k.i64(2 * d - 2), i), i)
                 offset = bld.add(offset, bld.mul(i, k.i64(st)))
-            value = k.load(k.inputs[0], offset)
+            value = k.load(src, offset)
             if inside is not None:
-                value = bld.select(inside, value, k.f32(attrs["value"]))
-            k.store(k.activate(value), k.outputs[0], k.index(*zip(idx, out_strides)))
+                value = bld.select(inside, value, fill)
+            k.store(k.activate(value), dst, k.index(*zip(idx, out_strides)))
 
 
 class Squeeze(AliasOp):

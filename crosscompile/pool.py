@@ -14,8 +14,9 @@ from .window import _resolve_window, _valid_range, _window_attributes
 
 
 class _Pool(Op):
-    """MaxPool / AveragePool over 1-D or 2-D windows; only output 0 (no Indices).
-    Channels are split between threads when passes.mark_split set attrs["split"]."""
+    """MaxPool / AveragePool over 1-D or 2-D windows (and MaxPool's
+    Indices output, see MaxPool). Channels are split between threads when
+    passes.mark_split set attrs["split"]."""
 
     def attributes(self, raw, constants, opset):
         attrs = _window_attributes(raw)
@@ -23,8 +24,7 @@ class _Pool(Op):
             raise BuildError(f"{self.op_type} needs the kernel_shape attribute")
         attrs["ceil_mode"] = int(raw.get("ceil_mode", 0))
         attrs["count_include_pad"] = int(raw.get("count_include_pad", 0))
-        if int(raw.get("storage_order", 0)) != 0:
-            raise BuildError("storage_order=1 is not supported (only row-major indices)")
+        attrs["storage_order"] = int(raw.get("storage_order", 0))
         return attrs
 
     def infer(self, inputs, attrs):
@@ -33,13 +33,20 @@ class _Pool(Op):
             raise ShapeError(f"{self.op_type} needs an N x C x spatial input, got {x}")
         *_, out = _resolve_window(x, attrs["kernel_shape"], attrs, bool(attrs["ceil_mode"]),
                                   what=self.op_type)
-        return [(x[0], x[1], *out[5 - len(x):])]
+        return [(x[0], x[1], *out[5 - len(x):])] * (2 if attrs.get("outputs", 1) > 1 else 1)
+
+    def output_dtype(self, inputs, attrs):
+        dtype = super().output_dtype(inputs, attrs)
+        return [dtype, "int64"] if attrs.get("outputs", 1) > 1 else dtype
 
     def lower(self, k, inputs, outputs, attrs):
         x = inputs[0].shape
         dims, kernel, strides, dilations, begin, end, out = \
             _resolve_window(x, attrs["kernel_shape"], attrs, bool(attrs["ceil_mode"]))
         is_max, p_norm = self.op_type == "MaxPool", attrs.get("p")
+        if len(outputs) > 1:
+            self._lower_with_indices(k, x, dims, kernel, strides, dilations, begin, out, attrs["storage_order"])
+            return
         whole = tuple(kernel) == tuple(dims) and not any(begin) and not any(end) and set(dilations) == {1}
         if p_norm is None and whole:
             # One window over the whole input (ResNet's 7x7 average): a global pool.
@@ -99,6 +106,36 @@ class _Pool(Op):
                 result = bld.fdiv(result, count)
             k.store(k.activate(result), Y, k.index((nc, _prod(out)), *zip(opos, out_strides)))
 
+
+    @staticmethod
+    def _lower_with_indices(k, x, dims, kernel, strides, dilations, begin, out, storage_order):
+        """MaxPool and the flat index of each maximum in the input (over
+        batch and channels too; the spatial part in column-major order with
+        storage_order=1). The first of equal maxima wins, as in ONNX's
+        reference."""
+        bld = k.builder
+        X, Y, I = k.inputs[0], k.outputs[0], k.typed(k.outputs[1], "int64")
+        in_strides, out_strides, plane = _c_strides(dims), _c_strides(out), _prod(dims)
+        index_strides = in_strides if not storage_order else _c_strides(dims[::-1])[::-1]
+        with k.share(x[0] * x[1]) as (lo, hi), k.loop(hi, start=lo) as nc, k.nested_loops(out) as opos:
+            best = k.variable(k.f32(-math.inf))
+            where = k.variable(k.i64(-1))
+            with k.nested_loops(kernel) as kpos:
+                ipos = [k.index((o, s), (kk, d), (-b, 1))
+                        for o, kk, s, d, b in zip(opos, kpos, strides, dilations, begin)]
+                inside = None
+                for i, size in zip(ipos, dims):
+                    ok = k.in_range(i, size)
+                    inside = ok if inside is None else bld.and_(inside, ok)
+                with bld.if_then(inside):
+                    v = k.load(X, k.index((nc, plane), *zip(ipos, in_strides)))
+                    first = bld.icmp_signed("<", bld.load(where), k.i64(0))
+                    with bld.if_then(bld.or_(first, bld.fcmp_ordered(">", v, bld.load(best)))):
+                        bld.store(v, best)
+                        bld.store(k.index((nc, plane), *zip(ipos, index_strides)), where)
+            at = k.index((nc, _prod(out)), *zip(opos, out_strides))
+            k.store(k.activate(bld.load(best)), Y, at)
+            k.store(bld.load(where), I, at)
 
     @staticmethod
     def _lower_rows(k, x, dims, kernel, strides, dilations, begin, end, out, is_max, include_pad):
@@ -195,7 +232,11 @@ class _Pool(Op):
 
 
 class MaxPool(_Pool):
+    """Max over each window; with a second output, the flat index of each
+    maximum (storage_order 0 or 1)."""
+
     op_type = "MaxPool"
+    counts_outputs = True
 
 
 class AveragePool(_Pool):

@@ -429,7 +429,7 @@ def _chain_binary(chain: _Chain, inputs: list) -> bool:
 def _chain_pool(chain: _Chain, inputs: list) -> bool:
     (x,), op = inputs, chain.op
     shape = chain.tensors[x.name].shape
-    if len(shape) not in (3, 4):
+    if len(shape) not in (3, 4) or len(op.outputs) != 1:  # a MaxPool giving Indices keeps its float kernel
         return False
     if op.op_type == "GlobalAveragePool":
         window = {"kernel_shape": tuple(shape[2:]), "strides": None, "pads": None, "auto_pad": "NOTSET",

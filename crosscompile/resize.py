@@ -22,17 +22,25 @@ from .emit import F32, I64, Kernel
 from .errors import BuildError, ShapeError
 from .op_base import Op, _axis, _c_strides, _check_choice, _const_ints
 
-COORDINATE_MODES = ("half_pixel", "half_pixel_symmetric", "pytorch_half_pixel", "align_corners", "asymmetric")
+COORDINATE_MODES = ("half_pixel", "half_pixel_symmetric", "pytorch_half_pixel", "align_corners", "asymmetric",
+                    "tf_crop_and_resize")
+ASPECT_POLICIES = ("stretch", "not_larger", "not_smaller")
 NEAREST_MODES = ("round_prefer_floor", "round_prefer_ceil", "floor", "ceil")
 
 
-def source_coordinates(out_size: int, in_size: int, scale: float, mode: str) -> np.ndarray:
+def source_coordinates(out_size: int, in_size: int, scale: float, mode: str, roi=(0.0, 1.0)) -> np.ndarray:
     """Where each output position samples the input along one axis
-    (ONNX Resize's coordinate_transformation_mode). Computed in float32, as
+    (ONNX Resize's coordinate_transformation_mode; roi is the axis's
+    (start, end) for tf_crop_and_resize). Computed in float32, as
     onnxruntime does: a sample that lands on a tie there (4.5) must round
     the same way here, where float64 would see 4.49999986."""
     f = np.float32
     x, scale, half = np.arange(out_size, dtype=f), f(scale), f(0.5)
+    if mode == "tf_crop_and_resize":
+        start, end = (float(v) for v in roi)
+        if out_size == 1:
+            return np.full(1, (end - start) * (in_size - 1) / 2 + start * (in_size - 1))
+        return np.arange(out_size) * (end - start) * (in_size - 1) / (out_size - 1) + start * (in_size - 1)
     if mode in ("half_pixel", "pytorch_half_pixel"):
         if mode == "pytorch_half_pixel" and out_size == 1:
             return np.zeros(1, f)
@@ -80,21 +88,56 @@ def cubic_neighbours(coords: np.ndarray, in_size: int, a: float, exclude_outside
     x = coords.astype(np.float64)
     base = np.floor(x)
     ratio = x - base
-
-    def kernel(t):
-        t = np.abs(t)
-        near = ((a + 2) * t - (a + 3)) * t * t + 1
-        far = ((a * t - 5 * a) * t + 8 * a) * t - 4 * a
-        return np.where(t <= 1, near, np.where(t < 2, far, 0.0))
-
     taps = [base + offset for offset in (-1, 0, 1, 2)]
-    weights = [kernel(ratio - offset) for offset in (-1, 0, 1, 2)]
+    weights = [keys_weight(ratio - offset, a) for offset in (-1, 0, 1, 2)]
     if exclude_outside:
         weights = [np.where((t >= 0) & (t < in_size), w, 0.0) for t, w in zip(taps, weights)]
         total = sum(weights)
         weights = [w / total for w in weights]
     indices = [np.clip(t, 0, in_size - 1).astype(np.int64) for t in taps]
     return indices, [w.astype(np.float32) for w in weights]
+
+
+def keys_weight(t: np.ndarray, a: float) -> np.ndarray:
+    """Keys' cubic convolution kernel with coefficient a at distances t."""
+    t = np.abs(t)
+    near = ((a + 2) * t - (a + 3)) * t * t + 1
+    far = ((a * t - 5 * a) * t + 8 * a) * t - 4 * a
+    return np.where(t <= 1, near, np.where(t < 2, far, 0.0))
+
+
+def antialias_taps(coords: np.ndarray, in_size: int, scale: float, mode: str, a: float, exclude_outside: bool):
+    """The taps of an antialiased (linear or cubic) downsampling along one
+    axis: the kernel is widened by 1 / scale, so each output position
+    averages over the input it covers, with weights scaled to sum to 1.
+    Returns ([index arrays], [weight arrays]) as cubic_neighbours does."""
+    scale = min(scale, 1.0)
+    x = np.asarray(coords, np.float64)
+    base = np.floor(x)
+    ratio = np.where(x == base, 1.0, x - base)  # ONNX prefers the point left of an exact integer
+    reach = 1 if mode == "linear" else 2  # the kernel's support, in input points
+    first = int(np.floor(-reach / scale) + 1)
+    offsets = np.arange(first, 2 - first)
+    n = len(offsets)
+    t = np.abs((offsets[None, :] - ratio[:, None]) * scale)
+    weights = np.clip(1 - t, 0, 1) if mode == "linear" else keys_weight(t, a)
+    weights = weights / weights.sum(axis=1, keepdims=True)
+    # The n points nearest x, ties to the smaller: as onnx's reference
+    # places its window in the edge-padded input.
+    pad = int(np.ceil(n / 2))
+    padded = x + pad
+    p = np.floor(padded).astype(np.int64)
+    frac = padded - p
+    if n % 2 == 0:
+        start = p + np.where(frac == 0, -(n // 2), -(n // 2) + 1)
+    else:
+        start = p + np.where(frac <= 0.5, -((n - 1) // 2), -((n - 1) // 2) + 1)
+    taps = start[:, None] + np.arange(n)[None, :] - pad
+    if exclude_outside:
+        weights = np.where((taps < 0) | (taps >= in_size), 0.0, weights)
+        weights = weights / np.where(weights.sum(axis=1, keepdims=True) == 0, 1.0, weights.sum(axis=1, keepdims=True))
+    indices = np.clip(taps, 0, in_size - 1)
+    return [indices[:, i] for i in range(n)], [weights[:, i].astype(np.float32) for i in range(n)]
 
 
 def _table(k: Kernel, tag: str, values: np.ndarray, element) -> ir.Value:
@@ -110,9 +153,10 @@ def _table(k: Kernel, tag: str, values: np.ndarray, element) -> ir.Value:
 
 class Resize(Op):
     """Resize by constant scales or sizes (optionally over `axes`, opset 18).
-    Modes nearest, linear and cubic (cubic_coeff_a, exclude_outside);
-    antialias, tf_crop_and_resize and a keep_aspect_ratio_policy other
-    than stretch are refused by name."""
+    Modes nearest, linear and cubic (cubic_coeff_a, exclude_outside,
+    antialias), every coordinate_transformation_mode (tf_crop_and_resize
+    with a constant roi and its extrapolation_value) and every
+    keep_aspect_ratio_policy."""
 
     op_type = "Resize"
     compile_time_inputs = (1, 2, 3)
@@ -130,16 +174,24 @@ class Resize(Op):
             _check_choice("coordinate_transformation_mode", coordinates, COORDINATE_MODES)
             nearest = raw.get("nearest_mode", "round_prefer_floor")
             _check_choice("nearest_mode", nearest, NEAREST_MODES)
-            if int(raw.get("antialias", 0)):
-                raise BuildError("Resize with antialias=1 is not supported")
-            _check_choice("keep_aspect_ratio_policy", raw.get("keep_aspect_ratio_policy", "stretch"), ("stretch",))
+            antialias = bool(int(raw.get("antialias", 0)))
+            if antialias and mode == "nearest":
+                raise BuildError("Resize with antialias=1 takes mode 'linear' or 'cubic', not 'nearest'")
+            policy = raw.get("keep_aspect_ratio_policy", "stretch")
+            _check_choice("keep_aspect_ratio_policy", policy, ASPECT_POLICIES)
+            roi = constants.get(1)
+            if coordinates == "tf_crop_and_resize" and (roi is None or np.asarray(roi).size == 0):
+                raise BuildError("Resize with coordinate_transformation_mode='tf_crop_and_resize' needs a constant roi")
             scales = constants.get(2)
             attrs = {"mode": mode, "coordinates": coordinates, "nearest": nearest, "legacy": False,
                      "scales": (None if scales is None or np.asarray(scales).size == 0
                                 else tuple(float(s) for s in np.asarray(scales).reshape(-1))),
                      "sizes": _const_ints(constants, 3), "axes": _ints_or_none(raw.get("axes")),
                      "cubic_coeff_a": float(raw.get("cubic_coeff_a", -0.75)),
-                     "exclude_outside": bool(int(raw.get("exclude_outside", 0)))}
+                     "exclude_outside": bool(int(raw.get("exclude_outside", 0))), "antialias": antialias,
+                     "policy": policy, "extrapolation_value": float(raw.get("extrapolation_value", 0.0)),
+                     "roi": (None if coordinates != "tf_crop_and_resize"
+                             else tuple(float(v) for v in np.asarray(roi).reshape(-1)))}
         if attrs["scales"] is None and attrs["sizes"] is None:
             raise BuildError("Resize needs constant scales or sizes")
         return attrs
@@ -154,6 +206,15 @@ class Resize(Op):
             raise ShapeError(f"Resize {'sizes' if attrs['sizes'] is not None else 'scales'} {tuple(given)} "
                              f"do not have one entry per resized axis of {tuple(x)}")
         out, scales = list(x), [1.0] * rank
+        policy = attrs.get("policy", "stretch")
+        if attrs["sizes"] is not None and policy != "stretch":
+            # One scale for every resized axis, the smallest (not_larger) or
+            # largest (not_smaller) that sizes asks for; sizes rounded from it.
+            ratios = [int(value) / x[axis] for axis, value in zip(axes, given)]
+            scale = min(ratios) if policy == "not_larger" else max(ratios)
+            for axis in axes:
+                out[axis], scales[axis] = int(scale * x[axis] + 0.5), scale
+            return tuple(out), scales
         for axis, value in zip(axes, given):
             if attrs["sizes"] is not None:
                 out[axis], scales[axis] = int(value), float(np.float32(int(value)) / np.float32(x[axis]))
@@ -174,10 +235,21 @@ class Resize(Op):
         x = inputs[0].shape
         out, scales = self._geometry(x, attrs)
         strides = _c_strides(x)
-        resized = [d for d in range(len(x)) if out[d] != x[d] or scales[d] != 1.0]
-        tables = {}
+        roi = self._roi(len(x), attrs)
+        resized = [d for d in range(len(x)) if out[d] != x[d] or scales[d] != 1.0 or roi[d] != (0.0, 1.0)]
+        tables, outside = {}, {}
         for d in resized:
-            coords = source_coordinates(out[d], x[d], scales[d], attrs["coordinates"])
+            coords = source_coordinates(out[d], x[d], scales[d], attrs["coordinates"], roi[d])
+            if attrs["coordinates"] == "tf_crop_and_resize":
+                flags = (coords < 0) | (coords > x[d] - 1)
+                if flags.any():
+                    outside[d] = _table(k, f"out{d}", flags.astype(np.float32), F32)
+            if attrs.get("antialias") and scales[d] < 1:
+                indices, weights = antialias_taps(coords, x[d], scales[d], attrs["mode"], attrs["cubic_coeff_a"],
+                                                  attrs["exclude_outside"])
+                tables[d] = [(_table(k, f"at{d}_{t}", index * strides[d], I64), _table(k, f"w{d}_{t}", weight, F32))
+                             for t, (index, weight) in enumerate(zip(indices, weights))]
+                continue
             if attrs["mode"] == "nearest":
                 tables[d] = (_table(k, f"at{d}", nearest_indices(coords, x[d], attrs["nearest"]) * strides[d], I64),)
                 continue
@@ -208,7 +280,31 @@ class Resize(Op):
                 for offset, scale in corners:
                     term = bld.fmul(k.load(X, offset), scale)
                     value = term if value is None else bld.fadd(value, term)
+            if outside:
+                # tf_crop_and_resize: a sample outside the input on any axis
+                # is extrapolation_value.
+                flag = None
+                for d, table in outside.items():
+                    here = k.load(table, idx[d])
+                    flag = here if flag is None else bld.fadd(flag, here)
+                value = bld.select(bld.fcmp_ordered(">", flag, k.f32(0.0)), k.f32(attrs["extrapolation_value"]),
+                                   value)
             k.store(k.activate(value), k.outputs[0], k.index(*zip(idx, out_strides)))
+
+    @staticmethod
+    def _roi(rank: int, attrs) -> list:
+        """The (start, end) of every axis that tf_crop_and_resize crops to;
+        (0, 1) elsewhere."""
+        roi = [(0.0, 1.0)] * rank
+        if attrs.get("roi") is None:
+            return roi
+        axes = [_axis(a, rank) for a in attrs["axes"]] if attrs["axes"] else list(range(rank))
+        values = attrs["roi"]
+        if len(values) != 2 * len(axes):
+            raise ShapeError(f"Resize roi {values} does not have a start and an end for each resized axis")
+        for i, axis in enumerate(axes):
+            roi[axis] = (values[i], values[len(axes) + i])
+        return roi
 
 
 def _ints_or_none(value):

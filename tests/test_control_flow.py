@@ -1,4 +1,4 @@
-"""Control flow written out at import (If with a constant condition, Scan),
+"""Control flow written out at import (If, Loop, Scan),
 integer tensors of every width at the module's boundary, float64 and
 float16 models and Casts to float16 and bfloat16, each compiled, run and
 compared with onnxruntime (or numpy's rounding)."""
@@ -9,7 +9,8 @@ from onnx.reference import ReferenceEvaluator
 
 import crosscompile
 import minirt
-from tests.onnx_models import IR_VERSION
+from crosscompile.frontend import import_onnx
+from tests.onnx_models import IR_VERSION, reference
 from tests.test_ops_logic import run_typed
 
 
@@ -41,16 +42,89 @@ def test_scan_becomes_one_body_copy_per_step(tmp_path):
     run_typed(typed_model([scan], feeds, {"total": np.float32, "steps": np.float32}, opset=16), feeds, tmp_path)
 
 
-def test_if_with_a_constant_condition_is_its_branch_and_a_runtime_one_is_refused(tmp_path):
-    def branch(op):
-        return helper.make_graph([helper.make_node(op, ["x", "x"], ["y_branch"])], op,
-                                 [], [helper.make_tensor_value_info("y_branch", TensorProto.FLOAT, [2, 3])])
+def _branch(op, shape=(2, 3)):
+    return helper.make_graph([helper.make_node(op, ["x", "x"], ["y_branch"])], op,
+                             [], [helper.make_tensor_value_info("y_branch", TensorProto.FLOAT, list(shape))])
+
+
+def test_if_with_a_constant_condition_is_its_branch(tmp_path):
     feeds = {"x": np.arange(6, dtype=np.float32).reshape(2, 3)}
-    node = helper.make_node("If", ["cond"], ["y"], then_branch=branch("Mul"), else_branch=branch("Add"))
-    run_typed(typed_model([node], feeds, {"y": np.float32}, {"cond": np.array(False)}), feeds, tmp_path)
-    runtime = typed_model([node], {**feeds, "cond": np.array(True)}, {"y": np.float32})
-    with pytest.raises(crosscompile.BuildError, match="condition 'cond' is computed at run time"):
-        crosscompile.build(runtime)
+    node = helper.make_node("If", ["cond"], ["y"], then_branch=_branch("Mul"), else_branch=_branch("Add"))
+    model = typed_model([node], feeds, {"y": np.float32}, {"cond": np.array(False)})
+    run_typed(model, feeds, tmp_path)
+    assert [n.op_type for n in import_onnx(model).nodes] == ["Add"]
+
+
+def test_if_with_a_runtime_condition_picks_between_both_branches(tmp_path):
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    node = helper.make_node("If", ["cond"], ["y"], then_branch=_branch("Mul"), else_branch=_branch("Sub"))
+    model = typed_model([node], {"x": x, "cond": np.array(True)}, {"y": np.float32})
+    module = minirt.load(crosscompile.build(model).export_library(tmp_path / "m.so"))
+    for cond in (True, False):
+        feeds = {"x": x, "cond": np.array(cond)}
+        np.testing.assert_array_equal(module.run(feeds)[0], ReferenceEvaluator(model).run(None, feeds)[0])
+
+
+def test_if_whose_runtime_branches_differ_in_shape_is_refused():
+    other = helper.make_graph([helper.make_node("ReduceSum", ["x"], ["y_branch"], keepdims=0)], "sum", [],
+                              [helper.make_tensor_value_info("y_branch", TensorProto.FLOAT, None)])
+    node = helper.make_node("If", ["cond"], ["y"], then_branch=_branch("Mul"), else_branch=other, name="pick")
+    model = typed_model([node], {"x": np.ones((2, 3), np.float32), "cond": np.array(True)}, {"y": np.float32})
+    with pytest.raises(crosscompile.BuildError, match=r"node 'pick' \(If\): its condition 'cond' is computed at run "
+                                                      r"time and its branches give output 0 different shapes"):
+        crosscompile.build(model)
+
+
+def loop_model(trip, cond, stop_after=None, inputs=()):
+    """A Loop adding iteration * x to a running sum, with each sum as a scan
+    output; its body's condition stays true, or turns false once the
+    iteration number reaches stop_after. inputs: names of trip/cond given
+    at run time."""
+    nodes = [helper.make_node("Cast", ["i"], ["i_float"], to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["i_float", "x"], ["step"]),
+             helper.make_node("Add", ["sum_in", "step"], ["sum_out"]),
+             helper.make_node("Identity", ["sum_out"], ["each"])]
+    if stop_after is None:
+        nodes.append(helper.make_node("Identity", ["cond_in"], ["cond_out"]))
+    else:
+        nodes += [helper.make_node("Constant", [], ["last"], value=numpy_helper.from_array(np.array(stop_after))),
+                  helper.make_node("Less", ["i", "last"], ["cond_out"])]
+    body = helper.make_graph(nodes, "body", [
+        helper.make_tensor_value_info("i", TensorProto.INT64, []),
+        helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+        helper.make_tensor_value_info("sum_in", TensorProto.FLOAT, [3])], [
+        helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+        helper.make_tensor_value_info("sum_out", TensorProto.FLOAT, [3]),
+        helper.make_tensor_value_info("each", TensorProto.FLOAT, [3])])
+    loop = helper.make_node("Loop", ["trip" if trip is not None else "", "cond" if cond is not None else "", "start"],
+                            ["total", "sums"], body=body, name="the_loop")
+    feeds = {"x": np.array([1.0, -2.0, 0.5], np.float32), "start": np.ones(3, np.float32)}
+    known = {name: value for name, value in (("trip", trip), ("cond", cond)) if value is not None}
+    feeds.update((name, known.pop(name)) for name in inputs)
+    return typed_model([loop], feeds, {"total": np.float32, "sums": np.float32}, known), feeds
+
+
+@pytest.mark.parametrize("trip,cond,stop_after", [
+    (np.array(4), np.array(True), None),   # four iterations
+    (np.array(6), None, 2),                # the body's condition ends it after three
+    (None, np.array(True), 4),             # no trip count: the condition alone
+])
+def test_loop_with_a_known_course_is_one_body_copy_per_iteration(tmp_path, trip, cond, stop_after):
+    model, feeds = loop_model(trip, cond, stop_after)
+    lib = crosscompile.build(model)
+    got = minirt.load(lib.export_library(tmp_path / "m.so")).run(feeds)
+    want = reference(model, feeds)
+    assert want[1].shape[0] == (4 if stop_after is None else stop_after + 1)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(g, w, rtol=1e-6)
+
+
+def test_loop_whose_course_is_decided_at_run_time_is_refused():
+    model, _ = loop_model(np.array(3), np.array(True), inputs=["trip"])
+    with pytest.raises(crosscompile.BuildError, match=r"node 'the_loop' \(Loop\): its trip count 'trip' is computed "
+                                                      "at run time"):
+        crosscompile.build(model)
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.uint16, np.uint32, np.uint64])

@@ -191,7 +191,7 @@ def test_missing_file_is_a_build_error(tmp_path):
         crosscompile.build(str(tmp_path / "nope.onnx"))
 
 
-@pytest.mark.parametrize("op_type,inits", [("DFT", {}), ("DeformConv", {"w": rand(1, 2, 3, 3)})])
+@pytest.mark.parametrize("op_type,inits", [("Unique", {}), ("DeformConv", {"w": rand(1, 2, 3, 3)})])
 def test_unsupported_op_names_op_and_node(op_type, inits):
     model = single_op(op_type, {"x": (1, 1, 5, 5)}, inits)
     with pytest.raises(UnsupportedOpError) as info:
@@ -392,3 +392,50 @@ def test_falls_back_to_ziglang_lld(monkeypatch, tmp_path):
     monkeypatch.delenv("TETHER_LD", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))  # no ld.lld on PATH
     run_host(mlp(sizes=(17, 3)), tmp_path)
+
+
+@pytest.mark.parametrize("training", [None, np.array(True)])
+def test_dropout_mask_is_all_true_in_inference_and_at_ratio_zero(tmp_path, training):
+    import minirt
+    from onnx import numpy_helper
+    inits = {"ratio": np.array(0.0 if training is not None else 0.4, np.float32)}
+    names = ["x", "ratio"]
+    if training is not None:
+        inits["training"], names = training, names + ["training"]
+    graph = helper.make_graph([helper.make_node("Dropout", names, ["y", "mask"])], "dropout",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+                               helper.make_tensor_value_info("mask", TensorProto.BOOL, None)],
+                              [numpy_helper.from_array(v, n) for n, v in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    y, mask = minirt.load(crosscompile.build(model).export_library(tmp_path / "m.so")).run({"x": x})
+    np.testing.assert_array_equal(y, x)
+    assert mask.dtype == np.bool_ and mask.shape == (3, 4) and mask.all()
+    training_model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    training_model.graph.initializer[0].CopyFrom(numpy_helper.from_array(np.array(0.5, np.float32), "ratio"))
+    if training is not None:
+        with pytest.raises(crosscompile.BuildError, match=r"Dropout with training_mode=True and ratio 0.5 is not "
+                                                          "supported: it drops random elements"):
+            crosscompile.build(training_model)
+
+
+def test_mel_weight_matrix_of_constants_is_a_constant_and_of_runtime_inputs_refused(tmp_path):
+    import minirt
+    from onnx import numpy_helper
+    from onnx.reference import ReferenceEvaluator
+    values = {"bins": np.array(8, np.int64), "dft": np.array(64, np.int64), "rate": np.array(8000, np.int64),
+              "low": np.array(100.0, np.float32), "high": np.array(3000.0, np.float32)}
+    node = helper.make_node("MelWeightMatrix", list(values), ["w"])
+    scale = helper.make_node("Mul", ["w", "x"], ["y"])
+    graph = helper.make_graph([node, scale], "mel", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(v, n) for n, v in values.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = np.array([2.0], np.float32)
+    got = minirt.load(crosscompile.build(model).export_library(tmp_path / "m.so")).run({"x": x})[0]
+    np.testing.assert_allclose(got, ReferenceEvaluator(model).run(None, {"x": x})[0], rtol=1e-6)
+    del model.graph.initializer[0]
+    model.graph.input.append(helper.make_tensor_value_info("bins", TensorProto.INT64, []))
+    with pytest.raises(BuildError, match=r"\(MelWeightMatrix\): its inputs must be constants"):
+        crosscompile.build(model)

@@ -35,7 +35,9 @@ CLAIMED = {"Conv", "Gemm", "MatMul", "BatchNormalization", "Relu", "LeakyRelu", 
            "RMSNormalization", "Hardmax", "CumProd", "Swish", "NegativeLogLikelihoodLoss",
            "SoftmaxCrossEntropyLoss", "BitShift", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "BitwiseNot",
            "Attention", "RotaryEmbedding", "MeanVarianceNormalization", "SwiGLU", "CausalConvWithState",
-           "LpPool", "Compress", "Col2Im", "GridSample", "BitCast", "QuantizeLinear", "DequantizeLinear"}
+           "LpPool", "Compress", "Col2Im", "GridSample", "BitCast", "QuantizeLinear", "DequantizeLinear", "DFT",
+           "STFT", "Det", "MaxUnpool", "ReverseSequence", "EyeLike", "If", "Loop", "OptionalHasElement",
+           "OptionalGetElement", "TensorScatter"}
 # In-scope cases run per op by default (a case counts for every op it uses).
 CASES_PER_OP = 3
 

@@ -8,7 +8,7 @@ from onnx import helper
 import crosscompile
 import minirt
 
-from tests.onnx_models import assert_zoo_close, conv_relu_model, make_model, rand, run_host, single_op
+from tests.onnx_models import assert_zoo_close, conv_relu_model, make_model, rand, reference, run_host, single_op
 
 
 def conv_model(x_shape, w_shape, bias=True, opset=13, **attrs):
@@ -143,6 +143,26 @@ def test_max_pool(tmp_path, x_shape, attrs):
     run_host(single_op("MaxPool", {"x": x_shape}, opset=12, **attrs), tmp_path)
 
 
+@pytest.mark.parametrize("x_shape,attrs", [
+    ((2, 3, 7, 8), {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 0, 1, 1]}),
+    ((1, 2, 6, 9), {"kernel_shape": [2, 3], "storage_order": 1, "dilations": [2, 1]}),  # column-major indices
+    ((2, 2, 11), {"kernel_shape": [4], "strides": [3], "pads": [2, 1]}),
+])
+def test_max_pool_indices_match_onnxruntime(tmp_path, x_shape, attrs):
+    from onnx import TensorProto
+    node = helper.make_node("MaxPool", ["x"], ["y", "i"], **attrs)
+    graph = helper.make_graph([node], "pool", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+                               helper.make_tensor_value_info("i", TensorProto.INT64, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 12)])
+    feeds = {"x": rand(*x_shape)}
+    got = minirt.load(crosscompile.build(model).export_library(tmp_path / "m.so")).run(feeds)
+    want = reference(model, feeds)
+    np.testing.assert_array_equal(got[0], want[0])
+    assert got[1].dtype == np.int64
+    np.testing.assert_array_equal(got[1], want[1])
+
+
 def test_max_pool_dilated(tmp_path):
     run_host(single_op("MaxPool", {"x": (1, 2, 11, 11)}, opset=12, kernel_shape=[3, 3],
                        dilations=[2, 2], pads=[1, 1, 1, 1]), tmp_path)
@@ -243,6 +263,30 @@ def test_pad(tmp_path, mode, pads):
     model = make_model([helper.make_node("Pad", names, ["y"], mode=mode)], {"x": (2, 3, 4)},
                        {"y": None}, inits)
     run_host(model, tmp_path)
+
+
+@pytest.mark.parametrize("mode,dtype", [("wrap", np.float32), ("wrap", np.int32), ("reflect", np.int64),
+                                        ("constant", np.uint8), ("edge", np.bool_)])
+def test_pad_of_every_mode_and_dtype_matches_the_onnx_reference(tmp_path, mode, dtype):
+    # wrap repeats the input, here further than its own length on axis 1.
+    from onnx import numpy_helper
+    from onnx.reference import ReferenceEvaluator
+    x = (np.arange(24).reshape(2, 3, 4) % 7).astype(dtype)
+    pads = [0, 4, 1, 1, 1, 2] if mode != "reflect" else [1, 2, 0, 0, 0, 3]
+    inits = [numpy_helper.from_array(np.array(pads, np.int64), "p")]
+    names = ["x", "p"]
+    if mode == "constant":
+        inits.append(numpy_helper.from_array(np.array(5, dtype), "v"))
+        names.append("v")
+    kind = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    graph = helper.make_graph([helper.make_node("Pad", names, ["y"], mode=mode)], "pad",
+                              [helper.make_tensor_value_info("x", kind, x.shape)],
+                              [helper.make_tensor_value_info("y", kind, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    got = minirt.load(crosscompile.build(model).export_library(tmp_path / "m.so")).run({"x": x})[0]
+    want = ReferenceEvaluator(model).run(None, {"x": x})[0]
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
 
 
 def test_pad_attribute_form_larger_than_input(tmp_path):

@@ -126,3 +126,26 @@ def test_narrow_causal_attention_rounds_its_steps_as_onnx_defines(tmp_path, dtyp
         want, = reference.run(None, feeds)
         assert got.dtype == want.dtype
         np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))
+
+
+@pytest.mark.parametrize("attrs", [{}, {"scale": 0.3}])
+def test_preview_flex_attention_is_expanded_into_its_body(tmp_path, attrs):
+    """ai.onnx.preview's FlexAttention (grouped K and V heads) becomes the
+    body ONNX builds for it, and matches onnx's reference."""
+    import onnx
+    from onnx.reference import ReferenceEvaluator
+
+    import minirt
+
+    shapes = {"Q": [2, 4, 5, 8], "K": [2, 2, 7, 8], "V": [2, 2, 7, 6]}
+    inputs = [helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, shape) for name, shape in shapes.items()]
+    node = helper.make_node("FlexAttention", list(shapes), ["Y"], domain="ai.onnx.preview", **attrs)
+    graph = helper.make_graph([node], "flex", inputs, [helper.make_tensor_value_info("Y", onnx.TensorProto.FLOAT,
+                                                                                      None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 26),
+                                                    helper.make_opsetid("ai.onnx.preview", 1)])
+    rng = np.random.default_rng(8)
+    feeds = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+    got, = minirt.load(crosscompile.build(model, "host").export_library(str(tmp_path / "m.so"))).run(feeds)
+    want, = ReferenceEvaluator(model).run(None, feeds)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -1,7 +1,8 @@
 """Resize and Upsample against onnxruntime: nearest with each coordinate
 and rounding mode, linear (bilinear, trilinear), cubic (its coefficient,
 exclude_outside), scales and sizes forms,
-axes (opset 18), upsampling and downsampling."""
+axes (opset 18), upsampling and downsampling; antialias,
+tf_crop_and_resize and keep_aspect_ratio_policy against onnx's reference."""
 import numpy as np
 import pytest
 from onnx import helper
@@ -45,6 +46,46 @@ def test_resize_linear(tmp_path, coordinates, x_shape, scales, sizes):
     run_host(model, tmp_path)
 
 
+def _matches_the_onnx_reference(model, x_shape, tmp_path):
+    x = rand(*x_shape)
+    got = minirt.load(crosscompile.build(model).export_library(tmp_path / "m.so")).run({"x": x})[0]
+    want = ReferenceEvaluator(model).run(None, {"x": x})[0]
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode,scales,sizes,exclude", [
+    ("linear", [1, 1, 0.6, 0.3], None, 0),     # 4 and 8 taps per output along the two axes
+    ("cubic", None, [1, 2, 4, 9], 0),          # downsampling one axis, upsampling the other
+    ("cubic", [1, 1, 0.5, 0.45], None, 1),     # exclude_outside renormalises the widened taps
+])
+def test_resize_antialias_matches_the_onnx_reference(tmp_path, mode, scales, sizes, exclude):
+    model = resize_model((1, 2, 7, 12), scales, sizes, mode=mode, antialias=1, exclude_outside=exclude)
+    _matches_the_onnx_reference(model, (1, 2, 7, 12), tmp_path)
+
+
+@pytest.mark.parametrize("mode,axes,roi,sizes", [
+    ("linear", None, [0, 0, 0.2, 0.1, 1, 1, 0.9, 1.3], [1, 2, 5, 6]),    # partly outside: extrapolated
+    ("nearest", [3, 2], [0.3, -0.2, 0.8, 0.7], [4, 3]),                 # axes in another order
+    ("cubic", [2, 3], [0.1, 0.1, 0.9, 0.6], [1, 1]),                     # one sample per axis
+])
+def test_resize_tf_crop_and_resize_matches_the_onnx_reference(tmp_path, mode, axes, roi, sizes):
+    node = helper.make_node("Resize", ["x", "roi", "", "sizes"], ["y"], mode=mode, extrapolation_value=-3.0,
+                            coordinate_transformation_mode="tf_crop_and_resize",
+                            **({"axes": axes} if axes else {}))
+    model = make_model([node], {"x": (1, 2, 6, 7)}, {"y": None},
+                       {"roi": np.array(roi, np.float32), "sizes": np.array(sizes, np.int64)}, opset=19)
+    _matches_the_onnx_reference(model, (1, 2, 6, 7), tmp_path)
+
+
+@pytest.mark.parametrize("policy", ["not_larger", "not_smaller"])
+def test_resize_keep_aspect_ratio_policy_matches_the_onnx_reference(tmp_path, policy):
+    node = helper.make_node("Resize", ["x", "", "", "sizes"], ["y"], mode="linear", keep_aspect_ratio_policy=policy,
+                            axes=[2, 3])
+    model = make_model([node], {"x": (1, 2, 6, 9)}, {"y": None}, {"sizes": np.array([4, 5], np.int64)}, opset=19)
+    _matches_the_onnx_reference(model, (1, 2, 6, 9), tmp_path)
+
+
 @pytest.mark.parametrize("mode", ["nearest", "linear"])
 def test_resize_half_pixel_symmetric(tmp_path, mode):
     # onnxruntime 1.32 rounds a sample of this mode that lands within an ulp
@@ -80,9 +121,11 @@ def test_upsample_opset_9(tmp_path, mode):
 
 @pytest.mark.parametrize("attrs,pattern", [
     ({"mode": "cubic"}, r"node 'the_resize' \(Resize\): attribute mode='cubic' is not supported"),  # opset 10
-    ({"antialias": 1}, r"node 'the_resize' \(Resize\): Resize with antialias=1 is not supported"),
+    ({"antialias": 1}, r"node 'the_resize' \(Resize\): Resize with antialias=1 takes mode 'linear' or 'cubic', "
+                       "not 'nearest'"),
     ({"coordinate_transformation_mode": "tf_crop_and_resize"},
-     r"node 'the_resize' \(Resize\): attribute coordinate_transformation_mode='tf_crop_and_resize'"),
+     r"node 'the_resize' \(Resize\): Resize with coordinate_transformation_mode='tf_crop_and_resize' needs a "
+     "constant roi"),
 ])
 def test_resize_unsupported_forms_are_refused_by_name(attrs, pattern):
     with pytest.raises(crosscompile.BuildError, match=pattern):
