@@ -3,9 +3,8 @@ reader polls for an answer while that pays, and stops for a while after
 polls that ran out or lost the core. Checked from the reader's own counters
 (FrameSocket.poll_gate), never from times."""
 import os
-import shutil
+import re
 import socket
-import tempfile
 
 import pytest
 
@@ -22,15 +21,36 @@ ENV = {**{k: v for k, v in os.environ.items() if k != "TETHER_POLL_US"},
 
 
 @pytest.fixture(scope="module", params=board_servers.KINDS)
-def server(request):
-    folder = tempfile.mkdtemp(prefix="tether-test-poll-")
-    workspaces = os.path.join(folder, "workspaces")
-    os.mkdir(workspaces)
-    child = Child("server", [*board_servers.command(request.param), "--host", "127.0.0.1",
-                             "--port", "0", "--workspace-dir", workspaces], folder, ENV)
-    yield child
-    child.stop()
-    shutil.rmtree(folder, ignore_errors=True)
+def kind(request):
+    return request.param
+
+
+@pytest.fixture
+def start_server(kind, tmp_path):
+    """Starts a server of ``kind`` whose session processes poll for
+    ``poll_us`` (TETHER_POLL_US; None: the default window)."""
+    children = []
+
+    def start(poll_us=None):
+        workspaces = tmp_path / f"workspaces{len(children)}"
+        workspaces.mkdir()
+        env = ENV if poll_us is None else {**ENV, "TETHER_POLL_US": str(poll_us)}
+        child = Child("server", [*board_servers.command(kind), "--host", "127.0.0.1", "--port", "0",
+                                 "--workspace-dir", str(workspaces)], str(tmp_path), env)
+        children.append(child)
+        return child
+
+    yield start
+    for child in children:
+        child.stop()
+
+
+def server_polling(server) -> list:
+    """Each ended session's counters from the server's log, as dicts."""
+    text = server.log_text()
+    return [dict(hits=int(m[1]), misses=int(m[2]), preempted=int(m[3]), skipped=int(m[4]))
+            for m in re.finditer(r"session \S+ polling: (\d+) hits, (\d+) misses, "
+                                 r"(\d+) preempted, (\d+) skipped", text)]
 
 
 def test_gate_pauses_longer_after_each_bad_poll_and_a_hit_resets_it():
@@ -63,10 +83,11 @@ def test_frames_already_there_count_as_hits():
     b.close()
 
 
-def test_polling_stays_on_for_back_to_back_calls(server):
+def test_polling_stays_on_for_back_to_back_calls(start_server):
+    # Windows far longer than any answer takes, on both ends: every poll is
+    # a hit unless the reader loses its core for a quarter of a second.
+    server = start_server(poll_us=1000000)
     with rpc.connect("127.0.0.1", server.port, timeout=60) as sess:
-        # A window far longer than any answer takes: every poll is a hit
-        # unless the reader loses its core for a quarter of a second.
         sess._data.spin = 1.0
         sess.ping()  # the session's process may still be starting
         sess._data.poll_gate = PollGate()
@@ -76,9 +97,16 @@ def test_polling_stays_on_for_back_to_back_calls(server):
         assert gate.polling, gate.stats
         assert gate.stats["hits"] >= 200 and gate.stats["misses"] == 0, gate.stats
         assert gate.stats["skipped"] == 0, gate.stats
+    # The session's process polls for each next request; it has its
+    # counters logged before it answers the close.
+    served = server_polling(server)
+    assert served, server.log_text()[-2000:]
+    assert served[-1]["hits"] >= 200 and served[-1]["misses"] == 0, served
+    assert served[-1]["skipped"] == 0, served
 
 
-def test_polling_switches_off_with_a_spinner_on_every_core(server):
+def test_polling_switches_off_with_a_spinner_on_every_core(start_server):
+    server = start_server()
     with rpc.connect("127.0.0.1", server.port, timeout=60) as sess:
         sess._data.spin = 100e-6
         with CompetingLoad(cores()):
@@ -87,3 +115,10 @@ def test_polling_switches_off_with_a_spinner_on_every_core(server):
         stats = sess._data.poll_gate.stats
         assert stats["misses"] + stats["preempted"] > 0, stats
         assert stats["skipped"] > 0, stats
+    # The session's process waited for the next request on the same busy
+    # cores: its polls ran out or lost the core too, and it paused them.
+    served = server_polling(server)
+    assert served, server.log_text()[-2000:]
+    served = served[-1]
+    assert served["misses"] + served["preempted"] > 0, served
+    assert served["skipped"] > 0, served

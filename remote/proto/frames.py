@@ -238,6 +238,11 @@ class PollGate:
             return False
         return True
 
+    def summary(self) -> str:
+        """The counters as the servers log them when a session ends."""
+        return "polling: {hits} hits, {misses} misses, {preempted} preempted, {skipped} skipped".format(
+            **self.stats)
+
     def record(self, outcome: str) -> None:
         """After a poll: "hits", "misses" or "preempted"."""
         self.stats[outcome] += 1
