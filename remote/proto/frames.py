@@ -403,8 +403,9 @@ class FrameSocket:
         costs more than the call. Once a frame takes longer, the reader
         blocks at once until frames come back to back again, so a reader
         whose calls are far apart, or whose peer is idle, burns no CPU
-        polling. Only where the socket has no Python-level timeout (that
-        would poll() before every recv).
+        polling. ``poll_gate`` also pauses polling after polls that ran out
+        or lost the core (busy cores). Only where the socket has no
+        Python-level timeout (that would poll() before every recv).
         """
         view = self._view[self._end:]
         if not self.spin or self.sock.gettimeout() is not None:
