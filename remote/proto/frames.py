@@ -204,6 +204,55 @@ def splice(a: socket.socket, b: socket.socket, name: str, on_done=None) -> None:
         threading.Thread(target=pump, args=(src, dst), name=f"{name}-pump", daemon=True).start()
 
 
+class PollGate:
+    """Whether a reader's next wait polls before it blocks, decided by how
+    its recent polls went (docs/sessions.md, "Small calls").
+
+    A poll is a *hit* when the data came within the window with the reader
+    running throughout; a *miss* when the window ran out; *preempted* when
+    the reader lost its core during the poll (two tries further apart than a
+    quarter of the window: a try takes microseconds). On busy cores polling
+    holds a core the peer wants, so after a miss or preemption the next
+    ``pause`` waits block at once; each bad poll in a row doubles the pause
+    (up to MAX_PAUSE waits), a hit resets it. ``stats`` counts each outcome,
+    and ``skipped`` the waits that blocked at once because of a pause.
+    """
+
+    MAX_PAUSE = 64
+
+    def __init__(self):
+        self.pause_left = 0
+        self.next_pause = 1
+        self.stats = {"hits": 0, "misses": 0, "preempted": 0, "skipped": 0}
+
+    @property
+    def polling(self) -> bool:
+        """Whether the next wait may poll."""
+        return self.pause_left == 0
+
+    def take_turn(self) -> bool:
+        """Called before a wait that would poll: False when it must block."""
+        if self.pause_left:
+            self.pause_left -= 1
+            self.stats["skipped"] += 1
+            return False
+        return True
+
+    def summary(self) -> str:
+        """The counters as the servers log them when a session ends."""
+        return "polling: {hits} hits, {misses} misses, {preempted} preempted, {skipped} skipped".format(
+            **self.stats)
+
+    def record(self, outcome: str) -> None:
+        """After a poll: "hits", "misses" or "preempted"."""
+        self.stats[outcome] += 1
+        if outcome == "hits":
+            self.next_pause = 1
+        else:
+            self.pause_left = self.next_pause
+            self.next_pause = min(self.next_pause * 2, self.MAX_PAUSE)
+
+
 class FrameSocket:
     """A connected socket that speaks frames."""
 
@@ -218,6 +267,7 @@ class FrameSocket:
         # Whether the last frame came within the polling window: only then
         # does the next read poll first (see _recv_some).
         self.back_to_back = True
+        self.poll_gate = PollGate()
         self.body_left = 0
         # Small frames arrive whole in one recv; what it read past the frame
         # waits here for the next read.
@@ -353,31 +403,48 @@ class FrameSocket:
         costs more than the call. Once a frame takes longer, the reader
         blocks at once until frames come back to back again, so a reader
         whose calls are far apart, or whose peer is idle, burns no CPU
-        polling. Only where the socket has no Python-level timeout (that
-        would poll() before every recv).
+        polling. ``poll_gate`` also pauses polling after polls that ran out
+        or lost the core (busy cores). Only where the socket has no
+        Python-level timeout (that would poll() before every recv).
         """
         view = self._view[self._end:]
         if not self.spin or self.sock.gettimeout() is not None:
             return self.sock.recv_into(view)
-        if self.back_to_back:
-            recv_into = self.sock.recv_into
-            deadline = 0.0
-            while True:
-                try:
-                    return recv_into(view, 0, _DONTWAIT)
-                except BlockingIOError:
-                    # No sched_yield between tries: on a busy machine it
-                    # handed the core to another program for a time slice.
-                    now = time.monotonic()
-                    if not deadline:
-                        deadline = now + self.spin
-                    elif now > deadline:
-                        break
+        if self.back_to_back and self.poll_gate.take_turn():
+            n = self._poll(view)
+            if n is not None:
+                return n
         self.back_to_back = False
         start = time.monotonic()
         n = self.sock.recv_into(view)
         self.back_to_back = time.monotonic() - start <= self.spin
         return n
+
+    def _poll(self, view):
+        """Non-blocking reads for up to ``spin``: what one read returned, or
+        None when the window ran out. The gate hears how it went."""
+        recv_into = self.sock.recv_into
+        gap = self.spin / 4
+        deadline = last = 0.0
+        preempted = False
+        while True:
+            try:
+                n = recv_into(view, 0, _DONTWAIT)
+            except BlockingIOError:
+                # No sched_yield between tries: on a busy machine it
+                # handed the core to another program for a time slice.
+                now = time.monotonic()
+                if not deadline:
+                    deadline = now + self.spin
+                elif now - last > gap:
+                    preempted = True
+                last = now
+                if now > deadline:
+                    self.poll_gate.record("preempted" if preempted else "misses")
+                    return None
+                continue
+            self.poll_gate.record("preempted" if preempted else "hits")
+            return n
 
     def recv_body_into(self, buffer) -> None:
         view = byte_view(buffer)

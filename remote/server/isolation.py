@@ -439,6 +439,8 @@ class SessionProcess:
             with self._lock:
                 if self._own_reason is None:
                     self._own_reason = (error_class, reason)
+        elif line.startswith("log\t"):
+            log.info("session %s %s", self.session_id[:8], line[4:])
         elif line == "close":
             try:
                 self._on_close()

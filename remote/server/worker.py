@@ -56,13 +56,22 @@ _OK = frame_bytes(pb.DataFrame(op="ok"))
 _CONTROL = None
 
 
-def report_end(error_class: str, reason: str) -> None:
-    """Tell the server why this process is about to end."""
-    text = f"end\t{error_class}\t{reason}".replace("\n", " ")
+def _tell_server(line: str) -> None:
     try:
-        _CONTROL.sendall(text.encode("utf-8", "replace") + b"\n")
+        _CONTROL.sendall(line.replace("\n", " ").encode("utf-8", "replace") + b"\n")
     except (OSError, AttributeError):
         pass  # the server is gone; nobody is left to tell
+
+
+def log_polling(fs: FrameSocket) -> None:
+    """How the session's reads polled (docs/sessions.md, "Small calls"), for
+    the server's log."""
+    _tell_server("log\t" + fs.poll_gate.summary())
+
+
+def report_end(error_class: str, reason: str) -> None:
+    """Tell the server why this process is about to end."""
+    _tell_server(f"end\t{error_class}\t{reason}")
 
 
 def peak_rss_bytes() -> int:
@@ -276,6 +285,7 @@ class Worker:
         except (PeerClosed, OSError):
             pass
         finally:
+            log_polling(fs)
             fs.close()
             report_end("SessionEnded", "the client closed its connection")
             os._exit(0)
@@ -283,6 +293,7 @@ class Worker:
     def close(self, fs: FrameSocket) -> None:
         """The client ends the session: answered once the server has given the
         board back, so it is free again when the client's ``with`` block ends."""
+        log_polling(fs)  # before the answer: the client's with block ends after it
         self.workspace.close()
         released = _ask_server("close")
         fs.send(pb.DataFrame(op="ok") if released else error_frame(

@@ -714,6 +714,8 @@ class DeviceService {
         session->own_class = line.substr(4, tab == std::string::npos ? std::string::npos : tab - 4);
         session->own_reason = tab == std::string::npos ? "" : line.substr(tab + 1);
       }
+    } else if (line.compare(0, 4, "log\t") == 0) {
+      log_line("session %.8s %s", session->id.c_str(), line.c_str() + 4);
     } else if (line == "close") {
       end(session->id, "closed by the client", "SessionEnded", false);
       send_all(session->control, "released\n", 9);

@@ -316,6 +316,7 @@ class SessionServer {
         dispatch(header);
       }
     }
+    log_polling();
     conn_.close();
     report_end("SessionEnded", "the client closed its connection");
     _exit(0);
@@ -375,9 +376,21 @@ class SessionServer {
   }
 
   // ---------------------------------------------------------- session --
+  // How the session's reads polled (docs/sessions.md, "Small calls"), for
+  // the server's log.
+  void log_polling() {
+    const PollGate& g = conn_.poll_gate();
+    char line[160];
+    std::snprintf(line, sizeof line, "log\tpolling: %llu hits, %llu misses, %llu preempted, %llu skipped\n",
+                  static_cast<unsigned long long>(g.hits), static_cast<unsigned long long>(g.misses),
+                  static_cast<unsigned long long>(g.preempted), static_cast<unsigned long long>(g.skipped));
+    send_all(settings_.control_fd, line, std::strlen(line));
+  }
+
   [[noreturn]] void close_session() {
     // Answered once the server has given the board back, so it is free
     // again when the client's `with` block ends.
+    log_polling();  // before the answer: the client's with block ends after it
     workspace_.remove_all();
     bool released = ask_server_close();
     if (released) {

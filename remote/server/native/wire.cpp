@@ -484,8 +484,10 @@ bool FrameConn::fill(size_t count, int64_t deadline_ms, ReadStatus* status) {
   // Poll only while frames come back to back (docs/sessions.md, "Small
   // calls"): once one takes longer than the window, block at once until
   // they do again, so an idle or slow peer costs no CPU.
-  if (polling && back_to_back_) {
-    int64_t until = 0;
+  if (polling && back_to_back_ && gate_.take_turn()) {
+    int64_t until = 0, last = 0;
+    bool preempted = false;
+    PollGate::Outcome outcome = PollGate::kHit;
     while (end_ < count) {
       ssize_t n = ::recv(fd_, buffer_.data() + end_, buffer_.size() - end_, MSG_DONTWAIT);
       if (n > 0) {
@@ -496,9 +498,18 @@ bool FrameConn::fill(size_t count, int64_t deadline_ms, ReadStatus* status) {
       // No sched_yield between tries: on a busy machine it handed the core
       // to another program for a time slice (docs/sessions.md).
       int64_t now = monotonic_us();
-      if (!until) until = now + poll_us_;
-      else if (now > until) break;
+      if (!until) {
+        until = now + poll_us_;
+      } else if (now - last > poll_us_ / 4) {
+        preempted = true;  // a try takes well under a microsecond: the core was lost
+      }
+      last = now;
+      if (now > until) {
+        outcome = PollGate::kMiss;
+        break;
+      }
     }
+    gate_.record(preempted ? PollGate::kPreempted : outcome);
   }
   int64_t blocked_at = polling && end_ < count ? monotonic_us() : 0;
   if (blocked_at) back_to_back_ = false;

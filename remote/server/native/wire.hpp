@@ -89,6 +89,37 @@ class Checksum {
 // Why a read failed.
 enum class ReadStatus { kOk, kClosed, kTimeout, kNotFrames, kError };
 
+// Whether a reader's next wait polls before it blocks, from how its recent
+// polls went (remote/proto/frames.py's PollGate, docs/sessions.md "Small
+// calls"): after a poll that ran out (miss) or lost the core (preempted),
+// the next `pause_left` waits block at once; each bad poll in a row doubles
+// the pause, up to kMaxPause waits; a hit resets it.
+struct PollGate {
+  enum Outcome { kHit, kMiss, kPreempted };
+  static constexpr int kMaxPause = 64;
+  int pause_left = 0;
+  int next_pause = 1;
+  uint64_t hits = 0, misses = 0, preempted = 0, skipped = 0;
+  bool polling() const { return pause_left == 0; }
+  // Before a wait that would poll: false when it must block at once.
+  bool take_turn() {
+    if (!pause_left) return true;
+    --pause_left;
+    ++skipped;
+    return false;
+  }
+  void record(Outcome outcome) {
+    if (outcome == kHit) {
+      ++hits;
+      next_pause = 1;
+      return;
+    }
+    ++(outcome == kMiss ? misses : preempted);
+    pause_left = next_pause;
+    next_pause = next_pause * 2 < kMaxPause ? next_pause * 2 : kMaxPause;
+  }
+};
+
 // A connected socket that speaks frames.
 class FrameConn {
  public:
@@ -97,6 +128,7 @@ class FrameConn {
   // A read with no deadline first polls for up to `us` microseconds (a
   // non-blocking recv again and again), then sleeps.
   void set_poll_us(int us) { poll_us_ = us; }
+  const PollGate& poll_gate() const { return gate_; }
   // Reads the next frame's header (skipping what is left of the last body).
   // deadline_ms: absolute CLOCK_MONOTONIC milliseconds, or 0 for none.
   ReadStatus read_header(Frame* frame, int64_t deadline_ms = 0, size_t max_header = 16u << 20);
@@ -132,6 +164,7 @@ class FrameConn {
   int64_t body_left_ = 0;
   int poll_us_ = 0;
   bool back_to_back_ = true;  // the last frame came within the polling window
+  PollGate gate_;
   std::string seen_;
 };
 
