@@ -22,6 +22,8 @@ weight's columns as columns (packed at compile time).
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from llvmlite import ir
 
 from .conv import _deinterleaved
@@ -319,10 +321,26 @@ def _requantize_vector(k: Kernel, acc: ir.Value, multiplier: ir.Value, attrs) ->
     return b.trunc(b.fptosi(value, ir.VectorType(I32, lanes)), ir.VectorType(I8, lanes))
 
 
+@contextmanager
+def shared_loop(k: Kernel, count: int):
+    """for i in range(count), the indices handed out to the threads in
+    chunks (Kernel.share) in a parallel kernel; the plain loop otherwise."""
+    if not k.parallel:
+        with k.loop(count) as i:
+            yield i
+        return
+    with k.share(count) as (lo, hi), k.loop(hi, start=lo) as i:
+        yield i
+
+
 def emit_tiles(k: Kernel, tile: DotTile, rows: int, columns: int, tile_rows: int, tile_vectors: int) -> None:
     """Every tile of a rows x columns output: full tiles in loops, then the
     row and column remainders as smaller tiles (a last vector of fewer
-    than 4 columns stores only those)."""
+    than 4 columns stores only those). In a parallel kernel the threads
+    take the tiles in chunks (see _shared_tiles)."""
+    if k.parallel:
+        _shared_tiles(k, tile, rows, columns, tile_rows, tile_vectors)
+        return
     full_rows = rows - rows % tile_rows
     whole_vectors = columns // 4
     full_vectors = whole_vectors - whole_vectors % tile_vectors
@@ -349,6 +367,47 @@ def emit_tiles(k: Kernel, tile: DotTile, rows: int, columns: int, tile_rows: int
                     columns_of(k.builder.mul(r, k.i64(height)))
         else:
             columns_of(k.i64(start))
+
+
+def _shared_tiles(k: Kernel, tile: DotTile, rows: int, columns: int, tile_rows: int, tile_vectors: int) -> None:
+    """emit_tiles' tiles, the same sums, handed out to the threads: each
+    block of rows (the remainder rows as one more) times each block of
+    whole tiles' columns is one item of a shared range, then each block of
+    rows with the columns left over one of a second."""
+    b = k.builder
+    full_blocks = rows // tile_rows
+    whole_vectors = columns // 4
+    column_blocks = whole_vectors // tile_vectors
+    left_vectors = whole_vectors % tile_vectors
+    blocks = full_blocks + bool(rows % tile_rows)
+
+    def row_block(block, emit) -> None:
+        """emit(row0, sums, stored) for the block of rows numbered block."""
+        if not rows % tile_rows:
+            emit(b.mul(block, k.i64(tile_rows)), tile_rows, None)
+            return
+        height = rows % tile_rows
+        sums, stored = (tile_rows, height) if tile.lanes else (height, None)
+        with k.builder.if_else(b.icmp_unsigned("<", block, k.i64(full_blocks))) as (full, last):
+            with full:
+                emit(b.mul(block, k.i64(tile_rows)), tile_rows, None)
+            with last:
+                emit(k.i64(full_blocks * tile_rows), sums, stored)
+    if column_blocks:
+        with shared_loop(k, blocks * column_blocks) as item:
+            column0 = b.mul(b.urem(item, k.i64(column_blocks)), k.i64(4 * tile_vectors))
+            row_block(b.udiv(item, k.i64(column_blocks)),
+                      lambda row0, sums, stored: emit_tile(k, tile, row0, sums, column0, tile_vectors,
+                                                           stored_rows=stored))
+    if left_vectors or columns % 4:
+        def rest(row0, sums, stored):
+            if left_vectors:
+                emit_tile(k, tile, row0, sums, k.i64(4 * column_blocks * tile_vectors), left_vectors,
+                          stored_rows=stored)
+            if columns % 4:
+                emit_tile(k, tile, row0, sums, k.i64(4 * whole_vectors), 1, columns % 4, stored_rows=stored)
+        with shared_loop(k, blocks) as block:
+            row_block(block, rest)
 
 
 def _as_int8(k: Kernel, value: ir.Value, dtype: str) -> ir.Value:
@@ -423,7 +482,7 @@ def pack_input(k: Kernel, buffers: tuple, inputs, attrs, n: ir.Value, groups4: i
         rows = _valid_range(kh * dh - ph, sh, height, oh_count)
         for kw in range(kw_count):
             cols = _valid_range(kw * dw - pw, sw, width, ow_count)
-            with k.loop(groups4) as c4:
+            with shared_loop(k, groups4) as c4:
                 group = k.index((c4, step * 4), ((kh * kw_count + kw) * groups4, step * 4))
                 _fill(k, packed, group, rows[0] * ow_count * 4, pad)
                 _fill(k, packed, k.index((group, 1), (rows[1] * ow_count * 4, 1)),
@@ -482,6 +541,7 @@ def lower_conv(k: Kernel, inputs, outputs, attrs) -> None:
     y = k.typed(k.outputs[0], attrs["output_dtype"])
     with k.loop(batch) as n:
         pack_input(k, buffers, inputs, attrs, n, groups4, plane4)
+        k.barrier()  # every thread's tiles read all of the packed input
         kp = depth4 * 4
 
         def vector(g, column):
@@ -499,6 +559,8 @@ def lower_conv(k: Kernel, inputs, outputs, attrs) -> None:
                        lambda row, column: k.index((n, filters * plane), (row, plane), (column, 1)), y, attrs,
                        lanes, (bias, k.typed(k.inputs[3], "float32")))
         emit_tiles(k, tile, filters, plane, *attrs["int8_tile"])
+        if batch > 1:
+            k.barrier()  # before the next image's packing overwrites this one's
 
 
 def _pack_pixel(k: Kernel, x: ir.Value, packed: ir.Value, sources: list, valid: list, at: ir.Value,
