@@ -337,10 +337,9 @@ def emit_tiles(k: Kernel, tile: DotTile, rows: int, columns: int, tile_rows: int
     """Every tile of a rows x columns output: full tiles in loops, then the
     row and column remainders as smaller tiles (a last vector of fewer
     than 4 columns stores only those). In a parallel kernel the threads
-    take the tiles in chunks (see _shared_tiles)."""
-    if k.parallel:
-        _shared_tiles(k, tile, rows, columns, tile_rows, tile_vectors)
-        return
+    take the blocks of rows in chunks, each with all its columns (the
+    code within a block as on one thread: the weights' addresses hoisted
+    out of its loop over columns)."""
     full_rows = rows - rows % tile_rows
     whole_vectors = columns // 4
     full_vectors = whole_vectors - whole_vectors % tile_vectors
@@ -363,51 +362,13 @@ def emit_tiles(k: Kernel, tile: DotTile, rows: int, columns: int, tile_rows: int
                 emit_tile(k, tile, row0, sums, k.i64(4 * whole_vectors), 1, columns % 4, stored_rows=stored)
         if start is None:
             if count:
-                with k.loop(count // height) as r:
+                with shared_loop(k, count // height) as r:
                     columns_of(k.builder.mul(r, k.i64(height)))
+        elif k.parallel:
+            with shared_loop(k, 1):
+                columns_of(k.i64(start))
         else:
             columns_of(k.i64(start))
-
-
-def _shared_tiles(k: Kernel, tile: DotTile, rows: int, columns: int, tile_rows: int, tile_vectors: int) -> None:
-    """emit_tiles' tiles, the same sums, handed out to the threads: each
-    block of rows (the remainder rows as one more) times each block of
-    whole tiles' columns is one item of a shared range, then each block of
-    rows with the columns left over one of a second."""
-    b = k.builder
-    full_blocks = rows // tile_rows
-    whole_vectors = columns // 4
-    column_blocks = whole_vectors // tile_vectors
-    left_vectors = whole_vectors % tile_vectors
-    blocks = full_blocks + bool(rows % tile_rows)
-
-    def row_block(block, emit) -> None:
-        """emit(row0, sums, stored) for the block of rows numbered block."""
-        if not rows % tile_rows:
-            emit(b.mul(block, k.i64(tile_rows)), tile_rows, None)
-            return
-        height = rows % tile_rows
-        sums, stored = (tile_rows, height) if tile.lanes else (height, None)
-        with k.builder.if_else(b.icmp_unsigned("<", block, k.i64(full_blocks))) as (full, last):
-            with full:
-                emit(b.mul(block, k.i64(tile_rows)), tile_rows, None)
-            with last:
-                emit(k.i64(full_blocks * tile_rows), sums, stored)
-    if column_blocks:
-        with shared_loop(k, blocks * column_blocks) as item:
-            column0 = b.mul(b.urem(item, k.i64(column_blocks)), k.i64(4 * tile_vectors))
-            row_block(b.udiv(item, k.i64(column_blocks)),
-                      lambda row0, sums, stored: emit_tile(k, tile, row0, sums, column0, tile_vectors,
-                                                           stored_rows=stored))
-    if left_vectors or columns % 4:
-        def rest(row0, sums, stored):
-            if left_vectors:
-                emit_tile(k, tile, row0, sums, k.i64(4 * column_blocks * tile_vectors), left_vectors,
-                          stored_rows=stored)
-            if columns % 4:
-                emit_tile(k, tile, row0, sums, k.i64(4 * whole_vectors), 1, columns % 4, stored_rows=stored)
-        with shared_loop(k, blocks) as block:
-            row_block(block, rest)
 
 
 def _as_int8(k: Kernel, value: ir.Value, dtype: str) -> ir.Value:
@@ -478,11 +439,13 @@ def pack_input(k: Kernel, buffers: tuple, inputs, attrs, n: ir.Value, groups4: i
     plane = oh_count * ow_count
     b, dtype = k.builder, inputs[0].dtype
     x, packed, pad, convert = buffers
-    for kh in range(kh_count):
-        rows = _valid_range(kh * dh - ph, sh, height, oh_count)
-        for kw in range(kw_count):
-            cols = _valid_range(kw * dw - pw, sw, width, ow_count)
-            with shared_loop(k, groups4) as c4:
+    # One shared range for the whole packing: the threads take channel
+    # groups, each packed at every tap.
+    with shared_loop(k, groups4) as c4:
+        for kh in range(kh_count):
+            rows = _valid_range(kh * dh - ph, sh, height, oh_count)
+            for kw in range(kw_count):
+                cols = _valid_range(kw * dw - pw, sw, width, ow_count)
                 group = k.index((c4, step * 4), ((kh * kw_count + kw) * groups4, step * 4))
                 _fill(k, packed, group, rows[0] * ow_count * 4, pad)
                 _fill(k, packed, k.index((group, 1), (rows[1] * ow_count * 4, 1)),
