@@ -22,6 +22,8 @@ weight's columns as columns (packed at compile time).
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from llvmlite import ir
 
 from .conv import _deinterleaved
@@ -319,10 +321,25 @@ def _requantize_vector(k: Kernel, acc: ir.Value, multiplier: ir.Value, attrs) ->
     return b.trunc(b.fptosi(value, ir.VectorType(I32, lanes)), ir.VectorType(I8, lanes))
 
 
+@contextmanager
+def shared_loop(k: Kernel, count: int):
+    """for i in range(count), the indices handed out to the threads in
+    chunks (Kernel.share) in a parallel kernel; the plain loop otherwise."""
+    if not k.parallel:
+        with k.loop(count) as i:
+            yield i
+        return
+    with k.share(count) as (lo, hi), k.loop(hi, start=lo) as i:
+        yield i
+
+
 def emit_tiles(k: Kernel, tile: DotTile, rows: int, columns: int, tile_rows: int, tile_vectors: int) -> None:
     """Every tile of a rows x columns output: full tiles in loops, then the
     row and column remainders as smaller tiles (a last vector of fewer
-    than 4 columns stores only those)."""
+    than 4 columns stores only those). In a parallel kernel the threads
+    take the blocks of rows in chunks, each with all its columns (the
+    code within a block as on one thread: the weights' addresses hoisted
+    out of its loop over columns)."""
     full_rows = rows - rows % tile_rows
     whole_vectors = columns // 4
     full_vectors = whole_vectors - whole_vectors % tile_vectors
@@ -345,8 +362,11 @@ def emit_tiles(k: Kernel, tile: DotTile, rows: int, columns: int, tile_rows: int
                 emit_tile(k, tile, row0, sums, k.i64(4 * whole_vectors), 1, columns % 4, stored_rows=stored)
         if start is None:
             if count:
-                with k.loop(count // height) as r:
+                with shared_loop(k, count // height) as r:
                     columns_of(k.builder.mul(r, k.i64(height)))
+        elif k.parallel:
+            with shared_loop(k, 1):
+                columns_of(k.i64(start))
         else:
             columns_of(k.i64(start))
 
@@ -419,11 +439,13 @@ def pack_input(k: Kernel, buffers: tuple, inputs, attrs, n: ir.Value, groups4: i
     plane = oh_count * ow_count
     b, dtype = k.builder, inputs[0].dtype
     x, packed, pad, convert = buffers
-    for kh in range(kh_count):
-        rows = _valid_range(kh * dh - ph, sh, height, oh_count)
-        for kw in range(kw_count):
-            cols = _valid_range(kw * dw - pw, sw, width, ow_count)
-            with k.loop(groups4) as c4:
+    # One shared range for the whole packing: the threads take channel
+    # groups, each packed at every tap.
+    with shared_loop(k, groups4) as c4:
+        for kh in range(kh_count):
+            rows = _valid_range(kh * dh - ph, sh, height, oh_count)
+            for kw in range(kw_count):
+                cols = _valid_range(kw * dw - pw, sw, width, ow_count)
                 group = k.index((c4, step * 4), ((kh * kw_count + kw) * groups4, step * 4))
                 _fill(k, packed, group, rows[0] * ow_count * 4, pad)
                 _fill(k, packed, k.index((group, 1), (rows[1] * ow_count * 4, 1)),
@@ -482,6 +504,7 @@ def lower_conv(k: Kernel, inputs, outputs, attrs) -> None:
     y = k.typed(k.outputs[0], attrs["output_dtype"])
     with k.loop(batch) as n:
         pack_input(k, buffers, inputs, attrs, n, groups4, plane4)
+        k.barrier()  # every thread's tiles read all of the packed input
         kp = depth4 * 4
 
         def vector(g, column):
@@ -499,6 +522,8 @@ def lower_conv(k: Kernel, inputs, outputs, attrs) -> None:
                        lambda row, column: k.index((n, filters * plane), (row, plane), (column, 1)), y, attrs,
                        lanes, (bias, k.typed(k.inputs[3], "float32")))
         emit_tiles(k, tile, filters, plane, *attrs["int8_tile"])
+        if batch > 1:
+            k.barrier()  # before the next image's packing overwrites this one's
 
 
 def _pack_pixel(k: Kernel, x: ir.Value, packed: ir.Value, sources: list, valid: list, at: ir.Value,

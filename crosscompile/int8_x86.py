@@ -31,7 +31,7 @@ from typing import Callable, NamedTuple
 from llvmlite import ir
 
 from .emit import F32, I8, I16, I32, I64, Kernel
-from .int8_dot import (_as_operand, _intrinsic, _splat, conv_geometry, pack_input,
+from .int8_dot import (_as_operand, _intrinsic, _splat, conv_geometry, pack_input, shared_loop,
                        packing_buffers)
 from .op_base import _prod
 
@@ -220,9 +220,14 @@ def _requantize(k: Kernel, sums: ir.Value, multiplier: ir.Value, attrs) -> ir.Va
 
 
 @contextmanager
-def _starts(k: Kernel, count: int, size: int, start: int):
+def _starts(k: Kernel, count: int, size: int, start: int, shared: bool = False):
     """The first index of each of count blocks of size from start: a loop,
-    or the constant when there is one block."""
+    or the constant when there is one block. shared hands the blocks out
+    to the threads of a parallel kernel (int8_dot.shared_loop)."""
+    if shared and k.parallel:
+        with shared_loop(k, count) as i:
+            yield k.index((i, size), (start, 1))
+        return
     if count == 1:
         yield k.i64(start)
         return
@@ -235,7 +240,8 @@ def emit_tiles(k: Kernel, t: Operands, rows: int, columns: int, rows_outer: bool
     smaller tile of the rows left and one of the columns left (a last
     vector of fewer than W columns stores only those). rows_outer runs
     the loop over rows outside the one over columns (the columns' operand
-    is then read again for each block of rows: the smaller one should be)."""
+    is then read again for each block of rows: the smaller one should be).
+    In a parallel kernel the threads take the outer loop's blocks in chunks."""
     tile_rows, tile_vectors, width = t.attrs["int8_tile"]
     row_parts = [(rows // tile_rows, tile_rows, 0, tile_rows)] if rows >= tile_rows else []
     if rows % tile_rows:
@@ -249,13 +255,13 @@ def emit_tiles(k: Kernel, t: Operands, rows: int, columns: int, rows_outer: bool
         column_parts.append((1, vectors, left - (vectors - 1) * width, columns - left))
     if rows_outer:
         for count, height, start, stored in row_parts:
-            with _starts(k, count, height, start) as row0:
+            with _starts(k, count, height, start, shared=True) as row0:
                 for c_count, vectors, last, c_start in column_parts:
                     with _starts(k, c_count, vectors * width, c_start) as column0:
                         emit_tile(k, t, row0, height, column0, vectors, last, stored)
         return
     for c_count, vectors, last, c_start in column_parts:
-        with _starts(k, c_count, vectors * width, c_start) as column0:
+        with _starts(k, c_count, vectors * width, c_start, shared=True) as column0:
             for count, height, start, stored in row_parts:
                 with _starts(k, count, height, start) as row0:
                     emit_tile(k, t, row0, height, column0, vectors, last, stored)
@@ -291,6 +297,7 @@ def lower_conv(k: Kernel, inputs, outputs, attrs) -> None:
     y = k.typed(k.outputs[0], attrs["output_dtype"])
     with k.loop(x_shape[0]) as n:
         pack_input(k, buffers, inputs, attrs, n, depth4 // (kh_count * kw_count), step)
+        k.barrier()  # every thread's tiles read all of the packed input
         t = Operands(kind, width, depth4,
                      lambda g, column: b.gep(packed, [k.index((g, step * 4), (column, 4))]),
                      ir.VectorType(I8, 4 * width) if kind == "vnni" else V16I16,
@@ -302,6 +309,8 @@ def lower_conv(k: Kernel, inputs, outputs, attrs) -> None:
         # Columns outside: a block of pixels' packed input stays in the
         # cache while the weights, in the order the tiles read them, stream by.
         emit_tiles(k, t, filters, plane, rows_outer=False)
+        if x_shape[0] > 1:
+            k.barrier()  # before the next image's packing overwrites this one's
 
 
 def lower_matmul(k: Kernel, inputs, outputs, attrs) -> None:

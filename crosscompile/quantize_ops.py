@@ -437,6 +437,11 @@ class IntegerConv(_IntegerOp):
             return _prod(inputs[1].shape[1:]) * -(-plane // 4) * 4
         return 4 * plane
 
+    def parallel(self, attrs):
+        # The packing and tile kernels (int8_dot, int8_x86) hand out the
+        # packing's channel groups and the tiles; the others run on one thread.
+        return attrs["int8_kernel"] in ("dot", "quads", "pairs") + int8_x86.X86_KERNELS
+
     def lower(self, k, inputs, outputs, attrs):
         if attrs["int8_kernel"] == "depthwise":
             int8_depthwise.lower(k, inputs, outputs, attrs)

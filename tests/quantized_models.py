@@ -117,6 +117,29 @@ def wide_net(seed: int = 0) -> onnx.ModelProto:
     return make_model(nodes, {"x": WIDE_SHAPE}, {"y": (1, 10)}, inits)
 
 
+CONVS_SHAPE = (2, 3, 8, 40)
+
+
+def conv_stack(seed: int = 0) -> onnx.ModelProto:
+    """Only what the integer tile kernels run, in two images: 3x3
+    convolutions of 10 and 12 filters (blocks of the tiles' rows and a
+    remainder), stride 1 and 2, over rows of 40 and 20 pixels, and a 1x1
+    one. Input "x" CONVS_SHAPE, output "y" (2, 16, 4, 20)."""
+    rng = np.random.default_rng(seed)
+    inits = {}
+    inits.update(_conv(rng, "c1", 3, 10, 3))
+    inits.update(_conv(rng, "c2", 10, 12, 3))
+    inits.update(_conv(rng, "pw", 12, 16, 1))
+    nodes = [
+        helper.make_node("Conv", ["x", "c1_w", "c1_b"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("Conv", ["r1", "c2_w", "c2_b"], ["c2"], pads=[1, 1, 1, 1], strides=[2, 2]),
+        helper.make_node("Relu", ["c2"], ["r2"]),
+        helper.make_node("Conv", ["r2", "pw_w", "pw_b"], ["y"]),
+    ]
+    return make_model(nodes, {"x": CONVS_SHAPE}, {"y": (2, 16, 4, 20)}, inits)
+
+
 def calibration(count: int = 8, seed: int = 1, shape: tuple = INPUT_SHAPE) -> list:
     rng = np.random.default_rng(seed)
     return [{"x": rng.standard_normal(shape).astype(np.float32)} for _ in range(count)]
@@ -136,6 +159,8 @@ STATIC_FORMS = {
     "qoperator_per_channel_s8": ("QOperator", True, "QUInt8", "QInt8", True),
     # wide_net rather than conv_net (see input_shape).
     "wide_qdq_per_channel_u8s8": ("QDQ", True, "QUInt8", "QInt8", True),
+    # conv_stack (see input_shape).
+    "convs_qdq_per_channel_u8s8": ("QDQ", True, "QUInt8", "QInt8", True),
 }
 FORMS = tuple(STATIC_FORMS) + ("dynamic",)
 # The forms the default test run covers (one of each kind); the others run
@@ -144,8 +169,9 @@ DEFAULT_FORMS = ("qdq_per_tensor_u8", "qdq_per_channel_s8", "qoperator_u8", "dyn
 
 
 def input_shape(form: str) -> tuple:
-    """The input shape of a form's model: wide_net's for the wide forms."""
-    return WIDE_SHAPE if form.startswith("wide") else INPUT_SHAPE
+    """The input shape of a form's model: wide_net's for the wide forms,
+    conv_stack's for the convs forms."""
+    return WIDE_SHAPE if form.startswith("wide") else CONVS_SHAPE if form.startswith("convs") else INPUT_SHAPE
 
 
 def quantized_model(form: str) -> onnx.ModelProto:
@@ -167,7 +193,8 @@ def _quantize(form: str, folder: pathlib.Path) -> onnx.ModelProto:
                                           quantize_static)
 
     source, target = folder / "fp32.onnx", folder / f"{form}.onnx"
-    onnx.save(dense_net() if form == "dynamic" else wide_net() if form.startswith("wide") else conv_net(), source)
+    nets = {"dynamic": dense_net, "wide": wide_net, "convs": conv_stack}
+    onnx.save(nets.get(form.split("_")[0], conv_net)(), source)
     if form == "dynamic":
         quantize_dynamic(str(source), str(target))
         return onnx.load(target)

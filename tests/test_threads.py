@@ -17,6 +17,7 @@ from minirt.timing import time_module
 from tests.competing_load import CompetingLoad, cores
 from tests.cross_targets import emulated_tools
 from tests.onnx_models import make_model, rand, reference
+from tests.quantized_models import calibration, input_shape, quantized_model
 
 
 def small_cnn(batch=2):
@@ -208,29 +209,46 @@ int main(int argc, char **argv) {
 """
 
 
+# A quantized model of two images whose convolutions run on the integer
+# tile kernels (int8_dot on ARM, int8_x86 on the host): see conv_stack.
+INT8_FORM = "convs_qdq_per_channel_u8s8"
+
+
+def model_and_input(which: str):
+    """("cnn": small_cnn, "int8": the INT8_FORM model) and its input."""
+    if which == "int8":
+        return quantized_model(INT8_FORM), calibration(1, seed=21, shape=input_shape(INT8_FORM))[0]["x"]
+    return small_cnn(), rand(2, 3, 37, 41, seed=9)
+
+
 @functools.lru_cache(maxsize=None)
-def built_for(preset: str):
-    """small_cnn compiled for preset: (the module's bytes, its workspace
+def built_for(preset: str, which: str = "cnn"):
+    """The model compiled for preset: (the module's bytes, its workspace
     size), built once for every test that runs it."""
-    lib = crosscompile.build(small_cnn(), target=preset)
+    lib = crosscompile.build(model_and_input(which)[0], target=preset)
     return lib.so_bytes, lib.metadata["workspace_bytes"]
 
 
-def run_on_emulated_board(tmp_path, preset, threads: int, runs: int = 1, mode: str = ""):
-    """small_cnn's outputs of `runs` runs on `threads` threads, through
-    tether_run_parallel under qemu (the host's C compiler and no qemu for
-    preset "host"), and onnxruntime's. With mode "late", the other threads
-    call in only after thread 0 has returned; with "held", they are stopped
-    for 3 ms after every 0.3 ms they run (see PARALLEL_DRIVER_C)."""
+def run_on_emulated_board(tmp_path, preset, threads: int, runs: int = 1, mode: str = "", which: str = "cnn"):
+    """The model's (small_cnn's, or see model_and_input) outputs of `runs`
+    runs on `threads` threads, through tether_run_parallel under qemu (the
+    host's C compiler and no qemu for preset "host"), and onnxruntime's
+    (None for "int8", whose reference is the module's own 1-thread run).
+    With mode "late", the other threads call in only after thread 0 has
+    returned; with "held", they are stopped for 3 ms after every 0.3 ms
+    they run (see PARALLEL_DRIVER_C)."""
     if preset == "host":
         gcc = shutil.which("cc") or pytest.skip("no C compiler (cc) on this host")
         launch = []
     else:
         qemu, gcc, sysroot = emulated_tools(preset)
         launch = [qemu, "-L", sysroot]
-    x = rand(2, 3, 37, 41, seed=9)
-    want = reference(small_cnn(), {"x": x})[0]
-    so_bytes, workspace_bytes = built_for(preset)
+    model, x = model_and_input(which)
+    want = reference(model, {"x": x})[0] if which == "cnn" else None
+    shape = want.shape if want is not None else tuple(d.dim_value for d in
+                                                      model.graph.output[0].type.tensor_type.shape.dim)
+    size = int(np.prod(shape))
+    so_bytes, workspace_bytes = built_for(preset, which)
     so = tmp_path / "cnn.so"
     so.write_bytes(so_bytes)
     (tmp_path / "driver.c").write_text(PARALLEL_DRIVER_C)
@@ -239,11 +257,11 @@ def run_on_emulated_board(tmp_path, preset, threads: int, runs: int = 1, mode: s
     x.tofile(tmp_path / "in.bin")
     proc = subprocess.run(launch + [str(tmp_path / "driver"), str(so),
                            str(workspace_bytes), str(tmp_path / "in.bin"),
-                           str(x.size), str(tmp_path / "out.bin"), str(want.size), str(threads), str(runs)]
+                           str(x.size), str(tmp_path / "out.bin"), str(size), str(threads), str(runs)]
                           + ([mode] if mode else []),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
-    got = np.fromfile(tmp_path / "out.bin", dtype=np.float32).reshape((runs,) + want.shape)
+    got = np.fromfile(tmp_path / "out.bin", dtype=np.float32).reshape((runs,) + shape)
     return got, want
 
 
@@ -311,3 +329,40 @@ def test_busy_cores_on_an_emulated_arm_board(tmp_path, busy_cores):
     for run in got:
         assert_arm_close(run, want)
     assert all(p.poll() is None for p in busy_cores.processes), "the load ended before the runs"
+
+
+@pytest.fixture(scope="module")
+def int8_module(tmp_path_factory):
+    """The quantized model on the host, and its 1-thread output."""
+    model, x = model_and_input("int8")
+    module = minirt.load(crosscompile.build(model).export_library(tmp_path_factory.mktemp("int8") / "int8.so"))
+    module.set_threads(1)
+    return module, x, module.run({"x": x})[0]
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_int8_kernels_on_threads_give_the_single_thread_result(int8_module, threads):
+    """The integer convolutions' packing and tiles handed out to 2 or 3
+    threads, quiet and then with a spinner on every core: every run's
+    output is the 1-thread output, bit for bit."""
+    module, x, want = int8_module
+    module.set_threads(threads)
+    for _ in range(10):
+        np.testing.assert_array_equal(module.run({"x": x})[0], want)
+    with CompetingLoad(cores()) as load:
+        for _ in range(10):
+            np.testing.assert_array_equal(module.run({"x": x})[0], want)
+        assert all(p.poll() is None for p in load.processes), "the load ended before the runs"
+
+
+def test_int8_kernels_on_threads_of_an_emulated_arm_board(tmp_path):
+    """The same on an emulated Cortex-A72 (the "quads" tiles of int8_dot):
+    2 threads quiet, 3 with a spinner on every core, against the module's
+    own 1-thread run."""
+    want = run_on_emulated_board(tmp_path, "rasp4b64", threads=1, which="int8")[0][0]
+    got = run_on_emulated_board(tmp_path, "rasp4b64", threads=2, runs=2, which="int8")[0]
+    with CompetingLoad(cores()) as load:
+        busy = run_on_emulated_board(tmp_path, "rasp4b64", threads=3, runs=3, which="int8")[0]
+        assert all(p.poll() is None for p in load.processes), "the load ended before the runs"
+    for run in (*got, *busy):
+        np.testing.assert_array_equal(run, want)
