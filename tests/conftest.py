@@ -107,44 +107,78 @@ def pytest_collection_modifyitems(config, items):
         (left if out and not named else kept).append(item)
     if left:
         config.hook.pytest_deselected(items=left)
-        items[:] = kept
+    items[:] = builds_last(kept) if len(kept) >= WARMUP_MIN_ITEMS else kept
     _start_warmups(config, items)
 
 
-def native_triples(items):
-    """The native server's triples the selected tests use, in the order they first
-    need them: x86_64 for every native server test, the ARM ones where a test's
-    name says so (and for the native tool tests, which build all three)."""
+X86_TRIPLE = "x86_64-linux-musl"
+ARM_TRIPLES = (("aarch64-linux-musl", ("aarch64", "arm64")),
+               ("arm-linux-musleabihf", ("armv7", "armhf")))
+
+
+def item_triples(item):
+    """The native server's triples a test uses: x86_64 for every native server
+    test, the ARM ones where its name says so (and all three for the native
+    tool tests, which build every one)."""
+    name = item.nodeid
+    if "native" not in name:
+        return []
+    every = "test_native_" in name
+    return [X86_TRIPLE] + [triple for triple, words in ARM_TRIPLES
+                           if every or any(w in name for w in words)]
+
+
+def item_systems(item):
+    """The emulated Debian systems (RELEASE-ARCH) a test uses: bookworm's for
+    every emulated test (its arm64 one, and its armhf one where the test names
+    32-bit ARM), or those its system marks name."""
+    if item.get_closest_marker("emulated") is None:
+        return []
+    systems = [m.name.replace("_", "-") for m in item.iter_markers()
+               if m.name.endswith(("_arm64", "_armhf"))]
+    return systems or ["bookworm-armhf" if any(w in item.nodeid for w in ("armhf", "armv7", "rasp3b"))
+                       else "bookworm-arm64"]
+
+
+def _in_order_of_need(items, needs):
     wanted = []
     for item in items:
-        name = item.nodeid
-        if "native" not in name:
-            continue
-        every = "test_native_" in name
-        for triple, words in (("x86_64-linux-musl", ("",)),
-                              ("aarch64-linux-musl", ("aarch64", "arm64")),
-                              ("arm-linux-musleabihf", ("armv7", "armhf"))):
-            if (every or any(w in name for w in words)) and triple not in wanted:
-                wanted.append(triple)
+        wanted += [n for n in needs(item) if n not in wanted]
     return wanted
+
+
+def native_triples(items):
+    """The native server's triples the selected tests use, in the order they first need them."""
+    return _in_order_of_need(items, item_triples)
 
 
 def emulated_systems(items):
-    """The emulated Debian systems (RELEASE-ARCH) the selected tests use, in the
-    order they first need them: bookworm's for every emulated test (its arm64
-    one, and its armhf one where a test names 32-bit ARM), and those the
-    tests' system marks name."""
-    wanted = []
+    """The emulated Debian systems the selected tests use, in the order they first need them."""
+    return _in_order_of_need(items, item_systems)
+
+
+def builds_last(items):
+    """The items, each test module kept whole, with the modules that need
+    nothing built first, then those that need the x86_64 native server, then
+    those that need an ARM one or an emulated system: the warm-ups build those
+    while the tests that need none of it run, instead of a test early in the
+    alphabet waiting minutes for them."""
+    modules = {}
     for item in items:
-        if item.get_closest_marker("emulated") is None:
-            continue
-        systems = [m.name.replace("_", "-") for m in item.iter_markers()
-                   if m.name.endswith(("_arm64", "_armhf"))]
-        if not systems:
-            systems = ["bookworm-armhf" if any(w in item.nodeid for w in ("armhf", "armv7", "rasp3b"))
-                       else "bookworm-arm64"]
-        wanted += [s for s in systems if s not in wanted]
-    return wanted
+        need = 0
+        if item_systems(item) or any(t != X86_TRIPLE for t in item_triples(item)):
+            need = 2
+        elif item_triples(item):
+            need = 1
+        key = item.nodeid.split("::")[0]
+        modules[key] = max(modules.get(key, 0), need)
+    order = {key: rank for rank, key in enumerate(modules)}
+    return sorted(items, key=lambda item: (modules[item.nodeid.split("::")[0]],
+                                           order[item.nodeid.split("::")[0]]))
+
+
+# A run of fewer tests builds what it needs on demand, in the order given.
+WARMUP_MIN_ITEMS = 50
 
 
 def _start_warmups(config, items):
@@ -152,7 +186,7 @@ def _start_warmups(config, items):
     in a background process of its own (tests/warmup.py); a run of a few tests
     builds on demand."""
     config._warmups = []
-    if len(items) < 50:
+    if len(items) < WARMUP_MIN_ITEMS:
         return
     for kind, names in (("native", native_triples(items)), ("rootfs", emulated_systems(items))):
         if names:
