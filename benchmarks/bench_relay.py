@@ -5,15 +5,19 @@
 A tracker and two device servers run as processes on loopback: one takes
 sessions on its own port, the other (``--relay``) only through the tracker,
 as a board behind NAT does. The same transfers and calls run in a session on
-each; printed are medians of ``--repeat`` runs and relayed/direct (1.0 means
-the relay costs nothing).
+each, both sessions open at once and taking each measurement in turn, so
+that the machine's load falls on both alike; printed are medians of
+``--repeat`` rounds and relayed/direct (1.0 means the relay costs nothing).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import statistics
 import sys
 import tempfile
+import time
 
 import numpy as np
 
@@ -22,28 +26,39 @@ sys.path.insert(0, ROOT)
 
 from remote.cli.localfarm import LocalFarm  # noqa: E402
 
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from bench_transfer import median_time  # noqa: E402  (the same timing as the direct figures)
-
 MIB = 1 << 20
+CALLS = 500  # small calls per timed run
 
 
-def figures(sess, path: str, array: np.ndarray, repeat: int) -> dict:
+def measurements(sess, path: str, array: np.ndarray) -> dict:
+    """{name: (amount per run, one run)} of a session: MiB for transfers,
+    microseconds per call for the small calls."""
     size = os.path.getsize(path) / MIB
     kept = sess.upload_tensor("kept", array)
-    out = {
-        "upload (MiB/s)": size / median_time(lambda: sess.upload(path, "f.bin"), repeat),
-        "download (MiB/s)": size / median_time(lambda: sess.download("f.bin"), repeat),
-        "tensor in (MiB/s)": array.nbytes / MIB / median_time(
-            lambda: sess.upload_tensor("t", array), repeat),
-        "tensor out (MiB/s)": array.nbytes / MIB / median_time(kept.numpy, repeat),
-    }
 
     def calls():
-        for _ in range(500):
+        for _ in range(CALLS):
             sess.ping()
-    out["small call round trip (us)"] = median_time(calls, repeat) / 500 * 1e6
-    return out
+    return {
+        "upload (MiB/s)": (size, lambda: sess.upload(path, "f.bin")),
+        "download (MiB/s)": (size, lambda: sess.download("f.bin")),
+        "tensor in (MiB/s)": (array.nbytes / MIB, lambda: sess.upload_tensor("t", array)),
+        "tensor out (MiB/s)": (array.nbytes / MIB, kept.numpy),
+        "small call round trip (us)": (None, calls),
+    }
+
+
+def alternating(runs: dict, repeat: int) -> dict:
+    """{key: figure}: the same measurement of every session, one run of each
+    in turn, ``repeat`` rounds after a warm-up round; the median of each."""
+    times = {key: [] for key in runs}
+    for i in range(repeat + 1):
+        for key, run in runs.items():
+            start = time.perf_counter()
+            run()
+            if i:
+                times[key].append(time.perf_counter() - start)
+    return {key: statistics.median(t) for key, t in times.items()}
 
 
 def main(argv=None):
@@ -58,11 +73,17 @@ def main(argv=None):
         array.tofile(path)
         farm.add_server("relayed", extra=["--relay"])
         tracker = farm.client()
-        results = {}
-        for key in ("direct", "relayed"):
-            with tracker.request(key, timeout=60, call_timeout=300) as sess:
+        with contextlib.ExitStack() as stack:
+            each = {}
+            for key in ("direct", "relayed"):
+                sess = stack.enter_context(tracker.request(key, timeout=60, call_timeout=300))
                 assert sess.relayed == (key == "relayed")
-                results[key] = figures(sess, path, array, args.repeat)
+                each[key] = measurements(sess, path, array)
+            results = {key: {} for key in each}
+            for name, (amount, _) in each["direct"].items():
+                seconds = alternating({key: runs[name][1] for key, runs in each.items()}, args.repeat)
+                for key, t in seconds.items():
+                    results[key][name] = amount / t if amount else t / CALLS * 1e6
     print(f"loopback, {args.mib} MiB files/tensors, median of {args.repeat}; {os.cpu_count()} cores")
     print(f"{'measurement':<30} {'direct':>10} {'relayed':>10} {'relayed/direct':>15}")
     for name in results["direct"]:

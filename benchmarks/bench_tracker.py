@@ -13,6 +13,12 @@
    dropped, which ends TVM's session, with ``python -m tvm.exec.rpc_server``,
    the only TVM server that registers with a tracker: each session's socket
    is served by libtvm_runtime's C++ ``RPCServerLoop`` in a forked process).
+   All of them are up at once and take one session each in turn per
+   round. TVM is timed twice: as shipped, and with TCP_NODELAY set on its
+   tracker client's socket (it writes each message in two sends, and Nagle's
+   algorithm holds the second back for the tracker's delayed ACK). Beside
+   them, the loopback limit: two bare connections (tracker, board) with one
+   small round trip each.
 2. leases/s: many client threads lease devices from a tracker process that has
    ``--devices`` devices registered and give them back. For us the devices
    are a simulator process (benchmarks/board_sim.py) keeping one real board
@@ -26,6 +32,8 @@ Needs ``pip install apache-tvm`` for the TVM half; without it only ours runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import platform
@@ -159,28 +167,125 @@ class TvmFarm:
                 p.kill()
 
 
-def tvm_request_to_session(sessions: int):
-    from tvm import rpc as tvm_rpc
-
+@contextlib.contextmanager
+def tvm_board():
+    """TVM's tracker with one TVM RPC server registered under KEY."""
     farm = TvmFarm()
     try:
         farm.start_tracker()
         port = free_port()
         farm.spawn("server", "tvm.exec.rpc_server", "--host", "127.0.0.1", "--port", str(port),
                    "--port-end", str(port + 1), "--tracker", f"127.0.0.1:{farm.port}", "--key", KEY)
-        tracker = tvm_rpc.connect_tracker("127.0.0.1", farm.port)
-        samples = []
-        for i in range(sessions + 2):
-            farm.wait_free(tracker)  # the same starting point as ours: a free device
-            start = time.perf_counter()
-            sess = tracker.request(KEY)
-            del sess  # TVM ends the session when the handle goes away
-            elapsed = time.perf_counter() - start
-            if i >= 2:
-                samples.append(elapsed)
-        return samples
+        yield farm
     finally:
         farm.stop()
+
+
+def tvm_tracker_client(port: int, nodelay: bool):
+    """TVM's Python tracker client. It writes each message as two sends (its
+    length, then its JSON); with ``nodelay`` its socket has TCP_NODELAY set,
+    so that Nagle's algorithm does not hold the second send back for the
+    tracker's delayed acknowledgement."""
+    from tvm import rpc as tvm_rpc
+    from tvm.rpc import base
+
+    connect = base.connect_with_retry
+
+    def connect_without_delay(*args, **kwargs):
+        sock = connect(*args, **kwargs)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    base.connect_with_retry = connect_without_delay if nodelay else connect
+    try:
+        return tvm_rpc.connect_tracker("127.0.0.1", port)
+    finally:
+        base.connect_with_retry = connect
+
+
+def tvm_once(farm, tracker) -> float:
+    farm.wait_free(tracker)  # the same starting point as ours: a free device
+    start = time.perf_counter()
+    sess = tracker.request(KEY)
+    del sess  # TVM ends the session when the handle goes away
+    return time.perf_counter() - start
+
+
+def ours_once(tracker) -> float:
+    start = time.perf_counter()
+    with tracker.request(KEY, timeout=30):
+        pass
+    return time.perf_counter() - start
+
+
+ECHO_SERVER = """
+import socket, sys
+listener = socket.socket()
+listener.bind(("127.0.0.1", 0))
+listener.listen(64)
+print(listener.getsockname()[1], flush=True)
+while True:
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while True:
+        data = conn.recv(64)
+        if not data:
+            break
+        conn.sendall(data)
+    conn.close()
+"""
+
+
+@contextlib.contextmanager
+def echo_servers():
+    """Two bare echo processes (a tracker and a board at their simplest)."""
+    procs = [subprocess.Popen([sys.executable, "-c", ECHO_SERVER], stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    try:
+        yield [int(p.stdout.readline()) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def loopback_once(ports) -> float:
+    """The least a lease can take: a connection to the tracker and one to the
+    board, one small request and reply on each, both closed."""
+    start = time.perf_counter()
+    for port in ports:
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(b"x" * 32)
+            got = 0
+            while got < 32:
+                got += len(sock.recv(64))
+    return time.perf_counter() - start
+
+
+def request_to_session(sessions: int, commands, have_tvm: bool) -> dict:
+    """{contender: samples}: one request -> session -> close of each contender
+    in turn per round (ours behind each board server, TVM with and without
+    TCP_NODELAY on its tracker client, the bare loopback limit), so that the
+    machine's load at any moment falls on all of them alike."""
+    with contextlib.ExitStack() as stack:
+        contenders = {}
+        for kind, command in commands.items():
+            farm = stack.enter_context(LocalFarm(keys=[KEY], env=env(), server_command=command,
+                                                 tracker_args=["--db", "none"]))
+            contenders[f"tether {kind}"] = functools.partial(ours_once, rpc.connect_tracker(*farm.tracker))
+        if have_tvm:
+            farm = stack.enter_context(tvm_board())
+            for name, nodelay in (("tvm", False), ("tvm TCP_NODELAY", True)):
+                contenders[name] = functools.partial(tvm_once, farm, tvm_tracker_client(farm.port, nodelay))
+        contenders["loopback limit"] = functools.partial(loopback_once, stack.enter_context(echo_servers()))
+        samples = {name: [] for name in contenders}
+        for i in range(sessions + 5):
+            for name, once in contenders.items():
+                elapsed = once()
+                if i >= 5:  # warm-up: first channels, imports, thread pools
+                    samples[name].append(elapsed)
+        return samples
 
 
 # --------------------------------------------------------------- leases/s --
@@ -389,23 +494,22 @@ def main(argv=None):
         print("apache-tvm is not installed (pip install apache-tvm): measuring ours only")
     figures = {}
 
-    print(f"request -> session -> close, {args.sessions} sessions, loopback, "
-          "real tracker and device server processes")
+    print(f"request -> session -> close, {args.sessions} sessions, loopback, real tracker and "
+          "device server processes, one session of each in turn per round")
     commands = server_commands()
-    ours = {kind: describe(ours_request_to_session(args.sessions, command))
-            for kind, command in commands.items()}
-    for kind, (median, p90) in ours.items():
-        print(f"  tether {kind:<7} median {median:7.2f} ms   p90 {p90:7.2f} ms")
-        figures[f"{kind}_request_to_session_ms"] = median
-    native = ours["native"][0]
-    print(f"  native/python = {native / ours['python'][0]:.2f} (median; below 1 is native faster)")
-    figures.update(sandbox_figures(args.sessions, commands))
+    medians = {}
+    for name, samples in request_to_session(args.sessions, commands, have_tvm).items():
+        medians[name], p90 = describe(samples)
+        print(f"  {name:<16} median {medians[name]:7.2f} ms   p90 {p90:7.2f} ms")
+        figures[name.replace(" ", "_").lower() + "_request_to_session_ms"] = medians[name]
+    native, limit = medians["tether native"], medians["loopback limit"]
+    print(f"  native/python = {native / medians['tether python']:.2f}, native/loopback limit = "
+          f"{native / limit:.1f} (median; below 1 is native faster)")
     if have_tvm:
-        theirs = describe(tvm_request_to_session(args.sessions))
-        print(f"  tvm            median {theirs[0]:7.2f} ms   p90 {theirs[1]:7.2f} ms")
-        print(f"  native/tvm = {native / theirs[0]:.2f}, python/tvm = "
-              f"{ours['python'][0] / theirs[0]:.2f} (median; below 1 is ours faster)")
-        figures["tvm_request_to_session_ms"] = theirs[0]
+        for name in ("tvm", "tvm TCP_NODELAY"):
+            print(f"  {name}/native = {medians[name] / native:.1f}, {name}/python = "
+                  f"{medians[name] / medians['tether python']:.1f} (how many times ours is faster)")
+    figures.update(sandbox_figures(args.sessions, commands))
 
     print(f"leases/s, {args.devices} registered devices speaking each tracker's protocol, "
           f"{args.threads} client threads, {args.seconds:g} s")
