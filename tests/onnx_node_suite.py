@@ -322,20 +322,14 @@ def board_server(kind: str, folder: str):
         child.stop()
 
 
-def run_isolated(case: Case, workdir: str, timeout: float = 300.0, target: str = "host",
-                 run_module=None) -> Result:
-    """run_case in a forked child, so that a module which kills its process
-    (a segfault) or never ends is counted as a crash and the sweep goes on."""
+def _fork_case(case: Case, workdir: str, target: str, run_module) -> tuple:
+    """run_case in a forked child, its result pickled down a pipe: (pid, read end)."""
     import pickle
-    import select
-    import signal
-    import time
 
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: one case, its result pickled down the pipe
         os.close(read_end)
-        code = 0
         try:
             result = run_case(case, workdir, target=target, run_module=run_module)
             payload = pickle.dumps((result.status, result.detail))
@@ -343,20 +337,21 @@ def run_isolated(case: Case, workdir: str, timeout: float = 300.0, target: str =
             payload = pickle.dumps(("crash", f"{type(exc).__name__}: {exc}"[:300]))
         with os.fdopen(write_end, "wb") as out:
             out.write(payload)
-        os._exit(code)
+        os._exit(0)
     os.close(write_end)
-    chunks, deadline = [], time.monotonic() + timeout
-    with os.fdopen(read_end, "rb") as pipe:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([pipe], [], [], left)[0]:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                return Result(case, "crash", f"no result within {timeout:g} s")
-            chunk = os.read(pipe.fileno(), 1 << 16)
-            if not chunk:
-                break
-            chunks.append(chunk)
+    return pid, read_end
+
+
+def _case_result(case: Case, pid: int, chunks: list, timed_out: float = 0.0) -> Result:
+    """The Result of a forked case from what its pipe gave, once it has ended
+    (or, with timed_out, been killed after that many seconds)."""
+    import pickle
+    import signal
+
+    if timed_out:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        return Result(case, "crash", f"no result within {timed_out:g} s")
     _, status = os.waitpid(pid, 0)
     if not chunks:
         how = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}"
@@ -365,24 +360,69 @@ def run_isolated(case: Case, workdir: str, timeout: float = 300.0, target: str =
     return Result(case, status_name, detail)
 
 
-def run_all(cases=None, progress=None, board: "str | None" = None) -> list:
+def run_isolated_many(cases, workdir: str, jobs: int = 1, timeout: float = 300.0, target: str = "host",
+                      run_module=None, progress=None) -> list:
+    """run_case of each case in a forked child, up to jobs at once, so that a
+    module which kills its process (a segfault) or never ends is counted as
+    a crash and the sweep goes on. The Results come in the cases' order."""
+    import select
+    import time
+
+    results = [None] * len(cases)
+    waiting = list(enumerate(cases))[::-1]
+    running = {}  # read end -> (index, pid, chunks, deadline)
+    done = 0
+    while waiting or running:
+        while waiting and len(running) < jobs:
+            index, case = waiting.pop()
+            pid, fd = _fork_case(case, workdir, target, run_module)
+            running[fd] = (index, pid, [], time.monotonic() + timeout)
+        left = min(deadline for *_, deadline in running.values()) - time.monotonic()
+        ready = select.select(list(running), [], [], max(left, 0))[0]
+        now = time.monotonic()
+        for fd in list(running):
+            index, pid, chunks, deadline = running[fd]
+            if fd in ready:
+                chunk = os.read(fd, 1 << 16)
+                if chunk:
+                    chunks.append(chunk)
+                    continue
+            elif now < deadline:
+                continue
+            os.close(fd)
+            del running[fd]
+            results[index] = _case_result(cases[index], pid, chunks, 0.0 if fd in ready else timeout)
+            done += 1
+            if progress:
+                progress(done, len(cases), results[index])
+    return results
+
+
+def run_isolated(case: Case, workdir: str, timeout: float = 300.0, target: str = "host",
+                 run_module=None) -> Result:
+    """run_case of one case in a forked child (see run_isolated_many)."""
+    return run_isolated_many([case], workdir, timeout=timeout, target=target, run_module=run_module)[0]
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def run_all(cases=None, progress=None, board: "str | None" = None, jobs: "int | None" = None) -> list:
     """Every case's Result, on this host, or with board (a kind of BOARDS)
-    compiled for its preset and run on that board server."""
+    compiled for its preset and run on that board server. On the host, jobs
+    cases (default: the usable cores) run at once; on a board one at a time."""
     import crosscompile  # noqa: F401 - imported once, before the children fork
     import minirt  # noqa: F401
 
     cases = discover() if cases is None else cases
-    results = []
     with tempfile.TemporaryDirectory(prefix="tether-node-") as tmp, contextlib.ExitStack() as stack:
         target, run_module = "host", None
         if board is not None:
             server = stack.enter_context(board_server(board, tmp))
-            target, run_module = BOARDS[board], board_runner(server.port)
-        for number, case in enumerate(cases, 1):
-            results.append(run_isolated(case, tmp, target=target, run_module=run_module))
-            if progress:
-                progress(number, len(cases), results[-1])
-    return results
+            target, run_module, jobs = BOARDS[board], board_runner(server.port), 1
+        return run_isolated_many(cases, tmp, jobs=jobs or usable_cores(), target=target,
+                                 run_module=run_module, progress=progress)
 
 
 def per_op(results) -> dict:
@@ -444,6 +484,8 @@ def main(argv=None) -> int:
     parser.add_argument("--board", choices=sorted(BOARDS),
                         help="compile for the board's preset and run every case on that board server, "
                              "under qemu-user (default: on this host)")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="cases run at once on the host (default: the usable cores; on a board, one)")
     args = parser.parse_args(argv)
     cases = discover(everything=not args.in_scope, op_type=args.op[0] if len(args.op) == 1 else None)
     if args.op:
@@ -460,7 +502,7 @@ def main(argv=None) -> int:
                                     "status": result.status, "detail": result.detail}) + "\n")
         if tty:
             print(f"\r{number}/{total} {result.case.name[:60]:60}", end="", file=sys.stderr, flush=True)
-    results = run_all(cases, progress, board=args.board)
+    results = run_all(cases, progress, board=args.board, jobs=args.jobs)
     if tty:
         print(file=sys.stderr)
     counts = report(results, per_op_table=args.per_op)
