@@ -349,6 +349,11 @@ def settle_tree(pid: int, count: int, timeout: float = 10.0):
         time.sleep(0.05)
 
 
+def upload_limit(size: int, so_path: str) -> int:
+    """The servers' --max-upload-bytes: room for the transfers and the model."""
+    return max(4 * size, 2 * os.path.getsize(so_path))
+
+
 def tether_memory(kind: str, so_path: str, max_bytes: int):
     """VmRSS (KiB) of a fresh server's process tree after start, during a
     session that loaded and ran a module, and after that session closed;
@@ -387,7 +392,7 @@ def tether_transfers(kinds, args, blob_path, folder, tensor, image, so_path, siz
     the machine's load hits them alike."""
     out = {kind: {} for kind in kinds}
     with contextlib.ExitStack() as stack:
-        sessions = {kind: stack.enter_context(tether_session(kind, 4 * size)) for kind in kinds}
+        sessions = {kind: stack.enter_context(tether_session(kind, upload_limit(size, so_path))) for kind in kinds}
 
         def measure(key, make, calls=1, mib=None):
             """Seconds per call, or MiB/s when each call moves ``mib``."""
@@ -453,7 +458,7 @@ def measure_all(args, have_tvm, folder, blob_path, tensor, image, so_path, size)
     raw_mibs, raw_rt = raw_limits(args.mib * 4, args.repeat)
     kinds = ("native", "python")
     figures = tether_transfers(kinds, args, blob_path, folder, tensor, image, so_path, size)
-    memory = {kind: tether_memory(kind, so_path, size) for kind in kinds}
+    memory = {kind: tether_memory(kind, so_path, upload_limit(size, so_path)) for kind in kinds}
     figures["tvm"] = {}
     peer = "apache-tvm is not installed (pip install apache-tvm): its column is skipped"
 
