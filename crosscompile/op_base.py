@@ -84,6 +84,11 @@ class Op:
     # An element-wise op of one runtime input that can run as the epilogue of
     # the node producing that input (see passes.fuse_elementwise).
     fusable = False
+    # {output position: axis} of outputs whose size along that axis depends
+    # on the data (crosscompile/bounded.py): infer() gives the upper bound,
+    # and the frontend appends an int64 (1,) output the kernel writes the
+    # actual size to.
+    count_axes: dict = {}
     # The frontend adds attrs["outputs"] = the node's output count.
     counts_outputs = False
     # The frontend adds attrs["input_positions"] = the node input position of
