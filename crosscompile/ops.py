@@ -13,7 +13,7 @@ import math
 import numpy as np
 from llvmlite import ir
 
-from . import attention, conv, conv_transpose, einsum, elementwise, indexing, layout, logic, losses, normalization, pool, quantize_ops, ranking, recurrent, reduce, resize, scan, selection, trigonometry  # noqa: F401 (their op classes register themselves)
+from . import attention, conv, conv_transpose, einsum, elementwise, indexing, layout, logic, losses, normalization, pool, quantize_ops, ranking, recurrent, reduce, resize, roi_align, scan, selection, trigonometry  # noqa: F401 (their op classes register themselves)
 from .emit import ELEMENT_TYPES, I64, Kernel
 from .errors import BuildError, ShapeError
 from .elementwise import safe_log
