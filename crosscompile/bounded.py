@@ -26,7 +26,7 @@ loaders return the outputs cut to that size.
 Plain functions over shapes and attributes; the frontend calls them.
 
 Example:
-    >>> counted_axes("Cast", {}, [(7, 3)], [(7, 3)], {0: 0}, lambda s: [s[0]])
+    >>> counted_axes("Cast", {}, ["nz"], [(7, 3)], [(7, 3)], {0: 0}, lambda s: [s[0]])
     {0: 0}
 """
 from __future__ import annotations
@@ -48,9 +48,10 @@ ROW_KEEPING = frozenset({
 })
 
 
-def counted_axes(op_type: str, attrs: dict, shapes: list, out_shapes: list, counted: dict, infer) -> dict:
+def counted_axes(op_type: str, attrs: dict, names: list, shapes: list, out_shapes: list, counted: dict,
+                 infer) -> dict:
     """{output position: counted axis} for a node whose runtime inputs
-    (shapes, in order) include counted ones (counted: {input position:
+    (names and shapes, in order) include counted ones (counted: {input position:
     axis}, all sharing one count), or BuildError when the op would mix
     the rows past the count into the others.
 
@@ -58,7 +59,7 @@ def counted_axes(op_type: str, attrs: dict, shapes: list, out_shapes: list, coun
     counted axes are set one larger, and an output axis that grows by one
     with them is the counted one.
     """
-    where = ", ".join(f"input {pos} along axis {axis}" for pos, axis in sorted(counted.items()))
+    where = ", ".join(f"input {names[pos]!r} along axis {axis}" for pos, axis in sorted(counted.items()))
     refusal = (f"its {where} has a size that depends on the data, and {op_type} on such a tensor "
                "is not supported (only element-wise ops, Cast, Where, Gather, Slice, Transpose, Squeeze, "
                "Unsqueeze and Flatten that keep that axis whole pass it on, to graph outputs)")

@@ -303,7 +303,7 @@ def _counted_outputs(op, attrs: dict, runtime: list, tensors: dict, counts: dict
     if len(sources) > 1:
         raise BuildError(f"it reads tensors whose sizes depend on the data through different counts "
                          f"({', '.join(sorted(sources))}), which a module cannot line up")
-    axes = bounded.counted_axes(op.op_type, attrs, [tensors[t].shape for t in runtime], shapes,
+    axes = bounded.counted_axes(op.op_type, attrs, runtime, [tensors[t].shape for t in runtime], shapes,
                                 {pos: axis for pos, (_, axis) in counted.items()},
                                 lambda probe: op.infer(probe, attrs))
     (count,) = sources
