@@ -91,9 +91,29 @@ def load(path: str | os.PathLike, threads: int | None = None) -> Module:
     if metadata.get("dynamic") and dims_fns[0] is None:
         raise ModuleLoadError(f"{path} declares a dynamic dimension but exports no tether_run_dims; "
                               "rebuild it with a matching crosscompile")
+    _check_counts(path, metadata)
     module = Module(path, lib, run_fn, metadata, parallel_fn, profiled_fn, *dims_fns)
     module.set_threads(threads)
     return module
+
+
+def _check_counts(path: str, metadata: dict) -> None:
+    """Each output's "count" (docs/module-abi.md) names one of its axes and
+    an aligned int64 inside the workspace; ModuleLoadError otherwise."""
+    for entry in metadata.get("outputs", ()):
+        count = entry.get("count")
+        if count is None:
+            continue
+        try:
+            axis, offset = int(count["axis"]), int(count["offset"])
+            valid = (0 <= axis < len(entry["shape"]) and offset % 8 == 0
+                     and 0 <= offset <= int(metadata["workspace_bytes"]) - 8)
+        except (KeyError, TypeError, ValueError):
+            valid = False
+        if not valid:
+            raise ModuleLoadError(f"{path} has unreadable metadata: output {entry.get('name')!r} has a count "
+                                  f"{count!r} that is not {{axis, offset}} of one of its axes and an aligned "
+                                  "offset inside the workspace; rebuild it with crosscompile")
 
 
 def _check_elf(path: str) -> None:

@@ -141,3 +141,13 @@ def test_detection_head_matches_onnxruntime_on_an_emulated_arm64_board(head, tmp
         for seed in SEEDS:
             feeds = {"features": detection_input(seed)}
             assert_detections_equal(run(path, feeds), reference(head, feeds))
+
+
+def test_detection_head_through_a_session_with_the_python_board_server(head, head_module, tmp_path):
+    """The Python board server runs modules with minirt and sends the cut outputs."""
+    from tests.onnx_node_suite import board_runner, board_server
+    with board_server("python", str(tmp_path)) as child:
+        run = board_runner(child.port)
+        for seed in SEEDS:
+            feeds = {"features": detection_input(seed)}
+            assert_detections_equal(run(head_module, feeds), reference(head, feeds))
