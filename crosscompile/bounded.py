@@ -14,7 +14,8 @@ computes there are simply never read.
 
 A counted tensor may flow, through ops that keep its rows apart, to graph
 outputs: element-wise ops, comparisons, Cast, Where, Identity, Gather (by
-counted indices, or along another axis of counted data), Slice and
+counted indices, or along another axis of counted data), GatherND (by
+counted indices), Slice and
 Transpose/Squeeze/Unsqueeze/Flatten that keep the counted axis whole. The
 output of such an op is counted by the same count, on the axis where the
 counted one lands. Any other op reading a counted tensor (a reduction,
@@ -44,7 +45,7 @@ ROW_KEEPING = frozenset({
     "And", "BitShift", "BitwiseAnd", "BitwiseNot", "BitwiseOr", "BitwiseXor", "Cast", "CastLike", "Equal",
     "Greater", "GreaterOrEqual", "Less", "LessOrEqual", "Not", "Or", "Where", "Xor",
     "Acos", "Acosh", "Asin", "Asinh", "Atan", "Atanh", "Cos", "Cosh", "Sin", "Sinh", "Tan",
-    "Identity", "Dropout", "Gather", "Slice", "Transpose", "Squeeze", "Unsqueeze", "Flatten",
+    "Identity", "Dropout", "Gather", "GatherND", "Slice", "Transpose", "Squeeze", "Unsqueeze", "Flatten",
 })
 
 
@@ -61,8 +62,8 @@ def counted_axes(op_type: str, attrs: dict, names: list, shapes: list, out_shape
     """
     where = ", ".join(f"input {names[pos]!r} along axis {axis}" for pos, axis in sorted(counted.items()))
     refusal = (f"its {where} has a size that depends on the data, and {op_type} on such a tensor "
-               "is not supported (only element-wise ops, Cast, Where, Gather, Slice, Transpose, Squeeze, "
-               "Unsqueeze and Flatten that keep that axis whole pass it on, to graph outputs)")
+               "is not supported (only element-wise ops, Cast, Where, Gather, GatherND, Slice, Transpose, "
+               "Squeeze, Unsqueeze and Flatten that keep that axis whole pass it on, to graph outputs)")
     if op_type not in ROW_KEEPING:
         raise BuildError(refusal)
     if _works_along(op_type, attrs, shapes, counted):
@@ -83,8 +84,9 @@ def counted_axes(op_type: str, attrs: dict, names: list, shapes: list, out_shape
 
 
 def _works_along(op_type: str, attrs: dict, shapes: list, counted: dict) -> bool:
-    """A Slice along the counted axis of its data, or a Gather choosing
-    along it (its indices would count from the bound, not the count)."""
+    """A Slice along the counted axis of its data, a Gather choosing along
+    it (its indices would count from the bound, not the count), or a
+    GatherND of counted data."""
     if 0 not in counted:
         return False
     rank = len(shapes[0])
@@ -93,4 +95,4 @@ def _works_along(op_type: str, attrs: dict, shapes: list, counted: dict) -> bool
         return any(a % rank == counted[0] for a in axes)
     if op_type == "Gather":
         return attrs.get("axis", 0) % rank == counted[0]
-    return False
+    return op_type == "GatherND"  # its indices would reach past the count

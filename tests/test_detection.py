@@ -103,6 +103,25 @@ def test_nonzero_through_a_transpose_moves_its_counted_axis(tmp_path):
         np.testing.assert_array_equal(got, want)
 
 
+def test_a_boolean_mask_picks_the_elements_it_marks(tmp_path):
+    """x[x > 0.5] as torch exports it: Greater, NonZero, Transpose, GatherND."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 5])
+    half = helper.make_tensor("half", TensorProto.FLOAT, [], [0.5])
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("Greater", ["x", "half"], ["mask"]), helper.make_node("NonZero", ["mask"], ["nz"]),
+         helper.make_node("Transpose", ["nz"], ["where"], perm=[1, 0]),
+         helper.make_node("GatherND", ["x", "where"], ["picked"])],
+        "mask", [x], [helper.make_tensor_value_info("picked", TensorProto.FLOAT, ["n"])], [half]),
+        opset_imports=[helper.make_opsetid("", 13)])
+    module = minirt.load(crosscompile.build(model, target="host").export_library(str(tmp_path / "mask.so")))
+    for seed in range(3):
+        feeds = {"x": np.random.default_rng(seed).random((4, 5), dtype=np.float32)}
+        got, = module.run(feeds)
+        want, = reference(model, feeds)
+        assert got.shape == want.shape and 0 < len(want) < 20
+        np.testing.assert_array_equal(got, want)
+
+
 def test_ops_that_would_mix_the_rows_past_the_count_are_refused_by_name():
     with pytest.raises(crosscompile.BuildError) as info:
         crosscompile.build(nonzero_model("ReduceSum"), target="host")
