@@ -3,7 +3,7 @@ the model is compiled.
 
 NonZero's output has one column per nonzero element, NonMaxSuppression's
 one row per selected box: sizes a module learns only when it runs. Such an
-op declares which axis of which output is counted (Op.count_axes); its
+op declares which axis of which output is counted (Op.counted); its
 output tensor gets the upper bound as its shape (NonZero: every element;
 NonMaxSuppression: batches x classes x min(max boxes, boxes)), so memory is
 planned for the bound, and the frontend gives the node one more output, an

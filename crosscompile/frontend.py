@@ -239,12 +239,12 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
             dtypes = [dtypes] * len(shapes)
         for out, shape, dtype in zip(outputs, shapes, dtypes):
             tensors[out] = Tensor(out, tuple(shape), dtype)
-        if op.count_axes:
+        if op.counted(attrs):
             # The kernel writes the actual size into one more output.
             count = f"{name}/count"
             tensors[count] = Tensor(count, (1,), "int64")
-            for pos, axis in op.count_axes.items():
-                counts[outputs[pos]] = (count, axis)
+            for pos, axis in op.counted(attrs).items():
+                counts[outputs[pos]] = (count, axis % len(shapes[pos]))
             outputs = outputs + [count]
         else:
             for pos, (count, axis) in counted.items():

@@ -1,6 +1,7 @@
 """Ops that select elements, so that how many they give depends on the
-data: NonZero (the coordinates of nonzero elements) and NonMaxSuppression
-(a detector's boxes kept per class).
+data: NonZero (the coordinates of nonzero elements), NonMaxSuppression
+(a detector's boxes kept per class) and Compress with a condition computed
+at run time (its kernel is here; the op is ops.Compress).
 
 Each output holds its upper bound (crosscompile/bounded.py): the kernel
 writes the selected entries first, zeros after them, and the actual count
@@ -12,7 +13,7 @@ from llvmlite import ir
 
 from .emit import I8, Kernel
 from .errors import BuildError, ShapeError
-from .op_base import ALL_DTYPES, Op, _const_float, _const_ints, _prod
+from .op_base import ALL_DTYPES, Op, _axis, _const_float, _const_ints, _prod
 
 
 def _nonzero(k: Kernel, value: ir.Value) -> ir.Value:
@@ -206,3 +207,52 @@ def _extent(k: Kernel, boxes, at, center_point_box: int):
         half_w, half_h = bld.fdiv(v[2], k.f32(2.0)), bld.fdiv(v[3], k.f32(2.0))
         return bld.fsub(v[0], half_w), bld.fadd(v[0], half_w), bld.fsub(v[1], half_h), bld.fadd(v[1], half_h)
     return k.minimum(v[1], v[3]), k.maximum(v[1], v[3]), k.minimum(v[0], v[2]), k.maximum(v[0], v[2])
+
+
+def compressed_shape(x, condition, axis) -> tuple:
+    """The upper bound of Compress's output for a run-time condition: every
+    slice the condition can reach (at least one, for the zeros)."""
+    if len(condition) != 1:
+        raise ShapeError(f"Compress condition must be 1-D, got shape {condition}")
+    if axis is None:
+        return (max(min(condition[0], _prod(x)), 1),)
+    axis = _axis(axis, len(x))
+    return (*x[:axis], max(min(condition[0], x[axis]), 1), *x[axis + 1:])
+
+
+def compressed_dtype(inputs) -> str:
+    if inputs[1].dtype != "bool":
+        raise BuildError(f"Compress condition {inputs[1].name!r} has dtype {inputs[1].dtype}; it must be bool")
+    return inputs[0].dtype
+
+
+def compress(k: Kernel, inputs, outputs, axis) -> None:
+    """Compress by a run-time condition: the slices whose entry is true,
+    in order, then zeros up to the bound; the count into output 1."""
+    bld = k.builder
+    x = inputs[0].shape
+    if axis is None:
+        outer, size, inner = 1, _prod(x), 1
+    else:
+        axis = _axis(axis, len(x))
+        outer, size, inner = _prod(x[:axis]), x[axis], _prod(x[axis + 1:])
+    reach = min(inputs[1].shape[0], size)
+    bound = outputs[0].shape[0 if axis is None else axis]
+    dtype = inputs[0].dtype
+    data, out = k.typed(k.inputs[0], dtype), k.typed(k.outputs[0], dtype)
+    condition = k.typed(k.inputs[1], "bool")
+    count = k.typed(k.outputs[1], "int64")
+    kept = k.variable(k.i64(0))
+    with k.loop(reach) as j:
+        with bld.if_then(bld.icmp_unsigned("!=", k.load(condition, j), ir.Constant(I8, 0))):
+            n = bld.load(kept)
+            with k.loop(outer) as o, k.loop(inner) as i:
+                value = k.load(data, k.index((o, size * inner), (j, inner), (i, 1)))
+                k.store(value, out, k.index((o, bound * inner), (n, inner), (i, 1)))
+            bld.store(bld.add(n, k.i64(1)), kept)
+    n = bld.load(kept)
+    zero = ir.Constant(out.type.pointee, 0)
+    with k.loop(outer) as o, k.loop(bound, start=n) as j, k.loop(inner) as i:
+        k.store(zero, out, k.index((o, bound * inner), (j, inner), (i, 1)))
+    k.store(n, count, k.i64(0))
+    k.activated = True
