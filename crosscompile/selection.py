@@ -256,3 +256,123 @@ def compress(k: Kernel, inputs, outputs, axis) -> None:
         k.store(zero, out, k.index((o, bound * inner), (j, inner), (i, 1)))
     k.store(n, count, k.i64(0))
     k.activated = True
+
+
+class Unique(Op):
+    """ONNX Unique: the distinct elements (or slices along axis) Y, sorted
+    ascending (lexicographically for slices) or, with sorted=0, in the
+    order they first appear; indices, the first position of each in the
+    input; inverse_indices, for each input element or slice the position
+    of its value in Y; counts, how often each appears. Y, indices and
+    counts are counted (at most every element or slice); inverse_indices
+    has the input's length. Slices are compared element by element:
+    O(slices^2 x slice size)."""
+
+    op_type = "Unique"
+    data_dtypes = ("float32", "int64", "int32", "int8", "uint8")
+    counts_outputs = True
+
+    def attributes(self, raw, constants, opset):
+        return {"axis": int(raw["axis"]) if "axis" in raw else None, "sorted": int(raw.get("sorted", 1))}
+
+    def counted(self, attrs):
+        axis = 0 if attrs["axis"] is None else attrs["axis"]
+        return {pos: axis if pos == 0 else 0 for pos in (0, 1, 3) if pos < attrs["outputs"]}
+
+    def _geometry(self, x, attrs):
+        """(outer, slices, inner) of the input around axis (flat without one)."""
+        if attrs["axis"] is None:
+            return 1, _prod(x), 1
+        axis = _axis(attrs["axis"], len(x))
+        return _prod(x[:axis]), x[axis], _prod(x[axis + 1:])
+
+    def infer(self, inputs, attrs):
+        x = inputs[0]
+        _, slices, _ = self._geometry(x, attrs)
+        y = (slices,) if attrs["axis"] is None else tuple(
+            slices if a == _axis(attrs["axis"], len(x)) else d for a, d in enumerate(x))
+        return [y, (slices,), (slices,), (slices,)][:attrs["outputs"]]
+
+    def output_dtype(self, inputs, attrs):
+        return [super().output_dtype(inputs, attrs), "int64", "int64", "int64"][:attrs["outputs"]]
+
+    def scratch_bytes(self, inputs, outputs, attrs):
+        return 8 * self._geometry(inputs[0].shape, attrs)[1]  # the first position of each distinct slice
+
+    def lower(self, k, inputs, outputs, attrs):
+        bld = k.builder
+        outer, slices, inner = self._geometry(inputs[0].shape, attrs)
+        wanted = attrs["outputs"]
+        data = k.typed(k.inputs[0], inputs[0].dtype)
+        reps = bld.bitcast(k.scratch, ir.IntType(64).as_pointer())
+
+        def element(j, e):
+            o, i = bld.udiv(e, k.i64(inner)), bld.urem(e, k.i64(inner))
+            return k.load(data, k.index((o, slices * inner), (j, inner), (i, 1)))
+
+        def compare(a, b, less: bool):
+            """Slice a equals (or, with less, sorts before) slice b, an i1."""
+            decided = k.variable(ir.Constant(I8, 0))
+            result = k.variable(ir.Constant(I8, 0 if less else 1))
+            with k.loop(outer * inner) as e:
+                va, vb = element(a, e), element(b, e)
+                if isinstance(va.type, ir.IntType):
+                    differ, below = bld.icmp_signed("!=", va, vb), bld.icmp_signed("<", va, vb)
+                else:
+                    differ, below = bld.fcmp_ordered("!=", va, vb), bld.fcmp_ordered("<", va, vb)
+                first = bld.and_(differ, bld.icmp_unsigned("==", bld.load(decided), ir.Constant(I8, 0)))
+                with bld.if_then(first):
+                    bld.store(ir.Constant(I8, 1), decided)
+                    bld.store(bld.zext(below, I8) if less else ir.Constant(I8, 0), result)
+            return bld.icmp_unsigned("!=", bld.load(result), ir.Constant(I8, 0))
+
+        distinct = k.variable(k.i64(0))
+        with k.loop(slices) as j:
+            seen = k.variable(ir.Constant(I8, 0))
+            with k.loop(bld.load(distinct)) as v:
+                same = compare(k.load(reps, v), j, less=False)
+                bld.store(bld.or_(bld.load(seen), bld.zext(same, I8)), seen)
+            with bld.if_then(bld.icmp_unsigned("==", bld.load(seen), ir.Constant(I8, 0))):
+                u = bld.load(distinct)
+                k.store(j, reps, u)
+                bld.store(bld.add(u, k.i64(1)), distinct)
+        u = bld.load(distinct)
+        if attrs["sorted"]:
+            # Insertion sort of the first positions by their slices.
+            with k.loop(u, start=1) as v:
+                moving = k.load(reps, v)
+                place = k.variable(v)
+                with k.loop(v) as step:
+                    q = bld.sub(v, step)
+                    above = k.load(reps, bld.sub(q, k.i64(1)))
+                    with bld.if_then(bld.and_(bld.icmp_signed("==", bld.load(place), q),
+                                              compare(moving, above, less=True))):
+                        k.store(above, reps, q)
+                        bld.store(bld.sub(q, k.i64(1)), place)
+                k.store(moving, reps, bld.load(place))
+        def first_position(v):
+            """Where the v-th distinct slice first appears; 0 past the distinct ones."""
+            return bld.select(bld.icmp_signed("<", v, u), k.load(reps, v), k.i64(0))
+
+        # Past the distinct ones: slice 0's position, and zeros in Y.
+        y = k.typed(k.outputs[0], inputs[0].dtype)
+        zero = ir.Constant(y.type.pointee, 0)
+        with k.loop(outer) as o, k.loop(slices) as v, k.loop(inner) as i:
+            source = k.load(data, k.index((o, slices * inner), (first_position(v), inner), (i, 1)))
+            k.store(bld.select(bld.icmp_signed("<", v, u), source, zero), y,
+                    k.index((o, slices * inner), (v, inner), (i, 1)))
+        outs = [k.typed(p, "int64") for p in k.outputs[1:wanted]]
+        if wanted > 1:
+            with k.loop(slices) as v:
+                k.store(first_position(v), outs[0], v)
+        if wanted > 2:
+            if wanted > 3:
+                with k.loop(slices) as v:
+                    k.store(k.i64(0), outs[2], v)
+            with k.loop(slices) as j, k.loop(u) as v:
+                with bld.if_then(compare(k.load(reps, v), j, less=False)):
+                    k.store(v, outs[1], j)
+                    if wanted > 3:
+                        k.store(bld.add(k.load(outs[2], v), k.i64(1)), outs[2], v)
+        k.store(u, k.typed(k.outputs[wanted], "int64"), k.i64(0))
+        k.activated = True

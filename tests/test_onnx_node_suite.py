@@ -37,7 +37,8 @@ CLAIMED = {"Conv", "Gemm", "MatMul", "BatchNormalization", "Relu", "LeakyRelu", 
            "Attention", "RotaryEmbedding", "MeanVarianceNormalization", "SwiGLU", "CausalConvWithState",
            "LpPool", "Compress", "Col2Im", "GridSample", "BitCast", "QuantizeLinear", "DequantizeLinear", "DFT",
            "STFT", "Det", "MaxUnpool", "ReverseSequence", "EyeLike", "If", "Loop", "OptionalHasElement",
-           "OptionalGetElement", "TensorScatter", "NonZero", "NonMaxSuppression", "RoiAlign"}
+           "OptionalGetElement", "TensorScatter", "NonZero", "NonMaxSuppression", "RoiAlign",
+           "Unique"}
 # In-scope cases run per op by default (a case counts for every op it uses).
 CASES_PER_OP = 3
 
