@@ -204,12 +204,12 @@ def test_unsupported_op_names_op_and_node(op_type, inits):
 
 
 def test_every_unsupported_op_and_refused_node_in_one_error():
-    # Two Uniques (the second fed by a node after the first), four
+    # Two DeformConvs (the second fed by a node after the first), four
     # ImageDecoders, an op of another domain and a Reshape refusing its shape.
     nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
-             helper.make_node("Unique", ["r"], ["s1"], name="unique_1"),
-             helper.make_node("Relu", ["s1"], ["s2"], name="after_unique"),
-             helper.make_node("Unique", ["s2"], ["s3"], name="unique_2"),
+             helper.make_node("DeformConv", ["r"], ["s1"], name="deform_1"),
+             helper.make_node("Relu", ["s1"], ["s2"], name="after_deform"),
+             helper.make_node("DeformConv", ["s2"], ["s3"], name="deform_2"),
              helper.make_node("Custom", ["x"], ["c"], name="custom", domain="com.example"),
              helper.make_node("Reshape", ["r", "bad_shape"], ["bad"], name="bad_reshape")]
     nodes += [helper.make_node("ImageDecoder", ["r"], [f"nz{i}"], name=f"decoder_{i}") for i in range(4)]
@@ -219,10 +219,10 @@ def test_every_unsupported_op_and_refused_node_in_one_error():
     model.opset_import.append(helper.make_opsetid("com.example", 1))
     with pytest.raises(UnsupportedOpError) as info:
         crosscompile.build(model)
-    assert info.value.unsupported == {"Unique": ["unique_1", "unique_2"], "com.example.Custom": ["custom"],
+    assert info.value.unsupported == {"DeformConv": ["deform_1", "deform_2"], "com.example.Custom": ["custom"],
                                       "ImageDecoder": [f"decoder_{i}" for i in range(4)]}
     message = str(info.value)
-    assert ("unsupported ops 'Unique' (2 nodes: 'unique_1', 'unique_2'); 'com.example.Custom' (1 node: "
+    assert ("unsupported ops 'DeformConv' (2 nodes: 'deform_1', 'deform_2'); 'com.example.Custom' (1 node: "
             "'custom'); 'ImageDecoder' (4 nodes: 'decoder_0', 'decoder_1', 'decoder_2' and 1 more)") in message
     assert "also node 'bad_reshape' (Reshape): cannot reshape (2, 3)" in message
     assert "\n" not in message
