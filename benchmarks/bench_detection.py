@@ -5,7 +5,8 @@ onnxruntime's interleaved.
 
     python benchmarks/bench_detection.py [model.onnx] [--arm] [--repeat N] [--seed S]
 
-Without a file, the small detection head of tests/detection_models.py. An
+Without a file, the small detection head of tests/detection_models.py
+(on its test features, standard normal). An
 SSDlite320-MobileNetV3-Large export is made by benchmarks/export_ssdlite.py
 (which needs torch and torchvision, in a separate environment). Outputs
 are compared by position: the largest absolute difference of each float
@@ -73,13 +74,20 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.model:
         model = onnx.load(args.model)
+        feeds = random_feeds(model, args.seed)
     else:
-        from tests.detection_models import detection_head
+        from tests.detection_models import detection_head, detection_input
         model = detection_head()
-    feeds = random_feeds(model, args.seed)
+        feeds = {"features": detection_input(args.seed)}
     with tempfile.TemporaryDirectory() as tmp:
         started = time.perf_counter()
-        lib = crosscompile.build(model, target="host")
+        try:
+            lib = crosscompile.build(model, target="host")
+        except crosscompile.BuildError as exc:
+            text = str(exc)
+            more = f" ... ({len(text) - 600} more characters)" if len(text) > 600 else ""
+            print(f"refused after {time.perf_counter() - started:.1f} s: {text[:600]}{more}")
+            return 2
         print(f"compile for host: {time.perf_counter() - started:.1f} s")
         if args.arm:
             started = time.perf_counter()
