@@ -170,3 +170,16 @@ def test_detection_head_through_a_session_with_the_python_board_server(head, hea
         for seed in SEEDS:
             feeds = {"features": detection_input(seed)}
             assert_detections_equal(run(head_module, feeds), reference(head, feeds))
+
+
+def test_minirt_refuses_a_count_it_cannot_read(head_module, tmp_path):
+    """A count that is not an aligned int64 in the workspace: a damaged module."""
+    offset = minirt.load(head_module).outputs[0].count[1]
+    data = open(head_module, "rb").read()
+    old, new = f'"offset":{offset}}}'.encode(), f'"offset":{offset + 4}}}'.encode()
+    assert data.count(old) == 3 and len(old) == len(new)
+    broken = tmp_path / "broken.so"
+    broken.write_bytes(data.replace(old, new))
+    with pytest.raises(minirt.ModuleLoadError, match="output 'boxes' has a count .* not \\{axis, offset\\} of one of "
+                                                     "its axes and an aligned offset inside the workspace"):
+        minirt.load(str(broken))
