@@ -176,6 +176,11 @@ def _build_dynamic(model, target: Target, input_shapes, table, precision: str, d
                                                 table, precision)
         plans.append((size, imported, folded, graph, plan_memory(graph)))
     _, imported, folded, graph, plan = plans[0]
+    counted = [name for name in graph.outputs if name in graph.counts]
+    if counted:
+        # Chunks would each leave a count of their own in one workspace.
+        raise BuildError(f"graph outputs {counted} have sizes that depend on the data, which a module with a "
+                         f"dynamic dimension does not support yet; compile with fixed shapes (input_shapes)")
     metadata = module_metadata(imported, graph, plan, target, PRODUCER)
     metadata["dynamic"] = [spec.to_dict()]
     outputs = ([[0]] * len(graph.outputs) if spec.chunked

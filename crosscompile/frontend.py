@@ -10,7 +10,7 @@ import onnx
 import onnx.defs
 from onnx import helper, numpy_helper
 
-from . import control_flow, folding
+from . import bounded, control_flow, folding
 from .decompositions import DECOMPOSED, decompose, decomposed_name
 from .double import compute_in_float32
 from .errors import BuildError, ShapeError, UnsupportedOpError
@@ -105,6 +105,7 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
                          f"model inputs: {inputs}")
 
     nodes = []
+    counts = {}  # counted tensor -> (its count tensor, axis): crosscompile/bounded.py
     dropped = {}  # optional outputs we do not compute -> node description
     # Every unsupported op and every node refusing its attributes or shapes
     # is named in one error: their nodes, and the nodes fed by their outputs
@@ -157,6 +158,11 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
             continue
         if np_node.op_type == "Constant":
             _add_constant(constants, tensors, np_node.output[0], _constant_value(name, raw))
+            continue
+        if np_node.op_type in folding.SHAPE_OPS and np_node.input[0] in counts:
+            refused.append(BuildError(f"{where}: input {np_node.input[0]!r} has a size that depends on the "
+                                      "data, so its shape is not known when the model is compiled"))
+            unknown.update(np_node.output)
             continue
         if np_node.op_type in folding.SHAPE_OPS and np_node.input[0] in tensors:
             _add_constant(constants, tensors, np_node.output[0],
@@ -214,6 +220,7 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
                 attrs["input_positions"] = tuple(positions)
             shapes = op.infer([tensors[t].shape for t in runtime], attrs)
             dtypes = op.output_dtype([tensors[t] for t in runtime], attrs)
+            counted = _counted_outputs(op, attrs, runtime, tensors, counts, shapes)
         except BuildError as exc:
             refused.append(type(exc)(f"{where}: {exc}"))
             unknown.update(np_node.output)
@@ -232,6 +239,16 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
             dtypes = [dtypes] * len(shapes)
         for out, shape, dtype in zip(outputs, shapes, dtypes):
             tensors[out] = Tensor(out, tuple(shape), dtype)
+        if op.counted(attrs):
+            # The kernel writes the actual size into one more output.
+            count = f"{name}/count"
+            tensors[count] = Tensor(count, (1,), "int64")
+            for pos, axis in op.counted(attrs).items():
+                counts[outputs[pos]] = (count, axis % len(shapes[pos]))
+            outputs = outputs + [count]
+        else:
+            for pos, (count, axis) in counted.items():
+                counts[outputs[pos]] = (count, axis)
         nodes.append(Node(np_node.op_type, name, runtime, outputs, attrs))
 
     if unsupported:
@@ -264,12 +281,33 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
             raise BuildError(f"graph output {vi.name!r} is a model input, a constant or a repeated "
                              "output; route it through an Identity node")
         declared = _declared_shape(vi)
+        if declared is not None and vi.name in counts:
+            # The declared size of the counted axis is an example run's at best.
+            declared = tuple(None if axis == counts[vi.name][1] else d for axis, d in enumerate(declared))
         if declared is not None and _conflicts(declared, tensors[vi.name].shape):
             raise ShapeError(f"graph output {vi.name!r} is declared with shape {declared} "
                              f"but computes to {tensors[vi.name].shape}")
         outputs.append(vi.name)
 
-    return Graph(g.name or "model", inputs, outputs, nodes, tensors, constants)
+    return Graph(g.name or "model", inputs, outputs, nodes, tensors, constants,
+                 {name: counts[name] for name in tensors if name in counts})
+
+
+def _counted_outputs(op, attrs: dict, runtime: list, tensors: dict, counts: dict, shapes: list) -> dict:
+    """{output position: (count tensor, axis)} for a node reading counted
+    tensors (crosscompile/bounded.py); BuildError when it may not."""
+    counted = {pos: counts[t] for pos, t in enumerate(runtime) if t in counts}
+    if not counted:
+        return {}
+    sources = {count for count, _ in counted.values()}
+    if len(sources) > 1:
+        raise BuildError(f"it reads tensors whose sizes depend on the data through different counts "
+                         f"({', '.join(sorted(sources))}), which a module cannot line up")
+    axes = bounded.counted_axes(op.op_type, attrs, runtime, [tensors[t].shape for t in runtime], shapes,
+                                {pos: axis for pos, (_, axis) in counted.items()},
+                                lambda probe: op.infer(probe, attrs))
+    (count,) = sources
+    return {pos: (count, axis) for pos, axis in axes.items()}
 
 
 def _add_constant(constants: dict, tensors: dict, name: str, value: np.ndarray) -> None:

@@ -45,3 +45,8 @@ class Graph:
     nodes: list[Node]
     tensors: dict[str, Tensor]
     constants: dict[str, np.ndarray]
+    # Tensors whose size along one axis depends on the data (NonZero's
+    # count, NonMaxSuppression's selected boxes): name -> (the int64 (1,)
+    # tensor holding the actual size at run time, the axis). Their shape is
+    # the upper bound; see crosscompile/bounded.py.
+    counts: dict[str, tuple[str, int]] = field(default_factory=dict)

@@ -189,6 +189,10 @@ def _place_workspace(graph: Graph, views: _Views, locations: dict, alignment: in
             if r not in locations:
                 first.setdefault(r, pos)
                 last.setdefault(r, pos)
+    for name in graph.outputs:
+        if name in graph.counts:
+            # A counted output's count is read by the loader after the run.
+            last[views.root(graph.counts[name][0])] = len(graph.nodes)
 
     placed: list[tuple[int, int, str]] = []  # (offset, end, name)
     for name in sorted(first, key=lambda n: (-graph.tensors[n].nbytes, first[n])):

@@ -24,7 +24,7 @@ def module_metadata(imported: Graph, graph: Graph, plan: MemoryPlan, target, pro
         "name": graph.name,
         "target": target.to_dict(),
         "inputs": [_spec(graph.tensors[n]) for n in graph.inputs],
-        "outputs": [_spec(graph.tensors[n]) for n in graph.outputs],
+        "outputs": [_output_spec(graph, plan, n) for n in graph.outputs],
         "workspace_bytes": plan.workspace_bytes,
         "param_bytes": param_bytes(graph, plan),
         "ops": sorted({node.op_type for node in imported.nodes}),
@@ -91,3 +91,15 @@ def param_bytes(graph: Graph, plan: MemoryPlan) -> int:
 
 def _spec(tensor) -> dict:
     return {"name": tensor.name, "shape": list(tensor.shape), "dtype": tensor.dtype}
+
+
+def _output_spec(graph: Graph, plan: MemoryPlan, name: str) -> dict:
+    """An output's entry; a counted one (crosscompile/bounded.py) also gives
+    its counted axis and where in the workspace the run leaves its size."""
+    spec = _spec(graph.tensors[name])
+    if name in graph.counts:
+        count, axis = graph.counts[name]
+        location = plan.locations[count]
+        assert location.kind == "workspace", f"the count of {name!r} is not in the workspace"
+        spec["count"] = {"axis": axis, "offset": location.index}
+    return spec

@@ -84,6 +84,11 @@ class Op:
     # An element-wise op of one runtime input that can run as the epilogue of
     # the node producing that input (see passes.fuse_elementwise).
     fusable = False
+    # {output position: axis} of outputs whose size along that axis depends
+    # on the data (crosscompile/bounded.py): infer() gives the upper bound,
+    # and the frontend appends an int64 (1,) output the kernel writes the
+    # actual size to. counted() may decide it from the attributes instead.
+    count_axes: dict = {}
     # The frontend adds attrs["outputs"] = the node's output count.
     counts_outputs = False
     # The frontend adds attrs["input_positions"] = the node input position of
@@ -116,6 +121,10 @@ class Op:
 
     def infer(self, inputs: list[Shape], attrs: dict) -> list[Shape]:
         raise NotImplementedError
+
+    def counted(self, attrs: dict) -> dict:
+        """count_axes for a node with these attributes."""
+        return self.count_axes
 
     def constant_outputs(self, inputs: list[Shape], attrs: dict) -> dict:
         """Outputs past those infer() gives whose values are known at

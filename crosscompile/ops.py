@@ -13,7 +13,7 @@ import math
 import numpy as np
 from llvmlite import ir
 
-from . import attention, conv, conv_transpose, einsum, elementwise, indexing, layout, logic, losses, normalization, pool, quantize_ops, ranking, recurrent, reduce, resize, scan, trigonometry  # noqa: F401 (their op classes register themselves)
+from . import attention, conv, conv_transpose, einsum, elementwise, indexing, layout, logic, losses, normalization, pool, quantize_ops, ranking, recurrent, reduce, resize, roi_align, scan, selection, trigonometry  # noqa: F401 (their op classes register themselves)
 from .emit import ELEMENT_TYPES, I64, Kernel
 from .errors import BuildError, ShapeError
 from .elementwise import safe_log
@@ -489,16 +489,19 @@ class Gather(Op):
 
 
 class Compress(Gather):
-    """The slices along axis whose entry in condition (a constant bool
-    tensor, possibly shorter than the axis) is true; without axis, the
-    elements of the flattened input. It copies them as Gather copies
-    constant indices."""
+    """The slices along axis whose entry in condition (a bool tensor,
+    possibly shorter than the axis) is true; without axis, the elements of
+    the flattened input. A constant condition copies them as Gather copies
+    constant indices; one computed at run time gives an output whose size
+    depends on the data (crosscompile/bounded.py, selection.compress)."""
 
     op_type = "Compress"
-    compile_time_inputs = (1,)
 
     def attributes(self, raw, constants, opset):
-        condition = np.asarray(constants[1])  # compile_time_inputs: the output's length depends on it
+        axis = int(raw["axis"]) if "axis" in raw else None
+        if constants.get(1) is None:
+            return {"axis": axis, "runtime": True}
+        condition = np.asarray(constants[1])
         if condition.ndim != 1:
             raise BuildError(f"Compress condition must be 1-D, got shape {condition.shape}")
         indices = tuple(int(i) for i in np.flatnonzero(condition))
@@ -507,9 +510,14 @@ class Compress(Gather):
         return {"axis": int(raw["axis"]) if "axis" in raw else None, "indices": indices,
                 "indices_shape": (len(indices),)}
 
+    def counted(self, attrs):
+        return {0: 0 if attrs["axis"] is None else attrs["axis"]} if attrs.get("runtime") else {}
+
     def infer(self, inputs, attrs):
         x = inputs[0]
         size = _prod(x) if attrs["axis"] is None else x[_axis(attrs["axis"], len(x))]
+        if attrs.get("runtime"):
+            return [selection.compressed_shape(x, inputs[1], attrs["axis"])]
         if attrs["indices"] and attrs["indices"][-1] >= size:
             raise ShapeError(f"Compress condition selects index {attrs['indices'][-1]}, beyond the "
                              f"{size} slices of its input {x}")
@@ -517,7 +525,15 @@ class Compress(Gather):
             return [(len(attrs["indices"]),)]
         return super().infer(inputs, attrs)
 
+    def output_dtype(self, inputs, attrs):
+        if attrs.get("runtime"):
+            return selection.compressed_dtype(inputs)
+        return super().output_dtype(inputs, attrs)
+
     def lower(self, k, inputs, outputs, attrs):
+        if attrs.get("runtime"):
+            selection.compress(k, inputs, outputs, attrs["axis"])
+            return
         if attrs["axis"] is not None:
             super().lower(k, inputs, outputs, attrs)
             return

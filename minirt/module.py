@@ -30,6 +30,9 @@ class TensorSpec(NamedTuple):
     shape: tuple  # a dynamic module's at the upper bound
     dtype: str
     dynamic_axes: tuple = ()  # the axes that hold the module's dynamic dimension
+    # (axis, workspace byte offset of the int64 size) of an output whose size
+    # along that axis depends on the data; shape holds the upper bound.
+    count: "tuple | None" = None
 
 
 def load(path: str | os.PathLike, threads: int | None = None) -> Module:
@@ -88,9 +91,29 @@ def load(path: str | os.PathLike, threads: int | None = None) -> Module:
     if metadata.get("dynamic") and dims_fns[0] is None:
         raise ModuleLoadError(f"{path} declares a dynamic dimension but exports no tether_run_dims; "
                               "rebuild it with a matching crosscompile")
+    _check_counts(path, metadata)
     module = Module(path, lib, run_fn, metadata, parallel_fn, profiled_fn, *dims_fns)
     module.set_threads(threads)
     return module
+
+
+def _check_counts(path: str, metadata: dict) -> None:
+    """Each output's "count" (docs/module-abi.md) names one of its axes and
+    an aligned int64 inside the workspace; ModuleLoadError otherwise."""
+    for entry in metadata.get("outputs", ()):
+        count = entry.get("count")
+        if count is None:
+            continue
+        try:
+            axis, offset = int(count["axis"]), int(count["offset"])
+            valid = (0 <= axis < len(entry["shape"]) and offset % 8 == 0
+                     and 0 <= offset <= int(metadata["workspace_bytes"]) - 8)
+        except (KeyError, TypeError, ValueError):
+            valid = False
+        if not valid:
+            raise ModuleLoadError(f"{path} has unreadable metadata: output {entry.get('name')!r} has a count "
+                                  f"{count!r} that is not {{axis, offset}} of one of its axes and an aligned "
+                                  "offset inside the workspace; rebuild it with crosscompile")
 
 
 def _check_elf(path: str) -> None:
@@ -185,12 +208,31 @@ class Module:
             workspace = self._new_workspace()
         try:
             status = self._call(in_ptrs, out_ptrs, _aligned_address(workspace), self._dims(arrays))
+            if status == 0:
+                outputs = self._counted(outputs, workspace)
         finally:
             self._idle_workspaces.append(workspace)
         if status != 0:
             reason = RUN_ERRORS.get(status, "unknown error code")
             raise RunError(f"{self.path}: tether_run returned {status} ({reason})")
         return outputs
+
+    def _counted(self, outputs: list, workspace: np.ndarray) -> list:
+        """The outputs cut to the sizes the run left in the workspace, for
+        outputs whose size depends on the data (docs/module-abi.md, "count")."""
+        start = _aligned_address(workspace) - workspace.ctypes.data
+        cut = []
+        for spec, array in zip(self.outputs, outputs):
+            if spec.count is None:
+                cut.append(array)
+                continue
+            axis, offset = spec.count
+            size = int(workspace[start + offset:start + offset + 8].view(np.int64)[0])
+            if not 0 <= size <= array.shape[axis]:
+                raise RunError(f"{self.path}: output {spec.name!r} reports {size} entries along axis {axis}, "
+                               f"outside 0..{array.shape[axis]}; the module is damaged, rebuild it")
+            cut.append(np.ascontiguousarray(array[(slice(None),) * axis + (slice(0, size),)]))
+        return cut
 
     def profile(self, inputs=None, number: int = 10) -> list:
         """Time each step (kernel call) of a single-threaded run, averaged
@@ -378,8 +420,10 @@ def numpy_dtype(name: str) -> np.dtype:
 
 
 def _spec(entry: dict) -> TensorSpec:
+    count = entry.get("count")
     return TensorSpec(entry["name"], tuple(int(d) for d in entry["shape"]), entry["dtype"],
-                      tuple(int(a) for a in entry.get("dynamic_axes") or ()))
+                      tuple(int(a) for a in entry.get("dynamic_axes") or ()),
+                      None if count is None else (int(count["axis"]), int(count["offset"])))
 
 
 def _aligned_address(buffer: np.ndarray) -> int:

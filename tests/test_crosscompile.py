@@ -191,7 +191,7 @@ def test_missing_file_is_a_build_error(tmp_path):
         crosscompile.build(str(tmp_path / "nope.onnx"))
 
 
-@pytest.mark.parametrize("op_type,inits", [("Unique", {}), ("DeformConv", {"w": rand(1, 2, 3, 3)})])
+@pytest.mark.parametrize("op_type,inits", [("GlobalLpPool", {}), ("DeformConv", {"w": rand(1, 2, 3, 3)})])
 def test_unsupported_op_names_op_and_node(op_type, inits):
     model = single_op(op_type, {"x": (1, 1, 5, 5)}, inits)
     with pytest.raises(UnsupportedOpError) as info:
@@ -204,26 +204,26 @@ def test_unsupported_op_names_op_and_node(op_type, inits):
 
 
 def test_every_unsupported_op_and_refused_node_in_one_error():
-    # Two RoiAligns (the second fed by a node after the first), four
-    # NonZeros, an op of another domain and a Reshape refusing its shape.
+    # Two DeformConvs (the second fed by a node after the first), four
+    # ImageDecoders, an op of another domain and a Reshape refusing its shape.
     nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
-             helper.make_node("RoiAlign", ["r"], ["s1"], name="roi_1"),
-             helper.make_node("Relu", ["s1"], ["s2"], name="after_roi"),
-             helper.make_node("RoiAlign", ["s2"], ["s3"], name="roi_2"),
+             helper.make_node("DeformConv", ["r"], ["s1"], name="deform_1"),
+             helper.make_node("Relu", ["s1"], ["s2"], name="after_deform"),
+             helper.make_node("DeformConv", ["s2"], ["s3"], name="deform_2"),
              helper.make_node("Custom", ["x"], ["c"], name="custom", domain="com.example"),
              helper.make_node("Reshape", ["r", "bad_shape"], ["bad"], name="bad_reshape")]
-    nodes += [helper.make_node("NonZero", ["r"], [f"nz{i}"], name=f"nonzero_{i}") for i in range(4)]
+    nodes += [helper.make_node("ImageDecoder", ["r"], [f"nz{i}"], name=f"decoder_{i}") for i in range(4)]
     nodes.append(helper.make_node("Sum", ["s3", "c", "bad", "nz0", "nz1", "nz2", "nz3"], ["y"], name="sum"))
     model = make_model(nodes, {"x": (2, 3)}, {"y": None}, {"bad_shape": np.array([4, 4], np.int64)},
                        opset=17)
     model.opset_import.append(helper.make_opsetid("com.example", 1))
     with pytest.raises(UnsupportedOpError) as info:
         crosscompile.build(model)
-    assert info.value.unsupported == {"RoiAlign": ["roi_1", "roi_2"], "com.example.Custom": ["custom"],
-                                      "NonZero": [f"nonzero_{i}" for i in range(4)]}
+    assert info.value.unsupported == {"DeformConv": ["deform_1", "deform_2"], "com.example.Custom": ["custom"],
+                                      "ImageDecoder": [f"decoder_{i}" for i in range(4)]}
     message = str(info.value)
-    assert ("unsupported ops 'RoiAlign' (2 nodes: 'roi_1', 'roi_2'); 'com.example.Custom' (1 node: "
-            "'custom'); 'NonZero' (4 nodes: 'nonzero_0', 'nonzero_1', 'nonzero_2' and 1 more)") in message
+    assert ("unsupported ops 'DeformConv' (2 nodes: 'deform_1', 'deform_2'); 'com.example.Custom' (1 node: "
+            "'custom'); 'ImageDecoder' (4 nodes: 'decoder_0', 'decoder_1', 'decoder_2' and 1 more)") in message
     assert "also node 'bad_reshape' (Reshape): cannot reshape (2, 3)" in message
     assert "\n" not in message
 

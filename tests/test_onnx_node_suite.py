@@ -37,7 +37,8 @@ CLAIMED = {"Conv", "Gemm", "MatMul", "BatchNormalization", "Relu", "LeakyRelu", 
            "Attention", "RotaryEmbedding", "MeanVarianceNormalization", "SwiGLU", "CausalConvWithState",
            "LpPool", "Compress", "Col2Im", "GridSample", "BitCast", "QuantizeLinear", "DequantizeLinear", "DFT",
            "STFT", "Det", "MaxUnpool", "ReverseSequence", "EyeLike", "If", "Loop", "OptionalHasElement",
-           "OptionalGetElement", "TensorScatter"}
+           "OptionalGetElement", "TensorScatter", "NonZero", "NonMaxSuppression", "RoiAlign",
+           "Unique"}
 # In-scope cases run per op by default (a case counts for every op it uses).
 CASES_PER_OP = 3
 
@@ -96,10 +97,12 @@ def test_every_case_onnx_ships_passes_or_is_refused_with_a_reason():
 
 # Cases the default run takes on an emulated arm64 board: convolutions, a
 # recurrent layer, float8 and int4 casts, a reduction, an attention and a
-# gather: kernels whose ARM code differs from the host's, in a few seconds.
+# gather: kernels whose ARM code differs from the host's, in a few seconds;
+# and a NonZero, whose output the board server cuts to its count, and a RoiAlign.
 BOARD_SAMPLE = ("test_conv_with_strides_padding", "test_lstm_defaults", "test_cast_FLOAT_to_FLOAT8E4M3FN",
                 "test_cast_FLOAT_to_INT4", "test_reduce_sum_square_default_axes_keepdims_random",
-                "test_attention_4d", "test_gather_elements_1", "test_softmax_axis_1")
+                "test_attention_4d", "test_gather_elements_1", "test_softmax_axis_1", "test_nonzero_example",
+                "test_roialign_aligned_true")
 
 
 @pytest.mark.emulated

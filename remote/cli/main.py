@@ -73,7 +73,10 @@ def cmd_compile(args):
           f"-> {out} ({os.path.getsize(out)} bytes)")
     for kind in ("inputs", "outputs"):
         for t in meta[kind]:
-            print(f"  {kind[:-1]:6} {t['name']}: {t['dtype']}{list(t['shape'])}")
+            counted = t.get("count")
+            bound = (f" (axis {counted['axis']}: at most {t['shape'][counted['axis']]}, the size depends on "
+                     "the data)") if counted else ""
+            print(f"  {kind[:-1]:6} {t['name']}: {t['dtype']}{list(t['shape'])}{bound}")
     for dim in meta.get("dynamic", ()):
         print(f"  dynamic {dim['name']} (axis 0): any size from {dim['min']} to {dim['max']} "
               f"(shapes above at {dim['max']}; plans for chunks of {', '.join(map(str, dim['chunks']))})")

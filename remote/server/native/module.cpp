@@ -206,6 +206,31 @@ int64_t TensorSpec::bytes() const {
   return n;
 }
 
+std::vector<int64_t> Module::cut_output(size_t index, int64_t size, void* data, size_t* bytes) const {
+  const TensorSpec& spec = outputs_[index];
+  std::vector<int64_t> shape = spec.shape_at(size);
+  TensorSpec actual = spec;
+  actual.shape = shape;
+  *bytes = static_cast<size_t>(actual.bytes());
+  if (spec.count_axis < 0) return shape;
+  int64_t count = 0;
+  std::memcpy(&count, static_cast<const char*>(workspace_) + spec.count_offset, sizeof count);
+  size_t axis = static_cast<size_t>(spec.count_axis);
+  int64_t bound = shape[axis];
+  if (count < 0 || count > bound) count = bound;  // cannot happen with a sound module; keep the bound
+  // Rows of `inner` bytes: `outer` blocks of `bound` rows each keep their first `count`.
+  int64_t outer = 1, inner = dtype_bytes(spec.dtype);
+  for (size_t a = 0; a < axis; ++a) outer *= shape[a];
+  for (size_t a = axis + 1; a < shape.size(); ++a) inner *= shape[a];
+  char* base = static_cast<char*>(data);
+  for (int64_t o = 1; o < outer; ++o) {
+    std::memmove(base + o * count * inner, base + o * bound * inner, static_cast<size_t>(count * inner));
+  }
+  shape[axis] = count;
+  *bytes = static_cast<size_t>(outer * count * inner);
+  return shape;
+}
+
 std::vector<int64_t> TensorSpec::shape_at(int64_t size) const {
   std::vector<int64_t> out = shape;
   if (size >= 0) {
@@ -318,6 +343,19 @@ bool Module::read_metadata(const char* text, std::string* error) {
           spec.dynamic_axes.push_back(a.integer);
         }
       }
+      const JsonValue* count = entry.get("count");
+      if (count && count->kind == JsonValue::kObject) {
+        const JsonValue* axis = count->get("axis");
+        const JsonValue* offset = count->get("offset");
+        if (!axis || !offset || axis->kind != JsonValue::kNumber || offset->kind != JsonValue::kNumber ||
+            !axis->integral || !offset->integral || axis->integer < 0 ||
+            axis->integer >= static_cast<int64_t>(spec.shape.size()) || offset->integer < 0 ||
+            offset->integer % 8 != 0) {
+          return bad(where + " has a count that is not {axis, offset} of one of its axes and an aligned offset");
+        }
+        spec.count_axis = axis->integer;
+        spec.count_offset = offset->integer;
+      }
       specs.push_back(spec);
     }
   }
@@ -326,6 +364,11 @@ bool Module::read_metadata(const char* text, std::string* error) {
     return bad("no \"workspace_bytes\" count");
   }
   workspace_bytes_ = workspace->integer;
+  for (const TensorSpec& spec : outputs_) {
+    if (spec.count_offset >= 0 && spec.count_offset + 8 > workspace_bytes_) {
+      return bad("output " + spec.name + " has its count outside the workspace");
+    }
+  }
   const JsonValue* dynamic = doc.get("dynamic");
   if (dynamic && dynamic->kind == JsonValue::kArray && !dynamic->items.empty()) {
     const JsonValue& dim = dynamic->items[0];

@@ -28,6 +28,10 @@ struct TensorSpec {
   std::vector<int64_t> shape;
   std::string dtype;  // numpy name: float32, int64, int32, bool, ...
   std::vector<int64_t> dynamic_axes;  // a dynamic module's axes holding its dimension (shape: at the maximum)
+  // An output whose size along count_axis depends on the data: shape holds
+  // the upper bound, and a run leaves the actual size, an int64, at
+  // count_offset in the workspace (docs/module-abi.md, "count"). -1: none.
+  int64_t count_axis = -1, count_offset = -1;
   int64_t bytes() const;
   // The shape with the dynamic axes at `size` (size < 0: as declared).
   std::vector<int64_t> shape_at(int64_t size) const;
@@ -53,6 +57,10 @@ class Module {
   const std::vector<TensorSpec>& inputs() const { return inputs_; }
   const std::vector<TensorSpec>& outputs() const { return outputs_; }
   int64_t workspace_bytes() const { return workspace_bytes_; }
+  // After a run: output `index`'s shape (at dynamic size `size`, as run()),
+  // with a counted axis cut to the size the run left; its `data` is
+  // compacted in place to that shape, *bytes set to the bytes it keeps.
+  std::vector<int64_t> cut_output(size_t index, int64_t size, void* data, size_t* bytes) const;
   const std::vector<Step>& steps() const { return steps_; }  // empty when the metadata has none
   bool has_parallel() const { return parallel_ != nullptr; }
   bool has_profiled() const { return profiled_ != nullptr; }

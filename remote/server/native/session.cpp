@@ -955,8 +955,10 @@ class SessionServer {
     std::vector<std::pair<const void*, size_t>> body;
     for (size_t i = 0; i < module.outputs().size(); ++i) {
       const TensorSpec& spec = module.outputs()[i];
-      reply.tensors.push_back({spec.name, spec.dtype, spec.shape_at(call.size)});
-      body.emplace_back(call.outputs[i].data(), call.outputs[i].size());
+      size_t bytes = 0;
+      std::vector<int64_t> shape = module.cut_output(i, call.size, call.outputs[i].data(), &bytes);
+      reply.tensors.push_back({spec.name, spec.dtype, shape});
+      body.emplace_back(call.outputs[i].data(), bytes);
     }
     conn_.send(reply, body);
     return true;

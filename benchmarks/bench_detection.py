@@ -1,0 +1,109 @@
+"""A detection model compiled with crosscompile against onnxruntime: its
+outputs (boxes, scores, labels) compared on one random image, its compile
+time for the host (and --arm's boards), and its 1-thread latency, ours and
+onnxruntime's interleaved.
+
+    python benchmarks/bench_detection.py [model.onnx] [--arm] [--repeat N] [--seed S]
+
+Without a file, the small detection head of tests/detection_models.py
+(on its test features, standard normal). An
+SSDlite320-MobileNetV3-Large export is made by benchmarks/export_ssdlite.py
+(which needs torch and torchvision, in a separate environment). Outputs
+are compared by position: the largest absolute difference of each float
+output, and whether each integer output (labels) is equal; outputs of
+different shapes (a different number of kept boxes) are reported as such.
+Latencies are medians in ms, the ratio ours / onnxruntime (> 1: we are
+slower).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+import onnx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.bench_models import interleaved_medians, ort_session  # noqa: E402
+
+
+def random_feeds(model: onnx.ModelProto, seed: int) -> dict:
+    """One input per graph input, uniform in [0, 1) (an image's range)."""
+    rng = np.random.default_rng(seed)
+    initializers = {i.name for i in model.graph.initializer}
+    feeds = {}
+    for vi in model.graph.input:
+        if vi.name in initializers:
+            continue
+        shape = [d.dim_value if d.HasField("dim_value") else 1 for d in vi.type.tensor_type.shape.dim]
+        feeds[vi.name] = rng.random(shape, dtype=np.float32)
+    return feeds
+
+
+def compare(got: list, want: list, names: list) -> bool:
+    """Print each output's agreement; True when every one matches."""
+    matched = True
+    for name, g, w in zip(names, got, want):
+        if g.shape != w.shape:
+            print(f"  {name}: shape {g.shape}, onnxruntime {w.shape}")
+            matched = False
+        elif w.dtype.kind == "f":
+            diff = float(np.max(np.abs(g.astype(np.float64) - w))) if w.size else 0.0
+            print(f"  {name}: {w.shape}, max abs diff {diff:.3g}")
+            matched = matched and diff <= 1e-3 * max(1.0, float(np.abs(w).max()) if w.size else 1.0)
+        else:
+            equal = bool(np.array_equal(g, w))
+            print(f"  {name}: {w.shape}, {'equal' if equal else 'DIFFERENT'}")
+            matched = matched and equal
+    return matched
+
+
+def main(argv=None) -> int:
+    import crosscompile
+    import minirt
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", nargs="?", help="an ONNX detection model (default: the test head)")
+    parser.add_argument("--arm", action="store_true", help="also time compiling for rasp4b64")
+    parser.add_argument("--repeat", type=int, default=20, help="timed runs of each (default 20)")
+    parser.add_argument("--seed", type=int, default=0, help="the random image's seed")
+    args = parser.parse_args(argv)
+    if args.model:
+        model = onnx.load(args.model)
+        feeds = random_feeds(model, args.seed)
+    else:
+        from tests.detection_models import detection_head, detection_input
+        model = detection_head()
+        feeds = {"features": detection_input(args.seed)}
+    with tempfile.TemporaryDirectory() as tmp:
+        started = time.perf_counter()
+        try:
+            lib = crosscompile.build(model, target="host")
+        except crosscompile.BuildError as exc:
+            text = str(exc)
+            more = f" ... ({len(text) - 600} more characters)" if len(text) > 600 else ""
+            print(f"refused after {time.perf_counter() - started:.1f} s: {text[:600]}{more}")
+            return 2
+        print(f"compile for host: {time.perf_counter() - started:.1f} s")
+        if args.arm:
+            started = time.perf_counter()
+            crosscompile.build(model, target="rasp4b64").export_library(os.path.join(tmp, "arm.so"))
+            print(f"compile for rasp4b64: {time.perf_counter() - started:.1f} s")
+        module = minirt.load(lib.export_library(os.path.join(tmp, "net.so")), threads=1)
+        session = ort_session(model, threads=1)
+        got, want = module.run(feeds), session.run(None, feeds)
+        names = [o.name for o in model.graph.output]
+        print("outputs against onnxruntime:")
+        matched = compare(got, want, names)
+        ours, peer = interleaved_medians([lambda: module.run(feeds), lambda: session.run(None, feeds)],
+                                         args.repeat)
+    print(f"1 thread: ours {ours * 1e3:.3f} ms, onnxruntime {peer * 1e3:.3f} ms, ratio {ours / peer:.2f}")
+    return 0 if matched else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

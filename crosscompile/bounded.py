@@ -1,0 +1,98 @@
+"""Tensors whose size depends on the data, with an upper bound known when
+the model is compiled.
+
+NonZero's output has one column per nonzero element, NonMaxSuppression's
+one row per selected box: sizes a module learns only when it runs. Such an
+op declares which axis of which output is counted (Op.counted); its
+output tensor gets the upper bound as its shape (NonZero: every element;
+NonMaxSuppression: batches x classes x min(max boxes, boxes)), so memory is
+planned for the bound, and the frontend gives the node one more output, an
+int64 (1,) tensor, into which the kernel writes the actual size. The
+kernel fills the rest of the buffer, past the count, with zeros, so a
+downstream op may compute on it (zeros are valid indices) and the rows it
+computes there are simply never read.
+
+A counted tensor may flow, through ops that keep its rows apart, to graph
+outputs: element-wise ops, comparisons, Cast, Where, Identity, Gather (by
+counted indices, or along another axis of counted data), GatherND (by
+counted indices), Slice and
+Transpose/Squeeze/Unsqueeze/Flatten that keep the counted axis whole. The
+output of such an op is counted by the same count, on the axis where the
+counted one lands. Any other op reading a counted tensor (a reduction,
+TopK, Concat, Reshape, Shape, ...) is refused, naming the node and the
+tensor. The module's metadata gives each counted graph output its axis and
+the workspace offset of its count (docs/module-abi.md, "count"), and the
+loaders return the outputs cut to that size.
+
+Plain functions over shapes and attributes; the frontend calls them.
+
+Example:
+    >>> counted_axes("Cast", {}, ["nz"], [(7, 3)], [(7, 3)], {0: 0}, lambda s: [s[0]])
+    {0: 0}
+"""
+from __future__ import annotations
+
+from .errors import BuildError, ShapeError
+
+# Ops that compute each output element from the input elements at the same
+# (or broadcast) position, or that move whole rows: with the counted axis
+# left alone, the rows past the count stay apart from the counted ones.
+ROW_KEEPING = frozenset({
+    "Abs", "Add", "Ceil", "Celu", "Clip", "Div", "Elu", "Erf", "Exp", "Floor", "Gelu", "HardSigmoid",
+    "HardSwish", "IsInf", "IsNaN", "LeakyRelu", "Log", "Max", "Mean", "Min", "Mish", "Mod", "Mul", "Neg",
+    "PRelu", "Pow", "Reciprocal", "Relu", "Round", "Selu", "Shrink", "Sigmoid", "Sign", "Softplus",
+    "Softsign", "Sqrt", "Sub", "Sum", "Swish", "Tanh", "ThresholdedRelu",
+    "And", "BitShift", "BitwiseAnd", "BitwiseNot", "BitwiseOr", "BitwiseXor", "Cast", "CastLike", "Equal",
+    "Greater", "GreaterOrEqual", "Less", "LessOrEqual", "Not", "Or", "Where", "Xor",
+    "Acos", "Acosh", "Asin", "Asinh", "Atan", "Atanh", "Cos", "Cosh", "Sin", "Sinh", "Tan",
+    "Identity", "Dropout", "Gather", "GatherND", "Slice", "Transpose", "Squeeze", "Unsqueeze", "Flatten",
+})
+
+
+def counted_axes(op_type: str, attrs: dict, names: list, shapes: list, out_shapes: list, counted: dict,
+                 infer) -> dict:
+    """{output position: counted axis} for a node whose runtime inputs
+    (names and shapes, in order) include counted ones (counted: {input position:
+    axis}, all sharing one count), or BuildError when the op would mix
+    the rows past the count into the others.
+
+    infer(shapes) gives the op's output shapes for other input shapes: the
+    counted axes are set one larger, and an output axis that grows by one
+    with them is the counted one.
+    """
+    where = ", ".join(f"input {names[pos]!r} along axis {axis}" for pos, axis in sorted(counted.items()))
+    refusal = (f"its {where} has a size that depends on the data, and {op_type} on such a tensor "
+               "is not supported (only element-wise ops, Cast, Where, Gather, GatherND, Slice, Transpose, "
+               "Squeeze, Unsqueeze and Flatten that keep that axis whole pass it on, to graph outputs)")
+    if op_type not in ROW_KEEPING:
+        raise BuildError(refusal)
+    if _works_along(op_type, attrs, shapes, counted):
+        raise BuildError(f"{refusal}; this one works along the counted axis")
+    probe = [tuple(d + 1 if counted.get(pos) == axis else d for axis, d in enumerate(shape))
+             for pos, shape in enumerate(shapes)]
+    try:
+        grown = infer(probe)
+    except (BuildError, ShapeError):
+        raise BuildError(f"{refusal}; with another size on that axis its shapes do not fit") from None
+    found = {}
+    for pos, (before, after) in enumerate(zip(out_shapes, grown)):
+        changed = [axis for axis, (a, b) in enumerate(zip(before, after)) if a != b]
+        if len(before) != len(after) or len(changed) != 1 or after[changed[0]] != before[changed[0]] + 1:
+            raise BuildError(f"{refusal}; its output {pos} ({before}) does not keep that axis whole")
+        found[pos] = changed[0]
+    return found
+
+
+def _works_along(op_type: str, attrs: dict, shapes: list, counted: dict) -> bool:
+    """A Slice along the counted axis of its data, a Gather choosing along
+    it (its indices would count from the bound, not the count), or a
+    GatherND of counted data."""
+    if 0 not in counted:
+        return False
+    rank = len(shapes[0])
+    if op_type == "Slice":
+        axes = attrs.get("axes") or tuple(range(len(attrs.get("starts") or ())))
+        return any(a % rank == counted[0] for a in axes)
+    if op_type == "Gather":
+        return attrs.get("axis", 0) % rank == counted[0]
+    return op_type == "GatherND"  # its indices would reach past the count

@@ -1,0 +1,378 @@
+"""Ops that select elements, so that how many they give depends on the
+data: NonZero (the coordinates of nonzero elements), NonMaxSuppression
+(a detector's boxes kept per class) and Compress with a condition computed
+at run time (its kernel is here; the op is ops.Compress).
+
+Each output holds its upper bound (crosscompile/bounded.py): the kernel
+writes the selected entries first, zeros after them, and the actual count
+into its last output, an int64 (1,) tensor the frontend adds.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+
+from .emit import I8, Kernel
+from .errors import BuildError, ShapeError
+from .op_base import ALL_DTYPES, Op, _axis, _const_float, _const_ints, _prod
+
+
+def _nonzero(k: Kernel, value: ir.Value) -> ir.Value:
+    """value != 0 as an i1; NaN counts as nonzero, as in numpy."""
+    if isinstance(value.type, ir.IntType):
+        return k.builder.icmp_unsigned("!=", value, ir.Constant(value.type, 0))
+    return k.builder.fcmp_unordered("!=", value, ir.Constant(value.type, 0.0))
+
+
+def _zero_rest(k: Kernel, out: ir.Value, start: ir.Value, end: int) -> None:
+    """out[start:end] = 0 (int64), so the rows past the count hold valid indices."""
+    with k.loop(end, start=start) as j:
+        k.store(k.i64(0), out, j)
+
+
+class NonZero(Op):
+    """The indices of the nonzero elements, int64 [rank, count], in C order
+    of the elements; count is at most the element count, the size planned."""
+
+    op_type = "NonZero"
+    data_dtypes = ALL_DTYPES
+    count_axes = {0: 1}
+
+    def infer(self, inputs, attrs):
+        if not inputs[0]:
+            raise ShapeError("NonZero of a scalar is not supported; give it a tensor of rank 1 or more")
+        return [(len(inputs[0]), _prod(inputs[0]))]
+
+    def output_dtype(self, inputs, attrs):
+        if inputs[0].dtype not in ALL_DTYPES:
+            raise BuildError(f"NonZero of dtype {inputs[0].dtype} is not supported; "
+                             f"supported: {', '.join(ALL_DTYPES)}")
+        return ["int64", "int64"]
+
+    def lower(self, k, inputs, outputs, attrs):
+        bld = k.builder
+        shape = inputs[0].shape
+        bound = _prod(shape)
+        data = k.typed(k.inputs[0], inputs[0].dtype)
+        out, count = k.typed(k.outputs[0], "int64"), k.typed(k.outputs[1], "int64")
+        found = k.variable(k.i64(0))
+        flat = k.variable(k.i64(0))
+        with k.nested_loops(shape) as idx:
+            here = bld.load(flat)
+            with bld.if_then(_nonzero(k, k.load(data, here))):
+                n = bld.load(found)
+                for dim, i in enumerate(idx):
+                    k.store(i, out, k.index((dim * bound, 1), (n, 1)))
+                bld.store(bld.add(n, k.i64(1)), found)
+            bld.store(bld.add(here, k.i64(1)), flat)
+        n = bld.load(found)
+        for dim in range(len(shape)):
+            _zero_rest(k, out, bld.add(n, k.i64(dim * bound)), (dim + 1) * bound)
+        k.store(n, count, k.i64(0))
+        k.activated = True
+
+
+class NonMaxSuppression(Op):
+    """ONNX NonMaxSuppression: per batch and class, boxes taken best score
+    first (the lower index first among equal scores) when their score is
+    above score_threshold (if given) and their IoU with every box already
+    taken for the class is at most iou_threshold, up to
+    max_output_boxes_per_class. Output int64 [count, 3] rows (batch, class,
+    box) by batch, class, then selection order; count is at most batches x
+    classes x min(max_output_boxes_per_class, boxes), the rows planned.
+
+    The three thresholds must be constants. center_point_box 0 reads boxes
+    as [y1, x1, y2, x2] (either corner first), 1 as [x centre, y centre,
+    width, height]. Each pick scans the class's remaining candidates:
+    O(boxes^2) per class at worst."""
+
+    op_type = "NonMaxSuppression"
+    compile_time_inputs = (2, 3, 4)
+    count_axes = {0: 0}
+
+    def attributes(self, raw, constants, opset):
+        center = int(raw.get("center_point_box", 0))
+        if center not in (0, 1):
+            raise BuildError(f"center_point_box={center} is not supported; it is 0 or 1")
+        most = _const_ints(constants, 2)
+        threshold = _const_float(constants, 4)
+        return {"center_point_box": center, "max_boxes": max(most[0], 0) if most else 0,
+                "iou_threshold": _const_float(constants, 3) or 0.0,
+                "score_threshold": threshold}
+
+    def infer(self, inputs, attrs):
+        if len(inputs) != 2:
+            raise ShapeError(f"NonMaxSuppression takes boxes and scores at run time, got {len(inputs)} inputs")
+        boxes, scores = inputs
+        if len(boxes) != 3 or boxes[2] != 4 or len(scores) != 3 or scores[0] != boxes[0] or scores[2] != boxes[1]:
+            raise ShapeError(f"NonMaxSuppression needs boxes [batches, boxes, 4] and scores "
+                             f"[batches, classes, boxes], got {boxes} and {scores}")
+        rows = boxes[0] * scores[1] * min(attrs["max_boxes"], boxes[1])
+        return [(max(rows, 1), 3)]  # room for one row even when none can be selected
+
+    def output_dtype(self, inputs, attrs):
+        super().output_dtype(inputs, attrs)
+        return ["int64", "int64"]
+
+    def scratch_bytes(self, inputs, outputs, attrs):
+        # One byte per candidate (still in the running) and the boxes taken for the class.
+        return inputs[0].shape[1] + 8 * min(attrs["max_boxes"], inputs[0].shape[1])
+
+    def lower(self, k, inputs, outputs, attrs):
+        bld = k.builder
+        batches, boxes_n, _ = inputs[0].shape
+        classes = inputs[1].shape[1]
+        most = min(attrs["max_boxes"], boxes_n)
+        boxes, scores = k.inputs
+        out, count = k.typed(k.outputs[0], "int64"), k.typed(k.outputs[1], "int64")
+        alive = bld.bitcast(k.scratch, I8.as_pointer())
+        taken = bld.bitcast(bld.gep(alive, [k.i64(boxes_n)]), ir.IntType(64).as_pointer())
+        rows = k.variable(k.i64(0))
+        one, zero = ir.Constant(I8, 1), ir.Constant(I8, 0)
+        with k.loop(batches) as b, k.loop(classes) as c:
+            row = k.index((b, classes * boxes_n), (c, boxes_n))
+            with k.loop(boxes_n) as j:
+                if attrs["score_threshold"] is None:
+                    k.store(one, alive, j)
+                else:
+                    above = bld.fcmp_ordered(">", k.load(scores, bld.add(row, j)), k.f32(attrs["score_threshold"]))
+                    k.store(bld.zext(above, I8), alive, j)
+            chosen = k.variable(k.i64(0))
+            with k.loop(boxes_n if most else 0):
+                with bld.if_then(bld.icmp_signed("<", bld.load(chosen), k.i64(most))):
+                    best = self._best(k, scores, alive, row, boxes_n)
+                    with bld.if_then(bld.icmp_signed(">=", best, k.i64(0))):
+                        k.store(zero, alive, best)
+                        box = k.index((b, boxes_n * 4), (best, 4))
+                        suppressed = k.variable(zero)
+                        with k.loop(bld.load(chosen)) as s:
+                            other = k.index((b, boxes_n * 4), (k.load(taken, s), 4))
+                            over = self._overlaps(k, boxes, box, other, attrs)
+                            bld.store(bld.or_(bld.load(suppressed), bld.zext(over, I8)), suppressed)
+                        with bld.if_then(bld.icmp_unsigned("==", bld.load(suppressed), zero)):
+                            n = bld.load(chosen)
+                            k.store(best, taken, n)
+                            bld.store(bld.add(n, k.i64(1)), chosen)
+                            r = bld.load(rows)
+                            for col, value in enumerate((b, c, best)):
+                                k.store(value, out, k.index((r, 3), (col, 1)))
+                            bld.store(bld.add(r, k.i64(1)), rows)
+        n = bld.load(rows)
+        _zero_rest(k, out, bld.mul(n, k.i64(3)), outputs[0].shape[0] * 3)
+        k.store(n, count, k.i64(0))
+        k.activated = True
+
+    @staticmethod
+    def _best(k: Kernel, scores, alive, row, length: int) -> ir.Value:
+        """The index of the highest-scoring candidate still in the running
+        (the first of equal ones), or -1 when none is left."""
+        bld = k.builder
+        where = k.variable(k.i64(-1))
+        best = k.variable(k.f32(0.0))
+        with k.loop(length) as j:
+            value = k.load(scores, bld.add(row, j))
+            live = bld.icmp_unsigned("!=", k.load(alive, j), ir.Constant(I8, 0))
+            first = bld.icmp_signed("<", bld.load(where), k.i64(0))
+            better = bld.and_(live, bld.or_(first, bld.fcmp_ordered(">", value, bld.load(best))))
+            bld.store(bld.select(better, value, bld.load(best)), best)
+            bld.store(bld.select(better, j, bld.load(where)), where)
+        return bld.load(where)
+
+    @staticmethod
+    def _overlaps(k: Kernel, boxes, one, other, attrs) -> ir.Value:
+        """IoU of two boxes above iou_threshold (an i1); boxes that do not
+        intersect or have no area never suppress, as in ONNX's reference."""
+        bld = k.builder
+        a, b = _extent(k, boxes, one, attrs["center_point_box"]), _extent(k, boxes, other, attrs["center_point_box"])
+        low_x, high_x = k.maximum(a[0], b[0]), k.minimum(a[1], b[1])
+        low_y, high_y = k.maximum(a[2], b[2]), k.minimum(a[3], b[3])
+        inter = bld.fmul(bld.fsub(high_x, low_x), bld.fsub(high_y, low_y))
+        area_a = bld.fmul(bld.fsub(a[1], a[0]), bld.fsub(a[3], a[2]))
+        area_b = bld.fmul(bld.fsub(b[1], b[0]), bld.fsub(b[3], b[2]))
+        union = bld.fsub(bld.fadd(area_a, area_b), inter)
+        checks = [bld.fcmp_ordered(">", high_x, low_x), bld.fcmp_ordered(">", high_y, low_y),
+                  bld.fcmp_ordered(">", inter, k.f32(0.0)), bld.fcmp_ordered(">", area_a, k.f32(0.0)),
+                  bld.fcmp_ordered(">", area_b, k.f32(0.0)), bld.fcmp_ordered(">", union, k.f32(0.0)),
+                  bld.fcmp_ordered(">", bld.fdiv(inter, union), k.f32(attrs["iou_threshold"]))]
+        result = checks[0]
+        for check in checks[1:]:
+            result = bld.and_(result, check)
+        return result
+
+
+def _extent(k: Kernel, boxes, at, center_point_box: int):
+    """(x min, x max, y min, y max) of the box at boxes[at:at + 4]."""
+    bld = k.builder
+    v = [k.load(boxes, bld.add(at, k.i64(i))) for i in range(4)]
+    if center_point_box:
+        half_w, half_h = bld.fdiv(v[2], k.f32(2.0)), bld.fdiv(v[3], k.f32(2.0))
+        return bld.fsub(v[0], half_w), bld.fadd(v[0], half_w), bld.fsub(v[1], half_h), bld.fadd(v[1], half_h)
+    return k.minimum(v[1], v[3]), k.maximum(v[1], v[3]), k.minimum(v[0], v[2]), k.maximum(v[0], v[2])
+
+
+def compressed_shape(x, condition, axis) -> tuple:
+    """The upper bound of Compress's output for a run-time condition: every
+    slice the condition can reach (at least one, for the zeros)."""
+    if len(condition) != 1:
+        raise ShapeError(f"Compress condition must be 1-D, got shape {condition}")
+    if axis is None:
+        return (max(min(condition[0], _prod(x)), 1),)
+    axis = _axis(axis, len(x))
+    return (*x[:axis], max(min(condition[0], x[axis]), 1), *x[axis + 1:])
+
+
+def compressed_dtype(inputs) -> str:
+    if inputs[1].dtype != "bool":
+        raise BuildError(f"Compress condition {inputs[1].name!r} has dtype {inputs[1].dtype}; it must be bool")
+    return inputs[0].dtype
+
+
+def compress(k: Kernel, inputs, outputs, axis) -> None:
+    """Compress by a run-time condition: the slices whose entry is true,
+    in order, then zeros up to the bound; the count into output 1."""
+    bld = k.builder
+    x = inputs[0].shape
+    if axis is None:
+        outer, size, inner = 1, _prod(x), 1
+    else:
+        axis = _axis(axis, len(x))
+        outer, size, inner = _prod(x[:axis]), x[axis], _prod(x[axis + 1:])
+    reach = min(inputs[1].shape[0], size)
+    bound = outputs[0].shape[0 if axis is None else axis]
+    dtype = inputs[0].dtype
+    data, out = k.typed(k.inputs[0], dtype), k.typed(k.outputs[0], dtype)
+    condition = k.typed(k.inputs[1], "bool")
+    count = k.typed(k.outputs[1], "int64")
+    kept = k.variable(k.i64(0))
+    with k.loop(reach) as j:
+        with bld.if_then(bld.icmp_unsigned("!=", k.load(condition, j), ir.Constant(I8, 0))):
+            n = bld.load(kept)
+            with k.loop(outer) as o, k.loop(inner) as i:
+                value = k.load(data, k.index((o, size * inner), (j, inner), (i, 1)))
+                k.store(value, out, k.index((o, bound * inner), (n, inner), (i, 1)))
+            bld.store(bld.add(n, k.i64(1)), kept)
+    n = bld.load(kept)
+    zero = ir.Constant(out.type.pointee, 0)
+    with k.loop(outer) as o, k.loop(bound, start=n) as j, k.loop(inner) as i:
+        k.store(zero, out, k.index((o, bound * inner), (j, inner), (i, 1)))
+    k.store(n, count, k.i64(0))
+    k.activated = True
+
+
+class Unique(Op):
+    """ONNX Unique: the distinct elements (or slices along axis) Y, sorted
+    ascending (lexicographically for slices) or, with sorted=0, in the
+    order they first appear; indices, the first position of each in the
+    input; inverse_indices, for each input element or slice the position
+    of its value in Y; counts, how often each appears. Y, indices and
+    counts are counted (at most every element or slice); inverse_indices
+    has the input's length. Slices are compared element by element:
+    O(slices^2 x slice size)."""
+
+    op_type = "Unique"
+    data_dtypes = ("float32", "int64", "int32", "int8", "uint8")
+    counts_outputs = True
+
+    def attributes(self, raw, constants, opset):
+        return {"axis": int(raw["axis"]) if "axis" in raw else None, "sorted": int(raw.get("sorted", 1))}
+
+    def counted(self, attrs):
+        axis = 0 if attrs["axis"] is None else attrs["axis"]
+        return {pos: axis if pos == 0 else 0 for pos in (0, 1, 3) if pos < attrs["outputs"]}
+
+    def _geometry(self, x, attrs):
+        """(outer, slices, inner) of the input around axis (flat without one)."""
+        if attrs["axis"] is None:
+            return 1, _prod(x), 1
+        axis = _axis(attrs["axis"], len(x))
+        return _prod(x[:axis]), x[axis], _prod(x[axis + 1:])
+
+    def infer(self, inputs, attrs):
+        x = inputs[0]
+        _, slices, _ = self._geometry(x, attrs)
+        y = (slices,) if attrs["axis"] is None else tuple(
+            slices if a == _axis(attrs["axis"], len(x)) else d for a, d in enumerate(x))
+        return [y, (slices,), (slices,), (slices,)][:attrs["outputs"]]
+
+    def output_dtype(self, inputs, attrs):
+        return [super().output_dtype(inputs, attrs), "int64", "int64", "int64"][:attrs["outputs"]]
+
+    def scratch_bytes(self, inputs, outputs, attrs):
+        return 8 * self._geometry(inputs[0].shape, attrs)[1]  # the first position of each distinct slice
+
+    def lower(self, k, inputs, outputs, attrs):
+        bld = k.builder
+        outer, slices, inner = self._geometry(inputs[0].shape, attrs)
+        wanted = attrs["outputs"]
+        data = k.typed(k.inputs[0], inputs[0].dtype)
+        reps = bld.bitcast(k.scratch, ir.IntType(64).as_pointer())
+
+        def element(j, e):
+            o, i = bld.udiv(e, k.i64(inner)), bld.urem(e, k.i64(inner))
+            return k.load(data, k.index((o, slices * inner), (j, inner), (i, 1)))
+
+        def compare(a, b, less: bool):
+            """Slice a equals (or, with less, sorts before) slice b, an i1."""
+            decided = k.variable(ir.Constant(I8, 0))
+            result = k.variable(ir.Constant(I8, 0 if less else 1))
+            with k.loop(outer * inner) as e:
+                va, vb = element(a, e), element(b, e)
+                if isinstance(va.type, ir.IntType):
+                    differ, below = bld.icmp_signed("!=", va, vb), bld.icmp_signed("<", va, vb)
+                else:
+                    differ, below = bld.fcmp_ordered("!=", va, vb), bld.fcmp_ordered("<", va, vb)
+                first = bld.and_(differ, bld.icmp_unsigned("==", bld.load(decided), ir.Constant(I8, 0)))
+                with bld.if_then(first):
+                    bld.store(ir.Constant(I8, 1), decided)
+                    bld.store(bld.zext(below, I8) if less else ir.Constant(I8, 0), result)
+            return bld.icmp_unsigned("!=", bld.load(result), ir.Constant(I8, 0))
+
+        distinct = k.variable(k.i64(0))
+        with k.loop(slices) as j:
+            seen = k.variable(ir.Constant(I8, 0))
+            with k.loop(bld.load(distinct)) as v:
+                same = compare(k.load(reps, v), j, less=False)
+                bld.store(bld.or_(bld.load(seen), bld.zext(same, I8)), seen)
+            with bld.if_then(bld.icmp_unsigned("==", bld.load(seen), ir.Constant(I8, 0))):
+                u = bld.load(distinct)
+                k.store(j, reps, u)
+                bld.store(bld.add(u, k.i64(1)), distinct)
+        u = bld.load(distinct)
+        if attrs["sorted"]:
+            # Insertion sort of the first positions by their slices.
+            with k.loop(u, start=1) as v:
+                moving = k.load(reps, v)
+                place = k.variable(v)
+                with k.loop(v) as step:
+                    q = bld.sub(v, step)
+                    above = k.load(reps, bld.sub(q, k.i64(1)))
+                    with bld.if_then(bld.and_(bld.icmp_signed("==", bld.load(place), q),
+                                              compare(moving, above, less=True))):
+                        k.store(above, reps, q)
+                        bld.store(bld.sub(q, k.i64(1)), place)
+                k.store(moving, reps, bld.load(place))
+        def first_position(v):
+            """Where the v-th distinct slice first appears; 0 past the distinct ones."""
+            return bld.select(bld.icmp_signed("<", v, u), k.load(reps, v), k.i64(0))
+
+        # Past the distinct ones: slice 0's position, and zeros in Y.
+        y = k.typed(k.outputs[0], inputs[0].dtype)
+        zero = ir.Constant(y.type.pointee, 0)
+        with k.loop(outer) as o, k.loop(slices) as v, k.loop(inner) as i:
+            source = k.load(data, k.index((o, slices * inner), (first_position(v), inner), (i, 1)))
+            k.store(bld.select(bld.icmp_signed("<", v, u), source, zero), y,
+                    k.index((o, slices * inner), (v, inner), (i, 1)))
+        outs = [k.typed(p, "int64") for p in k.outputs[1:wanted]]
+        if wanted > 1:
+            with k.loop(slices) as v:
+                k.store(first_position(v), outs[0], v)
+        if wanted > 2:
+            if wanted > 3:
+                with k.loop(slices) as v:
+                    k.store(k.i64(0), outs[2], v)
+            with k.loop(slices) as j, k.loop(u) as v:
+                with bld.if_then(compare(k.load(reps, v), j, less=False)):
+                    k.store(v, outs[1], j)
+                    if wanted > 3:
+                        k.store(bld.add(k.load(outs[2], v), k.i64(1)), outs[2], v)
+        k.store(u, k.typed(k.outputs[wanted], "int64"), k.i64(0))
+        k.activated = True
