@@ -37,6 +37,7 @@ import functools
 import json
 import os
 import platform
+import signal
 import socket
 import statistics
 import struct
@@ -158,13 +159,18 @@ class TvmFarm:
         raise RuntimeError(f"TVM device did not become free; see {self.log_dir}")
 
     def stop(self):
+        """Each process with what it started (TVM's server keeps a pool of
+        popen workers): their process groups."""
         for p in self.procs:
-            p.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
         for p in self.procs:
             try:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
 
 
 @contextlib.contextmanager
