@@ -59,6 +59,12 @@ TAP_LAYERS = [  # (name, filters, kernel, pads, dilations)
     ("lopsided", 7, (5, 3), [3, 2, 1, 0], [1, 1]),
     ("dilated", 9, (3, 3), [2, 2, 2, 2], [2, 2]),
     ("tall", 5, (21, 1), [10, 0, 10, 0], [1, 1]),  # its first and last taps reach no row
+    # 1 x 1 layers of 2, 8, 2 and 3 groups of 4 along the reduction: the
+    # tiles' unrolled and looped reductions and a loop's remainder.
+    ("widen", 32, (1, 1), [0, 0, 0, 0], [1, 1]),
+    ("narrow", 8, (1, 1), [0, 0, 0, 0], [1, 1]),
+    ("middle", 12, (1, 1), [0, 0, 0, 0], [1, 1]),
+    ("last", 6, (1, 1), [0, 0, 0, 0], [1, 1]),
 ]
 
 
@@ -78,7 +84,9 @@ def padded_taps_model() -> "onnx.ModelProto":
     for name, filters, kernel, pads, dilations in TAP_LAYERS:
         weight = rng.integers(-127, 128, (filters, channels, *kernel)).astype(np.int8)
         depth = channels * kernel[0] * kernel[1]
-        y_scale = float(scale * 0.01 * np.sqrt(depth) * 50 * 74 / 30)
+        # inputs spread over some 50 steps (x) or 30 (a layer's output), weights
+        # over 74: outputs over some 30 steps either side
+        y_scale = float(scale * 0.01 * np.sqrt(depth) * (50 if previous == "xq" else 30) * 74 / 30)
         layer = _quantized_layer(nodes, inits, previous, name, weight, np.zeros(filters, np.int8),
                                  (0.01 * rng.uniform(0.5, 1.5, filters)).astype(np.float32), y_scale,
                                  np.uint8(128), pads=pads, dilations=dilations)
