@@ -72,8 +72,7 @@ class Conv(Op):
             return 2 * x[1] // attrs["group"] * _prod(geometry[-1]) if _halves_b(attrs) else 0
         pixels = getattr(attrs.get("gemm_tile"), "pixels", 0)
         group = attrs["group"]
-        direct = _direct_plan(geometry, x[1] // group, w[0] // group, attrs, any_grid=bool(pixels),
-                              groups=1 if pixels else group)
+        direct = _direct_plan(geometry, x[1] // group, w[0] // group, attrs, any_grid=bool(pixels), groups=group)
         if direct is not None:
             return 4 * direct.scratch_floats
         return 4 * _prod(w[1:]) * _prod(geometry[-1])  # one group's im2col
@@ -204,7 +203,7 @@ class Conv(Op):
             return
         pointwise = self._pointwise(geometry)
         direct = None if pointwise else _direct_plan(geometry, cg, m, attrs, any_grid=bool(tile.pixels),
-                                                     groups=1 if tile.pixels else group)
+                                                     groups=group)
         if tile.pixels and not pointwise and direct is None:
             raise BuildError(f"Conv with input {x} and weight {w}: the transposed tile {tile.label} reads "
                              "1-D and 2-D windows in place only; schedule a tile of rows [mr, nv] for it")
@@ -217,29 +216,36 @@ class Conv(Op):
                              k.inputs[2] if has_bias else None, epilogue, k.index((image, w[0] * n)))
             k.activated = epilogue or not k.epilogue
             return
+        residual = k.inputs[-1] if residual_at is not None else None
+        if tile.pixels and direct is not None:
+            # Every group at once, as above, each group's pixels reading
+            # windows of its own planes of the copy.
+            taps, bases = i32_table(k, direct.offsets), i32_table(k, direct.pixel_bases)
+            with k.loop(x[0]) as image:
+                _copy_padded(k, direct, k.index((image, x[1] * volume_in)))
+                with k.loop(group) as g:
+                    source = bld.gep(k.scratch, [k.index((g, direct.group_floats))])
+                    emit_channel_gemm(k, tile, m, kdim, n, bld.gep(k.typed(k.inputs[1], tile.dtype),
+                                                                   [k.index((g, a_group))]),
+                                      source, taps, bases, k.outputs[0], k.index((image, w[0] * n), (g, m * n)),
+                                      bld.gep(k.inputs[2], [k.index((g, m))]) if has_bias else None,
+                                      epilogue, residual, residual_at or 0)
+                k.barrier()  # before the next image overwrites the copy
+            k.activated = epilogue or not k.epilogue
+            return
         if tile.pixels:
-            if pointwise:
-                taps = i32_table(k, tuple(c * volume_in for c in range(cg)))
-                bases = i32_table(k, tuple(range(n)))
-            else:
-                taps = i32_table(k, direct.offsets)
-                bases = i32_table(k, direct.pixel_bases)
+            taps = i32_table(k, tuple(c * volume_in for c in range(cg)))
+            bases = i32_table(k, tuple(range(n)))
         with k.loop(x[0]) as image, k.loop(group) as g:
             x_base = k.index((image, x[1] * volume_in), (g, cg * volume_in))
             y_base = k.index((image, w[0] * n), (g, m * n))
             # Packed weights hold the tile's element type (halves for an fp16 tile).
             a_ptr = bld.gep(k.typed(k.inputs[1], tile.dtype), [k.index((g, a_group))])
             bias = bld.gep(k.inputs[2], [k.index((g, m))]) if has_bias else None
-            if tile.pixels:
-                if pointwise:
-                    source = bld.gep(k.inputs[0], [x_base])
-                else:
-                    _copy_padded(k, direct, x_base)
-                    source = k.scratch
-                residual = k.inputs[-1] if residual_at is not None else None
-                emit_channel_gemm(k, tile, m, kdim, n, a_ptr, source, taps, bases, k.outputs[0], y_base,
-                                  bias, epilogue, residual, residual_at or 0)
-                k.barrier()  # before the next image or group overwrites the copy
+            if tile.pixels:  # pointwise: the input read in place
+                emit_channel_gemm(k, tile, m, kdim, n, a_ptr, bld.gep(k.inputs[0], [x_base]), taps, bases,
+                                  k.outputs[0], y_base, bias, epilogue, residual, residual_at or 0)
+                k.barrier()
             else:
                 self._gemm_group(k, tile, geometry, m, kdim, n, cg, pointwise, x_base, y_base,
                                  a_ptr, bias, epilogue, residual_at)

@@ -4,8 +4,10 @@ once into padded (phase-split) planes, the groups' GEMMs run one after
 another with no barrier between them, then every group's rows copied out of
 the virtual grid (conv._direct_conv). Outputs as small as 7 x 7 take this
 path too, where the grid drops 7 of every 56 columns (conv.IM2COL_MIN_ROWS).
-Each shape is compared with onnxruntime on the host (the tile of rows
-forced) on 1 and 2 threads, and on an emulated rasp4b64 board,
+The transposed tile (vectors of channels by pixels, the host's default
+for these) copies every group's input once too and runs the groups one
+after another. Each shape is compared with onnxruntime on the host (each
+tile forced) on 1 and 2 threads, and on an emulated rasp4b64 board,
 whose default tile is the tile of rows, on 1 and 2 threads."""
 import subprocess
 
@@ -15,7 +17,7 @@ import pytest
 import crosscompile
 import minirt
 from crosscompile.conv import IM2COL_MIN_ROWS, _direct_plan
-from crosscompile.gemm import tile_for
+from crosscompile.gemm import channel_tile, tile_for
 from crosscompile.target import resolve_target
 from crosscompile.tuning import conv_shapes
 from crosscompile.window import _resolve_window
@@ -66,12 +68,14 @@ def case_model(case: str, seed: int):
     return model, x, reference(model, {"x": x})[0]
 
 
+@pytest.mark.parametrize("tile", ["rows", "channels"])
 @pytest.mark.parametrize("case", CASES)
-def test_grouped_conv_matches_onnxruntime_on_host_threads(tmp_path, case):
+def test_grouped_conv_matches_onnxruntime_on_host_threads(tmp_path, case, tile):
     model, x, want = case_model(case, seed=4)
     (shape,) = conv_shapes(model)
-    lib = crosscompile.build(model, target="host", schedules={shape.key: tile_for(HOST).spec})
-    assert [t["tile"] for t in lib.metadata["gemm_tiles"]] == [list(tile_for(HOST).spec)]
+    forced = channel_tile(tile_for(HOST)) if tile == "channels" else tile_for(HOST)
+    lib = crosscompile.build(model, target="host", schedules={shape.key: forced.spec})
+    assert [t["tile"] for t in lib.metadata["gemm_tiles"]] == [list(forced.spec)]
     module = minirt.load(lib.export_library(tmp_path / "m.so"))
     for threads in (1, 2):
         module.set_threads(threads)
