@@ -5,8 +5,8 @@ own aarch64 wheel, one thread each, in the same Debian root filesystem.
                                    [--precisions fp32,fp16] [--int8]
 
 Models: squeezenet and resnet50 from the onnx package's light zoo (random
-parameters, as in tests/test_zoo.py), resnet18, mobilenetv2 and
-efficientnet_b0 built by tests/architectures.py; one 1 x 3 x 224 x 224 image
+parameters, as in tests/test_zoo.py), resnet18, mobilenetv2,
+efficientnet_b0 and regnet_x_400mf (grouped 3x3 convolutions) built by tests/architectures.py; one 1 x 3 x 224 x 224 image
 each; and vit_block, the ViT encoder block of tests/transformer_models.py
 (17 tokens, its attention one fused kernel). Counts come from
 deploy_recipes/instruction_count.py (a qemu plugin, R and R + N inferences).
@@ -58,7 +58,7 @@ from crosscompile.quantizer import quantize_model  # noqa: E402
 from deploy_recipes import emulate, instruction_count  # noqa: E402
 from crosscompile.target import resolve_target  # noqa: E402
 from remote.defaults import cache_dir  # noqa: E402
-from tests.architectures import efficientnet_b0, mobilenet_v2, resnet  # noqa: E402
+from tests.architectures import efficientnet_b0, mobilenet_v2, regnet_x_400mf, resnet  # noqa: E402
 from tests.onnx_models import zoo_model  # noqa: E402
 from tests.quantized_models import output_step  # noqa: E402
 from tests.segmentation_models import aspp  # noqa: E402
@@ -71,6 +71,7 @@ MODELS = {
     "resnet50": lambda: zoo_model("resnet50", logits=False),
     "mobilenetv2": mobilenet_v2,
     "efficientnet_b0": efficientnet_b0,
+    "regnet_x_400mf": regnet_x_400mf,
     "vit_block": lambda: vit_block(opset=17),
     "aspp": aspp,
 }

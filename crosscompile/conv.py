@@ -71,7 +71,8 @@ class Conv(Op):
             # An fp16 tile's B: the input converted to halves once (_gemm_group).
             return 2 * x[1] // attrs["group"] * _prod(geometry[-1]) if _halves_b(attrs) else 0
         pixels = getattr(attrs.get("gemm_tile"), "pixels", 0)
-        direct = _direct_plan(geometry, x[1] // attrs["group"], w[0] // attrs["group"], attrs, any_grid=bool(pixels))
+        group = attrs["group"]
+        direct = _direct_plan(geometry, x[1] // group, w[0] // group, attrs, any_grid=bool(pixels), groups=group)
         if direct is not None:
             return 4 * direct.scratch_floats
         return 4 * _prod(w[1:]) * _prod(geometry[-1])  # one group's im2col
@@ -201,35 +202,50 @@ class Conv(Op):
             k.activated = True
             return
         pointwise = self._pointwise(geometry)
-        direct = None if pointwise else _direct_plan(geometry, cg, m, attrs, any_grid=bool(tile.pixels))
+        direct = None if pointwise else _direct_plan(geometry, cg, m, attrs, any_grid=bool(tile.pixels),
+                                                     groups=group)
         if tile.pixels and not pointwise and direct is None:
             raise BuildError(f"Conv with input {x} and weight {w}: the transposed tile {tile.label} reads "
                              "1-D and 2-D windows in place only; schedule a tile of rows [mr, nv] for it")
+        if direct is not None and not tile.pixels:
+            # Every group at once: one copy of the input, then the groups'
+            # GEMMs one after the other with no barrier between them.
+            weights = k.typed(k.inputs[1], tile.dtype)
+            with k.loop(x[0]) as image:
+                _direct_conv(k, tile, direct, k.index((image, x[1] * volume_in)), weights, a_group,
+                             k.inputs[2] if has_bias else None, epilogue, k.index((image, w[0] * n)))
+            k.activated = epilogue or not k.epilogue
+            return
+        residual = k.inputs[-1] if residual_at is not None else None
+        if tile.pixels and direct is not None:
+            # Every group at once, as above, each group's pixels reading
+            # windows of its own planes of the copy.
+            taps, bases = i32_table(k, direct.offsets), i32_table(k, direct.pixel_bases)
+            with k.loop(x[0]) as image:
+                _copy_padded(k, direct, k.index((image, x[1] * volume_in)))
+                with k.loop(group) as g:
+                    source = bld.gep(k.scratch, [k.index((g, direct.group_floats))])
+                    emit_channel_gemm(k, tile, m, kdim, n, bld.gep(k.typed(k.inputs[1], tile.dtype),
+                                                                   [k.index((g, a_group))]),
+                                      source, taps, bases, k.outputs[0], k.index((image, w[0] * n), (g, m * n)),
+                                      bld.gep(k.inputs[2], [k.index((g, m))]) if has_bias else None,
+                                      epilogue, residual, residual_at or 0)
+                k.barrier()  # before the next image overwrites the copy
+            k.activated = epilogue or not k.epilogue
+            return
         if tile.pixels:
-            if pointwise:
-                taps = i32_table(k, tuple(c * volume_in for c in range(cg)))
-                bases = i32_table(k, tuple(range(n)))
-            else:
-                taps = i32_table(k, direct.offsets)
-                bases = i32_table(k, direct.pixel_bases)
+            taps = i32_table(k, tuple(c * volume_in for c in range(cg)))
+            bases = i32_table(k, tuple(range(n)))
         with k.loop(x[0]) as image, k.loop(group) as g:
             x_base = k.index((image, x[1] * volume_in), (g, cg * volume_in))
             y_base = k.index((image, w[0] * n), (g, m * n))
             # Packed weights hold the tile's element type (halves for an fp16 tile).
             a_ptr = bld.gep(k.typed(k.inputs[1], tile.dtype), [k.index((g, a_group))])
             bias = bld.gep(k.inputs[2], [k.index((g, m))]) if has_bias else None
-            if tile.pixels:
-                if pointwise:
-                    source = bld.gep(k.inputs[0], [x_base])
-                else:
-                    _copy_padded(k, direct, x_base)
-                    source = k.scratch
-                residual = k.inputs[-1] if residual_at is not None else None
-                emit_channel_gemm(k, tile, m, kdim, n, a_ptr, source, taps, bases, k.outputs[0], y_base,
-                                  bias, epilogue, residual, residual_at or 0)
-                k.barrier()  # before the next image or group overwrites the copy
-            elif direct is not None:
-                _direct_conv(k, tile, direct, x_base, a_ptr, bias, epilogue, y_base)
+            if tile.pixels:  # pointwise: the input read in place
+                emit_channel_gemm(k, tile, m, kdim, n, a_ptr, bld.gep(k.inputs[0], [x_base]), taps, bases,
+                                  k.outputs[0], y_base, bias, epilogue, residual, residual_at or 0)
+                k.barrier()
             else:
                 self._gemm_group(k, tile, geometry, m, kdim, n, cg, pointwise, x_base, y_base,
                                  a_ptr, bias, epilogue, residual_at)
@@ -309,6 +325,12 @@ class _DirectPlan:
     cbuf_at: int         # where the virtual-grid output starts in scratch
     scratch_floats: int
     geometry: tuple
+    groups: int = 1      # groups copied one after the other, each `channels` deep
+
+    @property
+    def group_floats(self) -> int:
+        """Where group g's planes start in the buffer: g times this."""
+        return self.channels * len(self.planes) * self.hq * self.wq
 
     @property
     def pixel_bases(self) -> tuple:
@@ -318,15 +340,24 @@ class _DirectPlan:
 
 
 GRID_COLUMNS_MULTIPLE = 4
+# Output channels per group up to which a convolution reads windows of a
+# padded copy whatever share of the grid's columns it drops (see
+# _direct_plan). RegNetX-400MF's grouped 3x3 (16 channels per group) on
+# 7 x 7 counted 2.34 instructions per multiply-add through im2col on an
+# emulated Cortex-A72, against 0.4 at 14 x 14 through the padded copy.
+IM2COL_MIN_ROWS = 64
 
 
-def _direct_plan(geometry, channels: int, m: int, attrs, any_grid: bool = False) -> "_DirectPlan | None":
+def _direct_plan(geometry, channels: int, m: int, attrs, any_grid: bool = False,
+                 groups: int = 1) -> "_DirectPlan | None":
     """How to run a 1-D/2-D convolution without im2col, or None where the
     im2col GEMM serves (3-D, a fused residual, grids much wider than the
     output, 1x1 kernels but for a strided one whose grid is its output:
     that copies just the pixels it reads). With any_grid (for
     emit_channel_gemm, which reads each output pixel's window itself and
-    writes the output in place) only 3-D is refused."""
+    writes the output in place) only 3-D is refused. channels and m are
+    one group's; with groups, the buffer holds that many groups' copies
+    (and virtual-grid outputs) one after the other."""
     (dz, h, wd), (kz, kh_n, kw_n), (sz, sh, sw), (ddz, dh, dw), (pz, ph, pw), (ez, eh, ew), \
         (oz, oh_n, ow_n) = geometry
     if dz != 1 or kz != 1 or (attrs.get("residual_at") is not None and not any_grid):
@@ -348,64 +379,78 @@ def _direct_plan(geometry, channels: int, m: int, attrs, any_grid: bool = False)
     # the rest of the grid's.
     n_virtual = -(-((oh_n - 1) * wq + ow_n) // GRID_COLUMNS_MULTIPLE) * GRID_COLUMNS_MULTIPLE
     # The dropped columns cost FMAs: on a 7 x 7 output (56 for 49) they cost
-    # more than the im2col copy saves; at 14 x 14 (wq 15) less.
-    if n_virtual > 1.1 * oh_n * ow_n and not any_grid:
+    # more than the im2col copy saves; at 14 x 14 (wq 15) less. Not so with
+    # few output channels (a grouped convolution's): each im2col value then
+    # feeds only those few rows, and the copy costs more than the columns.
+    if n_virtual > 1.1 * oh_n * ow_n and not any_grid and m > IM2COL_MIN_ROWS:
         return None
     if kh_n * kw_n == 1 and n_virtual != oh_n * ow_n and not any_grid:
         # A 1x1 kernel reads each input once: im2col copies no more than
         # this path, which then gains only where it writes C in place.
         return None
-    buffer_floats = max(channels * len(planes) * plane, max(offsets) + n_virtual)
+    group_floats = channels * len(planes) * plane
+    buffer_floats = max(groups * group_floats, (groups - 1) * group_floats + max(offsets) + n_virtual)
     if buffer_floats >= 2 ** 31:
         return None
     cbuf_at = -(-buffer_floats // 16) * 16
-    scratch = buffer_floats if any_grid else cbuf_at + m * n_virtual
+    scratch = buffer_floats if any_grid else cbuf_at + groups * m * n_virtual
     return _DirectPlan(channels, m, planes, hq, wq, offsets, n_virtual, buffer_floats, cbuf_at,
-                       scratch, geometry)
+                       scratch, geometry, groups)
 
 
-def _direct_conv(k: Kernel, tile, plan: _DirectPlan, x_base, a_ptr, bias, epilogue: bool, y_base) -> None:
-    """One image and group of a convolution as a GEMM whose B rows are
+def _direct_conv(k: Kernel, tile, plan: _DirectPlan, x_base, a_packed, a_group: int, bias, epilogue: bool,
+                 y_base) -> None:
+    """One image of a convolution as a GEMM per group whose B rows are
     windows of the (padded, phase-split) input: one copy of the input in
     place of im2col's kh * kw, then one copy of the output from the virtual
-    grid. Threads split the copy's channels, the GEMM's panels and the
-    output's rows, with a barrier between the three."""
+    grid. Threads split the copy's channels, each group's GEMM panels and
+    the output's rows, with a barrier between the three: the groups'
+    GEMMs follow one another with none between them, so a thread that
+    finishes its share of one group goes on to the next (group g's packed
+    weights start a_group values into a_packed, its bias g * rows in)."""
     _copy_padded(k, plan, x_base)
     bld, buf = k.builder, k.scratch
     oh_n, ow_n = plan.geometry[-1][1:]
     table = i32_table(k, plan.offsets)
-    rows = plan.rows
-    if plan.n_virtual == oh_n * ow_n:
-        # The grid is the output (e.g. a strided 1x1 convolution): no copy.
-        emit_gemm(k, tile, rows, len(plan.offsets), plan.n_virtual, a_ptr, buf, k.i64(0), 0,
-                  k.outputs[0], y_base, bias, epilogue, b_offsets=table)
-        k.barrier()  # before the next image or group overwrites the buffer
-        return
+    rows, kdim = plan.rows, len(plan.offsets)
+    in_place = plan.n_virtual == oh_n * ow_n  # the grid is the output (e.g. a strided 1x1 convolution)
     cbuf = bld.gep(buf, [k.i64(plan.cbuf_at)])
-    emit_gemm(k, tile, rows, len(plan.offsets), plan.n_virtual, a_ptr, buf, k.i64(0), 0,
-              cbuf, k.i64(0), bias, epilogue, b_offsets=table)
+    with k.loop(plan.groups) as g:
+        a_ptr = bld.gep(a_packed, [k.index((g, a_group))])
+        group_bias = bld.gep(bias, [k.index((g, rows))]) if bias is not None else None
+        b_base = k.index((g, plan.group_floats))
+        if in_place:
+            emit_gemm(k, tile, rows, kdim, plan.n_virtual, a_ptr, buf, b_base, 0,
+                      k.outputs[0], k.index((y_base, 1), (g, rows * oh_n * ow_n)), group_bias, epilogue,
+                      b_offsets=table)
+        else:
+            emit_gemm(k, tile, rows, kdim, plan.n_virtual, a_ptr, buf, b_base, 0,
+                      cbuf, k.index((g, rows * plan.n_virtual)), group_bias, epilogue, b_offsets=table)
+    if in_place:
+        k.barrier()  # before the next image overwrites the buffer
+        return
     k.barrier()  # each thread copies out rows other threads computed
-    with k.share(rows) as (r_lo, r_hi), k.loop(r_hi, start=r_lo) as r, k.loop(oh_n) as oh:
+    with k.share(plan.groups * rows) as (r_lo, r_hi), k.loop(r_hi, start=r_lo) as r, k.loop(oh_n) as oh:
         src = k.index((r, plan.n_virtual), (oh, plan.wq))
         dst = k.index((y_base, 1), (r, oh_n * ow_n), (oh, ow_n))
         with k.loop(ow_n) as ow:
             k.store(k.load(cbuf, bld.add(src, ow)), k.outputs[0], bld.add(dst, ow))
-    k.barrier()  # before the next image or group overwrites the buffers
+    k.barrier()  # before the next image overwrites the buffers
 
 
 def _copy_padded(k: Kernel, plan: _DirectPlan, x_base) -> None:
-    """Copy one image and group of the input into scratch as the plan's
+    """Copy one image and group (all plan.groups) of the input into scratch as the plan's
     padded (phase-split) planes, zero tail included; threads split the
     channels and meet at a barrier after."""
     bld, buf = k.builder, k.scratch
     plane = plan.hq * plan.wq
     n_planes = len(plan.planes)
-    with k.share(plan.channels) as channels:
+    with k.share(plan.groups * plan.channels) as channels:
         if n_planes > UNROLLED_PLANES:
             _copy_phases(k, plan, x_base, channels)
         else:
             _copy_planes(k, plan, x_base, channels)
-    base = plan.channels * n_planes * plane
+    base = plan.groups * plan.channels * n_planes * plane
     tail = plan.buffer_floats - base
     with k.share(-(-tail // ZERO_BLOCK)) as (lo, hi):
         end = k.smin(bld.mul(hi, k.i64(ZERO_BLOCK)), k.i64(tail))
