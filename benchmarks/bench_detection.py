@@ -29,19 +29,7 @@ import onnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_models import interleaved_medians, ort_session  # noqa: E402
-
-
-def random_feeds(model: onnx.ModelProto, seed: int) -> dict:
-    """One input per graph input, uniform in [0, 1) (an image's range)."""
-    rng = np.random.default_rng(seed)
-    initializers = {i.name for i in model.graph.initializer}
-    feeds = {}
-    for vi in model.graph.input:
-        if vi.name in initializers:
-            continue
-        shape = [d.dim_value if d.HasField("dim_value") else 1 for d in vi.type.tensor_type.shape.dim]
-        feeds[vi.name] = rng.random(shape, dtype=np.float32)
-    return feeds
+from tests.onnx_models import sample_input  # noqa: E402
 
 
 def compare(got: list, want: list, names: list) -> bool:
@@ -74,7 +62,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.model:
         model = onnx.load(args.model)
-        feeds = random_feeds(model, args.seed)
+        feeds = sample_input(model, args.seed, uniform=True)
     else:
         from tests.detection_models import detection_head, detection_input
         model = detection_head()

@@ -117,16 +117,18 @@ def conv_relu_model(x_shape, w_shape, attrs: dict) -> onnx.ModelProto:
                       {"w": weight, "b": rand(w_shape[0], seed=2)})
 
 
-def sample_input(model: onnx.ModelProto, seed: int = 1) -> dict:
-    """Random float32 inputs for every graph input of a model with static shapes."""
+def sample_input(model: onnx.ModelProto, seed: int = 1, uniform: bool = False) -> dict:
+    """Random float32 inputs for every graph input (a symbolic dimension
+    taken as 1): standard normal, or with ``uniform`` in [0, 1) (an image's range)."""
     rng = np.random.default_rng(seed)
     initializers = {i.name for i in model.graph.initializer}
     feeds = {}
     for vi in model.graph.input:
         if vi.name in initializers:
             continue
-        shape = [d.dim_value for d in vi.type.tensor_type.shape.dim]
-        feeds[vi.name] = rng.standard_normal(shape).astype(np.float32)
+        shape = [d.dim_value or 1 for d in vi.type.tensor_type.shape.dim]
+        feeds[vi.name] = (rng.random(shape, dtype=np.float32) if uniform
+                          else rng.standard_normal(shape).astype(np.float32))
     return feeds
 
 
