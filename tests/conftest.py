@@ -148,8 +148,12 @@ def _in_order_of_need(items, needs):
 
 
 def native_triples(items):
-    """The native server's triples the selected tests use, in the order they first need them."""
-    return _in_order_of_need(items, item_triples)
+    """The native server's triples the selected tests use, in the order they
+    first need them; then the native loader's drivers if its tests run."""
+    wanted = _in_order_of_need(items, item_triples)
+    if any(item.nodeid.startswith("tests/test_native_loader.py") for item in items):
+        wanted.append("module-check")
+    return wanted
 
 
 def emulated_systems(items):

@@ -4,6 +4,8 @@ musl executable for x86_64, aarch64 and 32-bit ARM, runs real modules (natively,
 or under qemu user-mode emulation, which a static binary needs no root
 filesystem for) and must give onnxruntime's outputs; corrupted modules must be
 refused with a message that names the file and what is wrong."""
+import fcntl
+import hashlib
 import importlib.util
 import os
 import platform
@@ -18,6 +20,7 @@ import pytest
 
 import crosscompile
 from remote.cli import native
+from remote.defaults import cache_dir
 from tests.audio_models import kws_lstm
 from tests.onnx_models import mlp, reference, sample_input
 from tests.test_profile import residual_cnn
@@ -63,31 +66,50 @@ def runs_natively(arch: str) -> bool:
     return machine == arch and sys.maxsize > 2**32
 
 
-def build_drivers(folder) -> dict:
-    """{arch: path of module_check}, the three builds run side by side."""
+def driver_folder() -> str:
+    """Where the drivers of these sources are kept: in Tether's cache, keyed
+    like the native servers (their sources, flags and zig's version) and by
+    the driver's own source and flags."""
+    zig = native._zig()
+    digest = hashlib.sha256(native.build_key(native._zig_version(zig)).encode())
+    with open(os.path.join(NATIVE, "tools", "module_check.cpp"), "rb") as f:
+        digest.update(f.read())
+    digest.update(repr(FLAGS).encode())
+    return os.path.join(cache_dir(), "module-check", digest.hexdigest()[:16])
+
+
+def build_drivers(folder=None) -> dict:
+    """{arch: path of module_check}, built once per change of their sources
+    (tests/warmup.py builds them in the background of a full run); the
+    missing builds run side by side."""
     if importlib.util.find_spec("ziglang") is None:
         pytest.skip("building the native server needs zig: pip install ziglang")
-    procs = {}
-    for arch, a in ARCHES.items():
-        out = os.path.join(folder, f"module_check-{arch}")
-        # The server's own flags per triple: the builds of musl and libc++
-        # that zig makes first (minutes on a fresh machine) serve both.
-        command = [sys.executable, "-m", "ziglang", "c++", "-target", a.zig_target, *FLAGS,
-                   *native.TRIPLE_FLAGS[a.zig_target],
-                   *[os.path.join(NATIVE, s) for s in SOURCES], "-o", out]
-        procs[arch] = (out, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    drivers = {}
-    for arch, (out, proc) in procs.items():
-        # zig's first build for a target also builds musl and libc++ (minutes).
-        log, _ = proc.communicate(timeout=1800)
-        assert proc.returncode == 0, f"zig c++ for {ARCHES[arch].zig_target} failed:\n{log}"
-        drivers[arch] = out
+    folder = folder or driver_folder()
+    os.makedirs(folder, exist_ok=True)
+    drivers = {arch: os.path.join(folder, f"module_check-{arch}") for arch in ARCHES}
+    with open(os.path.join(folder, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process building them: wait for it
+        procs = {}
+        for arch, out in drivers.items():
+            if os.path.exists(out):
+                continue
+            # The server's own flags per triple: the builds of musl and libc++
+            # that zig makes first (minutes on a fresh machine) serve both.
+            command = [sys.executable, "-m", "ziglang", "c++", "-target", ARCHES[arch].zig_target, *FLAGS,
+                       *native.TRIPLE_FLAGS[ARCHES[arch].zig_target],
+                       *[os.path.join(NATIVE, s) for s in SOURCES], "-o", out + ".part"]
+            procs[arch] = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for arch, proc in procs.items():
+            # zig's first build for a target also builds musl and libc++ (minutes).
+            log, _ = proc.communicate(timeout=1800)
+            assert proc.returncode == 0, f"zig c++ for {ARCHES[arch].zig_target} failed:\n{log}"
+            os.replace(drivers[arch] + ".part", drivers[arch])
     return drivers
 
 
 @pytest.fixture(scope="module")
-def drivers(tmp_path_factory):
-    return build_drivers(str(tmp_path_factory.mktemp("native-loader")))
+def drivers():
+    return build_drivers()
 
 
 @pytest.fixture(scope="module")

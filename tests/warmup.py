@@ -1,6 +1,6 @@
 """Build what a test run will need, in the background from its start:
 ``python -m tests.warmup native TRIPLE...`` builds the native board server
-for each triple, ``python -m tests.warmup rootfs RELEASE-ARCH...`` the
+for each triple (``module-check``: the native loader's test drivers, for all three), ``python -m tests.warmup rootfs RELEASE-ARCH...`` the
 emulated boards' Debian root filesystems, one after another.
 
 On a fresh machine zig builds a triple's C and C++ libraries the first time
@@ -25,6 +25,9 @@ def _stop(_signum, _frame):
 
 
 def _build(kind: str, name: str) -> str:
+    if kind == "native" and name == "module-check":
+        from tests.test_native_loader import build_drivers
+        return " ".join(build_drivers().values())
     if kind == "native":
         from remote.cli.native import build_native
         return build_native(name)
