@@ -32,7 +32,7 @@ def modules(tmp_path_factory):
     import crosscompile
 
     out = {}
-    for name, sizes in (("fast", (784, 32, 10)), ("slow", (784, 512, 512, 10))):
+    for name, sizes in (("fast", (784, 32, 10)), ("slow", (784, 2048, 2048, 10))):
         folder = tmp_path_factory.mktemp(name)
         model = str(folder / "net.onnx")
         onnx.save(mlp(sizes=sizes), model)
