@@ -163,6 +163,8 @@ class Module:
         self.metadata = metadata
         self.inputs = [_spec(t) for t in metadata["inputs"]]
         self.outputs = [_spec(t) for t in metadata["outputs"]]
+        # Whether any output's size depends on the data (cut after each run).
+        self._any_counted = any(spec.count is not None for spec in self.outputs)
         self._lib = lib  # keeps the shared object loaded while run_fn is in use
         self._run = run_fn
         self._workspace_bytes = int(metadata["workspace_bytes"])
@@ -208,7 +210,7 @@ class Module:
             workspace = self._new_workspace()
         try:
             status = self._call(in_ptrs, out_ptrs, _aligned_address(workspace), self._dims(arrays))
-            if status == 0:
+            if status == 0 and self._any_counted:
                 outputs = self._counted(outputs, workspace)
         finally:
             self._idle_workspaces.append(workspace)
