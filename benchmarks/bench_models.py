@@ -139,6 +139,19 @@ def tvm_runner(model, feeds):
     return lambda: vm["main"](*args)
 
 
+def host_target_and_peer(parser, avx2: bool) -> tuple:
+    """(the target ours compiles for, what onnxruntime runs) on this host;
+    with avx2, AVX2 against AVX2 on an AVX-512 machine (parser.error if
+    onnxruntime cannot be held to AVX2)."""
+    if not avx2:
+        return "host", "onnxruntime picks its kernels for this CPU"
+    from benchmarks.onnxruntime_avx2 import Avx2Unavailable, use_avx2_onnxruntime
+    try:
+        return AVX2_TARGET, use_avx2_onnxruntime()
+    except Avx2Unavailable as exc:
+        parser.error(f"--avx2: {exc}")
+
+
 def machine_description() -> str:
     """The CPU model and its widest x86 vector extension (or the machine
     name elsewhere), from /proc/cpuinfo."""

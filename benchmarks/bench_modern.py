@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import crosscompile  # noqa: E402
 import minirt  # noqa: E402
-from benchmarks.bench_models import AVX2_TARGET, interleaved_medians, machine_description, ort_session  # noqa: E402
+from benchmarks.bench_models import host_target_and_peer, interleaved_medians, machine_description, ort_session  # noqa: E402
 from tests.audio_models import kws_lstm, speech_ctc  # noqa: E402
 from tests.onnx_models import sample_input  # noqa: E402
 from tests.segmentation_models import aspp, unet  # noqa: E402
@@ -54,13 +54,7 @@ def main() -> int:
     parser.add_argument("--avx2", action="store_true",
                         help="AVX2 against AVX2 on an AVX-512 machine (see bench_models.py --avx2)")
     args = parser.parse_args()
-    target, peer = "host", "onnxruntime picks its kernels for this CPU"
-    if args.avx2:
-        from benchmarks.onnxruntime_avx2 import Avx2Unavailable, use_avx2_onnxruntime
-        try:
-            target, peer = AVX2_TARGET, use_avx2_onnxruntime()
-        except Avx2Unavailable as exc:
-            parser.error(f"--avx2: {exc}")
+    target, peer = host_target_and_peer(parser, args.avx2)
     print(f"machine: {machine_description()}; ours compiled for {target}; {peer}")
     print(f"{'model':16} {'compile s':>9} {'ours ms':>9} {'ort ms':>9} {'ours/ort':>8}")
     with tempfile.TemporaryDirectory(prefix="tether-bench-") as tmp:

@@ -2,9 +2,9 @@
 
     python benchmarks/profile_layers.py squeezenet [resnet50 ...] [--rounds N] [--top N]
 
-For each light-zoo model (random parameters, as in tests/test_zoo.py), or
+For each light-zoo model (random parameters, as in tests/test_zoo.py),
 a model of benchmarks/bench_modern.py by its name there (vit_block, unet128,
-kws_lstm, ...):
+kws_lstm, ...), or an .onnx file (e.g. one of export_torchvision.py's):
 Module.profile's steps and onnxruntime's node events (SessionOptions.
 enable_profiling), each the minimum over --rounds rounds taken in turn, so
 that load from other processes hits both alike. Steps are matched to
@@ -19,12 +19,14 @@ import os
 import sys
 import tempfile
 
+import onnx
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import crosscompile  # noqa: E402
 import minirt  # noqa: E402
 from benchmarks.bench_modern import MODELS  # noqa: E402
-from tests.onnx_models import zoo_input, zoo_model  # noqa: E402
+from tests.onnx_models import sample_input, zoo_input, zoo_model  # noqa: E402
 
 
 def ort_profile(model, feeds, tmp: str, runs: int) -> dict:
@@ -81,6 +83,10 @@ def main() -> int:
                 build_model, make_feeds = MODELS[name]
                 model = build_model()
                 feeds = make_feeds(model)
+            elif name.endswith(".onnx"):
+                model = onnx.load(name)
+                feeds = sample_input(model)
+                name = os.path.splitext(os.path.basename(name))[0]
             else:
                 model = zoo_model(name, logits=False)
                 feeds = zoo_input(model)

@@ -18,7 +18,7 @@ from .dynamic import CHECK_SIZES, MAX_SPECIALIZED, check_separable, dynamic_spec
 from .frontend import import_onnx, load_model
 from .link import link_shared
 from .metadata import module_metadata
-from .patterns import fuse_attention, fuse_gelu, fuse_layer_norm
+from .patterns import fuse_attention, fuse_gelu, fuse_layer_norm, fuse_swish
 from .quantized import lower_qdq
 from .memory import plan_memory
 from .precision import check_precision, mark_precision
@@ -211,7 +211,8 @@ def tiled_graph(model, target: Target, input_shapes, table, precision: str = "fp
     precision.mark_precision has marked the nodes that compute in half."""
     imported = eliminate_dead_code(import_onnx(model, input_shapes))
     folded = fold_channel_affine(fold_batchnorm(lower_qdq(imported, target)))
-    fused = fuse_attention(fuse_matmul_affine(fuse_gelu(fuse_layer_norm(split_tap_regions(crop_dead_taps(folded))))))
+    patterned = fuse_swish(fuse_gelu(fuse_layer_norm(split_tap_regions(crop_dead_taps(folded)))))
+    fused = fuse_attention(fuse_matmul_affine(patterned))
     marked = mark_precision(fuse_residual_add(fuse_elementwise(fused)), target, precision)
     tiled = assign_tiles(marked, target, table)
     return imported, folded, tiled

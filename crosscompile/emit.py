@@ -357,14 +357,13 @@ class Kernel:
         hi_clamp, lo_clamp = 88.37626, -87.33654
         xc = b.select(b.fcmp_ordered(">", x, self.f32(hi_clamp)), self.f32(hi_clamp), x)
         xc = b.select(b.fcmp_ordered("<", xc, self.f32(lo_clamp)), self.f32(lo_clamp), xc)
-        # n = round(x / ln2), done with fptosi so no rint/floor libcall appears.
-        t = b.fmul(xc, self.f32(1.4426950408889634))
-        half = b.select(b.fcmp_ordered("<", t, self.f32(0.0)), self.f32(-0.5), self.f32(0.5))
-        n = b.fptosi(b.fadd(t, half), self._int_type(x))
-        nf = b.sitofp(n, x.type)
+        # n = round(x / ln2) by adding 1.5 * 2^23: the sum's low mantissa
+        # bits are n (round to nearest), with no conversion or libm call.
         # Cody-Waite: ln2 split into a part exact in float32 and a remainder.
-        r = b.fsub(xc, b.fmul(nf, self.f32(0.693359375)))
-        r = b.fsub(r, b.fmul(nf, self.f32(-2.12194440e-4)))
+        shifted = b.fadd(b.fmul(xc, self.f32(1.4426950408889634)), self.f32(ROUNDING_SHIFT))
+        nf = b.fsub(shifted, self.f32(ROUNDING_SHIFT))
+        r = self.fmuladd(nf, self.f32(-0.693359375), xc)
+        r = self.fmuladd(nf, self.f32(2.12194440e-4), r)
         # Minimax polynomial for exp(r) on [-ln2/2, ln2/2] (Cephes expf).
         coeffs = [1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3,
                   4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1]
@@ -372,10 +371,17 @@ class Kernel:
         for c in coeffs[1:]:
             p = self.fmuladd(p, r, self.f32(c))
         p = self.fmuladd(b.fmul(p, r), r, b.fadd(r, self.f32(1.0)))
-        scale = b.bitcast(b.shl(b.add(n, self._i32(127, x)), self._i32(23, x)), x.type)
+        # 2^n: n + 127 into the exponent field (the shift's bits of the
+        # 1.5 * 2^23 all move past bit 31).
+        bits = b.bitcast(shifted, self._int_type(x))
+        scale = b.bitcast(b.shl(b.add(bits, self._i32(127, x)), self._i32(23, x)), x.type)
         result = b.fmul(p, scale)
         # Below the clamp the true value is subnormal or zero: return 0.
         return b.select(b.fcmp_ordered("<", x, self.f32(lo_clamp)), self.f32(0.0), result)
+
+
+# Added to x / ln2 to round it to an integer in the low mantissa bits (exp).
+ROUNDING_SHIFT = 12582912.0  # 1.5 * 2^23
 
 
 # erf's polynomials (Kernel.erf): erf(x) / x in x^2 on [0, 1], and

@@ -10,6 +10,10 @@ exporters write it for opsets that lack it, and put the op in its place:
   fuses into the kernel producing x like any activation; so does the tanh
   approximation, x^3, Mul by 0.044715, Add x, Mul by sqrt(2 / pi), Tanh
   and the same tail, as a Gelu with approximate="tanh";
+- SiLU (swish), x * sigmoid(x), as exporters write it for EfficientNet
+  and friends: a Sigmoid read only by a Mul with x becomes one Swish
+  (one pass over the tensor instead of two kernels and an intermediate
+  tensor);
 - attention: MatMul(Q, K^T), a scale, masks, Softmax and MatMul(., V)
   become one FusedAttention kernel that holds one head's scores at a time
   per thread (attention.py), not every head's.
@@ -179,6 +183,24 @@ def fuse_gelu(graph: Graph) -> Graph:
             chain = phi + tail
             matches.append((chain, Node("Gelu", chain[0].name, [x], list(chain[-1].outputs),
                                         {"approximate": approximate})))
+    return _replace_chains(graph, matches)
+
+
+def fuse_swish(graph: Graph) -> Graph:
+    """Replace each x * sigmoid(x) (the Mul's operands in either order) by a
+    Swish node with alpha 1, when the Sigmoid's only reader is that Mul.
+
+    >>> fused = fuse_swish(graph)  # doctest: +SKIP
+    """
+    uses = _Uses(graph)
+    matches = []
+    for node in graph.nodes:
+        if node.op_type != "Sigmoid" or graph.tensors[node.inputs[0]].dtype != "float32":
+            continue
+        product = uses.only(node.outputs[0], "Mul")
+        if product is not None and uses.other_input(product, node.outputs[0]) == node.inputs[0]:
+            matches.append(([node, product], Node("Swish", node.name, [node.inputs[0]], list(product.outputs),
+                                                  {"alpha": 1.0})))
     return _replace_chains(graph, matches)
 
 

@@ -1,6 +1,7 @@
 """LayerNormalization, InstanceNormalization, GroupNormalization and
 LogSoftmax against onnxruntime, and the decomposed LayerNorm and GELU
-that exporters write for older opsets recognised as one kernel each."""
+that exporters write for older opsets recognised as one kernel each, as
+is SiLU written as x * sigmoid(x)."""
 import numpy as np
 import pytest
 from onnx import helper
@@ -182,3 +183,22 @@ def test_tanh_gelu_with_another_constant_is_left_as_written(tmp_path):
     lib = run_host(make_model(nodes, {"x": (3, 8)}, {"out": None}, inits), tmp_path)
     ops = [step["op"] for step in lib.metadata["steps"]]
     assert "Gelu" not in ops and len(ops) > 1, ops
+
+
+@pytest.mark.parametrize("sigmoid_first", [False, True])
+def test_silu_after_a_convolution_is_one_swish_pass(tmp_path, sigmoid_first):
+    product = ["s", "h"] if sigmoid_first else ["h", "s"]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["h"], pads=[1, 1, 1, 1]),
+             helper.make_node("Sigmoid", ["h"], ["s"]), helper.make_node("Mul", product, ["out"])]
+    model = make_model(nodes, {"x": (1, 8, 9, 9)}, {"out": None},
+                       {"w": rand(16, 8, 3, 3, seed=2) / 4, "b": rand(16, seed=3)})
+    lib = run_host(model, tmp_path, feeds={"x": rand(1, 8, 9, 9) * 3})
+    assert [step["op"] for step in lib.metadata["steps"]] == ["Conv", "Swish"], lib.metadata["steps"]
+
+
+def test_a_sigmoid_read_twice_is_not_made_a_swish(tmp_path):
+    nodes = [helper.make_node("Sigmoid", ["x"], ["s"]), helper.make_node("Mul", ["x", "s"], ["out"]),
+             helper.make_node("Neg", ["s"], ["gate"])]
+    lib = run_host(make_model(nodes, {"x": (3, 8)}, {"out": None, "gate": None}), tmp_path)
+    ops = [step["op"] for step in lib.metadata["steps"]]
+    assert "Swish" not in ops and "Sigmoid" in ops, ops
