@@ -12,6 +12,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from .emit import I8, Kernel
+from .extents import extent
 from .errors import BuildError, ShapeError
 from .op_base import ALL_DTYPES, Op, _axis, _const_float, _const_ints, _prod
 
@@ -122,24 +123,31 @@ class NonMaxSuppression(Op):
         batches, boxes_n, _ = inputs[0].shape
         classes = inputs[1].shape[1]
         most = min(attrs["max_boxes"], boxes_n)
-        boxes, scores = k.inputs
+        boxes, scores = k.inputs[:2]
         out, count = k.typed(k.outputs[0], "int64"), k.typed(k.outputs[1], "int64")
         alive = bld.bitcast(k.scratch, I8.as_pointer())
         taken = bld.bitcast(bld.gep(alive, [k.i64(boxes_n)]), ir.IntType(64).as_pointer())
         rows = k.variable(k.i64(0))
         one, zero = ir.Constant(I8, 1), ir.Constant(I8, 0)
+        # Boxes past a count (crosscompile/extents.py) are never candidates.
+        counted = [extent(k, inputs, attrs, pos, axis) for pos, axis in ((0, 1), (1, 2))
+                   if (pos, axis) in attrs.get("extents", ())]
+        length = counted[0] if counted else k.i64(boxes_n)
         with k.loop(batches) as b, k.loop(classes) as c:
             row = k.index((b, classes * boxes_n), (c, boxes_n))
             with k.loop(boxes_n) as j:
-                if attrs["score_threshold"] is None:
-                    k.store(one, alive, j)
-                else:
-                    above = bld.fcmp_ordered(">", k.load(scores, bld.add(row, j)), k.f32(attrs["score_threshold"]))
-                    k.store(bld.zext(above, I8), alive, j)
+                live = [bld.icmp_signed("<", j, n) for n in counted]
+                if attrs["score_threshold"] is not None:
+                    live.append(bld.fcmp_ordered(">", k.load(scores, bld.add(row, j)),
+                                                 k.f32(attrs["score_threshold"])))
+                flag = one
+                for check in live:
+                    flag = bld.select(check, flag, zero)
+                k.store(flag, alive, j)
             chosen = k.variable(k.i64(0))
-            with k.loop(boxes_n if most else 0):
+            with k.loop(length if most else 0):
                 with bld.if_then(bld.icmp_signed("<", bld.load(chosen), k.i64(most))):
-                    best = self._best(k, scores, alive, row, boxes_n)
+                    best = self._best(k, scores, alive, row, length)
                     with bld.if_then(bld.icmp_signed(">=", best, k.i64(0))):
                         k.store(zero, alive, best)
                         box = k.index((b, boxes_n * 4), (best, 4))
@@ -162,7 +170,7 @@ class NonMaxSuppression(Op):
         k.activated = True
 
     @staticmethod
-    def _best(k: Kernel, scores, alive, row, length: int) -> ir.Value:
+    def _best(k: Kernel, scores, alive, row, length: ir.Value) -> ir.Value:
         """The index of the highest-scoring candidate still in the running
         (the first of equal ones), or -1 when none is left."""
         bld = k.builder
