@@ -48,6 +48,7 @@ ROW_KEEPING = frozenset({
     "Greater", "GreaterOrEqual", "Less", "LessOrEqual", "Not", "Or", "Where", "Xor",
     "Acos", "Acosh", "Asin", "Asinh", "Atan", "Atanh", "Cos", "Cosh", "Sin", "Sinh", "Tan",
     "Identity", "Dropout", "Gather", "GatherND", "Slice", "Transpose", "Squeeze", "Unsqueeze", "Flatten",
+    "Concat", "Split",
 })
 
 
@@ -64,8 +65,9 @@ def counted_axes(op_type: str, attrs: dict, names: list, shapes: list, out_shape
     """
     where = ", ".join(f"input {names[pos]!r} along axis {axis}" for pos, axis in sorted(counted.items()))
     refusal = (f"its {where} has a size that depends on the data, and {op_type} on such a tensor "
-               "is not supported (only element-wise ops, Cast, Where, Gather, GatherND, Slice, Transpose, "
-               "Squeeze, Unsqueeze and Flatten that keep that axis whole pass it on, to graph outputs)")
+               "is not supported (element-wise ops, Cast, Where, Gather, GatherND, Slice, Transpose, Squeeze, "
+               "Unsqueeze, Flatten, Concat and Split that keep that axis whole pass it on; TopK, Concat, Slice, "
+               "Gather, NonMaxSuppression and reductions work along it; see docs/operators.md)")
     if op_type not in ROW_KEEPING:
         raise BuildError(refusal)
     if _works_along(op_type, attrs, shapes, counted):
@@ -115,6 +117,10 @@ class AlongCount:
     passed: dict = field(default_factory=dict)
     fill: object = None
 
+
+# Ops whose output count follows from their inputs' counts and k alone
+# (not from their data): two of them over the same counts have one count.
+SIZES_ONLY = frozenset({"Concat", "TopK", "Slice"})
 
 # Reductions over a counted axis: a copy whose entries past the count hold
 # the identity is reduced over the whole bound.

@@ -108,6 +108,7 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
     counts = {}  # counted tensor -> (its count tensor, axis): crosscompile/bounded.py
     shape_vectors = {}  # the Shape of a counted tensor -> (its count tensor, position, bound shape)
     selections = {}  # a counting node's op, inputs and attributes -> its outputs (one count for equal ones)
+    count_sources = {}  # what a count is made of -> the count tensor holding it
     dropped = {}  # optional outputs we do not compute -> node description
     # Every unsupported op and every node refusing its attributes or shapes
     # is named in one error: their nodes, and the nodes fed by their outputs
@@ -142,7 +143,7 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
                 if np_node.op_type == "Loop":
                     written = control_flow.loop_iteration(np_node, raw, name, constants, opset, add_constant)
                 elif raw.get(control_flow.SELECTING):
-                    written = control_flow.select_outputs(np_node, name, tensors)
+                    written = control_flow.select_outputs(np_node, name, tensors, counts)
                 else:
                     written = control_flow.both_branches(np_node, raw, name, add_constant)
                 pending.extend(reversed(written))
@@ -160,6 +161,12 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
             continue
         if np_node.op_type == "Constant":
             _add_constant(constants, tensors, np_node.output[0], _constant_value(name, raw))
+            continue
+        if np_node.op_type == control_flow.RECOUNT:
+            data, count, out = np_node.input[0], np_node.input[1], np_node.output[0]
+            tensors[out] = Tensor(out, tensors[data].shape, tensors[data].dtype)
+            counts[out] = (count, raw["axis"])
+            nodes.append(Node("Identity", name, [data], [out], {}))
             continue
         if np_node.op_type in folding.SHAPE_OPS and np_node.input[0] in counts:
             try:
@@ -245,6 +252,12 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
         if isinstance(dtypes, str):
             dtypes = [dtypes] * len(shapes)
         new_counts = dict(op.counted(attrs))
+        # What the count of this node's outputs is made of: two nodes that
+        # make it of the same counts (boxes, scores and labels concatenated
+        # class by class) have one count.
+        made_of = repr((np_node.op_type, attrs, [counts[t][0] if t in counts else t for t in runtime]))
+        if np_node.op_type not in bounded.SIZES_ONLY:
+            made_of = name
         if plan is not None:
             runtime = _apply_plan(plan, name, attrs, runtime, tensors, counts, nodes)
             new_counts.update(plan.new)
@@ -265,7 +278,7 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
             count = f"{name}/count"
             tensors[count] = Tensor(count, (1,), "int64")
             for pos, axis in new_counts.items():
-                counts[outputs[pos]] = (count, axis % len(shapes[pos]))
+                counts[outputs[pos]] = (count_sources.setdefault(made_of, count), axis % len(shapes[pos]))
             selections[key] = outputs
             outputs = outputs + [count]
         else:
