@@ -122,6 +122,16 @@ class AlongCount:
 # (not from their data): two of them over the same counts have one count.
 SIZES_ONLY = frozenset({"Concat", "TopK", "Slice"})
 
+# Ops whose output elements never decrease when their inputs' do (with
+# constant indices, shapes and axes): run on the upper bounds of their
+# inputs' values, they give their output's. The Shape of a counted tensor
+# starts such bounds (its bound shape), so that a TopK's k = min(300,
+# count) is known to be at most 300 when the model is compiled.
+MONOTONE = frozenset({"Gather", "Unsqueeze", "Squeeze", "Reshape", "Flatten", "Identity", "Concat", "Slice",
+                      "ReduceMin", "ReduceMax", "Min", "Max", "Add", "Cast"})
+# Those of them that are monotone in every input, not only in their data.
+MONOTONE_IN_ALL = frozenset({"Concat", "Min", "Max", "Add"})
+
 # Reductions over a counted axis: a copy whose entries past the count hold
 # the identity is reduced over the whole bound.
 REDUCTIONS = ("ReduceMax", "ReduceMin", "ReduceSum", "ReduceProd", "ReduceL1", "ReduceL2", "ReduceSumSquare",

@@ -109,6 +109,7 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
     shape_vectors = {}  # the Shape of a counted tensor -> (its count tensor, position, bound shape)
     selections = {}  # a counting node's op, inputs and attributes -> its outputs (one count for equal ones)
     count_sources = {}  # what a count is made of -> the count tensor holding it
+    upper = {}  # runtime integer tensor -> upper bounds of its values (bounded.MONOTONE)
     dropped = {}  # optional outputs we do not compute -> node description
     # Every unsupported op and every node refusing its attributes or shapes
     # is named in one error: their nodes, and the nodes fed by their outputs
@@ -171,6 +172,8 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
         if np_node.op_type in folding.SHAPE_OPS and np_node.input[0] in counts:
             try:
                 nodes.append(_count_shape(np_node, name, raw, tensors, counts, shape_vectors))
+                upper[np_node.output[0]] = np.asarray(nodes[-1].attrs["shape"][nodes[-1].attrs["start"]:
+                                                                             nodes[-1].attrs["end"]], np.int64)
             except BuildError as exc:
                 refused.append(BuildError(f"{where}: {exc}"))
                 unknown.update(np_node.output)
@@ -228,6 +231,10 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
                 raise BuildError(f"{where}: input {tensor_name!r} is not produced by any node")
         try:
             attrs = op.attributes(raw, compile_time, opset)
+            known = {pos: int(upper[np_node.input[pos]].max()) for pos in op.bounded_inputs
+                     if pos < len(np_node.input) and np_node.input[pos] in upper}
+            if known:
+                attrs["value_bounds"] = known
             if op.counts_outputs:
                 attrs["outputs"] = len(np_node.output)
             if op.positional_inputs:
@@ -284,6 +291,8 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
         else:
             for pos, (count, axis) in counted.items():
                 counts[outputs[pos]] = (count, axis)
+        if np_node.op_type in bounded.MONOTONE and upper.keys() & set(np_node.input):
+            _bound_values(np_node, constants, upper, opset, where)
         nodes.append(Node(np_node.op_type, name, runtime, outputs, attrs))
 
     if unsupported:
@@ -370,6 +379,23 @@ def _apply_plan(plan, name: str, attrs: dict, runtime: list, tensors: dict, coun
         attrs["extents"] = plan.extents
         runtime += [counts[runtime[pos]][0] for pos, _ in plan.extents]
     return runtime
+
+
+def _bound_values(np_node, constants: dict, upper: dict, opset: int, where: str) -> None:
+    """upper bounds of a MONOTONE node's outputs, when every input it has
+    is a constant or has them (crosscompile/bounded.py)."""
+    if not all(t in constants or t in upper for t in np_node.input if t):
+        return
+    if np_node.op_type not in bounded.MONOTONE_IN_ALL and any(t in upper for t in np_node.input[1:]):
+        return  # indices, shapes or axes computed at run time
+    values = {t: upper[t] if t in upper else constants[t] for t in np_node.input if t}
+    try:
+        found = folding.evaluate(np_node, values, opset, where)
+    except BuildError:
+        return  # no bound: the op's own shapes decide
+    for out, value in zip(np_node.output, found):
+        if out and value.dtype.kind in "iu":
+            upper[out] = value
 
 
 def _count_shape(np_node, name: str, raw: dict, tensors: dict, counts: dict, shape_vectors: dict) -> Node:

@@ -63,12 +63,13 @@ class TopK(Op):
     A k computed at run time (min(300, candidates) in a detector's
     post-processing), or data whose axis is counted (crosscompile/bounded.py),
     gives outputs counted along the axis: planned for the axis's length (or
-    the bound known for k, attrs k_bound), holding min(k, extent) entries,
+    the largest value k can have, attrs value_bounds), holding min(k, extent) entries,
     zeros after them, and that count in a third output.
 
     Each row is selected by insertion into the k output places: O(length * k)."""
 
     op_type = "TopK"
+    bounded_inputs = (1,)
 
     def folds_constant(self, pos, value):
         return pos == 1
@@ -90,7 +91,7 @@ class TopK(Op):
         if attrs["k"] is None:
             if inputs[1] not in ((1,), ()):
                 raise ShapeError(f"TopK k must be a scalar or one value, got shape {inputs[1]}")
-            places = min(x[axis], attrs.get("k_bound", x[axis]))
+            places = min(x[axis], max(attrs.get("value_bounds", {}).get(1, x[axis]), 0))
         elif not 0 <= attrs["k"] <= x[axis]:
             raise ShapeError(f"TopK k={attrs['k']} is outside [0, {x[axis]}] for axis {axis} of {x}")
         else:

@@ -83,8 +83,9 @@ class NonMaxSuppression(Op):
 
     The three thresholds must be constants. center_point_box 0 reads boxes
     as [y1, x1, y2, x2] (either corner first), 1 as [x centre, y centre,
-    width, height]. Each pick scans the class's remaining candidates:
-    O(boxes^2) per class at worst."""
+    width, height]. Each box kept scans the candidates twice (the best
+    left, those it suppresses): O(boxes x kept) per class. Boxes past
+    the count of counted boxes and scores are never candidates."""
 
     op_type = "NonMaxSuppression"
     compile_time_inputs = (2, 3, 4)
@@ -115,8 +116,7 @@ class NonMaxSuppression(Op):
         return ["int64", "int64"]
 
     def scratch_bytes(self, inputs, outputs, attrs):
-        # One byte per candidate (still in the running) and the boxes taken for the class.
-        return inputs[0].shape[1] + 8 * min(attrs["max_boxes"], inputs[0].shape[1])
+        return inputs[0].shape[1]  # one byte per candidate: still in the running
 
     def lower(self, k, inputs, outputs, attrs):
         bld = k.builder
@@ -126,7 +126,6 @@ class NonMaxSuppression(Op):
         boxes, scores = k.inputs[:2]
         out, count = k.typed(k.outputs[0], "int64"), k.typed(k.outputs[1], "int64")
         alive = bld.bitcast(k.scratch, I8.as_pointer())
-        taken = bld.bitcast(bld.gep(alive, [k.i64(boxes_n)]), ir.IntType(64).as_pointer())
         rows = k.variable(k.i64(0))
         one, zero = ir.Constant(I8, 1), ir.Constant(I8, 0)
         # Boxes past a count (crosscompile/extents.py) are never candidates.
@@ -135,6 +134,7 @@ class NonMaxSuppression(Op):
         length = counted[0] if counted else k.i64(boxes_n)
         with k.loop(batches) as b, k.loop(classes) as c:
             row = k.index((b, classes * boxes_n), (c, boxes_n))
+            left = k.variable(k.i64(0))  # candidates still in the running
             with k.loop(boxes_n) as j:
                 live = [bld.icmp_signed("<", j, n) for n in counted]
                 if attrs["score_threshold"] is not None:
@@ -144,26 +144,30 @@ class NonMaxSuppression(Op):
                 for check in live:
                     flag = bld.select(check, flag, zero)
                 k.store(flag, alive, j)
+                bld.store(bld.add(bld.load(left), bld.zext(flag, ir.IntType(64))), left)
             chosen = k.variable(k.i64(0))
+            # Each box taken suppresses the candidates it overlaps at once,
+            # so every pick is taken: as many picks as boxes kept, each a
+            # scan of the candidates (the same boxes as checking each pick
+            # against those taken before it, as ONNX words it; IoU is symmetric).
             with k.loop(length if most else 0):
-                with bld.if_then(bld.icmp_signed("<", bld.load(chosen), k.i64(most))):
+                going = bld.and_(bld.icmp_signed("<", bld.load(chosen), k.i64(most)),
+                                 bld.icmp_signed(">", bld.load(left), k.i64(0)))
+                with bld.if_then(going):
                     best = self._best(k, scores, alive, row, length)
-                    with bld.if_then(bld.icmp_signed(">=", best, k.i64(0))):
-                        k.store(zero, alive, best)
-                        box = k.index((b, boxes_n * 4), (best, 4))
-                        suppressed = k.variable(zero)
-                        with k.loop(bld.load(chosen)) as s:
-                            other = k.index((b, boxes_n * 4), (k.load(taken, s), 4))
-                            over = self._overlaps(k, boxes, box, other, attrs)
-                            bld.store(bld.or_(bld.load(suppressed), bld.zext(over, I8)), suppressed)
-                        with bld.if_then(bld.icmp_unsigned("==", bld.load(suppressed), zero)):
-                            n = bld.load(chosen)
-                            k.store(best, taken, n)
-                            bld.store(bld.add(n, k.i64(1)), chosen)
-                            r = bld.load(rows)
-                            for col, value in enumerate((b, c, best)):
-                                k.store(value, out, k.index((r, 3), (col, 1)))
-                            bld.store(bld.add(r, k.i64(1)), rows)
+                    k.store(zero, alive, best)
+                    bld.store(bld.sub(bld.load(left), k.i64(1)), left)
+                    bld.store(bld.add(bld.load(chosen), k.i64(1)), chosen)
+                    r = bld.load(rows)
+                    for col, value in enumerate((b, c, best)):
+                        k.store(value, out, k.index((r, 3), (col, 1)))
+                    bld.store(bld.add(r, k.i64(1)), rows)
+                    box = k.index((b, boxes_n * 4), (best, 4))
+                    with k.loop(length) as j:
+                        with bld.if_then(bld.icmp_unsigned("!=", k.load(alive, j), zero)):
+                            with bld.if_then(self._overlaps(k, boxes, box, k.index((b, boxes_n * 4), (j, 4)), attrs)):
+                                k.store(zero, alive, j)
+                                bld.store(bld.sub(bld.load(left), k.i64(1)), left)
         n = bld.load(rows)
         _zero_rest(k, out, bld.mul(n, k.i64(3)), outputs[0].shape[0] * 3)
         k.store(n, count, k.i64(0))

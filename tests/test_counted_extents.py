@@ -80,6 +80,8 @@ def test_the_shape_of_a_selection_sets_a_topk_k_and_a_constant_of_shape(tmp_path
                                    ("top_rows", TensorProto.FLOAT), ("labels", TensorProto.INT64)],
                             {"four": np.array([4], np.int64), "axis1": np.array([1], np.int64), "rows": rows})
     module = compiled(model, tmp_path)
+    # k is at most 4, known from min(4, ...): the outputs are planned for 4.
+    assert [spec.shape for spec in module.outputs] == [(4,), (4,), (4, 3), (4,)]
     assert [step["op"] for step in module.metadata["steps"]].count("NonZero") == 1
     assert {spec.count[1] for spec in module.outputs} == {module.outputs[0].count[1]}
     assert assert_matches_onnxruntime(model, module, inputs_selecting()) == {0, 4}
