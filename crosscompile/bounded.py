@@ -15,14 +15,26 @@ computes there are simply never read.
 A counted tensor may flow, through ops that keep its rows apart, to graph
 outputs: element-wise ops, comparisons, Cast, Where, Identity, Gather (by
 counted indices, or along another axis of counted data), GatherND (by
-counted indices), Slice and
-Transpose/Squeeze/Unsqueeze/Flatten that keep the counted axis whole. The
-output of such an op is counted by the same count, on the axis where the
-counted one lands. Any other op reading a counted tensor (a reduction,
-TopK, Concat, Reshape, Shape, ...) is refused, naming the node and the
-tensor. The module's metadata gives each counted graph output its axis and
-the workspace offset of its count (docs/module-abi.md, "count"), and the
-loaders return the outputs cut to that size.
+counted indices), Slice, Transpose/Squeeze/Unsqueeze/Flatten, Concat and
+Split that keep the counted axis whole. The output of such an op is
+counted by the same count, on the axis where the counted one lands.
+
+A count is a run-time scalar in the workspace, and an op that works along
+a counted axis reads it as that axis's extent (along_count,
+crosscompile/extents.py): TopK over it (k = min(k, count)), Concat along
+it (the counts add up), a Slice keeping its first rows, a Gather choosing
+along it (negative indices count from the count), NonMaxSuppression of
+counted boxes, and reductions (over a copy whose rows past the count hold
+the reduction's identity). The Shape of a counted tensor is computed at
+run time from its count, and upper bounds of the values computed from it
+(MONOTONE) bound a TopK's k at compile time; a ConstantOfShape of it is
+counted by the same count. Nodes whose counts are made of the same counts
+(boxes and labels concatenated class by class) share one. Any other op
+reading a counted tensor (ReduceMean, Softmax, Reshape, Size, ...) is
+refused, naming the node and the tensor. The module's metadata gives each
+counted graph output its axis and the workspace offset of its count
+(docs/module-abi.md, "count"), and the loaders return the outputs cut to
+that size.
 
 Plain functions over shapes and attributes; the frontend calls them.
 
@@ -67,7 +79,8 @@ def counted_axes(op_type: str, attrs: dict, names: list, shapes: list, out_shape
     refusal = (f"its {where} has a size that depends on the data, and {op_type} on such a tensor "
                "is not supported (element-wise ops, Cast, Where, Gather, GatherND, Slice, Transpose, Squeeze, "
                "Unsqueeze, Flatten, Concat and Split that keep that axis whole pass it on; TopK, Concat, Slice, "
-               "Gather, NonMaxSuppression and reductions work along it; see docs/operators.md)")
+               "Gather, NonMaxSuppression, ArgMax, ArgMin and the reductions but ReduceMean "
+               "work along it; see docs/operators.md)")
     if op_type not in ROW_KEEPING:
         raise BuildError(refusal)
     if _works_along(op_type, attrs, shapes, counted):
@@ -135,7 +148,7 @@ MONOTONE_IN_ALL = frozenset({"Concat", "Min", "Max", "Add"})
 # Reductions over a counted axis: a copy whose entries past the count hold
 # the identity is reduced over the whole bound.
 REDUCTIONS = ("ReduceMax", "ReduceMin", "ReduceSum", "ReduceProd", "ReduceL1", "ReduceL2", "ReduceSumSquare",
-              "ReduceLogSumExp", "ArgMax", "ArgMin")
+              "ReduceLogSum", "ReduceLogSumExp", "ArgMax", "ArgMin")
 
 
 def along_count(op_type: str, attrs: dict, shapes: list, counted: dict, identity) -> "AlongCount | None":

@@ -3,7 +3,8 @@
 An If whose condition is a constant is the branch it takes; one whose
 condition is computed at run time computes both branches and picks each
 output with a Where, when the branches' outputs have the same shapes and
-dtypes. A Loop whose trip count and conditions are known at compile time
+dtypes (or, when one is empty and the other counted along that axis, the
+counted one with the count picked: crosscompile/bounded.py). A Loop whose trip count and conditions are known at compile time
 is one copy of its body per iteration: each copy is written out only once
 the frontend has computed the condition the copy before it left (a
 constant, or the Loop is refused), so a loop that ends early ends there
@@ -26,7 +27,7 @@ from .errors import BuildError
 
 # The control-flow ops written out at import, and what they take.
 UNROLLED = {"If": "both branches computed and their outputs picked when the condition is computed at run time "
-                  "(outputs of the same shapes)",
+                  "(outputs of the same shapes, or an empty one and one whose size depends on the data)",
             "Loop": "a trip count and conditions known at compile time",
             "Scan": "opset 9 or later; a fixed sequence length"}
 # Inputs of these ops that set their outputs' shapes (a Loop's trip count

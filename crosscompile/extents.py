@@ -127,7 +127,7 @@ def identity_of(op_type: str, dtype: str):
         return info.min if info else -np.inf
     if op_type in ("ReduceMin", "ArgMin"):
         return info.max if info else np.inf
-    if op_type in ("ReduceSum", "ReduceL1", "ReduceL2", "ReduceSumSquare", "ReduceLogSumExp"):
+    if op_type in ("ReduceSum", "ReduceL1", "ReduceL2", "ReduceSumSquare", "ReduceLogSum", "ReduceLogSumExp"):
         return (-np.inf if info is None else None) if op_type == "ReduceLogSumExp" else 0
     if op_type == "ReduceProd":
         return 1
