@@ -259,17 +259,11 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
         if isinstance(dtypes, str):
             dtypes = [dtypes] * len(shapes)
         new_counts = dict(op.counted(attrs))
-        # What the count of this node's outputs is made of: two nodes that
-        # make it of the same counts (boxes, scores and labels concatenated
-        # class by class) have one count.
-        made_of = repr((np_node.op_type, attrs, [counts[t][0] if t in counts else t for t in runtime]))
-        if np_node.op_type not in bounded.SIZES_ONLY:
-            made_of = name
         if plan is not None:
             runtime = _apply_plan(plan, name, attrs, runtime, tensors, counts, nodes)
             new_counts.update(plan.new)
-        key = repr((np_node.op_type, runtime, attrs))
-        if new_counts and key in selections:
+        key = repr((np_node.op_type, runtime, attrs)) if new_counts else None
+        if key in selections:
             # The same selection of the same data (torch exports x[mask]
             # once per tensor it picks from): one count for both.
             for out, earlier in zip(outputs, selections[key]):
@@ -281,7 +275,12 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
         for out, shape, dtype in zip(outputs, shapes, dtypes):
             tensors[out] = Tensor(out, tuple(shape), dtype)
         if new_counts:
-            # The kernel writes the actual size into one more output.
+            # The kernel writes the actual size into one more output. Two
+            # nodes that make it of the same counts (boxes, scores and
+            # labels concatenated class by class) have one count.
+            made_of = name
+            if np_node.op_type in bounded.SIZES_ONLY:
+                made_of = repr((np_node.op_type, attrs, [counts[t][0] if t in counts else t for t in runtime]))
             count = f"{name}/count"
             tensors[count] = Tensor(count, (1,), "int64")
             for pos, axis in new_counts.items():
