@@ -188,3 +188,23 @@ def test_torchvision_shaped_postprocessing_on_an_emulated_arm64_board(tmp_path):
         for seed, found in POSTPROCESS_CASES:
             feeds = postprocess_input(seed, found=found)
             assert_detections_match(run(path, feeds), reference(model, feeds))
+
+
+def test_a_topk_whose_k_is_a_model_input_gives_k_entries(tmp_path):
+    """k given at run time: outputs planned for the whole axis, counted by k."""
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("TopK", ["x", "k"], ["values", "indices"], axis=1, largest=0)], "topk",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 7]),
+         helper.make_tensor_value_info("k", TensorProto.INT64, [1])],
+        [helper.make_tensor_value_info("values", TensorProto.FLOAT, [2, None]),
+         helper.make_tensor_value_info("indices", TensorProto.INT64, [2, None])]),
+        opset_imports=[helper.make_opsetid("", 13)])
+    module = compiled(model, tmp_path, "topk")
+    assert [spec.shape for spec in module.outputs] == [(2, 7), (2, 7)]
+    x = np.random.default_rng(5).integers(0, 4, (2, 7)).astype(np.float32)  # ties: the lower index first
+    for k in (0, 3, 7):
+        feeds = {"x": x, "k": np.array([k], np.int64)}
+        got, want = module.run(feeds), reference(model, feeds)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape == (2, k)
+            np.testing.assert_array_equal(g, w)
