@@ -208,3 +208,14 @@ def test_a_topk_whose_k_is_a_model_input_gives_k_entries(tmp_path):
         for g, w in zip(got, want):
             assert g.shape == w.shape == (2, k)
             np.testing.assert_array_equal(g, w)
+
+
+def test_a_gather_along_a_counted_axis_counts_negative_indices_from_the_count(tmp_path):
+    model = selection_model([helper.make_node("Gather", ["picked", "at"], ["ends"], axis=0)],
+                            [("ends", TensorProto.FLOAT)])
+    model.graph.input.append(helper.make_tensor_value_info("at", TensorProto.INT64, [3]))
+    module = compiled(model, tmp_path, "ends")
+    for feeds in inputs_selecting((1, 5, SIZE)):
+        feeds["at"] = np.array([-1, 0, -2 if len(feeds["x"][feeds["x"] > 0.5]) > 1 else 0], np.int64)
+        got, want = module.run(feeds), reference(model, feeds)
+        np.testing.assert_array_equal(got[0], want[0])
