@@ -3,7 +3,7 @@ outputs (boxes, scores, labels) compared on one random image, its compile
 time for the host (and --arm's boards), and its 1-thread latency, ours and
 onnxruntime's interleaved.
 
-    python benchmarks/bench_detection.py [model.onnx] [--arm] [--repeat N] [--seed S]
+    python benchmarks/bench_detection.py [model.onnx] [--arm] [--emulated] [--repeat N] [--seed S]
 
 Without a file, the small detection head of tests/detection_models.py
 (on its test features, standard normal). An
@@ -13,7 +13,9 @@ are compared by position: the largest absolute difference of each float
 output, and whether each integer output (labels) is equal; outputs of
 different shapes (a different number of kept boxes) are reported as such.
 Latencies are medians in ms, the ratio ours / onnxruntime (> 1: we are
-slower).
+slower). --emulated also compares the outputs of the rasp4b64 module run
+by the native board server under qemu-aarch64 (needs qemu-user and the
+server's build, as the emulated tests do).
 """
 from __future__ import annotations
 
@@ -57,6 +59,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", nargs="?", help="an ONNX detection model (default: the test head)")
     parser.add_argument("--arm", action="store_true", help="also time compiling for rasp4b64")
+    parser.add_argument("--emulated", action="store_true",
+                        help="also run the rasp4b64 module on the native board server under qemu-aarch64 "
+                             "and compare its outputs")
     parser.add_argument("--repeat", type=int, default=20, help="timed runs of each (default 20)")
     parser.add_argument("--seed", type=int, default=0, help="the random image's seed")
     args = parser.parse_args(argv)
@@ -77,9 +82,9 @@ def main(argv=None) -> int:
             print(f"refused after {time.perf_counter() - started:.1f} s: {text[:600]}{more}")
             return 2
         print(f"compile for host: {time.perf_counter() - started:.1f} s")
-        if args.arm:
+        if args.arm or args.emulated:
             started = time.perf_counter()
-            crosscompile.build(model, target="rasp4b64").export_library(os.path.join(tmp, "arm.so"))
+            arm = crosscompile.build(model, target="rasp4b64").export_library(os.path.join(tmp, "arm.so"))
             print(f"compile for rasp4b64: {time.perf_counter() - started:.1f} s")
         module = minirt.load(lib.export_library(os.path.join(tmp, "net.so")), threads=1)
         session = ort_session(model, threads=1)
@@ -87,6 +92,14 @@ def main(argv=None) -> int:
         names = [o.name for o in model.graph.output]
         print("outputs against onnxruntime:")
         matched = compare(got, want, names)
+        if args.emulated:
+            from tests.onnx_node_suite import board_runner, board_server
+            with board_server("native-aarch64", tmp) as child:
+                started = time.perf_counter()
+                on_board = board_runner(child.port)(arm, feeds)
+                print(f"rasp4b64 module on the native board server under qemu-aarch64 "
+                      f"({time.perf_counter() - started:.1f} s, emulated), against onnxruntime:")
+            matched = compare(on_board, want, names) and matched
         ours, peer = interleaved_medians([lambda: module.run(feeds), lambda: session.run(None, feeds)],
                                          args.repeat)
     print(f"1 thread: ours {ours * 1e3:.3f} ms, onnxruntime {peer * 1e3:.3f} ms, ratio {ours / peer:.2f}")

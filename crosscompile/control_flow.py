@@ -3,7 +3,8 @@
 An If whose condition is a constant is the branch it takes; one whose
 condition is computed at run time computes both branches and picks each
 output with a Where, when the branches' outputs have the same shapes and
-dtypes. A Loop whose trip count and conditions are known at compile time
+dtypes (or, when one is empty and the other counted along that axis, the
+counted one with the count picked: crosscompile/bounded.py). A Loop whose trip count and conditions are known at compile time
 is one copy of its body per iteration: each copy is written out only once
 the frontend has computed the condition the copy before it left (a
 constant, or the Loop is refused), so a loop that ends early ends there
@@ -26,7 +27,7 @@ from .errors import BuildError
 
 # The control-flow ops written out at import, and what they take.
 UNROLLED = {"If": "both branches computed and their outputs picked when the condition is computed at run time "
-                  "(outputs of the same shapes)",
+                  "(outputs of the same shapes, or an empty one and one whose size depends on the data)",
             "Loop": "a trip count and conditions known at compile time",
             "Scan": "opset 9 or later; a fixed sequence length"}
 # Inputs of these ops that set their outputs' shapes (a Loop's trip count
@@ -37,6 +38,9 @@ MAX_ITERATIONS = 1024
 # Attributes of the node that carries a Loop on between its iterations
 # and of the one that picks an If's outputs; no ONNX op has them.
 ITERATION, SCAN_PARTS, SELECTING = "unrolled_iteration", "unrolled_scan_parts", "selecting_branch_outputs"
+# The node an If's pick of a counted output becomes: input 0 counted by
+# the count in input 1 (along attribute axis); no ONNX op has this name.
+RECOUNT = "CountedBy"
 
 
 def branch_nodes(branch: onnx.GraphProto, np_node: onnx.NodeProto, name: str, add_constant) -> list:
@@ -58,15 +62,28 @@ def both_branches(np_node: onnx.NodeProto, raw: dict, name: str, add_constant) -
     return nodes + [select]
 
 
-def select_outputs(np_node: onnx.NodeProto, name: str, tensors: dict) -> list:
+def select_outputs(np_node: onnx.NodeProto, name: str, tensors: dict, counts: dict) -> list:
     """Where nodes picking each output of an If from its branches' (the
     node both_branches made), refused unless the branches agree on shapes
-    and dtypes."""
+    and dtypes, or one branch gives an empty tensor and the other one
+    counted along that axis (crosscompile/bounded.py): the counted one,
+    with a count of 0 when the empty branch is taken."""
     cond, count = np_node.input[0], len(np_node.output)
     nodes = []
     for k, out in enumerate(np_node.output):
         then_out, else_out = np_node.input[1 + k], np_node.input[1 + count + k]
         shown = [(tensors[t].shape, tensors[t].dtype) for t in (then_out, else_out)]
+        emptied = _empty_or_counted(then_out, else_out, tensors, counts)
+        if emptied is not None and out:
+            empty_first, counted = emptied
+            size, axis = counts[counted]
+            zero = f"{name}/no_count_{k}"
+            picked = [zero, size] if empty_first else [size, zero]
+            nodes += [helper.make_node("Constant", [], [zero], value=numpy_helper.from_array(np.zeros(1, np.int64))),
+                      helper.make_node("Where", [cond, *picked], [f"{name}/count_{k}"], name=f"{name}/count_{k}"),
+                      helper.make_node(RECOUNT, [counted, f"{name}/count_{k}"], [out], name=f"{name}/pick_{k}",
+                                       axis=axis)]
+            continue
         if shown[0] != shown[1]:
             raise BuildError(f"node {name!r} (If): its condition {cond!r} is computed at run time and its "
                              f"branches give output {k} different shapes or dtypes ({shown[0]} and {shown[1]}); "
@@ -74,6 +91,20 @@ def select_outputs(np_node: onnx.NodeProto, name: str, tensors: dict) -> list:
         if out:
             nodes.append(helper.make_node("Where", [cond, then_out, else_out], [out], name=f"{name}/pick_{k}"))
     return nodes
+
+
+def _empty_or_counted(then_out: str, else_out: str, tensors: dict, counts: dict):
+    """(whether the then branch is the empty one, the counted output) when
+    one branch's output is empty along the axis the other's is counted
+    along and they agree otherwise; else None."""
+    for empty_first, (empty, counted) in ((True, (then_out, else_out)), (False, (else_out, then_out))):
+        if counted not in counts or empty in counts:
+            continue
+        axis = counts[counted][1]
+        a, b = tensors[empty], tensors[counted]
+        if a.dtype == b.dtype and a.shape == b.shape[:axis] + (0,) + b.shape[axis + 1:]:
+            return empty_first, counted
+    return None
 
 
 def loop_iteration(np_node: onnx.NodeProto, raw: dict, name: str, constants: dict, opset: int,

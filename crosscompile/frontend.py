@@ -10,7 +10,7 @@ import onnx
 import onnx.defs
 from onnx import helper, numpy_helper
 
-from . import bounded, control_flow, folding
+from . import bounded, control_flow, extents, folding
 from .decompositions import DECOMPOSED, decompose, decomposed_name
 from .double import compute_in_float32
 from .errors import BuildError, ShapeError, UnsupportedOpError
@@ -106,6 +106,10 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
 
     nodes = []
     counts = {}  # counted tensor -> (its count tensor, axis): crosscompile/bounded.py
+    shape_vectors = {}  # the Shape of a counted tensor -> (its count tensor, position, bound shape)
+    selections = {}  # a counting node's op, inputs and attributes -> its outputs (one count for equal ones)
+    count_sources = {}  # what a count is made of -> the count tensor holding it
+    upper = {}  # runtime integer tensor -> upper bounds of its values (bounded.MONOTONE)
     dropped = {}  # optional outputs we do not compute -> node description
     # Every unsupported op and every node refusing its attributes or shapes
     # is named in one error: their nodes, and the nodes fed by their outputs
@@ -140,7 +144,7 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
                 if np_node.op_type == "Loop":
                     written = control_flow.loop_iteration(np_node, raw, name, constants, opset, add_constant)
                 elif raw.get(control_flow.SELECTING):
-                    written = control_flow.select_outputs(np_node, name, tensors)
+                    written = control_flow.select_outputs(np_node, name, tensors, counts)
                 else:
                     written = control_flow.both_branches(np_node, raw, name, add_constant)
                 pending.extend(reversed(written))
@@ -159,10 +163,23 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
         if np_node.op_type == "Constant":
             _add_constant(constants, tensors, np_node.output[0], _constant_value(name, raw))
             continue
+        if np_node.op_type == control_flow.RECOUNT:
+            data, count, out = np_node.input[0], np_node.input[1], np_node.output[0]
+            tensors[out] = Tensor(out, tensors[data].shape, tensors[data].dtype)
+            counts[out] = (count, raw["axis"])
+            nodes.append(Node("Identity", name, [data], [out], {}))
+            continue
         if np_node.op_type in folding.SHAPE_OPS and np_node.input[0] in counts:
-            refused.append(BuildError(f"{where}: input {np_node.input[0]!r} has a size that depends on the "
-                                      "data, so its shape is not known when the model is compiled"))
-            unknown.update(np_node.output)
+            try:
+                nodes.append(_count_shape(np_node, name, raw, tensors, counts, shape_vectors))
+                upper[np_node.output[0]] = np.asarray(nodes[-1].attrs["shape"][nodes[-1].attrs["start"]:
+                                                                             nodes[-1].attrs["end"]], np.int64)
+            except BuildError as exc:
+                refused.append(BuildError(f"{where}: {exc}"))
+                unknown.update(np_node.output)
+            continue
+        if np_node.op_type == "ConstantOfShape" and np_node.input and np_node.input[0] in shape_vectors:
+            nodes.append(_count_fill(np_node, name, raw, tensors, counts, shape_vectors[np_node.input[0]]))
             continue
         if np_node.op_type in folding.SHAPE_OPS and np_node.input[0] in tensors:
             _add_constant(constants, tensors, np_node.output[0],
@@ -214,13 +231,17 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
                 raise BuildError(f"{where}: input {tensor_name!r} is not produced by any node")
         try:
             attrs = op.attributes(raw, compile_time, opset)
+            known = {pos: int(upper[np_node.input[pos]].max()) for pos in op.bounded_inputs
+                     if pos < len(np_node.input) and np_node.input[pos] in upper}
+            if known:
+                attrs["value_bounds"] = known
             if op.counts_outputs:
                 attrs["outputs"] = len(np_node.output)
             if op.positional_inputs:
                 attrs["input_positions"] = tuple(positions)
             shapes = op.infer([tensors[t].shape for t in runtime], attrs)
             dtypes = op.output_dtype([tensors[t] for t in runtime], attrs)
-            counted = _counted_outputs(op, attrs, runtime, tensors, counts, shapes)
+            counted, plan = _counted_outputs(op, attrs, runtime, tensors, counts, shapes)
         except BuildError as exc:
             refused.append(type(exc)(f"{where}: {exc}"))
             unknown.update(np_node.output)
@@ -237,18 +258,40 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
                 dropped[extra] = f"output {pos} ({extra!r}) of {where}"
         if isinstance(dtypes, str):
             dtypes = [dtypes] * len(shapes)
+        new_counts = dict(op.counted(attrs))
+        if plan is not None:
+            runtime = _apply_plan(plan, name, attrs, runtime, tensors, counts, nodes)
+            new_counts.update(plan.new)
+        key = repr((np_node.op_type, runtime, attrs)) if new_counts else None
+        if key in selections:
+            # The same selection of the same data (torch exports x[mask]
+            # once per tensor it picks from): one count for both.
+            for out, earlier in zip(outputs, selections[key]):
+                nodes.append(Node("Identity", f"{name}/same_as/{earlier}", [earlier], [out], {}))
+                tensors[out] = Tensor(out, tensors[earlier].shape, tensors[earlier].dtype)
+                if earlier in counts:
+                    counts[out] = counts[earlier]
+            continue
         for out, shape, dtype in zip(outputs, shapes, dtypes):
             tensors[out] = Tensor(out, tuple(shape), dtype)
-        if op.counted(attrs):
-            # The kernel writes the actual size into one more output.
+        if new_counts:
+            # The kernel writes the actual size into one more output. Two
+            # nodes that make it of the same counts (boxes, scores and
+            # labels concatenated class by class) have one count.
+            made_of = name
+            if np_node.op_type in bounded.SIZES_ONLY:
+                made_of = repr((np_node.op_type, attrs, [counts[t][0] if t in counts else t for t in runtime]))
             count = f"{name}/count"
             tensors[count] = Tensor(count, (1,), "int64")
-            for pos, axis in op.counted(attrs).items():
-                counts[outputs[pos]] = (count, axis % len(shapes[pos]))
+            for pos, axis in new_counts.items():
+                counts[outputs[pos]] = (count_sources.setdefault(made_of, count), axis % len(shapes[pos]))
+            selections[key] = outputs
             outputs = outputs + [count]
         else:
             for pos, (count, axis) in counted.items():
                 counts[outputs[pos]] = (count, axis)
+        if np_node.op_type in bounded.MONOTONE and upper.keys() & set(np_node.input):
+            _bound_values(np_node, constants, upper, opset, where)
         nodes.append(Node(np_node.op_type, name, runtime, outputs, attrs))
 
     if unsupported:
@@ -293,21 +336,93 @@ def import_onnx(model: "str | os.PathLike | onnx.ModelProto",
                  {name: counts[name] for name in tensors if name in counts})
 
 
-def _counted_outputs(op, attrs: dict, runtime: list, tensors: dict, counts: dict, shapes: list) -> dict:
-    """{output position: (count tensor, axis)} for a node reading counted
-    tensors (crosscompile/bounded.py); BuildError when it may not."""
+def _counted_outputs(op, attrs: dict, runtime: list, tensors: dict, counts: dict, shapes: list):
+    """({output position: (count tensor, axis)}, plan) for a node reading
+    counted tensors (crosscompile/bounded.py): the outputs that keep an
+    input's count, and how the node works along a counted axis (an
+    AlongCount, or None); BuildError when it may not."""
     counted = {pos: counts[t] for pos, t in enumerate(runtime) if t in counts}
+    if not counted and not op.counted(attrs):
+        return {}, None
+    axes = {pos: axis for pos, (_, axis) in counted.items()}
+    plan = bounded.along_count(op.op_type, attrs, [tensors[t].shape for t in runtime], axes,
+                               extents.identity_of_dtype(tensors[runtime[0]].dtype)) if counted else None
+    if plan is not None:
+        return {pos: (counted[source][0], axis) for pos, (source, axis) in plan.passed.items()}, plan
     if not counted:
-        return {}
+        return {}, None
     sources = {count for count, _ in counted.values()}
     if len(sources) > 1:
         raise BuildError(f"it reads tensors whose sizes depend on the data through different counts "
                          f"({', '.join(sorted(sources))}), which a module cannot line up")
-    axes = bounded.counted_axes(op.op_type, attrs, runtime, [tensors[t].shape for t in runtime], shapes,
-                                {pos: axis for pos, (_, axis) in counted.items()},
+    axes = bounded.counted_axes(op.op_type, attrs, runtime, [tensors[t].shape for t in runtime], shapes, axes,
                                 lambda probe: op.infer(probe, attrs))
     (count,) = sources
-    return {pos: (count, axis) for pos, axis in axes.items()}
+    return {pos: (count, axis) for pos, axis in axes.items()}, None
+
+
+def _apply_plan(plan, name: str, attrs: dict, runtime: list, tensors: dict, counts: dict, nodes: list) -> list:
+    """The node's runtime inputs once it works along counted axes
+    (crosscompile/extents.py): a reduction reads a copy whose entries past
+    the count hold its identity; a kernel that reads counts gets them
+    after its own inputs."""
+    runtime = list(runtime)
+    if plan.fill is not None:
+        count, axis = counts[runtime[0]]
+        filled = f"{name}/past_count"
+        tensors[filled] = Tensor(filled, tensors[runtime[0]].shape, tensors[runtime[0]].dtype)
+        nodes.append(Node("FillPastCount", filled, [runtime[0], count], [filled],
+                          {"axis": axis, "value": plan.fill}))
+        runtime[0] = filled
+    if plan.extents:
+        attrs["extents"] = plan.extents
+        runtime += [counts[runtime[pos]][0] for pos, _ in plan.extents]
+    return runtime
+
+
+def _bound_values(np_node, constants: dict, upper: dict, opset: int, where: str) -> None:
+    """upper bounds of a MONOTONE node's outputs, when every input it has
+    is a constant or has them (crosscompile/bounded.py)."""
+    if not all(t in constants or t in upper for t in np_node.input if t):
+        return
+    if np_node.op_type not in bounded.MONOTONE_IN_ALL and any(t in upper for t in np_node.input[1:]):
+        return  # indices, shapes or axes computed at run time
+    values = {t: upper[t] if t in upper else constants[t] for t in np_node.input if t}
+    try:
+        found = folding.evaluate(np_node, values, opset, where)
+    except BuildError:
+        return  # no bound: the op's own shapes decide
+    for out, value in zip(np_node.output, found):
+        if out and value.dtype.kind in "iu":
+            upper[out] = value
+
+
+def _count_shape(np_node, name: str, raw: dict, tensors: dict, counts: dict, shape_vectors: dict) -> Node:
+    """The Shape of a counted tensor, computed at run time from its count."""
+    if np_node.op_type != "Shape":
+        raise BuildError(f"input {np_node.input[0]!r} has a size that depends on the data, so its "
+                         f"{np_node.op_type} is only known when the model runs; only its Shape is computed then")
+    source = np_node.input[0]
+    count, axis = counts[source]
+    shape = tensors[source].shape
+    rank = len(shape)
+    start, end = (int(raw.get("start", 0)), int(raw.get("end", rank)))
+    start, end = (min(max(v + rank if v < 0 else v, 0), rank) for v in (start, end))
+    out = np_node.output[0]
+    tensors[out] = Tensor(out, (max(end - start, 0),), "int64")
+    if start <= axis < end:
+        shape_vectors[out] = (count, axis - start, tuple(shape[start:end]))
+    return Node("CountShape", name, [count], [out], {"shape": tuple(shape), "axis": axis, "start": start, "end": end})
+
+
+def _count_fill(np_node, name: str, raw: dict, tensors: dict, counts: dict, vector: tuple) -> Node:
+    """ConstantOfShape of the Shape of a counted tensor: counted as it is."""
+    count, axis, shape = vector
+    value = numpy_helper.to_array(raw["value"]).reshape(-1) if "value" in raw else np.zeros(1, np.float32)
+    out = np_node.output[0]
+    tensors[out] = Tensor(out, shape, value.dtype.name)
+    counts[out] = (count, axis)
+    return Node("CountFill", name, [count], [out], {"shape": shape, "value": value[0].item(), "dtype": value.dtype.name})
 
 
 def _add_constant(constants: dict, tensors: dict, name: str, value: np.ndarray) -> None:

@@ -233,7 +233,7 @@ def _concat_slices(graph: Graph, views: _Views) -> list:
     taken: set = set()
     found = []
     for node in graph.nodes:
-        if node.op_type != "Concat" or node.attrs.get("epilogue"):
+        if node.op_type != "Concat" or node.attrs.get("epilogue") or node.attrs.get("extents"):
             continue
         out = node.outputs[0]
         shape = graph.tensors[out].shape

@@ -89,6 +89,10 @@ class Op:
     # and the frontend appends an int64 (1,) output the kernel writes the
     # actual size to. counted() may decide it from the attributes instead.
     count_axes: dict = {}
+    # Input positions whose values, computed at run time, may have an upper
+    # bound known at compile time (crosscompile/bounded.py, MONOTONE): the
+    # frontend adds attrs["value_bounds"] = {position: largest value}.
+    bounded_inputs: tuple = ()
     # The frontend adds attrs["outputs"] = the node's output count.
     counts_outputs = False
     # The frontend adds attrs["input_positions"] = the node input position of

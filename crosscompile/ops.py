@@ -13,10 +13,11 @@ import math
 import numpy as np
 from llvmlite import ir
 
-from . import attention, conv, conv_transpose, einsum, elementwise, indexing, layout, logic, losses, normalization, pool, quantize_ops, ranking, recurrent, reduce, resize, roi_align, scan, selection, trigonometry  # noqa: F401 (their op classes register themselves)
+from . import attention, extents, conv, conv_transpose, einsum, elementwise, indexing, layout, logic, losses, normalization, pool, quantize_ops, ranking, recurrent, reduce, resize, roi_align, scan, selection, trigonometry  # noqa: F401 (their op classes register themselves)
 from .emit import ELEMENT_TYPES, I64, Kernel
 from .errors import BuildError, ShapeError
 from .elementwise import safe_log
+from .extents import clamp, extent
 from .gemm import emit_dot_rows
 from .matmul import lower_tiled, packed_rows_floats, strided_matmul, tiled_geometry
 from .op_base import (ALL_DTYPES, REGISTERED, AliasOp, Op, copy_strided, _axis, _broadcast_strides, _c_strides, _check_choice, _const_float,
@@ -462,7 +463,7 @@ class Gather(Op):
         outer, inner = _prod(x[:axis]), _prod(x[axis + 1:])
         data, out = k.typed(k.inputs[0], inputs[0].dtype), k.typed(k.outputs[0], outputs[0].dtype)
         if "indices" not in attrs:
-            self._lower_runtime(k, inputs, data, out, x[axis], outer, inner)
+            self._lower_runtime(k, inputs, data, out, x[axis], outer, inner, extent(k, inputs, attrs, 0, axis))
             return
         self._lower_constant(k, attrs["indices"], data, out, x[axis], outer, inner)
 
@@ -477,11 +478,13 @@ class Gather(Op):
         k.activated = True
 
     @staticmethod
-    def _lower_runtime(k, inputs, data, out, size, outer, inner):
+    def _lower_runtime(k, inputs, data, out, size, outer, inner, length=None):
+        """length: the axis's length this run (a count, crosscompile/extents.py)
+        that negative indices count from; size, the rows' stride."""
         indices = k.typed(k.inputs[1], inputs[1].dtype)
         count = inputs[1].size
         with k.loop(outer) as o, k.loop(count) as j:
-            index = _runtime_index(k, k.load(indices, j), size)
+            index = _runtime_index(k, k.load(indices, j), size if length is None else length)
             with k.loop(inner) as i:
                 value = k.load(data, k.index((o, size * inner), (index, inner), (i, 1)))
                 k.store(k.activate(value), out, k.index((o, count * inner), (j, inner), (i, 1)))
@@ -541,15 +544,16 @@ class Compress(Gather):
         self._lower_constant(k, attrs["indices"], data, out, inputs[0].size, 1, 1)
 
 
-def _runtime_index(k: Kernel, index, size: int):
+def _runtime_index(k: Kernel, index, size: "int | ir.Value"):
     """An int64 or int32 index read at run time as an i64 in [0, size):
     negative ones count from the end, and one out of range is clamped (see
-    Gather)."""
+    Gather). size may be a run-time length (a count); 0 gives 0."""
     bld = k.builder
     if index.type.width < 64:
         index = bld.sext(index, I64)
-    index = bld.select(bld.icmp_signed("<", index, k.i64(0)), bld.add(index, k.i64(size)), index)
-    return k.smin(k.smax(index, k.i64(0)), k.i64(size - 1))
+    size = size if isinstance(size, ir.Value) else k.i64(size)
+    index = bld.select(bld.icmp_signed("<", index, k.i64(0)), bld.add(index, size), index)
+    return k.smax(k.smin(index, bld.sub(size, k.i64(1))), k.i64(0))
 
 
 class GatherElements(Op):
@@ -637,6 +641,9 @@ class Concat(Op):
         out = outputs[0].shape
         axis = _axis(attrs["axis"], len(out))
         outer, inner = _prod(out[:axis]), _prod(out[axis + 1:])
+        if attrs.get("extents"):
+            self._lower_counted(k, inputs, outputs, attrs, axis, outer, inner)
+            return
         offset, dtype = 0, outputs[0].dtype
         dst = k.typed(k.outputs[0], dtype)
         for ptr, t in zip(k.inputs, inputs):
@@ -646,6 +653,29 @@ class Concat(Op):
                     value = k.load(k.typed(ptr, dtype), k.index((o, chunk), (j, 1)))
                     k.store(k.activate(value), dst, k.index((o, out[axis] * inner), (j, 1), (offset, 1)))
             offset += chunk
+
+    @staticmethod
+    def _lower_counted(k, inputs, outputs, attrs, axis, outer, inner):
+        """Inputs counted along the axis (crosscompile/extents.py): each
+        one's rows up to its count, one after another, zeros after them,
+        and the rows taken into the count output."""
+        bld = k.builder
+        bound, dtype = outputs[0].shape[axis], outputs[0].dtype
+        dst = k.typed(k.outputs[0], dtype)
+        taken = k.variable(k.i64(0))
+        for pos, t in enumerate(inputs[:len(inputs) - len(attrs["extents"])]):
+            rows = extent(k, inputs, attrs, pos, axis)
+            offset = bld.load(taken)
+            with k.loop(outer) as o, k.loop(bld.mul(rows, k.i64(inner))) as j:
+                value = k.load(k.typed(k.inputs[pos], dtype), k.index((o, t.shape[axis] * inner), (j, 1)))
+                k.store(value, dst, k.index((o, bound * inner), (offset, inner), (j, 1)))
+            bld.store(bld.add(offset, rows), taken)
+        total = bld.load(taken)
+        zero = ir.Constant(dst.type.pointee, 0)
+        with k.loop(outer) as o, k.loop(bld.mul(bld.sub(k.i64(bound), total), k.i64(inner))) as j:
+            k.store(zero, dst, k.index((o, bound * inner), (total, inner), (j, 1)))
+        k.store(total, k.typed(k.outputs[1], "int64"), k.i64(0))
+        k.activated = True
 
 
 class Split(Op):
@@ -732,6 +762,13 @@ class Slice(Op):
         strides = _c_strides(x)
         base = sum(b * s for b, s in zip(begin, strides))
         copy_strided(k, out, [s * st for s, st in zip(strides, step)], inputs[0].dtype, base)
+        if attrs.get("extents"):
+            # The first rows of a counted axis (crosscompile/bounded.py): as
+            # many as the count leaves past begin, within the rows copied.
+            ((_, axis),) = attrs["extents"]
+            bld = k.builder
+            kept = bld.sub(extent(k, inputs, attrs, 0, axis), k.i64(begin[axis]))
+            k.store(clamp(k, kept, 0, out[axis]), k.typed(k.outputs[1], "int64"), k.i64(0))
 
 
 class Pad(Op):

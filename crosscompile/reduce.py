@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 from llvmlite import ir
 
 from .elementwise import safe_log
@@ -123,7 +124,41 @@ class _Reduce(Op):
             return [tuple(1 if i in reduced else d for i, d in enumerate(x))]
         return [tuple(d for i, d in enumerate(x) if i not in reduced)]
 
+    # ReduceSum, ReduceMax, ReduceMin and ReduceProd also take int64 and
+    # int32 tensors (a shape's product, the smaller of two counts): their
+    # combine on integers, by name.
+    INTEGER_COMBINES = {"ReduceSum": "add", "ReduceProd": "mul", "ReduceMax": "smax", "ReduceMin": "smin"}
+
+    def output_dtype(self, inputs, attrs):
+        if self.op_type in self.INTEGER_COMBINES and inputs[0].dtype in ("int64", "int32"):
+            return inputs[0].dtype
+        return super().output_dtype(inputs, attrs)
+
+    def _lower_integer(self, k, inputs, attrs):
+        """One scalar loop per kept element: integers wrap as numpy's do."""
+        x, dtype = inputs[0].shape, inputs[0].dtype
+        reduced = self._reduced(len(x), attrs)
+        kept_axes = [a for a in range(len(x)) if a not in reduced]
+        strides = _c_strides(x)
+        info = np.iinfo(dtype)
+        start = {"add": 0, "mul": 1, "smax": info.min, "smin": info.max}[self.INTEGER_COMBINES[self.op_type]]
+        kind = ir.IntType(info.bits)
+        combine = getattr(k, self.INTEGER_COMBINES[self.op_type]) if self.op_type in ("ReduceMax", "ReduceMin") \
+            else getattr(k.builder, self.INTEGER_COMBINES[self.op_type])
+        data, out = k.typed(k.inputs[0], dtype), k.typed(k.outputs[0], dtype)
+        out_strides = _c_strides([x[a] for a in kept_axes])
+        with k.nested_loops([x[a] for a in kept_axes]) as idx:
+            acc = k.variable(ir.Constant(kind, int(start)))
+            base = [(i, strides[a]) for i, a in zip(idx, kept_axes)]
+            with k.nested_loops([x[a] for a in sorted(reduced)]) as inner:
+                at = k.index(*base, *zip(inner, [strides[a] for a in sorted(reduced)]))
+                k.builder.store(combine(k.builder.load(acc), k.load(data, at)), acc)
+            k.store(k.builder.load(acc), out, k.index(*zip(idx, out_strides)))
+
     def lower(self, k, inputs, outputs, attrs):
+        if inputs[0].dtype in ("int64", "int32"):
+            self._lower_integer(k, inputs, attrs)
+            return
         x = inputs[0].shape
         kept, reduced = _runs(x, self._reduced(len(x), attrs))
         count = _prod(s for s, _ in reduced)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from .emit import I8, Kernel
+from .extents import extent
 from .errors import BuildError, ShapeError
 from .op_base import ALL_DTYPES, Op, _axis, _const_float, _const_ints, _prod
 
@@ -82,8 +83,10 @@ class NonMaxSuppression(Op):
 
     The three thresholds must be constants. center_point_box 0 reads boxes
     as [y1, x1, y2, x2] (either corner first), 1 as [x centre, y centre,
-    width, height]. Each pick scans the class's remaining candidates:
-    O(boxes^2) per class at worst."""
+    width, height]. The candidates are sorted once (a heap sort), then
+    each box kept checks the candidates after it: O(boxes x kept) per
+    class at worst. Boxes past the count of counted boxes and scores are
+    never candidates."""
 
     op_type = "NonMaxSuppression"
     compile_time_inputs = (2, 3, 4)
@@ -114,75 +117,78 @@ class NonMaxSuppression(Op):
         return ["int64", "int64"]
 
     def scratch_bytes(self, inputs, outputs, attrs):
-        # One byte per candidate (still in the running) and the boxes taken for the class.
-        return inputs[0].shape[1] + 8 * min(attrs["max_boxes"], inputs[0].shape[1])
+        # A byte per box (still a candidate) and the candidates' indices, best first.
+        boxes_n = inputs[0].shape[1]
+        return -(-boxes_n // 8) * 8 + 8 * boxes_n
 
     def lower(self, k, inputs, outputs, attrs):
         bld = k.builder
         batches, boxes_n, _ = inputs[0].shape
         classes = inputs[1].shape[1]
         most = min(attrs["max_boxes"], boxes_n)
-        boxes, scores = k.inputs
+        boxes, scores = k.inputs[:2]
         out, count = k.typed(k.outputs[0], "int64"), k.typed(k.outputs[1], "int64")
         alive = bld.bitcast(k.scratch, I8.as_pointer())
-        taken = bld.bitcast(bld.gep(alive, [k.i64(boxes_n)]), ir.IntType(64).as_pointer())
+        order = bld.bitcast(bld.gep(alive, [k.i64(-(-boxes_n // 8) * 8)]), ir.IntType(64).as_pointer())
         rows = k.variable(k.i64(0))
         one, zero = ir.Constant(I8, 1), ir.Constant(I8, 0)
-        with k.loop(batches) as b, k.loop(classes) as c:
+        # Boxes past a count (crosscompile/extents.py) are never candidates.
+        counted = [extent(k, inputs, attrs, pos, axis) for pos, axis in ((0, 1), (1, 2))
+                   if (pos, axis) in attrs.get("extents", ())]
+        center = attrs["center_point_box"]
+        with k.loop(batches if most else 0) as b, k.loop(classes) as c:
             row = k.index((b, classes * boxes_n), (c, boxes_n))
+            found = k.variable(k.i64(0))  # candidates, listed in order
             with k.loop(boxes_n) as j:
-                if attrs["score_threshold"] is None:
-                    k.store(one, alive, j)
-                else:
-                    above = bld.fcmp_ordered(">", k.load(scores, bld.add(row, j)), k.f32(attrs["score_threshold"]))
-                    k.store(bld.zext(above, I8), alive, j)
+                live = [bld.icmp_signed("<", j, n) for n in counted]
+                if attrs["score_threshold"] is not None:
+                    live.append(bld.fcmp_ordered(">", k.load(scores, bld.add(row, j)),
+                                                 k.f32(attrs["score_threshold"])))
+                flag = one
+                for check in live:
+                    flag = bld.select(check, flag, zero)
+                k.store(flag, alive, j)
+                with bld.if_then(bld.icmp_unsigned("!=", flag, zero)):
+                    m = bld.load(found)
+                    k.store(j, order, m)
+                    bld.store(bld.add(m, k.i64(1)), found)
+            m = bld.load(found)
+            _heap_sort(k, order, m, lambda i, j: _ranks_before(k, scores, row, i, j))
+            # Best first: a candidate still in the running is kept and
+            # suppresses the later ones it overlaps (ONNX words it as each
+            # candidate checked against those kept before it; IoU is symmetric).
             chosen = k.variable(k.i64(0))
-            with k.loop(boxes_n if most else 0):
-                with bld.if_then(bld.icmp_signed("<", bld.load(chosen), k.i64(most))):
-                    best = self._best(k, scores, alive, row, boxes_n)
-                    with bld.if_then(bld.icmp_signed(">=", best, k.i64(0))):
-                        k.store(zero, alive, best)
-                        box = k.index((b, boxes_n * 4), (best, 4))
-                        suppressed = k.variable(zero)
-                        with k.loop(bld.load(chosen)) as s:
-                            other = k.index((b, boxes_n * 4), (k.load(taken, s), 4))
-                            over = self._overlaps(k, boxes, box, other, attrs)
-                            bld.store(bld.or_(bld.load(suppressed), bld.zext(over, I8)), suppressed)
-                        with bld.if_then(bld.icmp_unsigned("==", bld.load(suppressed), zero)):
-                            n = bld.load(chosen)
-                            k.store(best, taken, n)
-                            bld.store(bld.add(n, k.i64(1)), chosen)
-                            r = bld.load(rows)
-                            for col, value in enumerate((b, c, best)):
-                                k.store(value, out, k.index((r, 3), (col, 1)))
-                            bld.store(bld.add(r, k.i64(1)), rows)
+            with k.loop(m) as p:
+                i = k.load(order, p)
+                keep = bld.and_(bld.icmp_unsigned("!=", k.load(alive, i), zero),
+                                bld.icmp_signed("<", bld.load(chosen), k.i64(most)))
+                with bld.if_then(keep):
+                    bld.store(bld.add(bld.load(chosen), k.i64(1)), chosen)
+                    r = bld.load(rows)
+                    for col, value in enumerate((b, c, i)):
+                        k.store(value, out, k.index((r, 3), (col, 1)))
+                    bld.store(bld.add(r, k.i64(1)), rows)
+                    kept = _extent(k, boxes, k.index((b, boxes_n * 4), (i, 4)), center)
+                    with k.loop(m, start=bld.add(p, k.i64(1))) as q:
+                        j = k.load(order, q)
+                        with bld.if_then(bld.icmp_unsigned("!=", k.load(alive, j), zero)):
+                            other = _extent(k, boxes, k.index((b, boxes_n * 4), (j, 4)), center)
+                            # Most pairs lie apart along x: the IoU only for the others.
+                            apart = bld.fcmp_unordered("<=", k.minimum(kept[1], other[1]), k.maximum(kept[0], other[0]))
+                            with bld.if_then(bld.not_(apart)):
+                                with bld.if_then(self._overlaps(k, kept, other, attrs)):
+                                    k.store(zero, alive, j)
         n = bld.load(rows)
         _zero_rest(k, out, bld.mul(n, k.i64(3)), outputs[0].shape[0] * 3)
         k.store(n, count, k.i64(0))
         k.activated = True
 
     @staticmethod
-    def _best(k: Kernel, scores, alive, row, length: int) -> ir.Value:
-        """The index of the highest-scoring candidate still in the running
-        (the first of equal ones), or -1 when none is left."""
+    def _overlaps(k: Kernel, a, b, attrs) -> ir.Value:
+        """IoU of two boxes (their extents) above iou_threshold (an i1);
+        boxes that do not intersect or have no area never suppress, as in
+        ONNX's reference."""
         bld = k.builder
-        where = k.variable(k.i64(-1))
-        best = k.variable(k.f32(0.0))
-        with k.loop(length) as j:
-            value = k.load(scores, bld.add(row, j))
-            live = bld.icmp_unsigned("!=", k.load(alive, j), ir.Constant(I8, 0))
-            first = bld.icmp_signed("<", bld.load(where), k.i64(0))
-            better = bld.and_(live, bld.or_(first, bld.fcmp_ordered(">", value, bld.load(best))))
-            bld.store(bld.select(better, value, bld.load(best)), best)
-            bld.store(bld.select(better, j, bld.load(where)), where)
-        return bld.load(where)
-
-    @staticmethod
-    def _overlaps(k: Kernel, boxes, one, other, attrs) -> ir.Value:
-        """IoU of two boxes above iou_threshold (an i1); boxes that do not
-        intersect or have no area never suppress, as in ONNX's reference."""
-        bld = k.builder
-        a, b = _extent(k, boxes, one, attrs["center_point_box"]), _extent(k, boxes, other, attrs["center_point_box"])
         low_x, high_x = k.maximum(a[0], b[0]), k.minimum(a[1], b[1])
         low_y, high_y = k.maximum(a[2], b[2]), k.minimum(a[3], b[3])
         inter = bld.fmul(bld.fsub(high_x, low_x), bld.fsub(high_y, low_y))
@@ -197,6 +203,51 @@ class NonMaxSuppression(Op):
         for check in checks[1:]:
             result = bld.and_(result, check)
         return result
+
+
+def _ranks_before(k: Kernel, scores, row, i: ir.Value, j: ir.Value) -> ir.Value:
+    """Box i comes before box j: a higher score, or an equal one and a lower index."""
+    bld = k.builder
+    a, b = k.load(scores, bld.add(row, i)), k.load(scores, bld.add(row, j))
+    return bld.or_(bld.fcmp_ordered(">", a, b), bld.and_(bld.fcmp_ordered("==", a, b), bld.icmp_signed("<", i, j)))
+
+
+def _heap_sort(k: Kernel, items, length: ir.Value, before) -> None:
+    """Sort the i64 items[0:length] in place so that before(items[p],
+    items[q]) holds for p < q (before is a strict total order): a heap
+    whose root comes last, its root moved to the end one at a time.
+    O(length log length) without recursion or a stack."""
+    bld = k.builder
+
+    def sift(root: ir.Value, end: ir.Value) -> None:
+        node = k.variable(root)
+        with k.loop(64):  # deeper than any heap of 2**63 items
+            at = bld.load(node)
+            child = bld.add(bld.mul(at, k.i64(2)), k.i64(1))
+            with bld.if_then(bld.icmp_signed("<", child, end)):
+                right = bld.add(child, k.i64(1))
+                has_right = bld.icmp_signed("<", right, end)
+                left_item = k.load(items, child)
+                right_item = k.load(items, bld.select(has_right, right, child))
+                later = bld.select(bld.and_(has_right, before(left_item, right_item)), right, child)
+                later_item = k.load(items, later)
+                here = k.load(items, at)
+                with bld.if_else(before(here, later_item)) as (swap, stop):
+                    with swap:
+                        k.store(later_item, items, at)
+                        k.store(here, items, later)
+                        bld.store(later, node)
+                    with stop:
+                        bld.store(end, node)
+
+    with k.loop(bld.sdiv(length, k.i64(2))) as step:
+        sift(bld.sub(bld.sub(bld.sdiv(length, k.i64(2)), k.i64(1)), step), length)
+    with k.loop(bld.sub(length, k.i64(1))) as step:
+        end = bld.sub(bld.sub(length, k.i64(1)), step)
+        first = k.load(items, k.i64(0))
+        k.store(k.load(items, end), items, k.i64(0))
+        k.store(first, items, end)
+        sift(k.i64(0), end)
 
 
 def _extent(k: Kernel, boxes, at, center_point_box: int):

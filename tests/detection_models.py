@@ -116,3 +116,113 @@ def detection_head(seed: int = 0, opset: int = 13) -> onnx.ModelProto:
 
 def detection_input(seed: int = 1) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((1, CHANNELS, SIDE, SIDE)).astype(np.float32)
+
+
+def torchvision_postprocess(boxes_n: int = 24, classes: int = 4, per_class: int = 5, keep: int = 6,
+                            threshold: float = 0.3) -> onnx.ModelProto:
+    """The post-processing torchvision's SSD exports (TorchScript exporter),
+    on scores [boxes_n, classes] (class 0 the background) and decoded boxes
+    [boxes_n, 4]: per class, the scores above threshold (x[mask], two
+    NonZero of one mask), the best min(per_class, found) of them by a TopK
+    whose k comes from their Shape, their boxes, and labels by a
+    ConstantOfShape of that Shape; the classes concatenated; then, unless
+    nothing was found (an If on the boxes' element count), NMS over boxes
+    offset per class by (largest coordinate + 1) x label (batched_nms);
+    the first `keep` kept; the boxes scaled column by column."""
+    n = helper.make_node
+    inits = {"threshold": np.array(threshold, np.float32), "zero": np.array(0, np.int64),
+             "axis0": np.array([0], np.int64), "axis1": np.array([1], np.int64),
+             "per_class": np.array([per_class], np.int64), "one_shape": np.array([1], np.int64),
+             "empty": np.array(0, np.int64), "start": np.array([0], np.int64), "keep": np.array([keep], np.int64),
+             "ones4": np.array([1, 1, 1, 1], np.int64), "two": np.array([2], np.int64),
+             "scale": np.array(2.0, np.float32)}
+    nodes, picked, tops, labels = [], [], [], []
+    for c in range(1, classes):
+        p = f"c{c}/"
+        inits[p + "index"] = np.array(c, np.int64)
+        nodes += [
+            n("Gather", ["scores", p + "index"], [p + "score"], axis=1),
+            n("Greater", [p + "score", "threshold"], [p + "mask"]),
+            n("NonZero", [p + "mask"], [p + "nz"]),
+            n("Transpose", [p + "nz"], [p + "nz_t"], perm=[1, 0]),
+            n("GatherND", [p + "score", p + "nz_t"], [p + "found"]),
+            n("NonZero", [p + "mask"], [p + "nz_again"]),
+            n("Transpose", [p + "nz_again"], [p + "nz_again_t"], perm=[1, 0]),
+            n("GatherND", ["boxes", p + "nz_again_t"], [p + "found_boxes"]),
+            n("Shape", [p + "found"], [p + "shape"]),
+            n("Gather", [p + "shape", "zero"], [p + "count"], axis=0),
+            n("Unsqueeze", [p + "count", "axis0"], [p + "count_1"]),
+            n("Concat", ["per_class", p + "count_1"], [p + "choices"], axis=0),
+            n("ReduceMin", [p + "choices"], [p + "k_scalar"], keepdims=0),
+            n("Reshape", [p + "k_scalar", "one_shape"], [p + "k"]),
+            n("TopK", [p + "found", p + "k"], [p + "top", p + "top_index"], axis=-1, largest=1, sorted=1),
+            n("Gather", [p + "found_boxes", p + "top_index"], [p + "top_boxes"], axis=0),
+            n("Shape", [p + "top"], [p + "top_shape"]),
+            n("ConstantOfShape", [p + "top_shape"], [p + "labels"],
+              value=numpy_helper.from_array(np.array([c], np.int64))),
+        ]
+        picked.append(p + "top_boxes")
+        tops.append(p + "top")
+        labels.append(p + "labels")
+    nodes += [n("Concat", picked, ["all_boxes"], axis=0), n("Concat", tops, ["all_scores"], axis=0),
+              n("Concat", labels, ["all_labels"], axis=0),
+              n("Shape", ["all_boxes"], ["all_shape"]), n("ReduceProd", ["all_shape"], ["elements"], keepdims=0),
+              n("Equal", ["elements", "empty"], ["is_empty"]), n("Cast", ["is_empty"], ["none_found"], to=9)]
+    none = helper.make_graph([n("Constant", [], ["no_boxes"], value=numpy_helper.from_array(
+        np.zeros(0, np.int64)))], "none", [], [helper.make_tensor_value_info("no_boxes", TensorProto.INT64, [0])])
+    batched = [
+        n("ReduceMax", ["all_boxes"], ["max_coordinate"], keepdims=0),
+        n("Cast", ["all_labels"], ["labels_f"], to=1),
+        n("Constant", [], ["one_f"], value=numpy_helper.from_array(np.array(1.0, np.float32))),
+        n("Add", ["max_coordinate", "one_f"], ["stride"]),
+        n("Mul", ["labels_f", "stride"], ["offsets"]),
+        n("Constant", [], ["big"], value=numpy_helper.from_array(np.array([2 ** 63 - 1], np.int64))),
+        n("Slice", ["offsets", "start", "big", "axis0", "axis1"], ["offsets_all"]),
+        n("Unsqueeze", ["offsets_all", "axis1"], ["offsets_col"]),
+        n("Add", ["all_boxes", "offsets_col"], ["boxes_for_nms"]),
+        n("Unsqueeze", ["boxes_for_nms", "axis0"], ["nms_boxes"]),
+        n("Unsqueeze", ["all_scores", "axis0"], ["scores_1"]),
+        n("Unsqueeze", ["scores_1", "axis0"], ["nms_scores"]),
+        n("Constant", [], ["most"], value=numpy_helper.from_array(np.array([2 ** 63 - 1], np.int64))),
+        n("Constant", [], ["iou"], value=numpy_helper.from_array(np.array([0.5], np.float32))),
+        n("NonMaxSuppression", ["nms_boxes", "nms_scores", "most", "iou"], ["selected"]),
+        n("Gather", ["selected", "two"], ["kept_col"], axis=1),
+        n("Squeeze", ["kept_col", "axis1"], ["kept"]),
+    ]
+    some = helper.make_graph(batched, "some", [], [helper.make_tensor_value_info("kept", TensorProto.INT64, None)])
+    nodes += [
+        n("If", ["none_found"], ["kept_any"], then_branch=none, else_branch=some),
+        n("Slice", ["kept_any", "start", "keep", "axis0", "axis1"], ["first"]),
+        n("Gather", ["all_boxes", "first"], ["final_boxes"], axis=0),
+        n("Gather", ["all_scores", "first"], ["scores_out"], axis=0),
+        n("Gather", ["all_labels", "first"], ["labels_out"], axis=0),
+        n("Split", ["final_boxes", "ones4"], ["x1", "y1", "x2", "y2"], axis=1),
+    ]
+    columns = []
+    for name in ("x1", "y1", "x2", "y2"):
+        nodes += [n("Squeeze", [name, "axis1"], [name + "_s"]), n("Mul", [name + "_s", "scale"], [name + "_m"]),
+                  n("Unsqueeze", [name + "_m", "axis1"], [name + "_u"])]
+        columns.append(name + "_u")
+    nodes.append(n("Concat", columns, ["boxes_out"], axis=1))
+    graph = helper.make_graph(
+        nodes, "torchvision_postprocess",
+        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, [boxes_n, classes]),
+         helper.make_tensor_value_info("boxes", TensorProto.FLOAT, [boxes_n, 4])],
+        [helper.make_tensor_value_info("boxes_out", TensorProto.FLOAT, ["n", 4]),
+         helper.make_tensor_value_info("scores_out", TensorProto.FLOAT, ["n"]),
+         helper.make_tensor_value_info("labels_out", TensorProto.INT64, ["n"])],
+        [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model)
+    return model
+
+
+def postprocess_input(seed: int, boxes_n: int = 24, classes: int = 4, found: float = 0.5) -> dict:
+    """Scores whose share above the threshold is about `found` (0: none),
+    and boxes (x1, y1, x2, y2) on a small grid that overlap their neighbours."""
+    rng = np.random.default_rng(seed)
+    scores = rng.random((boxes_n, classes)).astype(np.float32) * 0.3
+    scores[rng.random((boxes_n, classes)) < found] += 0.4
+    corner = rng.random((boxes_n, 2)).astype(np.float32) * 4
+    size = 0.5 + rng.random((boxes_n, 2)).astype(np.float32) * 2
+    return {"scores": scores, "boxes": np.concatenate([corner, corner + size], axis=1)}
