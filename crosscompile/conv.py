@@ -102,7 +102,7 @@ class Conv(Op):
                 bias = k.inputs[2] if len(inputs) == 3 else None
                 if attrs.get("padded_planes"):
                     emit_depthwise_padded(k, lanes, c_n, geometry, attrs["padded_planes"], x, y, bias, epilogue,
-                                          half)
+                                          half, phases=attrs.get("padded_phases", False))
                     if inputs[0].shape[0] > 1:
                         # Before the next image's copy of a channel
                         # overwrites this one's, which another thread may
@@ -697,9 +697,19 @@ def depthwise_planes(geometry, lanes: int, half: bool = False) -> "tuple | None"
     return (oh_n - 1) * sh + (kh_n - 1) * dh + 1, (first + width) * sw + (kw_n - 1) * dw
 
 
+def split_phases(target, attrs: dict, half: bool) -> bool:
+    """Whether a depthwise convolution's zero-padded copy holds each row's
+    even columns, then its odd ones, so that its stride-2 taps load whole
+    vectors from one phase: float32 on x86, where a strided load is two
+    loads and two shuffles per tap (AArch64 gets both phases from one ld2,
+    and an fp16 copy always keeps its columns in order)."""
+    strides = attrs.get("strides") or (1,)
+    return not half and target.arch in ("x86_64", "i386") and tuple(strides)[-1] == 2
+
+
 def emit_depthwise_padded(k: Kernel, lanes: int, channels: int, geometry, planes: tuple, X: ir.Value,
                           Y: ir.Value, bias: "ir.Value | None", vector_epilogue: bool,
-                          half: bool = False) -> None:
+                          half: bool = False, phases: bool = False) -> None:
     """Depthwise convolution over a zero-padded copy of each channel (in
     scratch, planes = (rows, columns) of it, see depthwise_planes): every
     output row is whole vectors of columns accumulating all kh x kw taps
@@ -707,7 +717,9 @@ def emit_depthwise_padded(k: Kernel, lanes: int, channels: int, geometry, planes
     no padding tests left. Channels are split between threads, each
     copying the channels it computes. With `half` the copy, weights, bias
     and accumulators are halves (`lanes` of them a vector), widened to
-    float32 for the epilogue and the store."""
+    float32 for the epilogue and the store. With `phases` (stride 2, an
+    even number of columns) each row of the copy holds the even columns
+    of the padded row, then the odd ones (split_phases)."""
     (_, h, wd), (_, kh_n, kw_n), (_, sh, sw), (_, dh, dw), (_, ph, pw), _, (_, oh_n, ow_n) = geometry
     hq, wq = planes
     b = k.builder
@@ -723,7 +735,9 @@ def emit_depthwise_padded(k: Kernel, lanes: int, channels: int, geometry, planes
             inside = k.in_range(iy, h)
             line = b.select(inside, k.index((src_plane, 1), (iy, wd), (-pw, 1)), src_plane)
             dst = k.index((buf, 1), (y, wq))
-            for first, last, copy in ((0, lo, False), (lo, hi, True), (hi, wq, False)):
+            if phases:
+                _copy_phases(k, X, scratch, line, src_plane, inside, dst, lo, hi, wq, lanes)
+            for first, last, copy in () if phases else ((0, lo, False), (lo, hi, True), (hi, wq, False)):
                 if first >= last:
                     continue
                 with k.loop(last, start=first) as x:
@@ -751,15 +765,16 @@ def emit_depthwise_padded(k: Kernel, lanes: int, channels: int, geometry, planes
                 top = k.index((buf, 1), (oh, sh * wq))
                 for group in groups:
                     _depthwise_rows(k, Y, scratch, k.index((c, oh_n * ow_n), (oh, ow_n)), top, group, height,
-                                    taps, start, geometry, wq, vector_epilogue)
+                                    taps, start, geometry, wq, vector_epilogue, phases)
 
 
 def _depthwise_rows(k: Kernel, Y, plane, out_row, top, group, height: int, taps, start, geometry, wq: int,
-                    vector_epilogue: bool) -> None:
+                    vector_epilogue: bool, phases: bool = False) -> None:
     """`height` output rows from out_row on, the vectors of `group` of
     each (see emit_depthwise_padded), their windows starting at row `top`
-    of the padded plane (float32 or halves): tap by tap, every accumulator
-    at once, widened to float32 before the epilogue."""
+    of the padded plane (float32 or halves; with `phases` its rows split
+    into even and odd columns): tap by tap, every accumulator at once,
+    widened to float32 before the epilogue."""
     (_, _, _), (_, kh_n, kw_n), (_, sh, sw), (_, dh, dw), _, _, (_, _, ow_n) = geometry
     b = k.builder
     i32 = ir.IntType(32)
@@ -778,6 +793,9 @@ def _depthwise_rows(k: Kernel, Y, plane, out_row, top, group, height: int, taps,
                         # rebuilt a lane at a time.
                         both = _deinterleaved(k, plane, b.add(top, k.i64(key[0] + key[1])), width)
                         loaded[key], loaded[key[0], key[1] + 1, width] = both
+                    if key not in loaded and phases:
+                        column = key[1] % 2 * (wq // 2) + key[1] // 2
+                        loaded[key] = load_strided(k, plane, b.add(top, k.i64(key[0] + column)), width, 1)
                     if key not in loaded:
                         loaded[key] = load_strided(k, plane, b.add(top, k.i64(key[0] + key[1])), width, sw,
                                                    spare=sw - 1)
@@ -794,6 +812,39 @@ def _depthwise_rows(k: Kernel, Y, plane, out_row, top, group, height: int, taps,
             if stored < width:
                 acc = b.shuffle_vector(acc, acc, ir.Constant(ir.VectorType(i32, stored), list(range(stored))))
             b.store(acc, _vector_ptr(k, Y, b.add(out_row, k.i64(r * ow_n + first)), stored), align=4)
+
+
+def _copy_phases(k: Kernel, X, scratch, line, src_plane, inside, dst, lo: int, hi: int, wq: int,
+                 lanes: int) -> None:
+    """One row of a depthwise convolution's padded copy split by column
+    parity: padded column x (input column x - lo, zero outside [lo, hi) or
+    when the row is not `inside`) goes to dst + (x % 2) * wq / 2 + x // 2.
+    Within [lo, hi) whole vectors of one phase are strided loads."""
+    b = k.builder
+    half = wq // 2
+    for phase in (0, 1):
+        # Columns 2j + phase inside [lo, hi): j in [j_lo, j_hi).
+        j_lo, j_hi = -(-(lo - phase) // 2), -(-(hi - phase) // 2)
+        vectors = (j_hi - j_lo) // lanes
+        out = b.add(dst, k.i64(phase * half))
+        zero = k.f32(0.0)
+        for first, last in ((0, j_lo), (j_lo + vectors * lanes, j_hi), (j_hi, half)):
+            if first >= last:
+                continue
+            copy = first >= j_lo and last <= j_hi
+            with k.loop(last, start=first) as j:
+                value = zero
+                if copy:
+                    at = b.select(inside, k.index((line, 1), (j, 2), (phase, 1)), src_plane)
+                    value = b.select(inside, k.load(X, at), zero)
+                k.store(value, scratch, b.add(out, j))
+        if vectors:
+            with k.loop(vectors) as v:
+                j = k.index((v, lanes), (j_lo, 1))
+                at = b.select(inside, k.index((line, 1), (j, 2), (phase, 1)), src_plane)
+                vector = load_strided(k, X, at, lanes, 2)
+                vector = b.select(inside, vector, ir.Constant(vector.type, [0.0] * lanes))
+                b.store(vector, _vector_ptr(k, scratch, b.add(out, j), lanes), align=4)
 
 
 def _deinterleaved(k: Kernel, ptr: ir.Value, offset: ir.Value, width: int) -> list:

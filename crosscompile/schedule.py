@@ -24,7 +24,7 @@ from . import winograd
 from .errors import BuildError
 from .gemm import GemmTile, channel_tile, tile_for
 from .ir import Node
-from .conv import depthwise_planes
+from .conv import depthwise_planes, split_phases
 from .passes import _is_depthwise, runs_as_gemm, runs_as_tiled_product
 from .window import _resolve_window
 
@@ -298,7 +298,9 @@ def assign_tiles(graph, target, table: Mapping):
     A depthwise convolution that reads a zero-padded copy of its input
     (conv.depthwise_planes, for the target's vector width) gets the copy's
     (rows, columns) as attrs["padded_planes"]; one marked fp16 always does
-    (it holds the copy in halves). A ConvTranspose with constant
+    (it holds the copy in halves); where conv.split_phases says so, its
+    copy holds the even columns, then the odd ones (attrs["padded_phases"]).
+    A ConvTranspose with constant
     weights gets the tile of rows its columns are computed with
     (attrs["columns_tile"]).
 
@@ -331,8 +333,10 @@ def assign_tiles(graph, target, table: Mapping):
             planes = depthwise_planes(_resolve_window(shape.x, shape.w[2:], node.attrs, what="convolution"),
                                       target.lanes, half)
             if planes is not None:
-                node = Node(node.op_type, node.name, list(node.inputs), list(node.outputs),
-                            dict(node.attrs, padded_planes=planes))
+                attrs = dict(node.attrs, padded_planes=planes)
+                if split_phases(target, node.attrs, half):
+                    attrs.update(padded_planes=(planes[0], planes[1] + planes[1] % 2), padded_phases=True)
+                node = Node(node.op_type, node.name, list(node.inputs), list(node.outputs), attrs)
         elif node.op_type == "ConvTranspose" and node.inputs[1] in graph.constants:
             node = Node(node.op_type, node.name, list(node.inputs), list(node.outputs),
                         dict(node.attrs, columns_tile=tile_for(target)))

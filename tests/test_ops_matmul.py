@@ -94,6 +94,13 @@ def test_gemm_with_constant_weights_matches_onnxruntime(tmp_path, attrs, a_shape
     ((2, 5, 7, 7), 3, {"pads": [1, 1, 1, 1]}),                      # a late MobileNet layer's
     ((1, 4, 15, 13), 5, {"pads": [2, 1, 2, 3], "strides": [2, 2]}),
     ((1, 3, 11, 10), 3, {"pads": [2, 2, 2, 2], "dilations": [2, 2]}),
+    # Stride 2 (on x86 the copy's rows split into even and odd columns):
+    # rows of whole vectors of each phase and a remainder, odd and even
+    # widths, uneven padding, 5 x 5 and dilated taps.
+    ((1, 6, 9, 70), 3, {"pads": [1, 1, 1, 1], "strides": [2, 2]}),
+    ((1, 4, 8, 67), 3, {"pads": [0, 1, 1, 2], "strides": [2, 2]}),
+    ((2, 3, 12, 41), 5, {"pads": [2, 2, 2, 2], "strides": [2, 2]}),
+    ((1, 5, 10, 37), 3, {"pads": [2, 2, 2, 2], "strides": [2, 2], "dilations": [2, 2]}),
 ])
 def test_depthwise_convolution_over_padded_planes_matches_onnxruntime(tmp_path, x_shape, kernel, attrs):
     c = x_shape[1]
