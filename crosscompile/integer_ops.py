@@ -59,7 +59,8 @@ def _dequantized(k: Kernel, value: ir.Value, dtype: str, scale: float, zero: int
 
 class IntegerTable(_IntegerOp):
     """y = table[x] for an 8-bit x: inputs x and the 256-entry table (indexed
-    by x's bits read as unsigned)."""
+    by x's bits read as unsigned), or one such table per channel (axis 1 of
+    an N x C x ... x), shaped (C, 256)."""
 
     op_type = "IntegerTable"
 
@@ -69,7 +70,13 @@ class IntegerTable(_IntegerOp):
     def lower(self, k, inputs, outputs, attrs):
         x, table = k.typed(k.inputs[0], inputs[0].dtype), k.typed(k.inputs[1], attrs["output_dtype"])
         y = k.typed(k.outputs[0], attrs["output_dtype"])
-        look_up(k, table, x, y, k.i64(0), outputs[0].size)
+        if len(inputs[1].shape) == 1:
+            look_up(k, table, x, y, k.i64(0), outputs[0].size)
+            return
+        batch, channels, inner = inputs[0].shape[0], inputs[0].shape[1], _prod(inputs[0].shape[2:])
+        with k.loop(batch * channels) as plane:
+            channel = k.builder.urem(plane, k.i64(channels))
+            look_up(k, k.builder.gep(table, [k.index((channel, 256))]), x, y, k.index((plane, inner)), inner)
 
 
 # Bytes a table lookup takes at a time on AArch64.
