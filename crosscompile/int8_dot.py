@@ -267,10 +267,18 @@ def _requantize_row(k: Kernel, sums: list, multipliers: list, attrs) -> ir.Value
     if k.target.arch != "aarch64":
         parts = [_requantize_vector(k, acc, m, attrs) for acc, m in zip(sums, multipliers)]
         return _concatenated(k, parts)
+    return rounded_to_8_bits(k, [b.fmul(b.sitofp(acc, V4F32), multiplier)
+                                 for acc, multiplier in zip(sums, multipliers)], attrs)
+
+
+def rounded_to_8_bits(k: Kernel, values: list, attrs) -> ir.Value:
+    """Vectors of 4 float32 values (AArch64), each rounded half to even,
+    offset by y_zero and saturated to the output's 8 bits (attrs' bounds
+    applied), as one vector of their bytes in order: see _requantize_row."""
+    b = k.builder
     halves = []
-    for acc, multiplier in zip(sums, multipliers):
-        value = _intrinsic(k, "llvm.aarch64.neon.fcvtns.v4i32.v4f32", V4I32,
-                           [b.fmul(b.sitofp(acc, V4F32), multiplier)])
+    for value in values:
+        value = _intrinsic(k, "llvm.aarch64.neon.fcvtns.v4i32.v4f32", V4I32, [value])
         halves.append(_intrinsic(k, "llvm.aarch64.neon.sqxtn.v4i16", V4I16, [value]))
     wide = _concatenated(k, halves + [ir.Constant(V4I16, ir.Undefined)] * (len(halves) % 2))
     lanes = wide.type.count
