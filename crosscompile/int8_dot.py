@@ -212,12 +212,19 @@ def emit_tile(k: Kernel, tile: DotTile, row0: ir.Value, rows: int, column0: ir.V
         values = _requantize_row(k, totals, multipliers, tile.attrs)
         for r, row in enumerate(rows_here):
             at = b.gep(tile.out_ptr, [tile.out(row, column0)])
-            lanes, start = 4 * (vectors - 1) + last_lanes, 4 * vectors * r
-            done = 0
-            while done < lanes:  # the widest piece that fits and starts on its 8-lane group's boundary
-                width = next(w for w in (16, 8, 4, 2, 1) if w <= lanes - done and (start + done) % min(w, 8) == 0)
-                _store_lanes(k, values, start + done, width, b.gep(at, [k.i64(done)]))
-                done += width
+            store_bytes(k, values, 4 * vectors * r, 4 * (vectors - 1) + last_lanes, at)
+
+
+def store_bytes(k: Kernel, values: ir.Value, start: int, count: int, at: ir.Value) -> None:
+    """Stores lanes start..start + count - 1 of values (bytes, a multiple
+    of 8 lanes) at at, in the widest pieces that fit and start on their
+    8-lane group's boundary (16, 8, 4, 2 or 1 bytes a store)."""
+    b = k.builder
+    done = 0
+    while done < count:
+        width = next(w for w in (16, 8, 4, 2, 1) if w <= count - done and (start + done) % min(w, 8) == 0)
+        _store_lanes(k, values, start + done, width, b.gep(at, [k.i64(done)]))
+        done += width
 
 
 def _store_lanes(k: Kernel, values: ir.Value, first: int, width: int, at: ir.Value) -> None:
