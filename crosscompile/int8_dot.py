@@ -143,14 +143,15 @@ def emit_tile(k: Kernel, tile: DotTile, row0: ir.Value, rows: int, column0: ir.V
                          if parts == 1 and i < stored else zero) for _ in range(parts)]
              for v in range(vectors)] for i in range(rows)]
 
+    one_load = tile.kind == "dot" and tile.lanes and tile.depth4 >= LD1_DEPTH4
+
     def step(groups: list) -> None:
         """The products of one or two groups of 4 along the reduction."""
         if tile.kind != "quads" and len(groups) > 1:  # one after the other: fewer registers live
             for g in groups:
                 step([g])
             return
-        loaded = [[b.load(b.bitcast(tile.vector(g, b.add(column0, k.i64(4 * v))), V16I8.as_pointer()), align=1)
-                   for v in range(vectors)] for g in groups]
+        loaded = [_vectors(k, tile.vector(g, column0), vectors, one_load) for g in groups]
         if tile.lanes:
             quads = [[b.load(b.bitcast(tile.broadcast(b.add(row0, k.i64(4 * q)), g), V4I32.as_pointer()), align=1)
                       for g in groups] for q in range(rows // 4)]
@@ -182,12 +183,14 @@ def emit_tile(k: Kernel, tile: DotTile, row0: ir.Value, rows: int, column0: ir.V
                                                               V4I32, [product]))
                     b.store(total, acc)
 
-    # Lanes tiles take DOT_UNROLL groups a trip: the loop's counter, branch
-    # and pointer steps cost 7 instructions a trip against 24 sdot a group;
-    # "quads" tiles two, to add the second's products to the first's in 16 bits.
+    # Lanes tiles take DOT_UNROLL groups a trip (LD1_UNROLL for a long
+    # reduction, whose groups' vectors load with one ld1 each); "quads"
+    # tiles two, to add the second's products to the first's in 16 bits.
     unroll = 1
     if tile.kind == "quads":
         unroll = 2
+    elif one_load:
+        unroll = LD1_UNROLL
     elif tile.lanes and tile.depth4 > OPAQUE_DEPTH4:
         unroll = DOT_UNROLL
     with k.loop(tile.depth4 // unroll) as h:
@@ -227,6 +230,18 @@ def store_bytes(k: Kernel, values: ir.Value, start: int, count: int, at: ir.Valu
         done += width
 
 
+def _vectors(k: Kernel, at: ir.Value, count: int, one_load: bool) -> list:
+    """count 16-byte vectors from at on: with one_load (AArch64), 3 or 4 of
+    them with one ld1 of as many registers (2 are one ldp anyway), else a
+    load each."""
+    b = k.builder
+    if one_load and k.target.arch == "aarch64" and 3 <= count <= 4:
+        loaded = _intrinsic(k, f"llvm.aarch64.neon.ld1x{count}.v16i8.p0i8", ir.LiteralStructType([V16I8] * count),
+                            [at])
+        return [b.extract_value(loaded, i) for i in range(count)]
+    return [b.load(b.bitcast(b.gep(at, [k.i64(16 * v)]), V16I8.as_pointer()), align=1) for v in range(count)]
+
+
 def _store_lanes(k: Kernel, values: ir.Value, first: int, width: int, at: ir.Value) -> None:
     """Stores lanes first..first + width - 1 of values (bytes, a multiple
     of 8 lanes) at at. 4 lanes go as the 32-bit half of their 8-lane
@@ -242,8 +257,20 @@ def _store_lanes(k: Kernel, values: ir.Value, first: int, width: int, at: ir.Val
     b.store(piece, b.bitcast(at, piece.type.as_pointer()), align=1)
 
 
-# Groups of 4 along the reduction a trip of a "dot" lanes tile's loop.
+# Groups of 4 along the reduction a trip of a "dot" lanes tile's loop: the
+# loop's counter, branch and pointer steps cost 7 instructions a trip
+# against 24 sdot a group.
 DOT_UNROLL = 4
+
+# Reductions of at least LD1_DEPTH4 groups load a group's 3 vectors with
+# one ld1 (3 consecutive registers), LD1_UNROLL groups a trip: 56
+# instructions a trip against 48 sdot, where separate loads took 116
+# against 96 (ResNet-50 int8 on the emulated Cortex-A76: 368.5 -> 363.8 M).
+# With 4 groups a trip, or a short reduction that LLVM unrolls fully, it
+# found no such registers beside the sums and spilled them (the 3-channel
+# stems of SqueezeNet and MobileNetV2 counted some 20 % more).
+LD1_DEPTH4 = 16
+LD1_UNROLL = 2
 
 # Reductions (in groups of 4) short enough for LLVM to unroll fully; see
 # _opaque. Up to 8 groups went that way too: in the reduction loop they
