@@ -20,7 +20,8 @@ from llvmlite import ir
 
 from .emit import I8, I16, I32, Kernel
 from .conv import _deinterleaved
-from .int8_dot import V4F32, V4I32, V16I8, _as_int8, _intrinsic, _requantize_row, _sdot, _splat, conv_geometry
+from .int8_dot import (V4F32, V4I32, V16I8, _as_int8, _intrinsic, _requantize_row, _sdot, _splat, conv_geometry,
+                       store_bytes)
 
 LANES = 8
 V8I16 = ir.VectorType(I16, LANES)
@@ -209,6 +210,9 @@ def _store_block(k: Kernel, values: ir.Value, y: ir.Value, base: ir.Value, block
         with whole:
             b.store(values, b.bitcast(at, ir.VectorType(I8, lanes).as_pointer()), align=1)
         with part:
-            for lane in range(tail):
-                b.store(b.extract_element(values, ir.Constant(I32, lane)), b.gep(at, [k.i64(lane)]))
+            if lanes % 8 == 0:
+                store_bytes(k, values, 0, tail, at)
+            else:
+                for lane in range(tail):
+                    b.store(b.extract_element(values, ir.Constant(I32, lane)), b.gep(at, [k.i64(lane)]))
 

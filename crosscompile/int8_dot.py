@@ -143,14 +143,15 @@ def emit_tile(k: Kernel, tile: DotTile, row0: ir.Value, rows: int, column0: ir.V
                          if parts == 1 and i < stored else zero) for _ in range(parts)]
              for v in range(vectors)] for i in range(rows)]
 
+    one_load = tile.kind == "dot" and tile.lanes and tile.depth4 >= LD1_DEPTH4
+
     def step(groups: list) -> None:
         """The products of one or two groups of 4 along the reduction."""
         if tile.kind != "quads" and len(groups) > 1:  # one after the other: fewer registers live
             for g in groups:
                 step([g])
             return
-        loaded = [[b.load(b.bitcast(tile.vector(g, b.add(column0, k.i64(4 * v))), V16I8.as_pointer()), align=1)
-                   for v in range(vectors)] for g in groups]
+        loaded = [_vectors(k, tile.vector(g, column0), vectors, one_load) for g in groups]
         if tile.lanes:
             quads = [[b.load(b.bitcast(tile.broadcast(b.add(row0, k.i64(4 * q)), g), V4I32.as_pointer()), align=1)
                       for g in groups] for q in range(rows // 4)]
@@ -182,12 +183,14 @@ def emit_tile(k: Kernel, tile: DotTile, row0: ir.Value, rows: int, column0: ir.V
                                                               V4I32, [product]))
                     b.store(total, acc)
 
-    # Lanes tiles take DOT_UNROLL groups a trip: the loop's counter, branch
-    # and pointer steps cost 7 instructions a trip against 24 sdot a group;
-    # "quads" tiles two, to add the second's products to the first's in 16 bits.
+    # Lanes tiles take DOT_UNROLL groups a trip (LD1_UNROLL for a long
+    # reduction, whose groups' vectors load with one ld1 each); "quads"
+    # tiles two, to add the second's products to the first's in 16 bits.
     unroll = 1
     if tile.kind == "quads":
         unroll = 2
+    elif one_load:
+        unroll = LD1_UNROLL
     elif tile.lanes and tile.depth4 > OPAQUE_DEPTH4:
         unroll = DOT_UNROLL
     with k.loop(tile.depth4 // unroll) as h:
@@ -212,12 +215,31 @@ def emit_tile(k: Kernel, tile: DotTile, row0: ir.Value, rows: int, column0: ir.V
         values = _requantize_row(k, totals, multipliers, tile.attrs)
         for r, row in enumerate(rows_here):
             at = b.gep(tile.out_ptr, [tile.out(row, column0)])
-            lanes, start = 4 * (vectors - 1) + last_lanes, 4 * vectors * r
-            done = 0
-            while done < lanes:  # the widest piece that fits and starts on its 8-lane group's boundary
-                width = next(w for w in (16, 8, 4, 2, 1) if w <= lanes - done and (start + done) % min(w, 8) == 0)
-                _store_lanes(k, values, start + done, width, b.gep(at, [k.i64(done)]))
-                done += width
+            store_bytes(k, values, 4 * vectors * r, 4 * (vectors - 1) + last_lanes, at)
+
+
+def store_bytes(k: Kernel, values: ir.Value, start: int, count: int, at: ir.Value) -> None:
+    """Stores lanes start..start + count - 1 of values (bytes, a multiple
+    of 8 lanes) at at, in the widest pieces that fit and start on their
+    8-lane group's boundary (16, 8, 4, 2 or 1 bytes a store)."""
+    b = k.builder
+    done = 0
+    while done < count:
+        width = next(w for w in (16, 8, 4, 2, 1) if w <= count - done and (start + done) % min(w, 8) == 0)
+        _store_lanes(k, values, start + done, width, b.gep(at, [k.i64(done)]))
+        done += width
+
+
+def _vectors(k: Kernel, at: ir.Value, count: int, one_load: bool) -> list:
+    """count 16-byte vectors from at on: with one_load (AArch64), 3 or 4 of
+    them with one ld1 of as many registers (2 are one ldp anyway), else a
+    load each."""
+    b = k.builder
+    if one_load and k.target.arch == "aarch64" and 3 <= count <= 4:
+        loaded = _intrinsic(k, f"llvm.aarch64.neon.ld1x{count}.v16i8.p0i8", ir.LiteralStructType([V16I8] * count),
+                            [at])
+        return [b.extract_value(loaded, i) for i in range(count)]
+    return [b.load(b.bitcast(b.gep(at, [k.i64(16 * v)]), V16I8.as_pointer()), align=1) for v in range(count)]
 
 
 def _store_lanes(k: Kernel, values: ir.Value, first: int, width: int, at: ir.Value) -> None:
@@ -235,8 +257,20 @@ def _store_lanes(k: Kernel, values: ir.Value, first: int, width: int, at: ir.Val
     b.store(piece, b.bitcast(at, piece.type.as_pointer()), align=1)
 
 
-# Groups of 4 along the reduction a trip of a "dot" lanes tile's loop.
+# Groups of 4 along the reduction a trip of a "dot" lanes tile's loop: the
+# loop's counter, branch and pointer steps cost 7 instructions a trip
+# against 24 sdot a group.
 DOT_UNROLL = 4
+
+# Reductions of at least LD1_DEPTH4 groups load a group's 3 vectors with
+# one ld1 (3 consecutive registers), LD1_UNROLL groups a trip: 56
+# instructions a trip against 48 sdot, where separate loads took 116
+# against 96 (ResNet-50 int8 on the emulated Cortex-A76: 368.5 -> 363.8 M).
+# With 4 groups a trip, or a short reduction that LLVM unrolls fully, it
+# found no such registers beside the sums and spilled them (the 3-channel
+# stems of SqueezeNet and MobileNetV2 counted some 20 % more).
+LD1_DEPTH4 = 16
+LD1_UNROLL = 2
 
 # Reductions (in groups of 4) short enough for LLVM to unroll fully; see
 # _opaque. Up to 8 groups went that way too: in the reduction loop they
@@ -267,10 +301,18 @@ def _requantize_row(k: Kernel, sums: list, multipliers: list, attrs) -> ir.Value
     if k.target.arch != "aarch64":
         parts = [_requantize_vector(k, acc, m, attrs) for acc, m in zip(sums, multipliers)]
         return _concatenated(k, parts)
+    return rounded_to_8_bits(k, [b.fmul(b.sitofp(acc, V4F32), multiplier)
+                                 for acc, multiplier in zip(sums, multipliers)], attrs)
+
+
+def rounded_to_8_bits(k: Kernel, values: list, attrs) -> ir.Value:
+    """Vectors of 4 float32 values (AArch64), each rounded half to even,
+    offset by y_zero and saturated to the output's 8 bits (attrs' bounds
+    applied), as one vector of their bytes in order: see _requantize_row."""
+    b = k.builder
     halves = []
-    for acc, multiplier in zip(sums, multipliers):
-        value = _intrinsic(k, "llvm.aarch64.neon.fcvtns.v4i32.v4f32", V4I32,
-                           [b.fmul(b.sitofp(acc, V4F32), multiplier)])
+    for value in values:
+        value = _intrinsic(k, "llvm.aarch64.neon.fcvtns.v4i32.v4f32", V4I32, [value])
         halves.append(_intrinsic(k, "llvm.aarch64.neon.sqxtn.v4i16", V4I16, [value]))
     wide = _concatenated(k, halves + [ir.Constant(V4I16, ir.Undefined)] * (len(halves) % 2))
     lanes = wide.type.count

@@ -24,7 +24,7 @@ from llvmlite import ir
 
 from .conv import _deinterleaved
 from .emit import F32, I8, I32, I64, Kernel
-from .int8_dot import ROUNDING_LIMIT, _intrinsic
+from .int8_dot import ROUNDING_LIMIT, V4F32, _intrinsic, rounded_to_8_bits
 from .op_base import _prod
 from .quantize_ops import QUANT_RANGES, _IntegerOp, _extend, round_half_even, saturate, window_taps
 from .window import _resolve_window, _valid_range
@@ -59,7 +59,8 @@ def _dequantized(k: Kernel, value: ir.Value, dtype: str, scale: float, zero: int
 
 class IntegerTable(_IntegerOp):
     """y = table[x] for an 8-bit x: inputs x and the 256-entry table (indexed
-    by x's bits read as unsigned)."""
+    by x's bits read as unsigned), or one such table per channel (axis 1 of
+    an N x C x ... x), shaped (C, 256)."""
 
     op_type = "IntegerTable"
 
@@ -69,7 +70,13 @@ class IntegerTable(_IntegerOp):
     def lower(self, k, inputs, outputs, attrs):
         x, table = k.typed(k.inputs[0], inputs[0].dtype), k.typed(k.inputs[1], attrs["output_dtype"])
         y = k.typed(k.outputs[0], attrs["output_dtype"])
-        look_up(k, table, x, y, k.i64(0), outputs[0].size)
+        if len(inputs[1].shape) == 1:
+            look_up(k, table, x, y, k.i64(0), outputs[0].size)
+            return
+        batch, channels, inner = inputs[0].shape[0], inputs[0].shape[1], _prod(inputs[0].shape[2:])
+        with k.loop(batch * channels) as plane:
+            channel = k.builder.urem(plane, k.i64(channels))
+            look_up(k, k.builder.gep(table, [k.index((channel, 256))]), x, y, k.index((plane, inner)), inner)
 
 
 # Bytes a table lookup takes at a time on AArch64.
@@ -103,6 +110,26 @@ def look_up(k: Kernel, table: ir.Value, x: ir.Value, y: ir.Value, start: ir.Valu
         k.store(k.load(table, b.zext(k.load(x, at), I64)), y, at)
 
 
+# Values an AArch64 IntegerBinary takes at a time: 16 bytes of each input.
+BINARY_LANES = 16
+
+
+def _dequantized_quarters(k: Kernel, x: ir.Value, at: ir.Value, dtype: str, scale: float, zero: int) -> list:
+    """DequantizeLinear of x[at:at + 16] (8-bit) as 4 vectors of 4 float32:
+    x - zero in 16 bits (usubl / ssubl), then widened, converted and scaled,
+    the same float32 values _dequantized gives one at a time."""
+    b = k.builder
+    x16 = ir.VectorType(ir.IntType(16), BINARY_LANES)
+    loaded = b.load(b.bitcast(b.gep(x, [at]), ir.VectorType(I8, BINARY_LANES).as_pointer()), align=1)
+    extend = b.zext if dtype == "uint8" else b.sext
+    shifted = b.sub(extend(loaded, x16), ir.Constant(x16, [zero] * BINARY_LANES))
+    wide = b.sext(shifted, ir.VectorType(I32, BINARY_LANES))
+    scaled = b.fmul(b.sitofp(wide, ir.VectorType(F32, BINARY_LANES)), ir.Constant(ir.VectorType(F32, BINARY_LANES),
+                                                                                   [scale] * BINARY_LANES))
+    return [b.shuffle_vector(scaled, scaled, ir.Constant(ir.VectorType(I32, 4), list(range(q, q + 4))))
+            for q in range(0, BINARY_LANES, 4)]
+
+
 class IntegerBinary(_IntegerOp):
     """y = Q(DQ(a) + DQ(b)) or Q(DQ(a) * DQ(b)) (attrs["operation"] "Add" /
     "Mul") of two 8-bit tensors of one shape, in float32 in ONNX's order;
@@ -118,7 +145,17 @@ class IntegerBinary(_IntegerOp):
         a, c = (k.typed(ptr, t.dtype) for ptr, t in zip(k.inputs, inputs))
         y = k.typed(k.outputs[0], attrs["output_dtype"])
         combine = b.fadd if attrs["operation"] == "Add" else b.fmul
-        with k.loop(outputs[0].size) as i:
+        whole = outputs[0].size // BINARY_LANES if k.target.arch == "aarch64" else 0
+        if whole:
+            with k.loop(whole) as i:
+                at = b.mul(i, k.i64(BINARY_LANES))
+                quarters = [combine(x, z) for x, z in zip(
+                    _dequantized_quarters(k, a, at, inputs[0].dtype, attrs["a_scale"], attrs["a_zero"]),
+                    _dequantized_quarters(k, c, at, inputs[1].dtype, attrs["b_scale"], attrs["b_zero"]))]
+                scale = ir.Constant(V4F32, [attrs["output_scale"]] * 4)
+                value = rounded_to_8_bits(k, [b.fdiv(q, scale) for q in quarters], attrs)
+                b.store(value, b.bitcast(b.gep(y, [at]), value.type.as_pointer()), align=1)
+        with k.loop(outputs[0].size, start=whole * BINARY_LANES) as i:
             value = combine(_dequantized(k, k.load(a, i), inputs[0].dtype, attrs["a_scale"], attrs["a_zero"]),
                             _dequantized(k, k.load(c, i), inputs[1].dtype, attrs["b_scale"], attrs["b_zero"]))
             k.store(quantize_value(k, value, attrs), y, i)

@@ -361,6 +361,7 @@ class _Chain:
     def __init__(self, graph: Graph, op: Node, output: _Output, constants: dict, tensors: dict):
         self.graph, self.op, self.output = graph, op, output
         self.constants, self.tensors, self.nodes = constants, tensors, []
+        self.parameters: list = []
 
     def constant(self, suffix: str, value: np.ndarray) -> str:
         name = f"{self.op.name}/{suffix}"
@@ -415,14 +416,39 @@ def _chain_concat(chain: _Chain, inputs: list) -> bool:
 
 
 def _chain_binary(chain: _Chain, inputs: list) -> bool:
-    """Add or Mul of two tensors of the output's shape (a residual, a gate)."""
+    """Add, Sum or Mul of two tensors of the output's shape (a residual, a gate)."""
     shape = chain.tensors[chain.op.outputs[0]].shape
     if len(inputs) != 2 or any(chain.tensors[x.name].shape != shape for x in inputs):
         return False
     a, b = inputs
-    attrs = dict(chain.output.attrs(), operation=chain.op.op_type, a_scale=float(a.scale), a_zero=a.zero,
+    attrs = dict(chain.output.attrs(), operation="Add" if chain.op.op_type == "Sum" else chain.op.op_type, a_scale=float(a.scale), a_zero=a.zero,
                  b_scale=float(b.scale), b_zero=b.zero)
     chain.node("IntegerBinary", "", [a.name, b.name], chain.output.node.outputs[0], attrs, like=a.name)
+    return True
+
+
+def _chain_batchnorm(chain: _Chain, inputs: list) -> bool:
+    """BatchNormalization of constant parameters on an N x C x ... tensor
+    (one a Conv's rounding keeps from being folded into it): one table a
+    channel, of the float32 arithmetic ops.BatchNormalization does, then a
+    Relu if one follows."""
+    (x,), op, shape = inputs, chain.op, chain.tensors[inputs[0].name].shape
+    if len(shape) < 2 or any(value is None for value in chain.parameters):
+        return False
+    scale, bias, mean, var = (np.asarray(v, np.float32).reshape(-1) for v in chain.parameters)
+    if any(v.size != shape[1] for v in (scale, bias, mean, var)):
+        return False
+    a = scale / np.sqrt(var + np.float32(op.attrs["epsilon"]))
+    b = bias - mean * a
+    codes = np.arange(256, dtype=np.uint8).view(x.dtype)
+    values = dequantize_array(codes, x.scale, np.array(x.zero, x.dtype))
+    y = values[None, :] * a[:, None] + b[:, None]
+    if chain.output.relu:
+        y = np.maximum(y, np.float32(0))
+    table = quantize_array(y.astype(np.float32), chain.output.scale, np.array(chain.output.zero, chain.output.dtype))
+    attrs = {"output_dtype": chain.output.dtype}
+    chain.node("IntegerTable", "", [x.name, chain.constant("table", np.ascontiguousarray(table))],
+               chain.output.node.outputs[0], attrs, like=x.name)
     return True
 
 
@@ -463,24 +489,32 @@ def _pool_counts(shape, attrs) -> np.ndarray:
     return np.outer(rows, cols).astype(np.int32).reshape(-1)
 
 
-CHAINS = {"Concat": _chain_concat, "Add": _chain_binary, "Mul": _chain_binary, "MaxPool": _chain_pool,
+CHAINS = {"Concat": _chain_concat, "Add": _chain_binary, "Sum": _chain_binary, "Mul": _chain_binary,
+          "BatchNormalization": _chain_batchnorm, "MaxPool": _chain_pool,
           "AveragePool": _chain_pool,
           "GlobalAveragePool": _chain_pool, **{op: _chain_unary for op in UNARY_FUNCTIONS},
           **{op: _chain_alias for op in ("Flatten", "Reshape", "Squeeze", "Unsqueeze", "Dropout", "Identity")}}
+
+
+# Ops of one runtime input whose other inputs are constant parameters.
+PARAMETRISED = ("BatchNormalization",)
 
 
 def _lower_chain(graph: Graph, op: Node, producer: dict, readers: dict, constants: dict, tensors: dict):
     """The 8-bit nodes replacing DequantizeLinear(s) -> op -> [Relu] ->
     QuantizeLinear, and the QuantizeLinear (and Relu) they replace; None
     when op does not fit."""
-    inputs = [_dequantized_input(graph, producer.get(name)) for name in op.inputs]
+    runtime = op.inputs[:1] if op.op_type in PARAMETRISED else op.inputs
+    inputs = [_dequantized_input(graph, producer.get(name)) for name in runtime]
     if not inputs or None in inputs:
         return None
-    output = _quantized_output(graph, op, readers, relu=op.op_type in ("Add", "Mul"))
+    output = _quantized_output(graph, op, readers, relu=op.op_type in ("Add", "Sum", "Mul", "BatchNormalization"))
     if output is None:
         return None
     quantized = [_Quantized(x, graph.tensors[x].dtype, scale, zero) for x, scale, zero in inputs]
     chain = _Chain(graph, op, output, constants, tensors)
+    # A parametrised op's other inputs: constants, or DequantizeLinear of constants (None if not).
+    chain.parameters = [_bias(graph, producer, name)[0] for name in op.inputs[len(runtime):]]
     return (chain.nodes, [n.name for n in readers[op.outputs[0]]] + [output.node.name]) \
         if CHAINS[op.op_type](chain, quantized) else None
 

@@ -117,6 +117,38 @@ def wide_net(seed: int = 0) -> onnx.ModelProto:
     return make_model(nodes, {"x": WIDE_SHAPE}, {"y": (1, 10)}, inits)
 
 
+BN_SHAPE = (1, 3, 9, 9)
+
+
+def batchnorm_net(seed: int = 0) -> onnx.ModelProto:
+    """A residual block written as some exporters write it (Caffe2's
+    ResNets): convolutions without bias, each followed by its own
+    BatchNormalization (that the quantizer keeps apart, with a
+    QuantizeLinear between), the residual as a Sum, then Relu and a 1 x 1
+    convolution. 16
+    channels of 9 x 9 pixels (a plane of 16-pixel vectors and a remainder).
+    Input "x" BN_SHAPE, output "y" (1, 16, 9, 9)."""
+    rng = np.random.default_rng(seed)
+    inits = {}
+    for name, cin in (("c1", 3), ("c2", 16), ("c3", 16)):
+        inits[f"{name}_w"] = (rng.standard_normal((16, cin, 3, 3)) / np.sqrt(cin * 9)).astype(np.float32)
+        inits[f"{name}_s"] = rng.uniform(0.5, 2.0, 16).astype(np.float32)
+        inits[f"{name}_b"] = (0.2 * rng.standard_normal(16)).astype(np.float32)
+        inits[f"{name}_m"] = (0.1 * rng.standard_normal(16)).astype(np.float32)
+        inits[f"{name}_v"] = rng.uniform(0.5, 1.5, 16).astype(np.float32)
+    nodes = []
+    for name, x in (("c1", "x"), ("c2", "r1"), ("c3", "r2")):
+        nodes.append(helper.make_node("Conv", [x, f"{name}_w"], [f"{name}"], pads=[1, 1, 1, 1]))
+        nodes.append(helper.make_node("BatchNormalization", [name] + [f"{name}_{p}" for p in "sbmv"],
+                                      [f"{name}_bn"]))
+        if name != "c3":
+            nodes.append(helper.make_node("Relu", [f"{name}_bn"], [f"r{name[1]}"]))
+    inits["c4_w"] = (rng.standard_normal((16, 16, 1, 1)) / 4).astype(np.float32)
+    nodes += [helper.make_node("Sum", ["c3_bn", "r1"], ["sum"]), helper.make_node("Relu", ["sum"], ["r3"]),
+              helper.make_node("Conv", ["r3", "c4_w"], ["y"])]
+    return make_model(nodes, {"x": BN_SHAPE}, {"y": (1, 16, 9, 9)}, inits)
+
+
 CONVS_SHAPE = (2, 3, 8, 40)
 
 
@@ -161,6 +193,8 @@ STATIC_FORMS = {
     "wide_qdq_per_channel_u8s8": ("QDQ", True, "QUInt8", "QInt8", True),
     # conv_stack (see input_shape).
     "convs_qdq_per_channel_u8s8": ("QDQ", True, "QUInt8", "QInt8", True),
+    # batchnorm_net (see input_shape).
+    "bn_qdq_per_channel_u8s8": ("QDQ", True, "QUInt8", "QInt8", True),
 }
 FORMS = tuple(STATIC_FORMS) + ("dynamic",)
 # The forms the default test run covers (one of each kind); the others run
@@ -170,8 +204,9 @@ DEFAULT_FORMS = ("qdq_per_tensor_u8", "qdq_per_channel_s8", "qoperator_u8", "dyn
 
 def input_shape(form: str) -> tuple:
     """The input shape of a form's model: wide_net's for the wide forms,
-    conv_stack's for the convs forms."""
-    return WIDE_SHAPE if form.startswith("wide") else CONVS_SHAPE if form.startswith("convs") else INPUT_SHAPE
+    conv_stack's for the convs forms, batchnorm_net's for the bn forms."""
+    shapes = {"wide": WIDE_SHAPE, "convs": CONVS_SHAPE, "bn": BN_SHAPE}
+    return shapes.get(form.split("_")[0], INPUT_SHAPE)
 
 
 def quantized_model(form: str) -> onnx.ModelProto:
@@ -193,7 +228,7 @@ def _quantize(form: str, folder: pathlib.Path) -> onnx.ModelProto:
                                           quantize_static)
 
     source, target = folder / "fp32.onnx", folder / f"{form}.onnx"
-    nets = {"dynamic": dense_net, "wide": wide_net, "convs": conv_stack}
+    nets = {"dynamic": dense_net, "wide": wide_net, "convs": conv_stack, "bn": batchnorm_net}
     onnx.save(nets.get(form.split("_")[0], conv_net)(), source)
     if form == "dynamic":
         quantize_dynamic(str(source), str(target))

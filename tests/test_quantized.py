@@ -92,6 +92,31 @@ def test_quantized_model_computes_in_8_bits_from_its_first_quantize_to_its_last_
     assert wide <= {"uint8", "int8"}, (wide, kinds)
 
 
+def test_batchnorm_and_sum_between_quantized_convolutions_run_in_8_bits(tmp_path):
+    """A BatchNormalization the quantizer keeps apart from its convolution
+    (a QuantizeLinear between them) becomes one table a channel, a Sum of
+    two the 8-bit Add, Relus folded into both; the module gives
+    onnxruntime's int8 outputs."""
+    from crosscompile.compiler import lowered_graph
+    from crosscompile.schedule import tile_table
+    from crosscompile.target import resolve_target
+
+    form = "bn_qdq_per_channel_u8s8"
+    model = quantized_model(form)
+    assert {"BatchNormalization", "Sum"} <= {n.op_type for n in model.graph.node}
+    target = resolve_target("host")
+    _, _, graph = lowered_graph(model, target, None, tile_table(target, None))
+    kinds = [node.op_type for node in graph.nodes]
+    assert not {"BatchNormalization", "Sum", "Relu"} & set(kinds), kinds
+    assert kinds.count("QuantizeLinear") == 1 and kinds.count("DequantizeLinear") == 1, kinds
+    tables = [graph.constants[n.inputs[1]].shape for n in graph.nodes if n.op_type == "IntegerTable"]
+    assert tables.count((16, 256)) == 3 and kinds.count("IntegerBinary") == 1, (tables, kinds)
+    module = minirt.load(crosscompile.build(model).export_library(tmp_path / "bn.so"))
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for feeds in calibration(3, seed=11, shape=input_shape(form)):
+        assert_within_one_step(module.run(feeds)[0], session.run(None, feeds)[0], output_step(model), form)
+
+
 def _dequantized_matmul(dtype: int, values) -> onnx.ModelProto:
     weight = helper.make_tensor("w_q", dtype, [4, 2], values)
     nodes = [helper.make_node("DequantizeLinear", ["w_q", "w_scale"], ["w"], name="weight_dq"),

@@ -30,14 +30,14 @@ BOARDS = [("native-aarch64", "rasp5"), ("native-aarch64", "rasp4b64"),
 @pytest.mark.emulated
 @pytest.mark.parametrize("kind, target", BOARDS)
 def test_quantized_model_matches_onnxruntime_on_emulated_board(kind, target, tmp_path):
-    """conv_net and wide_net (rows wide enough for the vector blocks of the
-    kernels and their remainders), each in 8 bits from its first
-    QuantizeLinear to its last DequantizeLinear."""
+    """conv_net, wide_net (rows wide enough for the vector blocks of the
+    kernels and their remainders) and batchnorm_net (per-channel tables),
+    each in 8 bits from its first QuantizeLinear to its last DequantizeLinear."""
     command = board_servers.command(kind)
     key = f"quantized-{kind}"
     with local_farm(keys=[key], server_command=command) as farm:
         with rpc.connect_tracker(*farm.tracker).request(key, timeout=120) as sess:
-            for form in ("qdq_per_channel_s8", "wide_qdq_per_channel_u8s8"):
+            for form in ("qdq_per_channel_s8", "wide_qdq_per_channel_u8s8", "bn_qdq_per_channel_u8s8"):
                 model = quantized_model(form)
                 path = crosscompile.build(model, target=target).export_library(os.path.join(tmp_path, f"{form}.so"))
                 feeds = calibration(1, seed=21, shape=input_shape(form))[0]
