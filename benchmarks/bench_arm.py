@@ -8,7 +8,10 @@ Models: squeezenet and resnet50 from the onnx package's light zoo (random
 parameters, as in tests/test_zoo.py), resnet18, mobilenetv2,
 efficientnet_b0 and regnet_x_400mf (grouped 3x3 convolutions) built by tests/architectures.py; one 1 x 3 x 224 x 224 image
 each; and vit_block, the ViT encoder block of tests/transformer_models.py
-(17 tokens, its attention one fused kernel). Counts come from
+(17 tokens, its attention one fused kernel); or .onnx files (e.g.
+benchmarks/export_torchvision.py's, whose ResNet-50 folds each
+BatchNormalization into its convolution where the light zoo's keeps it
+apart). Counts come from
 deploy_recipes/instruction_count.py (a qemu plugin, R and R + N inferences).
 A count is exact and repeatable where wall time under emulation means
 nothing, but it is not a time: use the ratios, and confirm on a board.
@@ -111,7 +114,7 @@ def model_inputs(model: onnx.ModelProto) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*", default=list(MODELS),
-                        help=f"default: all of {', '.join(MODELS)}")
+                        help=f"default: all of {', '.join(MODELS)}; or .onnx files")
     parser.add_argument("--targets", default="rasp4b64",
                         help=f"comma-separated presets of {', '.join(TARGETS)} (default rasp4b64)")
     parser.add_argument("--runs", type=int, default=3, help="inferences counted after the first")
@@ -130,15 +133,19 @@ def main() -> int:
         if name not in TARGETS:
             parser.error(f"unknown target {name!r}; choose from {', '.join(TARGETS)}")
     for name in args.models:
-        if name not in MODELS:
-            parser.error(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+        if name not in MODELS and not (name.endswith(".onnx") and os.path.exists(name)):
+            parser.error(f"unknown model {name!r}; choose from {', '.join(MODELS)} or give an .onnx file")
     site = None if args.no_ort else onnxruntime_site()
 
     print(f"{'model':15} {'target':9} {'core':11} {'prec':4} {'ours M':>9} {'ort M':>9} {'ours/ort':>8} "
           f"{'cos':>8}" + (f" {'steps':>8}" if args.int8 else ""))
     with tempfile.TemporaryDirectory() as folder:
         for name in args.models:
-            model = MODELS[name]()
+            if name in MODELS:
+                model = MODELS[name]()
+            else:  # an .onnx file, e.g. one of export_torchvision.py's
+                model = onnx.load(name)
+                name = os.path.splitext(os.path.basename(name))[0]
             inputs = model_inputs(model)
             onnx_path = os.path.join(folder, f"{name}.onnx")
             onnx.save(model, onnx_path)
