@@ -281,7 +281,10 @@ def choose(target, geometry, channels: int, rows: int, group: int) -> int:
     p = plan(geometry, channels, rows)
     if p is None or group != 1 or not target.winograd or min(channels, rows) < MIN_CHANNELS:
         return 0
-    direct = 9 * channels * rows * (p.oh * (p.w + 2 * p.dilation) + WEIGHT_VECTOR_COST) / target.lanes
+    # The direct GEMM's columns: a grid as wide as the padded rows (undilated),
+    # or the output itself (a dilated one: im2col or the transposed tile).
+    columns = p.oh * (p.w + 2) if p.dilation == 1 else p.oh * p.ow
+    direct = 9 * channels * rows * (columns + WEIGHT_VECTOR_COST) / target.lanes
     costs = {tile: _cost(target, plan(geometry, channels, rows, tile)) for tile in target.winograd_tiles}
     best = min(costs, key=costs.get, default=0)
     return best if best and costs[best] < direct else 0

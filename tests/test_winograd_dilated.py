@@ -12,6 +12,7 @@ from onnx import numpy_helper
 import crosscompile
 import minirt
 from crosscompile import winograd
+from crosscompile.target import resolve_target
 from tests.cross_targets import emulated_tools, run_emulated
 from tests.onnx_models import conv_relu_model, reference, sample_input
 from tests.test_winograd import ERROR_ROUNDINGS
@@ -78,3 +79,14 @@ def test_plan_splits_a_dilated_convolution_into_phases():
     assert (p.phases, p.th, p.tw, p.tiles, p.hp, p.wp) == (16, 4, 4, 256, 10, 10)
     uneven = ((1, 28, 28), (1, 3, 3), (1, 1, 1), (1, 2, 4), (0, 2, 4), (0, 2, 4), (1, 28, 28))
     assert winograd.plan(uneven, 64, 64) is None
+
+
+@pytest.mark.parametrize("preset", ["rasp4b64", "rasp3b"])
+def test_chosen_where_phases_hold_whole_tiles(preset):
+    target = resolve_target(preset)
+    backbone = ((1, 28, 28), (1, 3, 3), (1, 1, 1), (1, 4, 4), (0, 4, 4), (0, 4, 4), (1, 28, 28))
+    assert winograd.choose(target, backbone, 512, 512, 1)
+    # ASPP's dilation 12 on a 14 x 14 map: 144 phases of one or two
+    # outputs a side, each a whole tile of products for a pixel or four.
+    aspp = ((1, 14, 14), (1, 3, 3), (1, 1, 1), (1, 12, 12), (0, 12, 12), (0, 12, 12), (1, 14, 14))
+    assert not winograd.choose(target, aspp, 960, 256, 1)
