@@ -1,5 +1,6 @@
 """Winograd F(2x2, 3x3) and F(4x4, 3x3): dense 3x3 stride-1 convolutions
-in fewer multiplications.
+(dilated ones as planes of their phases, see WinogradPlan) in fewer
+multiplications.
 
 Each m x m block of output pixels (a tile) of one output channel is
 A^T [sum_c (G g_c G^T) * (B^T d_c B)] A, with g_c the channel's 3x3 filter,
@@ -381,20 +382,18 @@ def _transform_input(k: Kernel, p: WinogradPlan, x_base, padded, v) -> None:
     bld, X = k.builder, k.inputs[0]
     variant, ops, step = p.variant, _Ops(k), p.tile
     size = variant.patch
-    d = p.dilation
+    dilation = p.dilation
     with k.share(p.channels) as (c_lo, c_hi), k.loop(c_hi, start=c_lo) as c, k.loop(p.phases) as phase:
         src_plane = k.index((x_base, 1), (c, p.h * p.w))
         dst_plane = k.index((c, p.phases * p.hp * p.wp), (phase, p.hp * p.wp))
-        if d > 1:
-            ph_row = divide(k, phase, d)
-            ph_col = bld.sub(phase, bld.mul(ph_row, k.i64(d)))
+        # Row y, column x of phase (a, b) is the padded input's (a + d y, b + d x).
+        phase_row, phase_col = (0, 0) if dilation == 1 else _phase(k, phase, dilation)
         with k.loop(p.hp) as y:
-            # Row y of phase (a, b) is padded row a + d y (see WinogradPlan).
-            iy = k.index((y, d), (-p.pad_top, 1)) if d == 1 else k.index((y, d), (ph_row, 1), (-p.pad_top, 1))
+            iy = k.index((y, dilation), (phase_row, 1), (-p.pad_top, 1))
             row_inside = k.in_range(iy, p.h)
             dst = k.index((dst_plane, 1), (y, p.wp))
             with k.loop(p.wp) as x:
-                ix = k.index((x, d), (-p.pad_left, 1)) if d == 1 else k.index((x, d), (ph_col, 1), (-p.pad_left, 1))
+                ix = k.index((x, dilation), (phase_col, 1), (-p.pad_left, 1))
                 inside = bld.and_(row_inside, k.in_range(ix, p.w))
                 src = bld.select(inside, k.index((src_plane, 1), (iy, p.w), (ix, 1)), src_plane)
                 k.store(bld.select(inside, k.load(X, src), k.f32(0.0)), padded, bld.add(dst, x))
@@ -484,8 +483,7 @@ def _transform_output_phases(k: Kernel, p: WinogradPlan, m, y_base, bias, residu
     with k.share(p.rows) as (r_lo, r_hi), k.loop(r_hi, start=r_lo) as r:
         start = k.load(bias, r) if bias is not None else k.f32(0.0)
         with k.loop(p.phases) as phase, k.loop(p.th) as ty, k.loop(p.tw) as tx:
-            a = divide(k, phase, d)
-            b = bld.sub(phase, bld.mul(a, k.i64(d)))
+            a, b = _phase(k, phase, d)
             t = k.index((phase, p.phase_tiles), (ty, p.tw), (tx, 1))
             mv = [[k.load(m, k.index((t, 1), (r, p.tiles), ((i * size + j) * p.m_stride, 1))) for j in range(size)]
                   for i in range(size)]
@@ -499,6 +497,12 @@ def _transform_output_phases(k: Kernel, p: WinogradPlan, m, y_base, bias, residu
                                               bld.icmp_signed("<", x, k.i64(p.ow)))):
                         at = k.index((y_base, 1), (r, p.oh * p.ow), (y, p.ow), (x, 1))
                         k.store(_epilogue(k, bld.fadd(start, value), residual, residual_at, at), k.outputs[0], at)
+
+
+def _phase(k: Kernel, phase, dilation: int) -> tuple:
+    """(a, b): the row and column offsets of phase plane a * dilation + b."""
+    a = divide(k, phase, dilation)
+    return a, k.builder.sub(phase, k.builder.mul(a, k.i64(dilation)))
 
 
 def _load(k: Kernel, ptr, at, width: int):
