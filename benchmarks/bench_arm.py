@@ -62,7 +62,7 @@ from deploy_recipes import emulate, instruction_count  # noqa: E402
 from crosscompile.target import resolve_target  # noqa: E402
 from remote.defaults import cache_dir  # noqa: E402
 from tests.architectures import efficientnet_b0, mobilenet_v2, regnet_x_400mf, resnet  # noqa: E402
-from tests.onnx_models import zoo_model  # noqa: E402
+from tests.onnx_models import conv_relu_model, zoo_model  # noqa: E402
 from tests.quantized_models import output_step  # noqa: E402
 from tests.segmentation_models import aspp  # noqa: E402
 from tests.transformer_models import vit_block  # noqa: E402
@@ -77,6 +77,11 @@ MODELS = {
     "regnet_x_400mf": regnet_x_400mf,
     "vit_block": lambda: vit_block(opset=17),
     "aspp": aspp,
+    # DeepLabV3-ResNet's dilated 3x3 convolutions (output stride 8), at 128
+    # channels to keep the emulated runs short, and the same one undilated.
+    "dilated_3x3": lambda: conv_relu_model((1, 128, 28, 28), (128, 128, 3, 3), {"pads": [2] * 4,
+                                                                               "dilations": [2, 2]}),
+    "plain_3x3": lambda: conv_relu_model((1, 128, 28, 28), (128, 128, 3, 3), {"pads": [1] * 4}),
 }
 # preset: (Debian architecture, qemu core, whether onnxruntime has a wheel for it).
 TARGETS = {

@@ -1,5 +1,6 @@
 """Winograd F(2x2, 3x3) and F(4x4, 3x3): dense 3x3 stride-1 convolutions
-in fewer multiplications.
+(dilated ones as planes of their phases, see WinogradPlan) in fewer
+multiplications.
 
 Each m x m block of output pixels (a tile) of one output channel is
 A^T [sum_c (G g_c G^T) * (B^T d_c B)] A, with g_c the channel's 3x3 filter,
@@ -31,7 +32,7 @@ import numpy as np
 from llvmlite import ir
 
 from .emit import F32, Kernel
-from .gemm import (GemmTile, channel_tile, emit_channel_gemm, emit_gemm, i32_table, pack_weights,
+from .gemm import (GemmTile, channel_tile, divide, emit_channel_gemm, emit_gemm, i32_table, pack_weights,
                    tile_for)
 from .vectors import _fmuladd, _vector_ptr, interleave, load_strided, splat, vector_epilogue
 
@@ -103,7 +104,17 @@ class WinogradPlan:
     """Sizes of one image's Winograd convolution and its scratch layout:
     the padded input (channels x hp x wp), V (patch^2 x channels x tiles,
     the positions v_stride apart) and M (patch^2 x rows x tiles, m_stride
-    apart), one after the other. tile: the variant's output tile (2 or 4)."""
+    apart), one after the other. tile: the variant's output tile (2 or 4).
+
+    A convolution dilated by d (both axes) is d x d undilated ones: the
+    outputs (a + d y, b + d x) of phase (a, b) read only the inputs
+    (a + d u, b + d v) of the padded image, as a 3x3 kernel with no
+    dilation. The padded copy then holds d x d phase planes per channel
+    (hp x wp each, for ceil(oh / d) x ceil(ow / d) outputs), the tiles of
+    every phase are the columns of the products, and the output transform
+    writes each phase's pixels d apart. Deeplab's backbones (dilation 2 and
+    4 at 28 x 28) thus run as fast as undilated 3x3 convolutions.
+    """
     tile: int
     channels: int
     rows: int          # output channels
@@ -113,6 +124,7 @@ class WinogradPlan:
     pad_left: int
     h: int
     w: int
+    dilation: int = 1
 
     @property
     def variant(self) -> Variant:
@@ -124,16 +136,26 @@ class WinogradPlan:
         return self.variant.patch ** 2
 
     @property
+    def phases(self) -> int:
+        """Phase planes per channel: dilation squared."""
+        return self.dilation ** 2
+
+    @property
     def th(self) -> int:
-        return -(-self.oh // self.tile)
+        """Rows of tiles of one phase."""
+        return -(-self.oh // (self.tile * self.dilation))
 
     @property
     def tw(self) -> int:
-        return -(-self.ow // self.tile)
+        return -(-self.ow // (self.tile * self.dilation))
+
+    @property
+    def phase_tiles(self) -> int:
+        return self.th * self.tw
 
     @property
     def tiles(self) -> int:
-        return self.th * self.tw
+        return self.phases * self.phase_tiles
 
     @property
     def hp(self) -> int:
@@ -145,7 +167,7 @@ class WinogradPlan:
 
     @property
     def v_at(self) -> int:
-        return _aligned(self.channels * self.hp * self.wp)
+        return _aligned(self.channels * self.phases * self.hp * self.wp)
 
     @property
     def v_stride(self) -> int:
@@ -190,11 +212,11 @@ def _skewed(floats: int) -> int:
 def plan(geometry, channels: int, rows: int, tile: int = 2) -> "WinogradPlan | None":
     """The plan of a convolution (window geometry as window._resolve_window
     gives it) if Winograd F(tile x tile, 3x3) computes it: a 2-D 3x3
-    kernel, stride 1, no dilation."""
-    (dz, h, w), kernel, strides, dilations, (_, pt, pl), _, (oz, oh, ow) = geometry
-    if dz != 1 or tuple(kernel) != (1, 3, 3) or set(strides) != {1} or set(dilations) != {1}:
+    kernel, stride 1, the same dilation on both axes (see WinogradPlan)."""
+    (dz, h, w), kernel, strides, (_, dh, dw), (_, pt, pl), _, (oz, oh, ow) = geometry
+    if dz != 1 or tuple(kernel) != (1, 3, 3) or set(strides) != {1} or dh != dw:
         return None
-    return WinogradPlan(tile, channels, rows, oh, ow, pt, pl, h, w)
+    return WinogradPlan(tile, channels, rows, oh, ow, pt, pl, h, w, dh)
 
 
 def product_tile(target, p: WinogradPlan, precision: str = "fp32") -> GemmTile:
@@ -260,7 +282,10 @@ def choose(target, geometry, channels: int, rows: int, group: int) -> int:
     p = plan(geometry, channels, rows)
     if p is None or group != 1 or not target.winograd or min(channels, rows) < MIN_CHANNELS:
         return 0
-    direct = 9 * channels * rows * (p.oh * (p.w + 2) + WEIGHT_VECTOR_COST) / target.lanes
+    # The direct GEMM's columns: a grid as wide as the padded rows (undilated),
+    # or the output itself (a dilated one: im2col or the transposed tile).
+    columns = p.oh * (p.w + 2) if p.dilation == 1 else p.oh * p.ow
+    direct = 9 * channels * rows * (columns + WEIGHT_VECTOR_COST) / target.lanes
     costs = {tile: _cost(target, plan(geometry, channels, rows, tile)) for tile in target.winograd_tiles}
     best = min(costs, key=costs.get, default=0)
     return best if best and costs[best] < direct else 0
@@ -357,15 +382,18 @@ def _transform_input(k: Kernel, p: WinogradPlan, x_base, padded, v) -> None:
     bld, X = k.builder, k.inputs[0]
     variant, ops, step = p.variant, _Ops(k), p.tile
     size = variant.patch
-    with k.share(p.channels) as (c_lo, c_hi), k.loop(c_hi, start=c_lo) as c:
+    dilation = p.dilation
+    with k.share(p.channels) as (c_lo, c_hi), k.loop(c_hi, start=c_lo) as c, k.loop(p.phases) as phase:
         src_plane = k.index((x_base, 1), (c, p.h * p.w))
-        dst_plane = k.index((c, p.hp * p.wp))
+        dst_plane = k.index((c, p.phases * p.hp * p.wp), (phase, p.hp * p.wp))
+        # Row y, column x of phase (a, b) is the padded input's (a + d y, b + d x).
+        phase_row, phase_col = (0, 0) if dilation == 1 else _phase(k, phase, dilation)
         with k.loop(p.hp) as y:
-            iy = k.index((y, 1), (-p.pad_top, 1))
+            iy = k.index((y, dilation), (phase_row, 1), (-p.pad_top, 1))
             row_inside = k.in_range(iy, p.h)
             dst = k.index((dst_plane, 1), (y, p.wp))
             with k.loop(p.wp) as x:
-                ix = k.index((x, 1), (-p.pad_left, 1))
+                ix = k.index((x, dilation), (phase_col, 1), (-p.pad_left, 1))
                 inside = bld.and_(row_inside, k.in_range(ix, p.w))
                 src = bld.select(inside, k.index((src_plane, 1), (iy, p.w), (ix, 1)), src_plane)
                 k.store(bld.select(inside, k.load(X, src), k.f32(0.0)), padded, bld.add(dst, x))
@@ -382,7 +410,7 @@ def _transform_input(k: Kernel, p: WinogradPlan, x_base, padded, v) -> None:
                           if width > 1 else k.load(padded, bld.add(corner, k.i64(r * p.wp + s)))
                           for s in range(size)] for r in range(size)]
                     columns = [variant.input_rows(ops, [d[r][s] for r in range(size)]) for s in range(size)]
-                    t = k.index((ty, p.tw), (tx, 1))
+                    t = k.index((phase, p.phase_tiles), (ty, p.tw), (tx, 1))
                     for a in range(size):
                         for b, value in enumerate(variant.input_rows(ops, [columns[s][a] for s in range(size)])):
                             at = k.index((t, 1), (c, p.tiles), ((a * size + b) * p.v_stride, 1))
@@ -414,6 +442,9 @@ def _transform_output(k: Kernel, p: WinogradPlan, m, y_base, bias, residual, res
     vector form, then one tile at a time; a last row or column of tiles of
     an output whose size is not a whole number of tiles writes only the
     pixels inside it."""
+    if p.dilation > 1:
+        _transform_output_phases(k, p, m, y_base, bias, residual, residual_at)
+        return
     bld, Y = k.builder, k.outputs[0]
     variant, ops, step = p.variant, _Ops(k), p.tile
     size = variant.patch
@@ -440,6 +471,38 @@ def _transform_output(k: Kernel, p: WinogradPlan, m, y_base, bias, residual, res
                                 at = bld.add(out, k.i64(j))
                                 value = _epilogue(k, bld.fadd(start, value), residual, residual_at, at)
                                 k.store(value, Y, at)
+
+
+def _transform_output_phases(k: Kernel, p: WinogradPlan, m, y_base, bias, residual, residual_at) -> None:
+    """_transform_output of a dilated plan: tile by tile, each phase's
+    pixels d apart in both axes, those past the output's edge (phases of
+    fewer rows or columns than others, tiles past a phase's) not stored."""
+    bld = k.builder
+    variant, ops, step, d = p.variant, _Ops(k), p.tile, p.dilation
+    size = variant.patch
+    with k.share(p.rows) as (r_lo, r_hi), k.loop(r_hi, start=r_lo) as r:
+        start = k.load(bias, r) if bias is not None else k.f32(0.0)
+        with k.loop(p.phases) as phase, k.loop(p.th) as ty, k.loop(p.tw) as tx:
+            a, b = _phase(k, phase, d)
+            t = k.index((phase, p.phase_tiles), (ty, p.tw), (tx, 1))
+            mv = [[k.load(m, k.index((t, 1), (r, p.tiles), ((i * size + j) * p.m_stride, 1))) for j in range(size)]
+                  for i in range(size)]
+            columns = [variant.output_rows(ops, [mv[i][j] for i in range(size)]) for j in range(size)]
+            for i in range(step):
+                y = k.index((a, 1), (ty, step * d), (i * d, 1))
+                pixels = variant.output_rows(ops, [columns[j][i] for j in range(size)])
+                for j, value in enumerate(pixels):
+                    x = k.index((b, 1), (tx, step * d), (j * d, 1))
+                    with bld.if_then(bld.and_(bld.icmp_signed("<", y, k.i64(p.oh)),
+                                              bld.icmp_signed("<", x, k.i64(p.ow)))):
+                        at = k.index((y_base, 1), (r, p.oh * p.ow), (y, p.ow), (x, 1))
+                        k.store(_epilogue(k, bld.fadd(start, value), residual, residual_at, at), k.outputs[0], at)
+
+
+def _phase(k: Kernel, phase, dilation: int) -> tuple:
+    """(a, b): the row and column offsets of phase plane a * dilation + b."""
+    a = divide(k, phase, dilation)
+    return a, k.builder.sub(phase, k.builder.mul(a, k.i64(dilation)))
 
 
 def _load(k: Kernel, ptr, at, width: int):
