@@ -63,6 +63,9 @@ constexpr int64_t kPartialRecheckMs = 50;
 constexpr int kRegisterWaitMs = 5000;
 // What a session's process printed, kept for its end reason.
 constexpr size_t kOutputTailBytes = 16 * 1024;
+// How long an open waits for the slot of a session whose client closed it
+// (its process is ending) before it answers that the device is busy.
+constexpr int kClosingWaitMs = 10000;
 // How often a session's watcher looks whether its process has ended, while
 // processes the module started keep the process's control socket open.
 constexpr int kExitCheckMs = 250;
@@ -270,6 +273,8 @@ struct Session {
   pid_t pid = 0;
   int control = -1;
   std::string stop_class, stop_reason, own_class, own_reason, tail;
+  // The client closed it: its process has answered and is ending.
+  bool closing = false;
   bool gone = false, reported = false;
 };
 
@@ -382,17 +387,22 @@ class DeviceService {
     std::string refused;
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      auto deadline = std::chrono::steady_clock::now() +
-                      std::chrono::milliseconds(static_cast<int64_t>(options_.session_queue_s * 1000));
+      auto now = std::chrono::steady_clock::now();
+      auto queued = now + std::chrono::milliseconds(static_cast<int64_t>(options_.session_queue_s * 1000));
+      // A session its client has closed ends within moments: its slot is
+      // waited for, whatever --session-queue says, so that a client that
+      // closes and opens again is not turned away.
+      auto closing = now + std::chrono::milliseconds(kClosingWaitMs);
       while (static_cast<int>(sessions_.size()) >= options_.max_sessions) {
-        if (stopping_ || slot_free_.wait_until(lock, deadline) == std::cv_status::timeout) {
-          if (static_cast<int>(sessions_.size()) < options_.max_sessions && !stopping_) break;
+        auto deadline = any_closing() ? std::max(queued, closing) : queued;
+        if (stopping_ || std::chrono::steady_clock::now() >= deadline) {
           std::string waited = options_.session_queue_s > 0 ? " after waiting " + fmt_g(options_.session_queue_s) + " s" : "";
           refused = "device busy: " + std::to_string(sessions_.size()) + " session(s) open, at most " +
                     std::to_string(options_.max_sessions) + waited +
                     "; try again later or use a tracker to queue (server options --max-sessions, --session-queue)";
           break;
         }
+        slot_free_.wait_until(lock, deadline);
       }
       if (refused.empty()) {
         session = std::make_shared<Session>();
@@ -717,9 +727,22 @@ class DeviceService {
     } else if (line.compare(0, 4, "log\t") == 0) {
       log_line("session %.8s %s", session->id.c_str(), line.c_str() + 4);
     } else if (line == "close") {
-      end(session->id, "closed by the client", "SessionEnded", false);
-      send_all(session->control, "released\n", 9);
+      // The client closed the session: its process answers it and ends, and
+      // the end of the process ends the session (watch), so the board goes
+      // back to the tracker only once nothing of the session is left.
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        session->closing = true;
+      }
+      send_all(session->control, "closing\n", 8);
     }
+  }
+
+  // Called with mutex_ held.
+  bool any_closing() const {
+    for (const auto& kv : sessions_)
+      if (kv.second->closing) return true;
+    return false;
   }
 
   static void describe(const Session& s, int status, std::string* error_class, std::string* reason) {

@@ -388,12 +388,14 @@ class SessionServer {
   }
 
   [[noreturn]] void close_session() {
-    // Answered once the server has given the board back, so it is free
-    // again when the client's `with` block ends.
+    // Answered as soon as the server knows the session is closing (so that
+    // the client may open the next one at once); the rest of the teardown
+    // follows the answer. The server ends the session when this process is
+    // gone, and only then gives the board back to the tracker.
     log_polling();  // before the answer: the client's with block ends after it
-    workspace_.remove_all();
-    bool released = ask_server_close();
-    if (released) {
+    report_end("SessionEnded", "closed by the client");
+    bool noted = ask_server_close();
+    if (noted) {
       Frame ok;
       ok.op = "ok";
       conn_.send(ok);
@@ -401,12 +403,13 @@ class SessionServer {
       conn_.send(error_frame("RemoteError", "the device server did not confirm the end of the session"));
     }
     conn_.close();
+    workspace_.remove_all();
     _exit(0);
   }
 
   bool ask_server_close() {
     if (!send_all(settings_.control_fd, "close\n", 6)) return false;
-    // The server answers "released" on the control socket; it is read here
+    // The server answers "closing" on the control socket; it is read here
     // (the lifeline thread only watches for the server's end).
     std::string buffered;
     int64_t deadline = monotonic_ms() + 60000;
@@ -419,7 +422,7 @@ class SessionServer {
       ssize_t n = ::recv(settings_.control_fd, data, sizeof data, 0);
       if (n <= 0) return false;
       buffered.append(data, static_cast<size_t>(n));
-      if (buffered.find("released\n") != std::string::npos) return true;
+      if (buffered.find("closing\n") != std::string::npos) return true;
     }
   }
 

@@ -10,7 +10,7 @@ namespace tether {
 
 struct SessionSettings {
   int conn_fd = -1;      // the client's connection
-  int control_fd = -1;   // to the server: "end\t<class>\t<reason>", "close"; back: "released"
+  int control_fd = -1;   // to the server: "end\t<class>\t<reason>", "close"; back: "closing"
   std::string workspace;
   int64_t max_bytes = 0;
   double idle_timeout_s = 0;
