@@ -66,6 +66,9 @@ constexpr size_t kOutputTailBytes = 16 * 1024;
 // How long an open waits for the slot of a session whose client closed it
 // (its process is ending) before it answers that the device is busy.
 constexpr int kClosingWaitMs = 10000;
+// How long an open waits for a session process being started ahead of need
+// to be ready, before it starts one of its own.
+constexpr int kSpareReadyWaitMs = 2000;
 // How often a session's watcher looks whether its process has ended, while
 // processes the module started keep the process's control socket open.
 constexpr int kExitCheckMs = 250;
@@ -275,6 +278,9 @@ struct Session {
   std::string stop_class, stop_reason, own_class, own_reason, tail;
   // The client closed it: its process has answered and is ending.
   bool closing = false;
+  // A client's session (false while its process waits, started ahead of
+  // need, for a connection), and whether that process is ready for one.
+  bool taken = false, ready = false;
   bool gone = false, reported = false;
 };
 
@@ -313,13 +319,52 @@ class DeviceService {
 
   void stop_all() {
     std::vector<std::string> ids;
+    std::shared_ptr<Session> spare;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       stopping_ = true;
       for (const auto& kv : sessions_) ids.push_back(kv.first);
+      spare.swap(spare_);
       slot_free_.notify_all();
     }
     for (const auto& id : ids) end(id, "server stopping", "SessionEnded", true);
+    if (spare) {
+      ::kill(-spare->pid, SIGKILL);
+      std::unique_lock<std::mutex> lock(mutex_);
+      changed_.wait_for(lock, std::chrono::seconds(10), [&] { return spare->reported; });
+    }
+  }
+
+  // Starts a session's process before a client asks for one (as the last
+  // session ends): its sandbox is set up and its workspace made while the
+  // board is idle, and opening a session only hands it the connection. Not
+  // at the server's start: under qemu-user, a process forked then failed as
+  // it started its threads (an assertion inside qemu 7.2), where one forked
+  // later, as here, did not. Only one that has said it is ready
+  // is used: until then, or when it fails or ends unused (its sandbox could
+  // not be set up, say), a session's process is started for it on demand,
+  // whose first call then reports what went wrong.
+  void prepare_spare() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (stopping_ || spare_ || spare_starting_) return;
+      spare_starting_ = true;
+    }
+    auto session = std::make_shared<Session>();
+    session->id = new_session_id();
+    std::string error;
+    session->workspace = Workspace::make(options_.workspace_dir, &error);
+    bool started = !session->workspace.root().empty() && spawn(session, -1, &error);
+    if (!started) session->workspace.remove_all();
+    std::lock_guard<std::mutex> lock(mutex_);
+    spare_starting_ = false;
+    changed_.notify_all();
+    if (!started) {
+      log_line("the next session starts on demand: its process could not be started ahead of need: %s",
+               error.c_str());
+    } else if (!session->gone) {
+      spare_ = session;
+    }
   }
 
   // A new connection: its first frame decides what it is.
@@ -405,8 +450,18 @@ class DeviceService {
         slot_free_.wait_until(lock, deadline);
       }
       if (refused.empty()) {
-        session = std::make_shared<Session>();
-        session->id = new_session_id();
+        // A process being started ahead of need is ready within moments
+        // (or ends): worth the wait, as it would be started now anyway.
+        changed_.wait_for(lock, std::chrono::milliseconds(kSpareReadyWaitMs), [&] {
+          return !spare_starting_ && (!spare_ || spare_->ready || spare_->gone);
+        });
+        if (spare_ && spare_->ready && !spare_->gone) {
+          session.swap(spare_);
+        } else {
+          session = std::make_shared<Session>();
+          session->id = new_session_id();
+        }
+        session->taken = true;
         session->client = request.client.empty() ? peer : request.client;
         session->lease_token = request.token;
         session->timeout_s = request.session_timeout_s;
@@ -423,11 +478,14 @@ class DeviceService {
       return false;
     }
     std::string error;
-    session->workspace = Workspace::make(options_.workspace_dir, &error);
-    if (session->workspace.root().empty() || !spawn(session, conn->fd(), &error)) {
-      end(session->id, "its process could not start: " + error, "RemoteError", false);
-      conn->send(error_frame("RemoteError", "the session could not start on the device: " + error));
-      return false;
+    bool prestarted = session->pid != 0;
+    if (!prestarted) {
+      session->workspace = Workspace::make(options_.workspace_dir, &error);
+      if (session->workspace.root().empty() || !spawn(session, conn->fd(), &error)) {
+        end(session->id, "its process could not start: " + error, "RemoteError", false);
+        conn->send(error_frame("RemoteError", "the session could not start on the device: " + error));
+        return false;
+      }
     }
     // Logged before the answer: once the client hears "ok", the log says so.
     log_line("session %.8s opened by %s", session->id.c_str(), session->client.c_str());
@@ -437,6 +495,13 @@ class DeviceService {
     ok.info = &info_;
     ok.size = options_.max_upload_bytes;
     conn->send(ok);
+    // A process started ahead of need gets the connection after the answer,
+    // so nothing it writes can come before it. Should it have ended
+    // meanwhile, the session ends with it, and the client's first call
+    // learns why.
+    if (prestarted && !send_descriptor(session->control, conn->fd()))
+      end(session->id, "its process could not take the connection: " + std::string(std::strerror(errno)),
+          "RemoteError", true);
     ::close(conn->fd());  // the session's process has its own copy
     return true;
   }
@@ -530,7 +595,7 @@ class DeviceService {
       // that connection open after its own process ended.
       ::dup2(output[1], 1);
       ::dup2(output[1], 2);
-      close_other_fds({0, 1, 2, conn_fd, control[1]});
+      close_other_fds({0, 1, 2, conn_fd, control[1]});  // conn_fd: -1 for a process started ahead
       ::signal(SIGINT, SIG_IGN);  // Ctrl-C on the server's terminal is the server's
       serve_session(settings);
     }
@@ -700,15 +765,29 @@ class DeviceService {
     }
     end_processes_of(session->pid);
     std::string error_class, reason;
+    bool unused, quiet;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       session->gone = true;
       describe(*session, status, &error_class, &reason);
       ::close(control_fd);
       session->control = -1;
+      unused = !session->taken;
+      quiet = stopping_;
+      if (unused && spare_ == session) spare_.reset();
       // A thread that stopped this process waits for it to be gone before it
       // frees the board; it must not wait out its whole limit.
       changed_.notify_all();
+    }
+    if (unused) {
+      session->workspace.remove_all();
+      if (!quiet)
+        log_line("the next session starts on demand: a session process started ahead of need ended "
+                 "unused: %s", reason.c_str());
+      std::lock_guard<std::mutex> lock(mutex_);
+      session->reported = true;
+      changed_.notify_all();
+      return;
     }
     end(session->id, reason, error_class, false);
     std::lock_guard<std::mutex> lock(mutex_);
@@ -726,6 +805,10 @@ class DeviceService {
       }
     } else if (line.compare(0, 4, "log\t") == 0) {
       log_line("session %.8s %s", session->id.c_str(), line.c_str() + 4);
+    } else if (line == "ready") {
+      std::lock_guard<std::mutex> lock(mutex_);
+      session->ready = true;
+      changed_.notify_all();
     } else if (line == "close") {
       // The client closed the session: its process answers it and ends, and
       // the end of the process ends the session (watch), so the board goes
@@ -823,6 +906,9 @@ class DeviceService {
       std::lock_guard<std::mutex> lock(mutex_);
       slot_free_.notify_all();
     }
+    // Before the board is offered again: the next client's session is
+    // then waiting for it.
+    prepare_spare();
     if (!session->lease_token.empty() && link_ != nullptr) {
       LinkError error;
       if (!link_->release(session->lease_token, &error))
@@ -876,6 +962,10 @@ class DeviceService {
   std::deque<std::string> ended_order_;
   std::set<std::string> ending_;
   bool stopping_ = false;
+  // A session's process started ahead of need (prepare_spare), and whether
+  // one is being started or may be at all.
+  std::shared_ptr<Session> spare_;
+  bool spare_starting_ = false;
 };
 
 int listen_on(const std::string& host, int port, int* bound_port) {
@@ -1085,6 +1175,9 @@ int main(int argc, char** argv) {
   }
   DeviceService service(options, std::move(info));
   service.start_expiry();
+  // From a thread of its own, as every other fork of the server: under
+  // qemu-user, a child forked from the main thread failed as soon as it
+  // started a thread (an assertion inside qemu).
   std::unique_ptr<TrackerLink> link;
   if (!options.tracker.empty()) {
     std::string advertise = options.advertise;

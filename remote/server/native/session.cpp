@@ -287,6 +287,12 @@ class SessionServer {
   explicit SessionServer(const SessionSettings& s)
       : settings_(s), conn_(s.conn_fd), workspace_(s.workspace), watchdog_(&conn_) {}
 
+  // The connection, for a process started before it arrived.
+  void adopt(int conn_fd) {
+    settings_.conn_fd = conn_fd;
+    conn_.adopt(conn_fd);
+  }
+
   [[noreturn]] void serve() {
     Frame header;
     if (settings_.idle_timeout_s > 0) {
@@ -1135,6 +1141,17 @@ void serve_session(const SessionSettings& settings) {
   g_control = settings.control_fd;
   std::thread(follow_server, settings.control_fd, settings.workspace).detach();
   SessionServer server(settings);
+  if (settings.conn_fd < 0) {
+    // Ready once every thread of the session has started: the server hands
+    // a client only to a process that got this far.
+    send_all(settings.control_fd, "ready\n", 6);
+    int conn_fd = receive_descriptor(settings.control_fd);  // the client's connection
+    if (conn_fd < 0) {
+      Workspace(settings.workspace).remove_all();
+      _exit(0);
+    }
+    server.adopt(conn_fd);
+  }
   server.serve();
 }
 
