@@ -80,6 +80,8 @@ struct Options {
   int port = kServerPort;
   std::string tracker, key, advertise, farm_secret, workspace_dir, cc = "cc";
   bool relay = false, advertise_given = false, allow_network = false, sandbox_enabled = true;
+  // Start each session's process when it is asked for, none ahead of need.
+  bool sessions_on_demand = false;
   // The layers in place, found out at start (plan_sandbox); the range of user
   // ids and the hidden files come from the options.
   Sandbox sandbox;
@@ -100,7 +102,8 @@ const char kUsage[] =
     "                     [--attr NAME=VALUE]... [--max-sessions N] [--idle-timeout SECONDS]\n"
     "                     [--max-upload-bytes N] [--session-queue SECONDS]\n"
     "                     [--workspace-dir DIR] [--cc CC] [--session-limit NAME=NUMBER]...\n"
-    "                     [--allow-network] [--no-sandbox] [--session-uids FIRST-LAST] [--version]\n"
+    "                     [--allow-network] [--no-sandbox] [--session-uids FIRST-LAST]\n"
+    "                     [--sessions-on-demand] [--version]\n"
     "\n"
     "Run a Tether device server on this board (the native build: no Python needed).\n"
     "Environment: TETHER_TRACKER, TETHER_FARM_SECRET as defaults of --tracker, --farm-secret.\n";
@@ -170,6 +173,7 @@ Options parse_options(int argc, char** argv) {
     else if (arg == "--relay") o.relay = true;
     else if (arg == "--allow-network") o.allow_network = true;
     else if (arg == "--no-sandbox") o.sandbox_enabled = false;
+    else if (arg == "--sessions-on-demand") o.sessions_on_demand = true;
     else if (arg == "--session-uids") {
       std::string error = parse_uid_range(next(), &o.sandbox);
       if (!error.empty()) usage_error(error);
@@ -337,17 +341,18 @@ class DeviceService {
 
   // Starts a session's process before a client asks for one (as the last
   // session ends): its sandbox is set up and its workspace made while the
-  // board is idle, and opening a session only hands it the connection. Not
-  // at the server's start: under qemu-user, a process forked then failed as
-  // it started its threads (an assertion inside qemu 7.2), where one forked
-  // later, as here, did not. Only one that has said it is ready
+  // board is idle, and opening a session only hands it the connection. (Not
+  // at the server's start: the first session's process starts on demand.
+  // Nor with --sessions-on-demand: under qemu-user 7.2 such a process, forked
+  // from a server with threads, failed as it started its own, an assertion
+  // inside qemu.) Only one that has said it is ready
   // is used: until then, or when it fails or ends unused (its sandbox could
   // not be set up, say), a session's process is started for it on demand,
   // whose first call then reports what went wrong.
   void prepare_spare() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (stopping_ || spare_ || spare_starting_) return;
+      if (stopping_ || spare_ || spare_starting_ || options_.sessions_on_demand) return;
       spare_starting_ = true;
     }
     auto session = std::make_shared<Session>();
