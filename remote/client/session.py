@@ -400,7 +400,9 @@ class Session:
 
     # --------------------------------------------------------- lifecycle --
     def close(self) -> None:
-        """End the session: the workspace is removed and the board is free again."""
+        """End the session. Returns once the board has stopped taking its calls;
+        the board goes back to the pool a moment later, once the session's
+        processes are gone and its workspace is removed."""
         if self._closed:
             return
         confirmed = False
