@@ -736,7 +736,7 @@ def emit_depthwise_padded(k: Kernel, lanes: int, channels: int, geometry, planes
             line = b.select(inside, k.index((src_plane, 1), (iy, wd), (-pw, 1)), src_plane)
             dst = k.index((buf, 1), (y, wq))
             if phases:
-                _copy_phases(k, X, scratch, line, src_plane, inside, dst, lo, hi, wq, lanes)
+                _copy_row_phases(k, X, scratch, line, src_plane, inside, dst, lo, hi, wq, lanes)
             for first, last, copy in () if phases else ((0, lo, False), (lo, hi, True), (hi, wq, False)):
                 if first >= last:
                     continue
@@ -814,7 +814,7 @@ def _depthwise_rows(k: Kernel, Y, plane, out_row, top, group, height: int, taps,
             b.store(acc, _vector_ptr(k, Y, b.add(out_row, k.i64(r * ow_n + first)), stored), align=4)
 
 
-def _copy_phases(k: Kernel, X, scratch, line, src_plane, inside, dst, lo: int, hi: int, wq: int,
+def _copy_row_phases(k: Kernel, X, scratch, line, src_plane, inside, dst, lo: int, hi: int, wq: int,
                  lanes: int) -> None:
     """One row of a depthwise convolution's padded copy split by column
     parity: padded column x (input column x - lo, zero outside [lo, hi) or
