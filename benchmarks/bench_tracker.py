@@ -3,7 +3,6 @@
     python benchmarks/bench_tracker.py [--sessions 100] [--devices 100] [--seconds 5]
     python benchmarks/bench_tracker.py --database [--rounds 3]   # what the farm database costs
     python benchmarks/bench_tracker.py --sandbox [--sessions 100]  # what the session sandbox costs
-    python benchmarks/bench_tracker.py --request-only [--sessions 100]  # part 1 alone
 
 1. request -> session -> close: from ``request(key)`` to a connected session
    on a free device and until that session is closed again, with a real
@@ -486,9 +485,6 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3, help="turns of --database")
     parser.add_argument("--sandbox", action="store_true",
                         help="measure only what the session sandbox adds to opening a session")
-    parser.add_argument("--request-only", action="store_true",
-                        help="measure only request -> session -> close against TVM and the "
-                             "loopback limit")
     args = parser.parse_args(argv)
     if args.database or args.sandbox:
         figures = (database_cost(args) if args.database
@@ -519,10 +515,6 @@ def main(argv=None):
         for name in ("tvm", "tvm TCP_NODELAY"):
             print(f"  {name}/native = {medians[name] / native:.1f}, {name}/python = "
                   f"{medians[name] / medians['tether python']:.1f} (how many times ours is faster)")
-    if args.request_only:
-        if args.json:
-            print(json.dumps(figures))
-        return 0
     figures.update(sandbox_figures(args.sessions, commands))
 
     print(f"leases/s, {args.devices} registered devices speaking each tracker's protocol, "

@@ -90,8 +90,7 @@ def command(kind: str) -> List[str]:
     arch = machine(kind)
     if shutil.which(arch.qemu) is None:
         pytest.skip(f"the {kind} server runs under {arch.qemu}: apt-get install qemu-user")
-    # qemu-user (7.2) breaks a session's process the server forks ahead of need.
-    return [arch.qemu, *_native_argv(arch.native_target), "--sessions-on-demand"]
+    return [arch.qemu, *_native_argv(arch.native_target)]
 
 
 def compiler(kind: str) -> str:

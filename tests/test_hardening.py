@@ -1,10 +1,8 @@
 """Attacks on a board and a tracker, performed against real processes on loopback,
 and what must come of each: a clear refusal, bounded memory and time, and every
 other session going on (docs/security.md)."""
-import contextlib
 import io
 import os
-import signal
 import shutil
 import socket
 import tarfile
@@ -18,10 +16,10 @@ from remote.proto import pb
 from remote.proto.frames import PROTOCOL_VERSION, FrameSocket
 from remote.server.isolation import LAYERS
 from tests import board_servers, session_modules, test_sessions
-from remote.cli.localfarm import Child, LocalFarm, ProcessStartError, python_argv
+from remote.cli.localfarm import Child, ProcessStartError, python_argv
 from tests.test_sessions import ENV, _FOLDERS, connect, connect_when_free, start_server
 from tests.cli_processes import command_line
-from tests.test_tracker import HANG_S, child_env, key_status, local_farm, wait_until
+from tests.test_tracker import HANG_S, key_status, local_farm, wait_until
 
 pytestmark = pytest.mark.skipif(session_modules.C_COMPILER is None,
                                 reason="needs a C compiler (cc) to build test modules")
@@ -518,74 +516,6 @@ def test_processes_a_module_starts_end_with_its_session(server, tmp_path):
         sess.ping()
 
 
-@contextlib.contextmanager
-def farm_of_one(*server_args):
-    """A tracker and one board of this kind under key "k", started with ``server_args``."""
-    with LocalFarm(keys=[], env=child_env(), server_command=test_sessions._COMMAND) as farm:
-        farm.add_server("k", extra=list(server_args))
-        farm.wait_for_devices("k", 1)
-        with farm.client() as tracker:
-            yield farm, tracker
-
-
-def test_a_closed_sessions_board_goes_back_only_once_its_processes_are_gone(tmp_path):
-    """close is answered before the session's teardown ends; the tracker gets
-    the board back only after it, so the next client never shares the board
-    with what the last session left. Without a sandbox nothing kills those
-    processes at once: the server waits for their output to end, then kills
-    them, then gives the board back."""
-    forker = session_modules.build(str(tmp_path), "forker")
-    with farm_of_one("--no-sandbox") as (farm, tracker):
-        sess = tracker.request("k", timeout=HANG_S)
-        pids = _leave_processes(sess, forker)
-        sess.close()
-        with tracker.request("k", timeout=HANG_S) as after:
-            running = [p for p in pids if alive(p)]
-            assert not running, (f"the board was leased again while processes {running} of "
-                                 f"the closed session still ran")
-            after.ping()
-
-
-def server_children(pid: int):
-    """The processes ``pid`` started (of all its threads)."""
-    found = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            found += [int(word) for word in f.read().split()]
-    return found
-
-
-def test_a_session_process_started_ahead_that_dies_unused_is_replaced(kind):
-    """The native server starts the next session's process as a session ends,
-    before it is asked for one. Killed while it waits, it is never handed a
-    client: the next session's process starts on demand, and after that
-    session the server starts one ahead again."""
-    if kind != "native":
-        pytest.skip("the Python server's zygote forks sessions; its spare is its own")
-    with farm_of_one("--no-sandbox") as (farm, tracker):
-        server = farm.servers[0]
-        tracker.request("k", timeout=HANG_S).close()
-        # The board comes back once the session is gone and the next one's
-        # process has been started.
-        wait_until(lambda: key_status(tracker, "k")["free"] == 1, "the board back in the pool")
-        (waiting,) = wait_until(lambda: server_children(server.proc.pid),
-                                "the session process started ahead of need")
-        os.kill(waiting, signal.SIGKILL)
-        wait_until(lambda: "started ahead of need ended unused" in server.log_text(),
-                   "the server's word that the waiting process ended")
-        assert server_children(server.proc.pid) == []
-        with tracker.request("k", timeout=HANG_S) as sess:
-            assert sess.listdir() == []
-        wait_until(lambda: key_status(tracker, "k")["free"] == 1, "the board back in the pool")
-        (again,) = wait_until(lambda: server_children(server.proc.pid),
-                              "a new session process started ahead of need")
-        assert again != waiting
-        with tracker.request("k", timeout=HANG_S) as sess:
-            sess.upload(b"kept", target="note.txt")
-            assert sess.listdir() == ["note.txt"]
-        assert server.alive()
-
-
 def _layers(sess):
     return sess.device_info()["attributes"]["isolation"].split(",")
 
@@ -593,6 +523,7 @@ def _layers(sess):
 def test_processes_a_module_starts_end_with_a_server_killed_by_sigkill(kind, tmp_path):
     """The server and (Python) its zygote killed at once: nobody is left to end
     the session's processes but the kernel, through the PID namespace."""
+    import signal
     forker = session_modules.build(str(tmp_path), "forker")
     child = start_server()
     try:
@@ -614,6 +545,7 @@ def test_a_layer_the_board_cannot_give_is_named_at_start_and_sessions_go_on(kind
     """Root of a user namespace of its own (as in a container) cannot take
     the ids of --session-uids: the server says so, shows no "user" layer,
     and its sessions run with the others."""
+    import signal
     import subprocess
     unshare = shutil.which("unshare")
     if unshare is None or subprocess.run([unshare, "-U", "-r", "true"]).returncode != 0:

@@ -400,9 +400,7 @@ class Session:
 
     # --------------------------------------------------------- lifecycle --
     def close(self) -> None:
-        """End the session. Returns once the board has stopped taking its calls;
-        the board goes back to the pool a moment later, once the session's
-        processes are gone and its workspace is removed."""
+        """End the session: the workspace is removed and the board is free again."""
         if self._closed:
             return
         confirmed = False

@@ -446,7 +446,7 @@ class SessionProcess:
                 self._on_close()
             finally:
                 try:
-                    self._control.sendall(b"closing\n")
+                    self._control.sendall(b"released\n")
                 except OSError:
                     pass
 

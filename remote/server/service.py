@@ -34,9 +34,6 @@ DEFAULT_MAX_UPLOAD_BYTES = 1 << 30
 DEFAULT_IDLE_TIMEOUT_S = 300.0
 # Ended sessions whose reason a client may still ask for.
 ENDED_KEPT = 256
-# How long an open waits for the slot of a session whose client closed it
-# (its process is ending) before it answers that the device is busy.
-CLOSING_WAIT_S = 10.0
 
 
 class Session:
@@ -49,8 +46,6 @@ class Session:
         self.opened = time.monotonic()
         self.workspace = Workspace(workspace_parent)
         self.process: Optional[SessionProcess] = None
-        # The client closed it: its process has answered and is ending.
-        self.closing = False
 
     def close(self):
         self.workspace.close()
@@ -138,15 +133,6 @@ class DeviceService:
             except Exception as exc:  # noqa: BLE001 - the tracker frees it on expiry anyway
                 log.warning("could not return the lease to the tracker: %s", exc)
 
-    def _closing(self, session_id: str) -> None:
-        """The client closed the session: its process answers and ends, and its
-        end ends the session (``on_exit``), so the board goes back to the
-        tracker only once nothing of the session is left."""
-        with self._lock:
-            session = self._sessions.get(session_id)
-            if session is not None:
-                session.closing = True
-
     def _expire_loop(self):
         while not self._stop.wait(1.0):
             now = time.monotonic()
@@ -203,16 +189,9 @@ class DeviceService:
                     "(rpc.connect_tracker(...).request(key)) instead of connecting directly")
             self._redeem(request.token)
         with self._lock:
-            queued = time.monotonic() + self.session_queue_s
-            # A session its client has closed ends within moments: its slot is
-            # waited for, whatever --session-queue says, so that a client that
-            # closes and opens again is not turned away.
-            closing = time.monotonic() + CLOSING_WAIT_S
+            deadline = time.monotonic() + self.session_queue_s
             while len(self._sessions) >= self.max_sessions:
-                if any(s.closing for s in self._sessions.values()):
-                    left = max(queued, closing) - time.monotonic()
-                else:
-                    left = queued - time.monotonic()
+                left = deadline - time.monotonic()
                 if left <= 0 or self._stop.is_set():
                     waited = (f" after waiting {self.session_queue_s:g} s"
                               if self.session_queue_s else "")
@@ -243,7 +222,7 @@ class DeviceService:
             session.process = self._zygote.spawn(
                 sid, child_end, session.workspace.root,
                 on_exit=lambda cls, why: self._end(sid, why, cls),
-                on_close=lambda: self._closing(sid))
+                on_close=lambda: self._end(sid, "closed by the client", stop_process=False))
             if child_end is not fs.sock:
                 child_end.close()
             # Logged before the answer: once the client hears "ok", the log says so.

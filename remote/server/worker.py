@@ -11,8 +11,8 @@ so opening a session never waits for an interpreter.
 Everything a session does happens in its child (docs/sessions.md): a module
 that crashes or hangs takes down only that process, never the server. The
 child tells the server why it ends (``end<TAB>class<TAB>reason``) and asks it
-when the client closes the session (``close``, answered ``closing``); the
-server ends the session once the child is gone.
+to end the session when the client closes it (``close``, answered
+``released`` once the board is back in the tracker's pool).
 """
 from __future__ import annotations
 
@@ -291,17 +291,14 @@ class Worker:
             os._exit(0)
 
     def close(self, fs: FrameSocket) -> None:
-        """The client ends the session: answered as soon as the server knows
-        the session is closing, so that the client may open the next one at
-        once. The server ends the session when this process is gone, and only
-        then gives the board back to the tracker."""
+        """The client ends the session: answered once the server has given the
+        board back, so it is free again when the client's ``with`` block ends."""
         log_polling(fs)  # before the answer: the client's with block ends after it
-        report_end("SessionEnded", "closed by the client")
-        noted = _ask_server("close")
-        fs.send(pb.DataFrame(op="ok") if noted else error_frame(
+        self.workspace.close()
+        released = _ask_server("close")
+        fs.send(pb.DataFrame(op="ok") if released else error_frame(
             "RemoteError", "the device server did not confirm the end of the session"))
         fs.close()
-        self.workspace.close()
         os._exit(0)
 
     def _idle_watch(self):
@@ -558,16 +555,16 @@ class Worker:
                              text=json.dumps({"rows": rows, "number": header.number or 10})))
 
 
-_closing = threading.Event()
+_released = threading.Event()
 
 
 def _ask_server(request: str, timeout: float = 60.0) -> bool:
-    """Send ``request`` on the control socket and wait for the server's ``closing``."""
+    """Send ``request`` on the control socket and wait for the server's ``released``."""
     try:
         _CONTROL.sendall(request.encode() + b"\n")
     except OSError:
         return False
-    return _closing.wait(timeout)
+    return _released.wait(timeout)
 
 
 def _follow_server(workspace: Workspace) -> None:
@@ -584,8 +581,8 @@ def _follow_server(workspace: Workspace) -> None:
             buffered += data
             while b"\n" in buffered:
                 line, buffered = buffered.split(b"\n", 1)
-                if line == b"closing":
-                    _closing.set()
+                if line == b"released":
+                    _released.set()
     except OSError:
         pass
     workspace.close()

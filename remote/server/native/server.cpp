@@ -63,12 +63,6 @@ constexpr int64_t kPartialRecheckMs = 50;
 constexpr int kRegisterWaitMs = 5000;
 // What a session's process printed, kept for its end reason.
 constexpr size_t kOutputTailBytes = 16 * 1024;
-// How long an open waits for the slot of a session whose client closed it
-// (its process is ending) before it answers that the device is busy.
-constexpr int kClosingWaitMs = 10000;
-// How long an open waits for a session process being started ahead of need
-// to be ready, before it starts one of its own.
-constexpr int kSpareReadyWaitMs = 2000;
 // How often a session's watcher looks whether its process has ended, while
 // processes the module started keep the process's control socket open.
 constexpr int kExitCheckMs = 250;
@@ -80,8 +74,6 @@ struct Options {
   int port = kServerPort;
   std::string tracker, key, advertise, farm_secret, workspace_dir, cc = "cc";
   bool relay = false, advertise_given = false, allow_network = false, sandbox_enabled = true;
-  // Start each session's process when it is asked for, none ahead of need.
-  bool sessions_on_demand = false;
   // The layers in place, found out at start (plan_sandbox); the range of user
   // ids and the hidden files come from the options.
   Sandbox sandbox;
@@ -102,8 +94,7 @@ const char kUsage[] =
     "                     [--attr NAME=VALUE]... [--max-sessions N] [--idle-timeout SECONDS]\n"
     "                     [--max-upload-bytes N] [--session-queue SECONDS]\n"
     "                     [--workspace-dir DIR] [--cc CC] [--session-limit NAME=NUMBER]...\n"
-    "                     [--allow-network] [--no-sandbox] [--session-uids FIRST-LAST]\n"
-    "                     [--sessions-on-demand] [--version]\n"
+    "                     [--allow-network] [--no-sandbox] [--session-uids FIRST-LAST] [--version]\n"
     "\n"
     "Run a Tether device server on this board (the native build: no Python needed).\n"
     "Environment: TETHER_TRACKER, TETHER_FARM_SECRET as defaults of --tracker, --farm-secret.\n";
@@ -173,7 +164,6 @@ Options parse_options(int argc, char** argv) {
     else if (arg == "--relay") o.relay = true;
     else if (arg == "--allow-network") o.allow_network = true;
     else if (arg == "--no-sandbox") o.sandbox_enabled = false;
-    else if (arg == "--sessions-on-demand") o.sessions_on_demand = true;
     else if (arg == "--session-uids") {
       std::string error = parse_uid_range(next(), &o.sandbox);
       if (!error.empty()) usage_error(error);
@@ -280,11 +270,6 @@ struct Session {
   pid_t pid = 0;
   int control = -1;
   std::string stop_class, stop_reason, own_class, own_reason, tail;
-  // The client closed it: its process has answered and is ending.
-  bool closing = false;
-  // A client's session (false while its process waits, started ahead of
-  // need, for a connection), and whether that process is ready for one.
-  bool taken = false, ready = false;
   bool gone = false, reported = false;
 };
 
@@ -323,53 +308,13 @@ class DeviceService {
 
   void stop_all() {
     std::vector<std::string> ids;
-    std::shared_ptr<Session> spare;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       stopping_ = true;
       for (const auto& kv : sessions_) ids.push_back(kv.first);
-      spare.swap(spare_);
       slot_free_.notify_all();
     }
     for (const auto& id : ids) end(id, "server stopping", "SessionEnded", true);
-    if (spare) {
-      ::kill(-spare->pid, SIGKILL);
-      std::unique_lock<std::mutex> lock(mutex_);
-      changed_.wait_for(lock, std::chrono::seconds(10), [&] { return spare->reported; });
-    }
-  }
-
-  // Starts a session's process before a client asks for one (as the last
-  // session ends): its sandbox is set up and its workspace made while the
-  // board is idle, and opening a session only hands it the connection. (Not
-  // at the server's start: the first session's process starts on demand.
-  // Nor with --sessions-on-demand: under qemu-user 7.2 such a process, forked
-  // from a server with threads, failed as it started its own, an assertion
-  // inside qemu.) Only one that has said it is ready
-  // is used: until then, or when it fails or ends unused (its sandbox could
-  // not be set up, say), a session's process is started for it on demand,
-  // whose first call then reports what went wrong.
-  void prepare_spare() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (stopping_ || spare_ || spare_starting_ || options_.sessions_on_demand) return;
-      spare_starting_ = true;
-    }
-    auto session = std::make_shared<Session>();
-    session->id = new_session_id();
-    std::string error;
-    session->workspace = Workspace::make(options_.workspace_dir, &error);
-    bool started = !session->workspace.root().empty() && spawn(session, -1, &error);
-    if (!started) session->workspace.remove_all();
-    std::lock_guard<std::mutex> lock(mutex_);
-    spare_starting_ = false;
-    changed_.notify_all();
-    if (!started) {
-      log_line("the next session starts on demand: its process could not be started ahead of need: %s",
-               error.c_str());
-    } else if (!session->gone) {
-      spare_ = session;
-    }
   }
 
   // A new connection: its first frame decides what it is.
@@ -437,36 +382,21 @@ class DeviceService {
     std::string refused;
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      auto now = std::chrono::steady_clock::now();
-      auto queued = now + std::chrono::milliseconds(static_cast<int64_t>(options_.session_queue_s * 1000));
-      // A session its client has closed ends within moments: its slot is
-      // waited for, whatever --session-queue says, so that a client that
-      // closes and opens again is not turned away.
-      auto closing = now + std::chrono::milliseconds(kClosingWaitMs);
+      auto deadline = std::chrono::steady_clock::now() +
+                      std::chrono::milliseconds(static_cast<int64_t>(options_.session_queue_s * 1000));
       while (static_cast<int>(sessions_.size()) >= options_.max_sessions) {
-        auto deadline = any_closing() ? std::max(queued, closing) : queued;
-        if (stopping_ || std::chrono::steady_clock::now() >= deadline) {
+        if (stopping_ || slot_free_.wait_until(lock, deadline) == std::cv_status::timeout) {
+          if (static_cast<int>(sessions_.size()) < options_.max_sessions && !stopping_) break;
           std::string waited = options_.session_queue_s > 0 ? " after waiting " + fmt_g(options_.session_queue_s) + " s" : "";
           refused = "device busy: " + std::to_string(sessions_.size()) + " session(s) open, at most " +
                     std::to_string(options_.max_sessions) + waited +
                     "; try again later or use a tracker to queue (server options --max-sessions, --session-queue)";
           break;
         }
-        slot_free_.wait_until(lock, deadline);
       }
       if (refused.empty()) {
-        // A process being started ahead of need is ready within moments
-        // (or ends): worth the wait, as it would be started now anyway.
-        changed_.wait_for(lock, std::chrono::milliseconds(kSpareReadyWaitMs), [&] {
-          return !spare_starting_ && (!spare_ || spare_->ready || spare_->gone);
-        });
-        if (spare_ && spare_->ready && !spare_->gone) {
-          session.swap(spare_);
-        } else {
-          session = std::make_shared<Session>();
-          session->id = new_session_id();
-        }
-        session->taken = true;
+        session = std::make_shared<Session>();
+        session->id = new_session_id();
         session->client = request.client.empty() ? peer : request.client;
         session->lease_token = request.token;
         session->timeout_s = request.session_timeout_s;
@@ -483,14 +413,11 @@ class DeviceService {
       return false;
     }
     std::string error;
-    bool prestarted = session->pid != 0;
-    if (!prestarted) {
-      session->workspace = Workspace::make(options_.workspace_dir, &error);
-      if (session->workspace.root().empty() || !spawn(session, conn->fd(), &error)) {
-        end(session->id, "its process could not start: " + error, "RemoteError", false);
-        conn->send(error_frame("RemoteError", "the session could not start on the device: " + error));
-        return false;
-      }
+    session->workspace = Workspace::make(options_.workspace_dir, &error);
+    if (session->workspace.root().empty() || !spawn(session, conn->fd(), &error)) {
+      end(session->id, "its process could not start: " + error, "RemoteError", false);
+      conn->send(error_frame("RemoteError", "the session could not start on the device: " + error));
+      return false;
     }
     // Logged before the answer: once the client hears "ok", the log says so.
     log_line("session %.8s opened by %s", session->id.c_str(), session->client.c_str());
@@ -500,13 +427,6 @@ class DeviceService {
     ok.info = &info_;
     ok.size = options_.max_upload_bytes;
     conn->send(ok);
-    // A process started ahead of need gets the connection after the answer,
-    // so nothing it writes can come before it. Should it have ended
-    // meanwhile, the session ends with it, and the client's first call
-    // learns why.
-    if (prestarted && !send_descriptor(session->control, conn->fd()))
-      end(session->id, "its process could not take the connection: " + std::string(std::strerror(errno)),
-          "RemoteError", true);
     ::close(conn->fd());  // the session's process has its own copy
     return true;
   }
@@ -600,7 +520,7 @@ class DeviceService {
       // that connection open after its own process ended.
       ::dup2(output[1], 1);
       ::dup2(output[1], 2);
-      close_other_fds({0, 1, 2, conn_fd, control[1]});  // conn_fd: -1 for a process started ahead
+      close_other_fds({0, 1, 2, conn_fd, control[1]});
       ::signal(SIGINT, SIG_IGN);  // Ctrl-C on the server's terminal is the server's
       serve_session(settings);
     }
@@ -770,29 +690,15 @@ class DeviceService {
     }
     end_processes_of(session->pid);
     std::string error_class, reason;
-    bool unused, quiet;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       session->gone = true;
       describe(*session, status, &error_class, &reason);
       ::close(control_fd);
       session->control = -1;
-      unused = !session->taken;
-      quiet = stopping_;
-      if (unused && spare_ == session) spare_.reset();
       // A thread that stopped this process waits for it to be gone before it
       // frees the board; it must not wait out its whole limit.
       changed_.notify_all();
-    }
-    if (unused) {
-      session->workspace.remove_all();
-      if (!quiet)
-        log_line("the next session starts on demand: a session process started ahead of need ended "
-                 "unused: %s", reason.c_str());
-      std::lock_guard<std::mutex> lock(mutex_);
-      session->reported = true;
-      changed_.notify_all();
-      return;
     }
     end(session->id, reason, error_class, false);
     std::lock_guard<std::mutex> lock(mutex_);
@@ -810,27 +716,10 @@ class DeviceService {
       }
     } else if (line.compare(0, 4, "log\t") == 0) {
       log_line("session %.8s %s", session->id.c_str(), line.c_str() + 4);
-    } else if (line == "ready") {
-      std::lock_guard<std::mutex> lock(mutex_);
-      session->ready = true;
-      changed_.notify_all();
     } else if (line == "close") {
-      // The client closed the session: its process answers it and ends, and
-      // the end of the process ends the session (watch), so the board goes
-      // back to the tracker only once nothing of the session is left.
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        session->closing = true;
-      }
-      send_all(session->control, "closing\n", 8);
+      end(session->id, "closed by the client", "SessionEnded", false);
+      send_all(session->control, "released\n", 9);
     }
-  }
-
-  // Called with mutex_ held.
-  bool any_closing() const {
-    for (const auto& kv : sessions_)
-      if (kv.second->closing) return true;
-    return false;
   }
 
   static void describe(const Session& s, int status, std::string* error_class, std::string* reason) {
@@ -911,9 +800,6 @@ class DeviceService {
       std::lock_guard<std::mutex> lock(mutex_);
       slot_free_.notify_all();
     }
-    // Before the board is offered again: the next client's session is
-    // then waiting for it.
-    prepare_spare();
     if (!session->lease_token.empty() && link_ != nullptr) {
       LinkError error;
       if (!link_->release(session->lease_token, &error))
@@ -967,10 +853,6 @@ class DeviceService {
   std::deque<std::string> ended_order_;
   std::set<std::string> ending_;
   bool stopping_ = false;
-  // A session's process started ahead of need (prepare_spare), and whether
-  // one is being started or may be at all.
-  std::shared_ptr<Session> spare_;
-  bool spare_starting_ = false;
 };
 
 int listen_on(const std::string& host, int port, int* bound_port) {
@@ -1180,9 +1062,6 @@ int main(int argc, char** argv) {
   }
   DeviceService service(options, std::move(info));
   service.start_expiry();
-  // From a thread of its own, as every other fork of the server: under
-  // qemu-user, a child forked from the main thread failed as soon as it
-  // started a thread (an assertion inside qemu).
   std::unique_ptr<TrackerLink> link;
   if (!options.tracker.empty()) {
     std::string advertise = options.advertise;

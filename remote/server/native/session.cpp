@@ -287,12 +287,6 @@ class SessionServer {
   explicit SessionServer(const SessionSettings& s)
       : settings_(s), conn_(s.conn_fd), workspace_(s.workspace), watchdog_(&conn_) {}
 
-  // The connection, for a process started before it arrived.
-  void adopt(int conn_fd) {
-    settings_.conn_fd = conn_fd;
-    conn_.adopt(conn_fd);
-  }
-
   [[noreturn]] void serve() {
     Frame header;
     if (settings_.idle_timeout_s > 0) {
@@ -394,14 +388,12 @@ class SessionServer {
   }
 
   [[noreturn]] void close_session() {
-    // Answered as soon as the server knows the session is closing (so that
-    // the client may open the next one at once); the rest of the teardown
-    // follows the answer. The server ends the session when this process is
-    // gone, and only then gives the board back to the tracker.
+    // Answered once the server has given the board back, so it is free
+    // again when the client's `with` block ends.
     log_polling();  // before the answer: the client's with block ends after it
-    report_end("SessionEnded", "closed by the client");
-    bool noted = ask_server_close();
-    if (noted) {
+    workspace_.remove_all();
+    bool released = ask_server_close();
+    if (released) {
       Frame ok;
       ok.op = "ok";
       conn_.send(ok);
@@ -409,13 +401,12 @@ class SessionServer {
       conn_.send(error_frame("RemoteError", "the device server did not confirm the end of the session"));
     }
     conn_.close();
-    workspace_.remove_all();
     _exit(0);
   }
 
   bool ask_server_close() {
     if (!send_all(settings_.control_fd, "close\n", 6)) return false;
-    // The server answers "closing" on the control socket; it is read here
+    // The server answers "released" on the control socket; it is read here
     // (the lifeline thread only watches for the server's end).
     std::string buffered;
     int64_t deadline = monotonic_ms() + 60000;
@@ -428,7 +419,7 @@ class SessionServer {
       ssize_t n = ::recv(settings_.control_fd, data, sizeof data, 0);
       if (n <= 0) return false;
       buffered.append(data, static_cast<size_t>(n));
-      if (buffered.find("closing\n") != std::string::npos) return true;
+      if (buffered.find("released\n") != std::string::npos) return true;
     }
   }
 
@@ -1141,17 +1132,6 @@ void serve_session(const SessionSettings& settings) {
   g_control = settings.control_fd;
   std::thread(follow_server, settings.control_fd, settings.workspace).detach();
   SessionServer server(settings);
-  if (settings.conn_fd < 0) {
-    // Ready once every thread of the session has started: the server hands
-    // a client only to a process that got this far.
-    send_all(settings.control_fd, "ready\n", 6);
-    int conn_fd = receive_descriptor(settings.control_fd);  // the client's connection
-    if (conn_fd < 0) {
-      Workspace(settings.workspace).remove_all();
-      _exit(0);
-    }
-    server.adopt(conn_fd);
-  }
   server.serve();
 }
 

@@ -9,9 +9,8 @@
 namespace tether {
 
 struct SessionSettings {
-  int conn_fd = -1;      // the client's connection; -1: it comes on control_fd (started ahead of need)
-  int control_fd = -1;   // to the server: "end\t<class>\t<reason>", "close",
-                         // "ready" (started ahead: waits for conn_fd); back: "closing", conn_fd
+  int conn_fd = -1;      // the client's connection
+  int control_fd = -1;   // to the server: "end\t<class>\t<reason>", "close"; back: "released"
   std::string workspace;
   int64_t max_bytes = 0;
   double idle_timeout_s = 0;

@@ -437,50 +437,6 @@ bool send_all(int fd, const void* data, size_t size) {
 }
 
 namespace {
-
-// A message of one byte carrying room for one descriptor.
-struct DescriptorMessage {
-  char byte = 'c';
-  iovec data = {&byte, 1};
-  alignas(cmsghdr) char space[CMSG_SPACE(sizeof(int))] = {};
-  msghdr message = {};
-
-  DescriptorMessage() {
-    message.msg_iov = &data;
-    message.msg_iovlen = 1;
-    message.msg_control = space;
-    message.msg_controllen = sizeof space;
-  }
-};
-
-}  // namespace
-
-bool send_descriptor(int socket_fd, int fd) {
-  DescriptorMessage m;
-  cmsghdr* header = CMSG_FIRSTHDR(&m.message);
-  header->cmsg_level = SOL_SOCKET;
-  header->cmsg_type = SCM_RIGHTS;
-  header->cmsg_len = CMSG_LEN(sizeof(int));
-  std::memcpy(CMSG_DATA(header), &fd, sizeof fd);
-  ssize_t sent;
-  while ((sent = ::sendmsg(socket_fd, &m.message, MSG_NOSIGNAL)) < 0 && errno == EINTR) {
-  }
-  return sent == 1;
-}
-
-int receive_descriptor(int socket_fd) {
-  DescriptorMessage m;
-  ssize_t got;
-  while ((got = ::recvmsg(socket_fd, &m.message, MSG_CMSG_CLOEXEC)) < 0 && errno == EINTR) {
-  }
-  cmsghdr* header = got == 1 ? CMSG_FIRSTHDR(&m.message) : nullptr;
-  if (header == nullptr || header->cmsg_level != SOL_SOCKET || header->cmsg_type != SCM_RIGHTS) return -1;
-  int fd;
-  std::memcpy(&fd, CMSG_DATA(header), sizeof fd);
-  return fd;
-}
-
-namespace {
 constexpr size_t kReadBuffer = 64 * 1024;
 constexpr size_t kPrefixBytes = 12;
 

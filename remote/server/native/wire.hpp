@@ -125,8 +125,6 @@ class FrameConn {
  public:
   explicit FrameConn(int fd);
   int fd() const { return fd_; }
-  // Takes the connection of a FrameConn made before it arrived (fd -1).
-  void adopt(int fd) { fd_ = fd; }
   // A read with no deadline first polls for up to `us` microseconds (a
   // non-blocking recv again and again), then sleeps.
   void set_poll_us(int us) { poll_us_ = us; }
@@ -174,10 +172,5 @@ int64_t monotonic_ms();
 int64_t monotonic_us();
 double monotonic_s();
 bool send_all(int fd, const void* data, size_t size);
-// One descriptor over a Unix socket (with one byte of data): a session's
-// connection, from the server to a session process started ahead of need.
-bool send_descriptor(int socket_fd, int fd);
-// The descriptor send_descriptor sent, or -1 once the peer is gone.
-int receive_descriptor(int socket_fd);
 
 }  // namespace tether
